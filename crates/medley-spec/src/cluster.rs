@@ -1,0 +1,431 @@
+//! Clusters: groups of identical nodes, the fabric between nodes, and the bridge between vendor
+//! domains. Written as a TOML file or inline (`64xh100,32xmi300x`); both become a [`Cluster`].
+
+use serde::{Deserialize, Serialize};
+
+use crate::device::{DeviceSpec, LinkKind, Vendor, catalog_device};
+use crate::error::SpecError;
+
+/// GPUs per node when the inline form does not say (the common 8-GPU server).
+pub const DEFAULT_GPUS_PER_NODE: u32 = 8;
+
+/// Nodes of one device type with one shape. Invariant (held by [`Cluster::new`]): counts and
+/// rates are positive.
+#[derive(Clone, Debug, PartialEq, Serialize, Deserialize)]
+pub struct NodeGroup {
+    pub device: DeviceSpec,
+    pub n_nodes: u32,
+    pub gpus_per_node: u32,
+    pub intra_link: LinkKind,
+    /// Per GPU, per direction.
+    pub intra_link_gb_s: f64,
+    pub nics_per_node: u32,
+    pub nic_gbit_s: f64,
+}
+
+impl NodeGroup {
+    /// A group with the catalog defaults of its device for links and NICs.
+    pub fn with_defaults(device: DeviceSpec, n_nodes: u32, gpus_per_node: u32) -> Self {
+        NodeGroup {
+            intra_link: device.intra_link,
+            intra_link_gb_s: device.intra_link_gb_s,
+            nics_per_node: device.nics_per_node,
+            nic_gbit_s: device.nic_gbit_s,
+            device,
+            n_nodes,
+            gpus_per_node,
+        }
+    }
+
+    pub fn n_gpus(&self) -> u32 {
+        self.n_nodes * self.gpus_per_node
+    }
+
+    /// Inter-node bandwidth one GPU gets when every GPU of the node sends at once, in GB/s.
+    pub fn nic_gb_s_per_gpu(&self) -> f64 {
+        f64::from(self.nics_per_node) * self.nic_gbit_s / 8.0 / f64::from(self.gpus_per_node)
+    }
+}
+
+/// The network between nodes of one vendor domain.
+#[derive(Clone, Debug, PartialEq, Serialize, Deserialize)]
+#[serde(deny_unknown_fields, default)]
+pub struct Fabric {
+    pub latency_us: f64,
+    /// Core oversubscription: 1 is a full-bisection fat tree, 2 halves cross-node bandwidth.
+    pub oversubscription: f64,
+}
+
+impl Default for Fabric {
+    /// A rail-optimised InfiniBand/RoCE fat tree: a few µs per message through two switch tiers.
+    fn default() -> Self {
+        Fabric { latency_us: 5.0, oversubscription: 1.0 }
+    }
+}
+
+/// How traffic crosses between two vendor domains.
+#[derive(Clone, Copy, Debug, PartialEq, Eq, PartialOrd, Ord, Hash, Serialize, Deserialize)]
+#[serde(rename_all = "kebab-case")]
+pub enum BridgeMode {
+    /// RDMA between the two vendors' devices over the NICs (GPUDirect / ROCm peer memory).
+    DeviceDirect,
+    /// Staged through host memory on both sides: extra copies over PCIe and extra latency.
+    CpuForward,
+}
+
+/// The links between vendor domains, per GPU.
+#[derive(Clone, Debug, PartialEq, Serialize, Deserialize)]
+#[serde(deny_unknown_fields, default)]
+pub struct Bridge {
+    /// Whether device-direct RDMA works between the vendors at all.
+    pub device_direct: bool,
+    /// Device-direct bandwidth per GPU; `None` means the slower side's NIC share.
+    pub device_direct_gb_s: Option<f64>,
+    pub device_direct_latency_us: f64,
+    /// Host-staged bandwidth per GPU (device→host copy, NIC, host→device, pipelined).
+    pub cpu_forward_gb_s: f64,
+    pub cpu_forward_latency_us: f64,
+}
+
+impl Default for Bridge {
+    /// Device-direct at NIC speed with inter-node latency; CPU forwarding at 100 Gb/s per GPU with
+    /// the two extra staging copies' latency. Assumptions, stated in ARCHITECTURE.md: override
+    /// them with measured values.
+    fn default() -> Self {
+        Bridge {
+            device_direct: true,
+            device_direct_gb_s: None,
+            device_direct_latency_us: 6.0,
+            cpu_forward_gb_s: 12.5,
+            cpu_forward_latency_us: 25.0,
+        }
+    }
+}
+
+impl Bridge {
+    /// The modes this bridge offers, fastest kind first.
+    pub fn modes(&self) -> Vec<BridgeMode> {
+        let mut modes = Vec::with_capacity(2);
+        if self.device_direct {
+            modes.push(BridgeMode::DeviceDirect);
+        }
+        modes.push(BridgeMode::CpuForward);
+        modes
+    }
+
+    /// (bandwidth GB/s, latency µs) of `mode` between GPUs whose NIC shares are `nic_gb_s`.
+    pub fn rate(&self, mode: BridgeMode, nic_gb_s: f64) -> (f64, f64) {
+        match mode {
+            BridgeMode::DeviceDirect => {
+                (self.device_direct_gb_s.unwrap_or(nic_gb_s).min(nic_gb_s), self.device_direct_latency_us)
+            }
+            BridgeMode::CpuForward => (self.cpu_forward_gb_s.min(nic_gb_s), self.cpu_forward_latency_us),
+        }
+    }
+}
+
+/// Index of a GPU in the cluster: groups in order, nodes in order, GPUs in order.
+pub type DeviceId = u32;
+
+/// Where one GPU sits.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub struct DeviceSlot {
+    pub id: DeviceId,
+    pub group_idx: usize,
+    /// Node index across the whole cluster.
+    pub node_idx: u32,
+    pub local_idx: u32,
+}
+
+/// A validated cluster. Invariants: at least one group; every count and rate positive.
+#[derive(Clone, Debug, PartialEq, Serialize)]
+pub struct Cluster {
+    groups: Vec<NodeGroup>,
+    fabric: Fabric,
+    bridge: Bridge,
+}
+
+impl Cluster {
+    /// Validates the parts; `source` names where they came from for error messages.
+    pub fn new(groups: Vec<NodeGroup>, fabric: Fabric, bridge: Bridge, source: &str) -> Result<Self, SpecError> {
+        if groups.is_empty() {
+            return Err(SpecError::field(source, "group", "a cluster needs at least one node group"));
+        }
+        for (idx, group) in groups.iter().enumerate() {
+            let counts = [
+                ("n_nodes", group.n_nodes),
+                ("gpus_per_node", group.gpus_per_node),
+                ("nics_per_node", group.nics_per_node),
+            ];
+            for (name, value) in counts {
+                if value == 0 {
+                    return Err(SpecError::field(source, format!("group[{idx}].{name}"), "must be at least 1"));
+                }
+            }
+            positive(source, &format!("group[{idx}].intra_link_gb_s"), group.intra_link_gb_s)?;
+            positive(source, &format!("group[{idx}].nic_gbit_s"), group.nic_gbit_s)?;
+        }
+        positive(source, "fabric.latency_us", fabric.latency_us + 1.0)?;
+        if !(fabric.oversubscription >= 1.0 && fabric.oversubscription.is_finite()) {
+            return Err(SpecError::field(source, "fabric.oversubscription", "must be at least 1"));
+        }
+        positive(source, "bridge.cpu_forward_gb_s", bridge.cpu_forward_gb_s)?;
+        positive(source, "bridge.device_direct_gb_s", bridge.device_direct_gb_s.unwrap_or(1.0))?;
+        positive(source, "bridge.cpu_forward_latency_us", bridge.cpu_forward_latency_us + 1.0)?;
+        positive(source, "bridge.device_direct_latency_us", bridge.device_direct_latency_us + 1.0)?;
+        Ok(Cluster { groups, fabric, bridge })
+    }
+
+    /// Parses the inline form `64xh100,128xa100,32xmi300x`: 8 GPUs per node unless the count is
+    /// smaller, catalog defaults for links and NICs.
+    pub fn from_inline(text: &str, fabric: Fabric, bridge: Bridge) -> Result<Self, SpecError> {
+        let source = "--cluster";
+        let groups = text
+            .split(',')
+            .map(str::trim)
+            .filter(|entry| !entry.is_empty())
+            .map(|entry| inline_group(source, entry))
+            .collect::<Result<Vec<_>, _>>()?;
+        Cluster::new(groups, fabric, bridge, source)
+    }
+
+    /// Parses a cluster TOML file's text; `source` is its path, for error messages.
+    pub fn from_toml(text: &str, source: &str) -> Result<Self, SpecError> {
+        let file: ClusterFile = toml::from_str(text).map_err(|err| SpecError::from_toml(source, text, &err))?;
+        let custom = file.device.into_iter().map(|device| device.validated(source)).collect::<Result<Vec<_>, _>>()?;
+        let groups = file
+            .group
+            .into_iter()
+            .enumerate()
+            .map(|(idx, group)| group.resolve(source, idx, &custom))
+            .collect::<Result<Vec<_>, _>>()?;
+        Cluster::new(groups, file.fabric, file.bridge, source)
+    }
+
+    pub fn groups(&self) -> &[NodeGroup] {
+        &self.groups
+    }
+
+    pub fn fabric(&self) -> &Fabric {
+        &self.fabric
+    }
+
+    pub fn bridge(&self) -> &Bridge {
+        &self.bridge
+    }
+
+    pub fn n_gpus(&self) -> u32 {
+        self.groups.iter().map(NodeGroup::n_gpus).sum()
+    }
+
+    /// The distinct vendor domains, sorted.
+    pub fn vendors(&self) -> Vec<Vendor> {
+        let mut vendors: Vec<Vendor> = self.groups.iter().map(|group| group.device.vendor).collect();
+        vendors.sort();
+        vendors.dedup();
+        vendors
+    }
+
+    /// The first device id of each group.
+    pub fn group_first_ids(&self) -> Vec<DeviceId> {
+        self.groups
+            .iter()
+            .scan(0, |next, group| {
+                let first = *next;
+                *next += group.n_gpus();
+                Some(first)
+            })
+            .collect()
+    }
+
+    /// Every GPU, in id order.
+    pub fn devices(&self) -> Vec<DeviceSlot> {
+        let mut slots = Vec::with_capacity(self.n_gpus() as usize);
+        let mut node_idx = 0;
+        for (group_idx, group) in self.groups.iter().enumerate() {
+            for _ in 0..group.n_nodes {
+                for local_idx in 0..group.gpus_per_node {
+                    let id = slots.len() as DeviceId;
+                    slots.push(DeviceSlot { id, group_idx, node_idx, local_idx });
+                }
+                node_idx += 1;
+            }
+        }
+        slots
+    }
+
+    /// A cluster of only `group_idx`'s nodes, with this cluster's fabric and bridge.
+    pub fn only_group(&self, group_idx: usize) -> Cluster {
+        Cluster {
+            groups: vec![self.groups[group_idx].clone()],
+            fabric: self.fabric.clone(),
+            bridge: self.bridge.clone(),
+        }
+    }
+}
+
+fn positive(source: &str, field: &str, value: f64) -> Result<(), SpecError> {
+    if value.is_finite() && value > 0.0 {
+        Ok(())
+    } else {
+        Err(SpecError::field(source, field, format!("must be a positive number, got {value}")))
+    }
+}
+
+fn inline_group(source: &str, entry: &str) -> Result<NodeGroup, SpecError> {
+    let bad = |message: String| SpecError::field(source, entry, message);
+    let (count, name) =
+        entry.split_once(['x', 'X']).ok_or_else(|| bad("expected COUNTxDEVICE, e.g. 64xh100".to_string()))?;
+    let count: u32 = count
+        .trim()
+        .parse()
+        .map_err(|_| bad(format!("`{count}` is not a GPU count; expected COUNTxDEVICE, e.g. 64xh100")))?;
+    if count == 0 {
+        return Err(bad("the GPU count must be at least 1".to_string()));
+    }
+    let device = catalog_device(name)?;
+    let gpus_per_node = count.min(DEFAULT_GPUS_PER_NODE);
+    if count % gpus_per_node != 0 {
+        return Err(bad(format!(
+            "{count} GPUs do not fill whole {gpus_per_node}-GPU nodes; use a multiple of {gpus_per_node} or a cluster TOML file"
+        )));
+    }
+    Ok(NodeGroup::with_defaults(device, count / gpus_per_node, gpus_per_node))
+}
+
+#[derive(Deserialize)]
+#[serde(deny_unknown_fields)]
+struct ClusterFile {
+    #[serde(default)]
+    device: Vec<DeviceSpec>,
+    #[serde(default)]
+    group: Vec<GroupEntry>,
+    #[serde(default)]
+    fabric: Fabric,
+    #[serde(default)]
+    bridge: Bridge,
+}
+
+#[derive(Deserialize)]
+#[serde(deny_unknown_fields)]
+struct GroupEntry {
+    device: String,
+    nodes: u32,
+    #[serde(default)]
+    gpus_per_node: Option<u32>,
+    #[serde(default)]
+    intra_link: Option<LinkKind>,
+    #[serde(default)]
+    intra_link_gb_s: Option<f64>,
+    #[serde(default)]
+    nics_per_node: Option<u32>,
+    #[serde(default)]
+    nic_gbit_s: Option<f64>,
+}
+
+impl GroupEntry {
+    fn resolve(self, source: &str, idx: usize, custom: &[DeviceSpec]) -> Result<NodeGroup, SpecError> {
+        let device = match custom.iter().find(|device| device.name.eq_ignore_ascii_case(&self.device)) {
+            Some(device) => device.clone(),
+            None => catalog_device(&self.device).map_err(|err| match err {
+                SpecError::Unknown { kind, name, close } => {
+                    SpecError::field(source, format!("group[{idx}].device"), SpecError::Unknown { kind, name, close })
+                }
+                other => other,
+            })?,
+        };
+        let mut group =
+            NodeGroup::with_defaults(device, self.nodes, self.gpus_per_node.unwrap_or(DEFAULT_GPUS_PER_NODE));
+        group.intra_link = self.intra_link.unwrap_or(group.intra_link);
+        group.intra_link_gb_s = self.intra_link_gb_s.unwrap_or(group.intra_link_gb_s);
+        group.nics_per_node = self.nics_per_node.unwrap_or(group.nics_per_node);
+        group.nic_gbit_s = self.nic_gbit_s.unwrap_or(group.nic_gbit_s);
+        Ok(group)
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn inline_form_fills_nodes_of_eight() {
+        let cluster = Cluster::from_inline("64xh100, 4xmi300x", Fabric::default(), Bridge::default()).unwrap();
+        let shapes: Vec<_> =
+            cluster.groups().iter().map(|g| (g.device.name.as_str(), g.n_nodes, g.gpus_per_node)).collect();
+        assert_eq!(shapes, [("H100-SXM", 8, 8), ("MI300X", 1, 4)]);
+        assert_eq!(cluster.n_gpus(), 68);
+        assert_eq!(cluster.vendors(), [Vendor::Nvidia, Vendor::Amd]);
+        let devices = cluster.devices();
+        assert_eq!(devices[64].node_idx, 8);
+        assert_eq!(devices[64].group_idx, 1);
+        assert_eq!(cluster.group_first_ids(), [0, 64]);
+    }
+
+    #[test]
+    fn inline_form_rejects_bad_entries() {
+        for (text, wanted) in [
+            ("12xh100", "multiple of 8"),
+            ("h100", "COUNTxDEVICE"),
+            ("0xh100", "at least 1"),
+            ("8xh1000", "did you mean"),
+            ("", "at least one node group"),
+        ] {
+            let err = Cluster::from_inline(text, Fabric::default(), Bridge::default()).unwrap_err();
+            assert!(err.to_string().contains(wanted), "{text}: {err}");
+        }
+    }
+
+    #[test]
+    fn toml_form_with_custom_device_and_overrides() {
+        let text = r#"
+[[device]]
+name = "my-gpu"
+vendor = "amd"
+bf16_tflops = 500
+fp16_tflops = 500
+fp32_tflops = 60
+hbm_gib = 96
+hbm_tb_s = 4
+intra_link = "pcie"
+intra_link_gb_s = 32
+nics_per_node = 2
+nic_gbit_s = 200
+
+[[group]]
+device = "H100"
+nodes = 2
+
+[[group]]
+device = "my-gpu"
+nodes = 1
+gpus_per_node = 4
+nic_gbit_s = 100
+
+[fabric]
+latency_us = 8
+
+[bridge]
+device_direct = false
+cpu_forward_gb_s = 6
+"#;
+        let cluster = Cluster::from_toml(text, "c.toml").unwrap();
+        assert_eq!(cluster.n_gpus(), 20);
+        assert_eq!(cluster.groups()[1].nic_gbit_s, 100.0);
+        assert_eq!(cluster.groups()[1].device.vendor, Vendor::Amd);
+        assert_eq!(cluster.fabric().latency_us, 8.0);
+        assert_eq!(cluster.bridge().modes(), [BridgeMode::CpuForward]);
+    }
+
+    #[test]
+    fn toml_errors_name_file_line_and_field() {
+        let err = Cluster::from_toml("[[group]]\ndevice = \"h100\"\nnodes = 1\ncolour = 3\n", "c.toml").unwrap_err();
+        let text = err.to_string();
+        assert!(text.starts_with("c.toml:4:"), "{text}");
+        assert!(text.contains("colour"), "{text}");
+        let err = Cluster::from_toml("[[group]]\ndevice = \"h1000\"\nnodes = 1\n", "c.toml").unwrap_err();
+        assert!(err.to_string().contains("group[0].device"), "{err}");
+        let err = Cluster::from_toml("[[group]]\ndevice = \"h100\"\nnodes = 0\n", "c.toml").unwrap_err();
+        assert!(err.to_string().contains("group[0].n_nodes"), "{err}");
+    }
+}

@@ -1,0 +1,81 @@
+//! Errors for every way a spec can be wrong, each naming where and what to do.
+
+use std::fmt;
+
+/// Where a piece of text came from: a file path, or a label such as `--cluster`.
+pub type Source = String;
+
+#[derive(Debug, thiserror::Error, PartialEq)]
+pub enum SpecError {
+    #[error("{source_name}:{line}:{column}: {message}")]
+    Syntax { source_name: Source, line: usize, column: usize, message: String },
+    #[error("{source_name}: field `{field}`: {message}")]
+    Field { source_name: Source, field: String, message: String },
+    #[error("unknown {kind} `{name}`{}", did_you_mean(.close))]
+    Unknown { kind: &'static str, name: String, close: Vec<String> },
+}
+
+fn did_you_mean(close: &[String]) -> String {
+    if close.is_empty() { String::new() } else { format!("; did you mean {}?", close.join(", ")) }
+}
+
+impl SpecError {
+    pub(crate) fn field(source: &str, field: impl Into<String>, message: impl fmt::Display) -> Self {
+        SpecError::Field { source_name: source.to_string(), field: field.into(), message: message.to_string() }
+    }
+
+    /// A TOML or JSON parse failure, located by byte offset in `text`.
+    pub(crate) fn syntax(source: &str, text: &str, offset: Option<usize>, message: &str) -> Self {
+        let (line, column) = offset.map_or((1, 1), |at| line_column(text, at));
+        SpecError::Syntax { source_name: source.to_string(), line, column, message: message.trim().to_string() }
+    }
+
+    pub(crate) fn from_toml(source: &str, text: &str, err: &toml::de::Error) -> Self {
+        Self::syntax(source, text, err.span().map(|span| span.start), err.message())
+    }
+}
+
+/// One-based line and column of a byte offset.
+fn line_column(text: &str, offset: usize) -> (usize, usize) {
+    let before = &text[..offset.min(text.len())];
+    let line = before.matches('\n').count() + 1;
+    let column = before.rsplit('\n').next().map_or(0, |tail| tail.chars().count()) + 1;
+    (line, column)
+}
+
+/// Names from `candidates` within a small edit distance of `name`, closest first.
+pub(crate) fn close_names<'a>(name: &str, candidates: impl Iterator<Item = &'a str>) -> Vec<String> {
+    let name = name.to_ascii_lowercase();
+    let mut scored: Vec<(f64, &str)> =
+        candidates
+            .map(|candidate| {
+                let lower = candidate.to_ascii_lowercase();
+                let score = strsim::jaro_winkler(&name, &lower)
+                    .max(if lower.contains(&name) || name.contains(&lower) { 0.9 } else { 0.0 });
+                (score, candidate)
+            })
+            .filter(|(score, _)| *score >= 0.75)
+            .collect();
+    scored.sort_by(|a, b| b.0.total_cmp(&a.0).then(a.1.cmp(b.1)));
+    scored.dedup_by(|a, b| a.1 == b.1);
+    scored.into_iter().take(4).map(|(_, name)| name.to_string()).collect()
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn line_column_counts_from_one() {
+        assert_eq!(line_column("ab\ncd", 0), (1, 1));
+        assert_eq!(line_column("ab\ncd", 4), (2, 2));
+    }
+
+    #[test]
+    fn close_names_suggests_near_misses() {
+        let names = ["h100-sxm", "h200", "a100-80gb", "mi300x"];
+        let close = close_names("h10", names.iter().copied());
+        assert_eq!(close.first().map(String::as_str), Some("h100-sxm"));
+        assert!(close_names("zzzz", names.iter().copied()).is_empty());
+    }
+}

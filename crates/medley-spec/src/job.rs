@@ -1,0 +1,175 @@
+//! What to train: sequence length, batch, precision, and the memory-saving options.
+
+use std::fmt;
+use std::str::FromStr;
+
+use serde::{Deserialize, Serialize};
+
+use crate::error::SpecError;
+
+/// Numeric precision of training.
+#[derive(Clone, Copy, Debug, Default, PartialEq, Eq, Serialize, Deserialize)]
+#[serde(rename_all = "kebab-case")]
+pub enum Precision {
+    /// bf16 weights, activations and gradients; fp32 master weights and Adam moments
+    /// (16 bytes of model state per parameter).
+    #[default]
+    Bf16Mixed,
+}
+
+/// Activation recomputation (Korthikanti et al. 2022, arXiv 2205.05198).
+#[derive(Clone, Copy, Debug, PartialEq, Eq, PartialOrd, Ord, Hash, Serialize, Deserialize)]
+#[serde(rename_all = "lowercase")]
+pub enum Recompute {
+    /// Keep every activation.
+    None,
+    /// Recompute attention's score/softmax part; keeps the linear layers' inputs.
+    Selective,
+    /// Keep only each layer's input; rerun the layer's forward in backward.
+    Full,
+}
+
+impl Recompute {
+    pub const ALL: [Recompute; 3] = [Recompute::None, Recompute::Selective, Recompute::Full];
+}
+
+impl fmt::Display for Recompute {
+    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
+        f.write_str(match self {
+            Recompute::None => "none",
+            Recompute::Selective => "selective",
+            Recompute::Full => "full",
+        })
+    }
+}
+
+impl FromStr for Recompute {
+    type Err = String;
+    fn from_str(text: &str) -> Result<Self, String> {
+        Recompute::ALL
+            .into_iter()
+            .find(|mode| mode.to_string() == text.to_ascii_lowercase())
+            .ok_or_else(|| format!("unknown recompute `{text}`; expected none, selective or full"))
+    }
+}
+
+/// A training job. Invariants (held by [`JobSpec::new`]): positive sizes; a fixed micro-batch
+/// divides the global batch. `None` leaves a choice to the planner.
+#[derive(Clone, Debug, PartialEq, Serialize, Deserialize)]
+pub struct JobSpec {
+    seq_len: u32,
+    global_batch: u32,
+    micro_batch: Option<u32>,
+    precision: Precision,
+    zero1: bool,
+    recompute: Option<Recompute>,
+}
+
+/// The unchecked parts of a job, as a TOML file or flags give them.
+#[derive(Clone, Debug, PartialEq, Deserialize)]
+#[serde(deny_unknown_fields)]
+pub struct JobParts {
+    pub seq_len: u32,
+    /// Sequences per optimizer step.
+    pub global_batch: u32,
+    #[serde(default)]
+    pub micro_batch: Option<u32>,
+    #[serde(default)]
+    pub precision: Precision,
+    #[serde(default = "yes")]
+    pub zero1: bool,
+    #[serde(default)]
+    pub recompute: Option<Recompute>,
+}
+
+fn yes() -> bool {
+    true
+}
+
+impl Default for JobParts {
+    /// A common pre-training setting: 4K tokens, 1024 sequences (4M tokens) a step.
+    fn default() -> Self {
+        JobParts {
+            seq_len: 4096,
+            global_batch: 1024,
+            micro_batch: None,
+            precision: Precision::Bf16Mixed,
+            zero1: true,
+            recompute: None,
+        }
+    }
+}
+
+impl JobSpec {
+    pub fn new(parts: JobParts, source: &str) -> Result<Self, SpecError> {
+        for (field, value) in [("seq_len", parts.seq_len), ("global_batch", parts.global_batch)] {
+            if value == 0 {
+                return Err(SpecError::field(source, field, "must be at least 1"));
+            }
+        }
+        if let Some(micro_batch) = parts.micro_batch
+            && (micro_batch == 0 || parts.global_batch % micro_batch != 0)
+        {
+            return Err(SpecError::field(
+                source,
+                "micro_batch",
+                format!("{micro_batch} must be positive and divide the global batch {}", parts.global_batch),
+            ));
+        }
+        Ok(JobSpec {
+            seq_len: parts.seq_len,
+            global_batch: parts.global_batch,
+            micro_batch: parts.micro_batch,
+            precision: parts.precision,
+            zero1: parts.zero1,
+            recompute: parts.recompute,
+        })
+    }
+
+    /// Parses a job TOML file's text.
+    pub fn from_toml(text: &str, source: &str) -> Result<Self, SpecError> {
+        let parts: JobParts = toml::from_str(text).map_err(|err| SpecError::from_toml(source, text, &err))?;
+        JobSpec::new(parts, source)
+    }
+
+    pub fn seq_len(&self) -> u32 {
+        self.seq_len
+    }
+    pub fn global_batch(&self) -> u32 {
+        self.global_batch
+    }
+    pub fn micro_batch(&self) -> Option<u32> {
+        self.micro_batch
+    }
+    pub fn precision(&self) -> Precision {
+        self.precision
+    }
+    pub fn zero1(&self) -> bool {
+        self.zero1
+    }
+    pub fn recompute(&self) -> Option<Recompute> {
+        self.recompute
+    }
+    pub fn tokens_per_step(&self) -> u64 {
+        u64::from(self.seq_len) * u64::from(self.global_batch)
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn micro_batch_must_divide_global_batch() {
+        let parts = JobParts { global_batch: 10, micro_batch: Some(4), ..JobParts::default() };
+        assert!(JobSpec::new(parts, "--micro-batch").unwrap_err().to_string().contains("divide"));
+    }
+
+    #[test]
+    fn toml_job_with_defaults() {
+        let job =
+            JobSpec::from_toml("seq_len = 2048\nglobal_batch = 512\nrecompute = \"selective\"\n", "job.toml").unwrap();
+        assert_eq!((job.seq_len(), job.zero1(), job.recompute()), (2048, true, Some(Recompute::Selective)));
+        assert!(JobSpec::from_toml("seq_len = 1\nglobal_batch = 1\nbatch = 2\n", "job.toml").is_err());
+    }
+}

@@ -1,0 +1,17 @@
+//! medley's input specifications: device types, clusters, models and jobs.
+//!
+//! Everything is parsed and validated here, once: downstream crates receive types whose
+//! invariants hold and never re-check them. Parsers take text plus a source name (a path or a flag)
+//! so errors can say where; reading files is the caller's business.
+
+mod cluster;
+mod device;
+mod error;
+mod job;
+mod model;
+
+pub use cluster::{Bridge, BridgeMode, Cluster, DEFAULT_GPUS_PER_NODE, DeviceId, DeviceSlot, Fabric, NodeGroup};
+pub use device::{DeviceSpec, LinkKind, Vendor, catalog_device, catalog_devices};
+pub use error::SpecError;
+pub use job::{JobParts, JobSpec, Precision, Recompute};
+pub use model::{Experts, MlpKind, ModelParts, ModelSpec, catalog_model, catalog_model_names};
