@@ -53,6 +53,50 @@ impl FromStr for Recompute {
     }
 }
 
+/// How a pipeline orders its micro-batches' forward and backward passes.
+#[derive(Clone, Copy, Debug, Default, PartialEq, Eq, PartialOrd, Ord, Hash, Serialize, Deserialize)]
+#[serde(rename_all = "kebab-case")]
+pub enum Schedule {
+    /// All forwards, then all backwards: every micro-batch's activations are live at once.
+    Gpipe,
+    /// One forward, one backward in steady state (PipeDream-Flush): stage i of p keeps at most
+    /// p - i micro-batches' activations.
+    #[default]
+    #[serde(rename = "1f1b")]
+    OneFOneB,
+}
+
+impl Schedule {
+    /// Micro-batches whose activations stage `stage_idx` of `n_stages` holds at its peak, with `m`
+    /// micro-batches per step.
+    pub fn in_flight(self, stage_idx: usize, n_stages: usize, m: u32) -> u32 {
+        match self {
+            Schedule::Gpipe => m,
+            Schedule::OneFOneB => m.min((n_stages - stage_idx) as u32),
+        }
+    }
+}
+
+impl fmt::Display for Schedule {
+    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
+        f.write_str(match self {
+            Schedule::Gpipe => "gpipe",
+            Schedule::OneFOneB => "1f1b",
+        })
+    }
+}
+
+impl FromStr for Schedule {
+    type Err = String;
+    fn from_str(text: &str) -> Result<Self, String> {
+        match text.to_ascii_lowercase().as_str() {
+            "gpipe" => Ok(Schedule::Gpipe),
+            "1f1b" => Ok(Schedule::OneFOneB),
+            _ => Err(format!("unknown schedule `{text}`; expected gpipe or 1f1b")),
+        }
+    }
+}
+
 /// A training job. Invariants (held by [`JobSpec::new`]): positive sizes; a fixed micro-batch
 /// divides the global batch. `None` leaves a choice to the planner.
 #[derive(Clone, Debug, PartialEq, Serialize, Deserialize)]
@@ -63,6 +107,7 @@ pub struct JobSpec {
     precision: Precision,
     zero1: bool,
     recompute: Option<Recompute>,
+    schedule: Schedule,
 }
 
 /// The unchecked parts of a job, as a TOML file or flags give them.
@@ -80,6 +125,8 @@ pub struct JobParts {
     pub zero1: bool,
     #[serde(default)]
     pub recompute: Option<Recompute>,
+    #[serde(default)]
+    pub schedule: Schedule,
 }
 
 fn yes() -> bool {
@@ -96,6 +143,7 @@ impl Default for JobParts {
             precision: Precision::Bf16Mixed,
             zero1: true,
             recompute: None,
+            schedule: Schedule::OneFOneB,
         }
     }
 }
@@ -123,6 +171,7 @@ impl JobSpec {
             precision: parts.precision,
             zero1: parts.zero1,
             recompute: parts.recompute,
+            schedule: parts.schedule,
         })
     }
 
@@ -149,6 +198,9 @@ impl JobSpec {
     }
     pub fn recompute(&self) -> Option<Recompute> {
         self.recompute
+    }
+    pub fn schedule(&self) -> Schedule {
+        self.schedule
     }
     pub fn tokens_per_step(&self) -> u64 {
         u64::from(self.seq_len) * u64::from(self.global_batch)

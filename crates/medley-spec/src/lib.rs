@@ -13,5 +13,5 @@ mod model;
 pub use cluster::{Bridge, BridgeMode, Cluster, DEFAULT_GPUS_PER_NODE, DeviceId, DeviceSlot, Fabric, NodeGroup};
 pub use device::{DeviceSpec, LinkKind, Vendor, catalog_device, catalog_devices};
 pub use error::SpecError;
-pub use job::{JobParts, JobSpec, Precision, Recompute};
+pub use job::{JobParts, JobSpec, Precision, Recompute, Schedule};
 pub use model::{Experts, MlpKind, ModelParts, ModelSpec, catalog_model, catalog_model_names};

@@ -1,0 +1,109 @@
+//! Communication costs in the α–β model: a message of S bytes over a link takes α + S/β.
+//!
+//! Collective costs follow the standard ring and hierarchical forms (Thakur et al. 2005; the
+//! HetCCL and NCCL hierarchical designs): ring all-reduce 2(n−1)α + 2(n−1)/n·S/β, reduce-scatter
+//! and all-gather half of that, hierarchical all-reduce a reduce-scatter inside each domain, an
+//! all-reduce of each border rank's 1/n share across domains, and an all-gather inside each domain.
+
+use medley_spec::{BridgeMode, Cluster, DeviceSlot, NodeGroup};
+
+/// One link class: bandwidth per direction and per-message latency.
+#[derive(Clone, Copy, Debug, PartialEq)]
+pub struct Link {
+    pub gb_s: f64,
+    pub latency_us: f64,
+}
+
+impl Link {
+    /// Seconds to move `bytes` once over the link.
+    pub fn transfer_s(self, bytes: f64) -> f64 {
+        self.latency_us * 1e-6 + bytes / (self.gb_s * 1e9)
+    }
+
+    /// The link a ring over both would be held back by: the lower bandwidth, the higher latency.
+    pub fn slowest(self, other: Link) -> Link {
+        Link { gb_s: self.gb_s.min(other.gb_s), latency_us: self.latency_us.max(other.latency_us) }
+    }
+}
+
+fn steps(n: u32) -> f64 {
+    f64::from(n.saturating_sub(1))
+}
+
+/// Ring all-reduce of `bytes` per rank over `n` ranks.
+pub fn ring_all_reduce_s(bytes: f64, n: u32, link: Link) -> f64 {
+    2.0 * reduce_scatter_s(bytes, n, link)
+}
+
+/// Ring reduce-scatter (or all-gather) of `bytes` per rank in total over `n` ranks.
+pub fn reduce_scatter_s(bytes: f64, n: u32, link: Link) -> f64 {
+    if n <= 1 {
+        return 0.0;
+    }
+    steps(n) * (link.latency_us * 1e-6 + bytes / f64::from(n) / (link.gb_s * 1e9))
+}
+
+/// All-gather costs what reduce-scatter does in the ring form.
+pub fn all_gather_s(bytes: f64, n: u32, link: Link) -> f64 {
+    reduce_scatter_s(bytes, n, link)
+}
+
+/// One vendor domain's part of a hierarchical collective: its rank count and internal link.
+#[derive(Clone, Copy, Debug, PartialEq)]
+pub struct DomainPart {
+    pub n_ranks: u32,
+    pub link: Link,
+}
+
+/// Hierarchical all-reduce across domains joined by `bridge`: each byte crosses the bridge once
+/// per ring step on only a 1/n share. The smallest domain's share bounds the bridge phase.
+pub fn hierarchical_all_reduce_s(bytes: f64, domains: &[DomainPart], bridge: Link) -> f64 {
+    let inner = domains.iter().map(|d| reduce_scatter_s(bytes, d.n_ranks, d.link)).fold(0.0, f64::max);
+    let smallest = domains.iter().map(|d| d.n_ranks).min().unwrap_or(1).max(1);
+    let across = ring_all_reduce_s(bytes / f64::from(smallest), domains.len() as u32, bridge);
+    2.0 * inner + across
+}
+
+/// The link inside one node of `group`.
+pub fn intra_node_link(group: &NodeGroup) -> Link {
+    Link { gb_s: group.intra_link_gb_s, latency_us: group.intra_link.latency_us() }
+}
+
+/// The link between two GPUs, with `mode` for the bridge when they belong to different vendors.
+pub fn link_between(cluster: &Cluster, a: DeviceSlot, b: DeviceSlot, mode: BridgeMode) -> Link {
+    let (group_a, group_b) = (&cluster.groups()[a.group_idx], &cluster.groups()[b.group_idx]);
+    if a.node_idx == b.node_idx {
+        return intra_node_link(group_a);
+    }
+    let nic_gb_s = group_a.nic_gb_s_per_gpu().min(group_b.nic_gb_s_per_gpu()) / cluster.fabric().oversubscription;
+    if group_a.device.vendor == group_b.device.vendor {
+        Link { gb_s: nic_gb_s, latency_us: cluster.fabric().latency_us }
+    } else {
+        let (gb_s, latency_us) = cluster.bridge().rate(mode, nic_gb_s);
+        Link { gb_s, latency_us }
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    const LINK: Link = Link { gb_s: 100.0, latency_us: 2.0 };
+
+    #[test]
+    fn ring_matches_the_closed_form() {
+        let (bytes, n) = (1e9, 8);
+        let expected = 2.0 * 7.0 * 2e-6 + 2.0 * 7.0 / 8.0 * bytes / 100e9;
+        assert!((ring_all_reduce_s(bytes, n, LINK) - expected).abs() < 1e-12);
+        assert_eq!(ring_all_reduce_s(bytes, 1, LINK), 0.0);
+    }
+
+    #[test]
+    fn hierarchical_beats_flat_when_the_bridge_is_slow() {
+        let bridge = Link { gb_s: 10.0, latency_us: 20.0 };
+        let domains = [DomainPart { n_ranks: 8, link: LINK }, DomainPart { n_ranks: 8, link: LINK }];
+        let flat = ring_all_reduce_s(1e9, 16, bridge.slowest(LINK));
+        let hierarchical = hierarchical_all_reduce_s(1e9, &domains, bridge);
+        assert!(hierarchical < flat / 2.0, "{hierarchical} vs {flat}");
+    }
+}

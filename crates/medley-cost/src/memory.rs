@@ -1,0 +1,122 @@
+//! Memory a device needs: model states, activations, and a fixed workspace.
+//!
+//! Model states: 16 bytes per parameter for bf16 mixed precision with Adam (2 weights, 2
+//! gradients, 12 fp32 master weights and moments), the 12 optimizer bytes sharded over the data
+//! parallel replicas with ZeRO-1 (Rajbhandari et al., arXiv 1910.02054). Activations per layer and
+//! micro-batch follow Korthikanti et al. (arXiv 2205.05198), generalised to grouped-query attention
+//! and gated MLPs: with 16-bit activations and dropout masks, in units of s·b·h bytes, the two norms
+//! keep 4, attention 7 + 4·kv/heads plus 5·a·s/h for scores, softmax and dropout, a GELU MLP
+//! 3 + 4f/h, a SwiGLU MLP 3 + 6f/h (gate, up and their product), times top-k for experts.
+
+use medley_spec::{MlpKind, ModelSpec, Recompute};
+
+/// A fixed reserve per device: runtime context, communicator buffers, GEMM workspaces and
+/// allocator fragmentation (a common rule of thumb; calibrate for a given software stack).
+pub const WORKSPACE_BYTES: f64 = 2.0 * GIB;
+
+pub const GIB: f64 = (1u64 << 30) as f64;
+
+/// Bytes of one device's memory by purpose.
+#[derive(Clone, Copy, Debug, Default, PartialEq)]
+pub struct MemoryBreakdown {
+    pub weights: f64,
+    pub gradients: f64,
+    pub optimizer: f64,
+    pub activations: f64,
+    pub workspace: f64,
+}
+
+impl MemoryBreakdown {
+    pub fn total(&self) -> f64 {
+        self.weights + self.gradients + self.optimizer + self.activations + self.workspace
+    }
+
+    pub fn total_gib(&self) -> f64 {
+        self.total() / GIB
+    }
+
+    /// Model states for `params` parameters split `tp` ways, optimizer states further over
+    /// `optimizer_shards` replicas.
+    pub fn model_states(params: f64, tp: u32, optimizer_shards: u32) -> MemoryBreakdown {
+        let per_rank = params / f64::from(tp);
+        MemoryBreakdown {
+            weights: 2.0 * per_rank,
+            gradients: 2.0 * per_rank,
+            optimizer: 12.0 * per_rank / f64::from(optimizer_shards.max(1)),
+            activations: 0.0,
+            workspace: WORKSPACE_BYTES,
+        }
+    }
+}
+
+/// Activation bytes one layer keeps for one micro-batch of `micro_batch` sequences on each of
+/// `tp` tensor-parallel ranks (sequence parallelism on whenever `tp > 1`).
+pub fn layer_activation_bytes(model: &ModelSpec, seq_len: u32, micro_batch: u32, tp: u32, recompute: Recompute) -> f64 {
+    let (s, b, h, t) = (f64::from(seq_len), f64::from(micro_batch), f64::from(model.hidden()), f64::from(tp));
+    let sbh = s * b * h;
+    if recompute == Recompute::Full {
+        return 2.0 * sbh / t;
+    }
+    let kv_ratio = f64::from(model.n_kv_heads()) / f64::from(model.n_heads());
+    let ffn_ratio = f64::from(model.ffn_hidden()) / h;
+    let mlp = match model.mlp() {
+        MlpKind::Gelu => 3.0 + 4.0 * ffn_ratio,
+        MlpKind::SwiGlu => 3.0 + 6.0 * ffn_ratio,
+    } * model.experts().map_or(1.0, |experts| f64::from(experts.top_k));
+    let linear_parts = 4.0 + (7.0 + 4.0 * kv_ratio) + mlp;
+    let scores = match recompute {
+        Recompute::None => 5.0 * f64::from(model.n_heads()) * s / h,
+        Recompute::Selective | Recompute::Full => 0.0,
+    };
+    sbh * (linear_parts + scores) / t
+}
+
+/// Bytes of the logits and their fp32 softmax and gradient for one micro-batch on the last stage.
+pub fn logits_bytes(model: &ModelSpec, seq_len: u32, micro_batch: u32, tp: u32) -> f64 {
+    10.0 * f64::from(seq_len) * f64::from(micro_batch) * f64::from(model.vocab()) / f64::from(tp)
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use medley_spec::ModelParts;
+
+    fn gpt3_like() -> ModelSpec {
+        let parts = ModelParts {
+            name: "gpt".into(),
+            n_layers: 96,
+            hidden: 12288,
+            n_heads: 96,
+            n_kv_heads: 96,
+            ffn_hidden: 4 * 12288,
+            vocab: 51200,
+            mlp: MlpKind::Gelu,
+            experts: None,
+            tie_embeddings: true,
+        };
+        ModelSpec::new(parts, "test").unwrap()
+    }
+
+    #[test]
+    fn korthikanti_formulas() {
+        let model = gpt3_like();
+        let (s, b, t) = (2048u32, 1u32, 8u32);
+        let (sf, bf, h, a, tf) = (2048.0, 1.0, 12288.0, 96.0, 8.0);
+        let check = |recompute, expected: f64| {
+            let got = layer_activation_bytes(&model, s, b, t, recompute);
+            assert!((got / expected - 1.0).abs() < 1e-12, "{recompute}: {got} vs {expected}");
+        };
+        // TP + SP: sbh(34 + 5as/h)/t; TP + SP + selective: 34·sbh/t; full: 2sbh (per TP rank /t).
+        check(Recompute::None, sf * bf * h * (34.0 + 5.0 * a * sf / h) / tf);
+        check(Recompute::Selective, sf * bf * h * 34.0 / tf);
+        check(Recompute::Full, 2.0 * sf * bf * h / tf);
+    }
+
+    #[test]
+    fn zero1_shards_only_optimizer_states() {
+        let plain = MemoryBreakdown::model_states(1e9, 1, 1);
+        assert_eq!(plain.total() - WORKSPACE_BYTES, 16e9);
+        let sharded = MemoryBreakdown::model_states(1e9, 2, 4);
+        assert_eq!((sharded.weights, sharded.optimizer), (1e9, 1.5e9));
+    }
+}
