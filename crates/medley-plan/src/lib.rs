@@ -1,1 +1,20 @@
+//! medley's Plan and its planner.
+//!
+//! A [`Plan`] says, explicitly, which devices form each data-parallel replica's pipeline stages,
+//! which layers each stage holds, each replica's batch share, and how every parallel group
+//! communicates (native library or cross-vendor bridge). [`search`] finds fast plans for a mixed
+//! cluster; [`baselines`] builds the layouts they are compared with; [`evaluate`] prices any plan.
 
+mod assemble;
+pub mod baselines;
+mod error;
+mod evaluate;
+mod partition;
+mod plan;
+mod search;
+
+pub use error::PlanError;
+pub use evaluate::{PipelineTiming, Prediction, evaluate};
+pub use partition::{ReplicaClass, StageLoad, min_max_layers, split_micro_batches};
+pub use plan::{Algorithm, DpGroup, LayerRange, PLAN_VERSION, Plan, Replica, Route, Stage};
+pub use search::{Candidate, SearchOptions, SearchOutcome, search};

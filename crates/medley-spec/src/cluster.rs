@@ -12,6 +12,7 @@ pub const DEFAULT_GPUS_PER_NODE: u32 = 8;
 /// Nodes of one device type with one shape. Invariant (held by [`Cluster::new`]): counts and
 /// rates are positive.
 #[derive(Clone, Debug, PartialEq, Serialize, Deserialize)]
+#[serde(deny_unknown_fields)]
 pub struct NodeGroup {
     pub device: DeviceSpec,
     pub n_nodes: u32,
@@ -138,11 +139,36 @@ pub struct DeviceSlot {
 }
 
 /// A validated cluster. Invariants: at least one group; every count and rate positive.
-#[derive(Clone, Debug, PartialEq, Serialize)]
+#[derive(Clone, Debug, PartialEq, Serialize, Deserialize)]
+#[serde(try_from = "ClusterParts")]
 pub struct Cluster {
     groups: Vec<NodeGroup>,
     fabric: Fabric,
     bridge: Bridge,
+}
+
+/// A cluster as stored inside a plan file: already resolved groups, checked again on load.
+#[derive(Deserialize)]
+#[serde(deny_unknown_fields)]
+struct ClusterParts {
+    groups: Vec<NodeGroup>,
+    fabric: Fabric,
+    bridge: Bridge,
+}
+
+impl TryFrom<ClusterParts> for Cluster {
+    type Error = SpecError;
+    fn try_from(parts: ClusterParts) -> Result<Self, SpecError> {
+        let groups = parts
+            .groups
+            .into_iter()
+            .map(|mut group| {
+                group.device = group.device.validated("cluster")?;
+                Ok(group)
+            })
+            .collect::<Result<Vec<_>, SpecError>>()?;
+        Cluster::new(groups, parts.fabric, parts.bridge, "cluster")
+    }
 }
 
 impl Cluster {
@@ -285,7 +311,7 @@ fn inline_group(source: &str, entry: &str) -> Result<NodeGroup, SpecError> {
     }
     let device = catalog_device(name)?;
     let gpus_per_node = count.min(DEFAULT_GPUS_PER_NODE);
-    if count % gpus_per_node != 0 {
+    if !count.is_multiple_of(gpus_per_node) {
         return Err(bad(format!(
             "{count} GPUs do not fill whole {gpus_per_node}-GPU nodes; use a multiple of {gpus_per_node} or a cluster TOML file"
         )));
@@ -427,5 +453,20 @@ cpu_forward_gb_s = 6
         assert!(err.to_string().contains("group[0].device"), "{err}");
         let err = Cluster::from_toml("[[group]]\ndevice = \"h100\"\nnodes = 0\n", "c.toml").unwrap_err();
         assert!(err.to_string().contains("group[0].n_nodes"), "{err}");
+    }
+}
+
+#[cfg(test)]
+mod serde_tests {
+    use super::*;
+
+    #[test]
+    fn cluster_round_trips_through_json_and_revalidates() {
+        let cluster = Cluster::from_inline("16xh100,8xmi300x", Fabric::default(), Bridge::default()).unwrap();
+        let json = serde_json::to_string(&cluster).unwrap();
+        assert_eq!(serde_json::from_str::<Cluster>(&json).unwrap(), cluster);
+        let broken = json.replace("\"n_nodes\":2", "\"n_nodes\":0");
+        let err = serde_json::from_str::<Cluster>(&broken).unwrap_err().to_string();
+        assert!(err.contains("n_nodes"), "{err}");
     }
 }

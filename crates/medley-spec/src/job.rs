@@ -99,7 +99,7 @@ impl FromStr for Schedule {
 
 /// A training job. Invariants (held by [`JobSpec::new`]): positive sizes; a fixed micro-batch
 /// divides the global batch. `None` leaves a choice to the planner.
-#[derive(Clone, Debug, PartialEq, Serialize, Deserialize)]
+#[derive(Clone, Debug, PartialEq, Serialize)]
 pub struct JobSpec {
     seq_len: u32,
     global_batch: u32,
@@ -129,6 +129,13 @@ pub struct JobParts {
     pub schedule: Schedule,
 }
 
+impl JobParts {
+    /// Parses a job TOML file's text, for callers that override fields before validation.
+    pub fn from_toml(text: &str, source: &str) -> Result<Self, SpecError> {
+        toml::from_str(text).map_err(|err| SpecError::from_toml(source, text, &err))
+    }
+}
+
 fn yes() -> bool {
     true
 }
@@ -156,7 +163,7 @@ impl JobSpec {
             }
         }
         if let Some(micro_batch) = parts.micro_batch
-            && (micro_batch == 0 || parts.global_batch % micro_batch != 0)
+            && (micro_batch == 0 || !parts.global_batch.is_multiple_of(micro_batch))
         {
             return Err(SpecError::field(
                 source,
@@ -175,10 +182,9 @@ impl JobSpec {
         })
     }
 
-    /// Parses a job TOML file's text.
+    /// Parses and validates a job TOML file's text.
     pub fn from_toml(text: &str, source: &str) -> Result<Self, SpecError> {
-        let parts: JobParts = toml::from_str(text).map_err(|err| SpecError::from_toml(source, text, &err))?;
-        JobSpec::new(parts, source)
+        JobSpec::new(JobParts::from_toml(text, source)?, source)
     }
 
     pub fn seq_len(&self) -> u32 {

@@ -34,6 +34,7 @@ pub struct Experts {
 /// A decoder-only transformer. Invariants (held by [`ModelSpec::new`]): every size positive,
 /// heads divide the hidden size, kv heads divide heads, top-k at most the expert count.
 #[derive(Clone, Debug, PartialEq, Serialize, Deserialize)]
+#[serde(try_from = "ModelParts")]
 pub struct ModelSpec {
     name: String,
     n_layers: u32,
@@ -48,7 +49,8 @@ pub struct ModelSpec {
 }
 
 /// The unchecked parts of a model, for [`ModelSpec::new`].
-#[derive(Clone, Debug)]
+#[derive(Clone, Debug, Deserialize)]
+#[serde(deny_unknown_fields)]
 pub struct ModelParts {
     pub name: String,
     pub n_layers: u32,
@@ -60,6 +62,13 @@ pub struct ModelParts {
     pub mlp: MlpKind,
     pub experts: Option<Experts>,
     pub tie_embeddings: bool,
+}
+
+impl TryFrom<ModelParts> for ModelSpec {
+    type Error = SpecError;
+    fn try_from(parts: ModelParts) -> Result<Self, SpecError> {
+        ModelSpec::new(parts, "model")
+    }
 }
 
 impl ModelSpec {
@@ -77,14 +86,14 @@ impl ModelSpec {
                 return Err(SpecError::field(source, field, "must be at least 1"));
             }
         }
-        if parts.hidden % parts.n_heads != 0 {
+        if !parts.hidden.is_multiple_of(parts.n_heads) {
             return Err(SpecError::field(
                 source,
                 "n_heads",
                 format!("{} heads do not divide hidden size {}", parts.n_heads, parts.hidden),
             ));
         }
-        if parts.n_heads % parts.n_kv_heads != 0 {
+        if !parts.n_heads.is_multiple_of(parts.n_kv_heads) {
             return Err(SpecError::field(
                 source,
                 "n_kv_heads",

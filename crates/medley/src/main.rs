@@ -1,1 +1,41 @@
-fn main() {}
+//! The `medley` command line: glue between the spec, cost and plan libraries and a person.
+
+mod bench;
+mod inputs;
+mod plan_cmd;
+mod render;
+
+use std::process::ExitCode;
+
+use clap::{Parser, Subcommand};
+
+/// Train large language models on mixed GPU fleets.
+#[derive(Parser)]
+#[command(name = "medley", version, about)]
+struct Cli {
+    #[command(subcommand)]
+    command: Command,
+}
+
+#[derive(Subcommand)]
+enum Command {
+    /// Find the fastest parallel plan for a model on a (mixed) cluster.
+    Plan(Box<plan_cmd::PlanArgs>),
+    /// Benchmarks that print tables.
+    Bench {
+        #[command(subcommand)]
+        which: bench::BenchCommand,
+    },
+}
+
+fn main() -> ExitCode {
+    let cli = Cli::parse();
+    let result = match cli.command {
+        Command::Plan(args) => plan_cmd::run(&args),
+        Command::Bench { which } => bench::run(&which).map(|()| ExitCode::SUCCESS),
+    };
+    result.unwrap_or_else(|err| {
+        eprintln!("error: {err:#}");
+        ExitCode::from(2)
+    })
+}

@@ -1,0 +1,85 @@
+//! Turns a layout (which devices hold which layers, and batch shares) into a complete Plan by
+//! choosing the cheapest route for every pipeline boundary and gradient group.
+
+use medley_cost::{CostModel, Setting};
+use medley_spec::{Cluster, DeviceSlot, JobSpec, Vendor};
+
+use crate::evaluate::{best_boundary_route, best_dp_route, dp_group_bytes};
+use crate::plan::{DpGroup, LayerRange, PLAN_VERSION, Plan, Replica, Stage, dp_layer_ranges};
+
+/// One replica before routing: its batch share and its stages in pipeline order.
+pub struct ReplicaLayout {
+    pub n_micro_batches: u32,
+    pub stages: Vec<Stage>,
+}
+
+/// Stages holding `counts[i]` consecutive layers on `device_groups[i]`.
+pub fn stages_from_counts(device_groups: Vec<Vec<u32>>, counts: &[u32]) -> Vec<Stage> {
+    let mut start = 0;
+    device_groups
+        .into_iter()
+        .zip(counts)
+        .map(|(devices, &count)| {
+            let layers = LayerRange { start, end: start + count };
+            start += count;
+            Stage { devices, layers }
+        })
+        .collect()
+}
+
+pub fn assemble(
+    cluster: &Cluster,
+    cost: &CostModel,
+    job: &JobSpec,
+    setting: Setting,
+    layouts: Vec<ReplicaLayout>,
+) -> Plan {
+    let slots = cluster.devices();
+    let vendor_of = |stage: &Stage| -> (DeviceSlot, Vendor) {
+        let slot = slots[stage.devices[0] as usize];
+        (slot, cluster.groups()[slot.group_idx].device.vendor)
+    };
+    let boundary_bytes = cost.boundary_bytes(setting);
+    let replicas: Vec<Replica> = layouts
+        .into_iter()
+        .map(|layout| Replica {
+            n_micro_batches: layout.n_micro_batches,
+            boundaries: layout
+                .stages
+                .windows(2)
+                .map(|pair| best_boundary_route(cluster, vendor_of(&pair[0]), vendor_of(&pair[1]), boundary_bytes))
+                .collect(),
+            stages: layout.stages,
+        })
+        .collect();
+    let dp_groups = dp_layer_ranges(&replicas)
+        .into_iter()
+        .map(|layers| {
+            let members: Vec<(DeviceSlot, Vendor)> = replicas
+                .iter()
+                .map(|replica| {
+                    let stage =
+                        replica.stages.iter().find(|stage| stage.layers.contains(layers)).expect("ranges cover");
+                    vendor_of(stage)
+                })
+                .collect();
+            let bytes = dp_group_bytes(cost, setting.tp, layers);
+            let (route, algorithm) = best_dp_route(cluster, &members, bytes);
+            DpGroup { layers, route, algorithm }
+        })
+        .collect();
+    Plan {
+        version: PLAN_VERSION,
+        cluster: cluster.clone(),
+        model: cost.model().clone(),
+        seq_len: cost.seq_len(),
+        global_batch: job.global_batch(),
+        micro_batch: setting.micro_batch,
+        schedule: job.schedule(),
+        recompute: setting.recompute,
+        zero1: job.zero1(),
+        tp: setting.tp,
+        replicas,
+        dp_groups,
+    }
+}

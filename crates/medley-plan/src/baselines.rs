@@ -1,0 +1,206 @@
+//! Layouts medley's plans are compared with, and layouts a user already runs.
+//!
+//! - `uniform`: the best Megatron-style layout that ignores heterogeneity — tp × pp × dp over all
+//!   devices in id order (tp innermost, then dp, then pp, Megatron-LM's default rank order), layers
+//!   and batch split evenly.
+//! - `best-homogeneous`: the best plan that uses one device type only.
+//! - `fixed`: a Megatron-style layout with degrees the user gives (`--fix tp=8,pp=4,dp=2`).
+
+use std::fmt;
+use std::str::FromStr;
+
+use medley_cost::{Calibration, CostModel, Setting};
+use medley_spec::{Cluster, JobSpec, ModelSpec};
+use rayon::prelude::*;
+
+use crate::assemble::{ReplicaLayout, assemble, stages_from_counts};
+use crate::error::PlanError;
+use crate::evaluate::evaluate;
+use crate::plan::Plan;
+use crate::search::{Candidate, SearchOptions, candidate_settings, search};
+
+/// Megatron parallel degrees; their product is the number of devices used.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub struct Degrees {
+    pub tp: u32,
+    pub pp: u32,
+    pub dp: u32,
+}
+
+impl fmt::Display for Degrees {
+    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
+        write!(f, "tp={},pp={},dp={}", self.tp, self.pp, self.dp)
+    }
+}
+
+impl FromStr for Degrees {
+    type Err = String;
+    /// `tp=8,pp=4,dp=2`; an axis left out has degree 1.
+    fn from_str(text: &str) -> Result<Self, String> {
+        let mut degrees = Degrees { tp: 1, pp: 1, dp: 1 };
+        for part in text.split(',').map(str::trim).filter(|part| !part.is_empty()) {
+            let (axis, value) =
+                part.split_once('=').ok_or_else(|| format!("`{part}`: expected AXIS=DEGREE, e.g. tp=8"))?;
+            let value: u32 = value
+                .trim()
+                .parse()
+                .ok()
+                .filter(|&value| value > 0)
+                .ok_or_else(|| format!("`{part}`: the degree must be a positive integer"))?;
+            match axis.trim() {
+                "tp" => degrees.tp = value,
+                "pp" => degrees.pp = value,
+                "dp" => degrees.dp = value,
+                other => return Err(format!("unknown axis `{other}`; expected tp, pp or dp")),
+            }
+        }
+        Ok(degrees)
+    }
+}
+
+/// The Megatron-style plan with `degrees` over the first tp·pp·dp devices.
+pub fn megatron_plan(
+    cluster: &Cluster,
+    cost: &CostModel,
+    job: &JobSpec,
+    setting: Setting,
+    degrees: Degrees,
+) -> Result<Plan, PlanError> {
+    let error = |message: String| PlanError::Layout { layout: degrees.to_string(), message };
+    let n_used = degrees.tp * degrees.pp * degrees.dp;
+    if n_used > cluster.n_gpus() {
+        return Err(error(format!("needs {n_used} devices, the cluster has {}", cluster.n_gpus())));
+    }
+    if let Some(group) = cluster.groups().iter().find(|group| !group.gpus_per_node.is_multiple_of(degrees.tp)) {
+        return Err(error(format!(
+            "tp={} does not divide the {} GPUs per node of {}: a tensor-parallel group must sit in one node",
+            degrees.tp, group.gpus_per_node, group.device.name
+        )));
+    }
+    let n_layers = cost.model().n_layers();
+    if degrees.pp > n_layers {
+        return Err(error(format!("pp={} exceeds the model's {n_layers} layers", degrees.pp)));
+    }
+    let n_micro_batches = job.global_batch() / setting.micro_batch;
+    if !n_micro_batches.is_multiple_of(degrees.dp) {
+        return Err(error(format!(
+            "{n_micro_batches} micro-batches of {} do not split evenly over dp={}",
+            setting.micro_batch, degrees.dp
+        )));
+    }
+    let counts: Vec<u32> =
+        (0..degrees.pp).map(|stage| n_layers / degrees.pp + u32::from(stage < n_layers % degrees.pp)).collect();
+    let replicas = (0..degrees.dp)
+        .map(|dp_rank| {
+            let device_groups = (0..degrees.pp)
+                .map(|pp_rank| {
+                    let first = degrees.tp * (dp_rank + degrees.dp * pp_rank);
+                    (first..first + degrees.tp).collect()
+                })
+                .collect();
+            ReplicaLayout {
+                n_micro_batches: n_micro_batches / degrees.dp,
+                stages: stages_from_counts(device_groups, &counts),
+            }
+        })
+        .collect();
+    Ok(assemble(cluster, cost, job, setting, replicas))
+}
+
+/// The fastest fitting Megatron-style plan with `degrees` over the settings the job allows.
+pub fn fixed(
+    cluster: &Cluster,
+    model: &ModelSpec,
+    job: &JobSpec,
+    calibration: &Calibration,
+    degrees: Degrees,
+) -> Result<Candidate, PlanError> {
+    let cost = CostModel::new(model, job.seq_len(), calibration);
+    let all_groups: Vec<usize> = (0..cluster.groups().len()).collect();
+    let settings: Vec<Setting> = candidate_settings(cluster, model, job, &all_groups)
+        .into_iter()
+        .filter(|setting| setting.tp == degrees.tp)
+        .collect();
+    let mut last_error = None;
+    let mut best: Option<Candidate> = None;
+    for setting in settings {
+        match megatron_plan(cluster, &cost, job, setting, degrees) {
+            Ok(plan) => {
+                let prediction = evaluate(&plan, calibration);
+                if prediction.fits && best.as_ref().is_none_or(|b| prediction.step_time_s < b.prediction.step_time_s) {
+                    best = Some(Candidate { plan, prediction });
+                }
+            }
+            Err(err) => last_error = Some(err),
+        }
+    }
+    best.ok_or_else(|| {
+        last_error.unwrap_or_else(|| {
+            PlanError::NothingFits(format!(
+                "layout {degrees} does not fit {} in memory with any micro-batch size or recompute the job allows",
+                model.name()
+            ))
+        })
+    })
+}
+
+/// The best uniform (heterogeneity-blind) plan over every device, if any fits.
+pub fn uniform(cluster: &Cluster, model: &ModelSpec, job: &JobSpec, calibration: &Calibration) -> Option<Candidate> {
+    let n_gpus = cluster.n_gpus();
+    let all_groups: Vec<usize> = (0..cluster.groups().len()).collect();
+    let settings = candidate_settings(cluster, model, job, &all_groups);
+    let mut layouts = Vec::new();
+    for setting in settings {
+        let per_tp = n_gpus / setting.tp;
+        if !n_gpus.is_multiple_of(setting.tp) {
+            continue;
+        }
+        for pp in (1..=model.n_layers().min(per_tp)).filter(|pp| per_tp.is_multiple_of(*pp)) {
+            layouts.push((setting, Degrees { tp: setting.tp, pp, dp: per_tp / pp }));
+        }
+    }
+    let cost = CostModel::new(model, job.seq_len(), calibration);
+    layouts
+        .par_iter()
+        .filter_map(|&(setting, degrees)| {
+            let plan = megatron_plan(cluster, &cost, job, setting, degrees).ok()?;
+            let prediction = evaluate(&plan, calibration);
+            prediction.fits.then_some(Candidate { plan, prediction })
+        })
+        .min_by(|a, b| a.prediction.step_time_s.total_cmp(&b.prediction.step_time_s))
+}
+
+/// The best plan on one device type, with that type's name, if any fits.
+pub fn best_homogeneous(
+    cluster: &Cluster,
+    model: &ModelSpec,
+    job: &JobSpec,
+    calibration: &Calibration,
+) -> Option<(String, Candidate)> {
+    let mut names: Vec<&str> = cluster.groups().iter().map(|group| group.device.name.as_str()).collect();
+    names.sort_unstable();
+    names.dedup();
+    names
+        .into_iter()
+        .filter_map(|name| {
+            let groups = (0..cluster.groups().len()).filter(|&g| cluster.groups()[g].device.name == name).collect();
+            let options = SearchOptions { top: 1, groups: Some(groups), exhaustive: false };
+            let outcome = search(cluster, model, job, calibration, &options).ok()?;
+            outcome.candidates.into_iter().next().map(|candidate| (name.to_string(), candidate))
+        })
+        .min_by(|a, b| a.1.prediction.step_time_s.total_cmp(&b.1.prediction.step_time_s))
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn degrees_parse_with_defaults_and_errors() {
+        assert_eq!("tp=8,pp=4,dp=2".parse(), Ok(Degrees { tp: 8, pp: 4, dp: 2 }));
+        assert_eq!("pp=2".parse(), Ok(Degrees { tp: 1, pp: 2, dp: 1 }));
+        assert!("tp=0".parse::<Degrees>().unwrap_err().contains("positive"));
+        assert!("ep=2".parse::<Degrees>().unwrap_err().contains("unknown axis"));
+        assert!("tp8".parse::<Degrees>().unwrap_err().contains("AXIS=DEGREE"));
+    }
+}

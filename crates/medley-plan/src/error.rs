@@ -1,0 +1,16 @@
+//! Planner errors.
+
+use thiserror::Error;
+
+#[derive(Debug, Error, PartialEq)]
+pub enum PlanError {
+    /// A plan's structure is broken (usually a hand-edited plan file).
+    #[error("invalid plan: {0}")]
+    Invalid(String),
+    /// No layout of the cluster fits the model and job; the message says what would.
+    #[error("nothing fits: {0}")]
+    NothingFits(String),
+    /// A fixed layout that cannot be built on this cluster.
+    #[error("layout {layout}: {message}")]
+    Layout { layout: String, message: String },
+}

@@ -1,0 +1,294 @@
+//! Prices an explicit plan with the cost model: the one place a plan's predicted step time,
+//! throughput, utilisation and memory come from. The search ranks its finalists with this too.
+
+use std::collections::BTreeMap;
+
+use medley_cost::comm::{self, DomainPart, Link};
+use medley_cost::{Calibration, CostModel, GIB, PassTime, Setting, StageShape, flops};
+use medley_spec::{BridgeMode, Cluster, DeviceSlot, Vendor};
+use serde::Serialize;
+
+use crate::plan::{Algorithm, LayerRange, Plan, Replica, Route, Stage};
+
+/// What a plan is predicted to do per optimizer step.
+#[derive(Clone, Debug, PartialEq, Serialize)]
+pub struct Prediction {
+    pub step_time_s: f64,
+    /// The slowest replica's pipeline: forward and backward of all its micro-batches.
+    pub pipeline_s: f64,
+    /// Gradient synchronisation after the pipeline drains (not overlapped, a conservative choice).
+    pub dp_sync_s: f64,
+    pub optimizer_s: f64,
+    pub tokens_per_s: f64,
+    pub model_tflops_per_gpu: f64,
+    pub hardware_tflops_per_gpu: f64,
+    /// Model FLOPs utilisation over the peak of the devices the plan uses (Megatron/PaLM).
+    pub mfu: f64,
+    /// Hardware FLOPs utilisation, counting recomputation.
+    pub hfu: f64,
+    /// Share of the pipeline time the average stage waits in fill and drain.
+    pub bubble_fraction: f64,
+    pub n_gpus_used: u32,
+    /// Highest predicted memory per device type, GiB.
+    pub peak_memory_gib: BTreeMap<String, f64>,
+    pub capacity_gib: BTreeMap<String, f64>,
+    pub fits: bool,
+}
+
+/// The setting every stage of `plan` runs with.
+pub fn plan_setting(plan: &Plan) -> Setting {
+    Setting { micro_batch: plan.micro_batch, tp: plan.tp, recompute: plan.recompute }
+}
+
+/// Prices `plan`, which must have passed [`Plan::validate`].
+pub fn evaluate(plan: &Plan, calibration: &Calibration) -> Prediction {
+    let cost = &CostModel::new(&plan.model, plan.seq_len, calibration);
+    let setting = plan_setting(plan);
+    let slots = plan.cluster.devices();
+    let n_replicas = plan.replicas.len() as u32;
+    let optimizer_shards = if plan.zero1 { n_replicas } else { 1 };
+    let mut pipeline_s: f64 = 0.0;
+    let mut busy_fraction_sum = 0.0;
+    let mut n_stages_total = 0usize;
+    let mut optimizer_s: f64 = 0.0;
+    let mut peak_memory_gib = BTreeMap::new();
+    let mut capacity_gib = BTreeMap::new();
+    for replica in &plan.replicas {
+        let shapes = stage_shapes(replica);
+        let passes: Vec<PassTime> = replica
+            .stages
+            .iter()
+            .zip(&shapes)
+            .map(|(stage, &shape)| cost.stage_time(plan.stage_group(stage), shape, setting))
+            .collect();
+        let boundary_s: Vec<f64> = replica
+            .stages
+            .windows(2)
+            .zip(&replica.boundaries)
+            .map(|(pair, route)| {
+                let link = comm::link_between(
+                    &plan.cluster,
+                    slots[pair[0].devices[0] as usize],
+                    slots[pair[1].devices[0] as usize],
+                    route_mode(*route),
+                );
+                link.transfer_s(cost.boundary_bytes(setting))
+            })
+            .collect();
+        let timing = PipelineTiming::new(&passes, &boundary_s);
+        let replica_s = timing.time_s(replica.n_micro_batches);
+        pipeline_s = pipeline_s.max(replica_s);
+        for pass in &passes {
+            busy_fraction_sum += pass.total_s() * f64::from(replica.n_micro_batches) / replica_s;
+        }
+        n_stages_total += passes.len();
+        for (stage_idx, (stage, &shape)) in replica.stages.iter().zip(&shapes).enumerate() {
+            let group = plan.stage_group(stage);
+            let in_flight = plan.schedule.in_flight(stage_idx, replica.stages.len(), replica.n_micro_batches);
+            let memory = cost.stage_memory(shape, setting, in_flight, optimizer_shards);
+            let params_per_device = cost.stage_params(shape) / f64::from(plan.tp) / f64::from(optimizer_shards);
+            optimizer_s = optimizer_s.max(cost.optimizer_step_s(group, params_per_device));
+            let name = group.device.name.clone();
+            let peak = peak_memory_gib.entry(name.clone()).or_insert(0.0_f64);
+            *peak = peak.max(memory.total_gib());
+            capacity_gib.insert(name, group.device.hbm_gib);
+        }
+    }
+    let dp_sync_s = dp_sync_s(plan, cost, &slots);
+    let step_time_s = pipeline_s + dp_sync_s + optimizer_s;
+    let n_gpus_used = plan.used_devices().len() as u32;
+    let peak_flops: f64 = plan
+        .replicas
+        .iter()
+        .flat_map(|replica| &replica.stages)
+        .map(|stage| plan.stage_group(stage).device.half_precision_tflops() * 1e12 * stage.devices.len() as f64)
+        .sum();
+    let model_flops = flops::model_flops_per_step(cost.model(), plan.seq_len, plan.global_batch);
+    let hardware_flops = flops::hardware_flops_per_step(cost.model(), plan.seq_len, plan.global_batch, plan.recompute);
+    let fits = peak_memory_gib.iter().all(|(name, peak)| *peak <= capacity_gib[name]);
+    Prediction {
+        step_time_s,
+        pipeline_s,
+        dp_sync_s,
+        optimizer_s,
+        tokens_per_s: f64::from(plan.seq_len) * f64::from(plan.global_batch) / step_time_s,
+        model_tflops_per_gpu: model_flops / step_time_s / f64::from(n_gpus_used) / 1e12,
+        hardware_tflops_per_gpu: hardware_flops / step_time_s / f64::from(n_gpus_used) / 1e12,
+        mfu: model_flops / step_time_s / peak_flops,
+        hfu: hardware_flops / step_time_s / peak_flops,
+        bubble_fraction: 1.0 - busy_fraction_sum / n_stages_total as f64,
+        n_gpus_used,
+        peak_memory_gib,
+        capacity_gib,
+        fits,
+    }
+}
+
+/// What each stage of a replica holds.
+pub fn stage_shapes(replica: &Replica) -> Vec<StageShape> {
+    let last = replica.stages.len() - 1;
+    replica
+        .stages
+        .iter()
+        .enumerate()
+        .map(|(idx, stage)| StageShape { n_layers: stage.layers.len(), embedding: idx == 0, head: idx == last })
+        .collect()
+}
+
+/// A pipeline's fill-and-drain time and its steady-state cycle per micro-batch, for GPipe and
+/// 1F1B alike: T(m) = Σ(F + B) + 2·Σ transfers + (m − 1)·max over stages of (F + B + its transfers).
+#[derive(Clone, Copy, Debug, PartialEq)]
+pub struct PipelineTiming {
+    pub fill_s: f64,
+    pub cycle_s: f64,
+}
+
+impl PipelineTiming {
+    /// `boundary_s[i]` is one transfer between stage i and i + 1.
+    pub fn new(passes: &[PassTime], boundary_s: &[f64]) -> Self {
+        let fill_s = passes.iter().map(|pass| pass.total_s()).sum::<f64>() + 2.0 * boundary_s.iter().sum::<f64>();
+        let cycle_s = passes
+            .iter()
+            .enumerate()
+            .map(|(idx, pass)| {
+                let before = if idx > 0 { boundary_s[idx - 1] } else { 0.0 };
+                pass.total_s() + before + boundary_s.get(idx).copied().unwrap_or(0.0)
+            })
+            .fold(0.0, f64::max);
+        PipelineTiming { fill_s, cycle_s }
+    }
+
+    pub fn time_s(&self, n_micro_batches: u32) -> f64 {
+        self.fill_s + f64::from(n_micro_batches.saturating_sub(1)) * self.cycle_s
+    }
+}
+
+fn route_mode(route: Route) -> BridgeMode {
+    match route {
+        Route::Bridge { mode } => mode,
+        // Unused within one vendor.
+        Route::Native { .. } => BridgeMode::DeviceDirect,
+    }
+}
+
+/// The slowest device's total gradient synchronisation time.
+fn dp_sync_s(plan: &Plan, cost: &CostModel, slots: &[DeviceSlot]) -> f64 {
+    if plan.replicas.len() < 2 {
+        return 0.0;
+    }
+    // Per (replica, stage): the summed time of the DP groups it takes part in.
+    let mut per_stage: BTreeMap<(usize, usize), f64> = BTreeMap::new();
+    for group in &plan.dp_groups {
+        let holders = plan.holders(group.layers);
+        let members: Vec<(DeviceSlot, Vendor)> = holders
+            .iter()
+            .zip(&plan.replicas)
+            .map(|(&stage_idx, replica)| member(plan, &replica.stages[stage_idx], slots))
+            .collect();
+        let bytes = dp_group_bytes(cost, plan.tp, group.layers);
+        let time_s = dp_group_time_s(&plan.cluster, &members, bytes, group.route, group.algorithm);
+        for (replica_idx, &stage_idx) in holders.iter().enumerate() {
+            *per_stage.entry((replica_idx, stage_idx)).or_insert(0.0) += time_s;
+        }
+    }
+    per_stage.into_values().fold(0.0, f64::max)
+}
+
+fn member(plan: &Plan, stage: &Stage, slots: &[DeviceSlot]) -> (DeviceSlot, Vendor) {
+    (slots[stage.devices[0] as usize], plan.stage_vendor(stage))
+}
+
+/// Gradient bytes each TP rank contributes for a DP group's layers (plus the embedding or head
+/// when the range touches the model's ends).
+pub(crate) fn dp_group_bytes(cost: &CostModel, tp: u32, layers: LayerRange) -> f64 {
+    let shape = StageShape {
+        n_layers: layers.len(),
+        embedding: layers.start == 0,
+        head: layers.end == cost.model().n_layers(),
+    };
+    2.0 * cost.stage_params(shape) / f64::from(tp)
+}
+
+/// All-reduce (or ZeRO-1's reduce-scatter plus all-gather, the same volume) of `bytes` over
+/// `members`, in replica order.
+pub fn dp_group_time_s(
+    cluster: &Cluster,
+    members: &[(DeviceSlot, Vendor)],
+    bytes: f64,
+    route: Route,
+    algorithm: Algorithm,
+) -> f64 {
+    let mode = route_mode(route);
+    match algorithm {
+        Algorithm::Ring => {
+            let slots: Vec<DeviceSlot> = members.iter().map(|(slot, _)| *slot).collect();
+            comm::ring_all_reduce_s(bytes, members.len() as u32, ring_link(cluster, &slots, mode))
+        }
+        Algorithm::Hierarchical => {
+            let mut vendors: Vec<Vendor> = members.iter().map(|(_, vendor)| *vendor).collect();
+            vendors.sort();
+            vendors.dedup();
+            let domains: Vec<Vec<DeviceSlot>> = vendors
+                .iter()
+                .map(|vendor| members.iter().filter(|(_, v)| v == vendor).map(|(slot, _)| *slot).collect())
+                .collect();
+            let parts: Vec<DomainPart> = domains
+                .iter()
+                .map(|slots| DomainPart { n_ranks: slots.len() as u32, link: ring_link(cluster, slots, mode) })
+                .collect();
+            let borders: Vec<DeviceSlot> = domains.iter().map(|slots| slots[0]).collect();
+            comm::hierarchical_all_reduce_s(bytes, &parts, ring_link(cluster, &borders, mode))
+        }
+    }
+}
+
+/// The link a ring through `slots` in order is held back by.
+fn ring_link(cluster: &Cluster, slots: &[DeviceSlot], mode: BridgeMode) -> Link {
+    let n = slots.len();
+    (0..n)
+        .map(|idx| comm::link_between(cluster, slots[idx], slots[(idx + 1) % n], mode))
+        .reduce(Link::slowest)
+        .unwrap_or(Link { gb_s: f64::INFINITY, latency_us: 0.0 })
+}
+
+/// The cheapest route and algorithm for a DP group whose members are `members`.
+pub fn best_dp_route(cluster: &Cluster, members: &[(DeviceSlot, Vendor)], bytes: f64) -> (Route, Algorithm) {
+    let first = members[0].1;
+    if members.iter().all(|(_, vendor)| *vendor == first) {
+        return (Route::Native { vendor: first }, Algorithm::Ring);
+    }
+    let mut best: Option<(f64, Route, Algorithm)> = None;
+    for mode in cluster.bridge().modes() {
+        for algorithm in [Algorithm::Hierarchical, Algorithm::Ring] {
+            let route = Route::Bridge { mode };
+            let time_s = dp_group_time_s(cluster, members, bytes, route, algorithm);
+            if best.is_none_or(|(best_s, _, _)| time_s < best_s) {
+                best = Some((time_s, route, algorithm));
+            }
+        }
+    }
+    let (_, route, algorithm) = best.expect("a bridge offers at least one mode");
+    (route, algorithm)
+}
+
+/// The cheapest route between two adjacent stages.
+pub fn best_boundary_route(cluster: &Cluster, a: (DeviceSlot, Vendor), b: (DeviceSlot, Vendor), bytes: f64) -> Route {
+    if a.1 == b.1 {
+        return Route::Native { vendor: a.1 };
+    }
+    let modes = cluster.bridge().modes();
+    let mode = modes
+        .iter()
+        .copied()
+        .min_by(|x, y| {
+            let time = |mode| comm::link_between(cluster, a.0, b.0, mode).transfer_s(bytes);
+            time(*x).total_cmp(&time(*y))
+        })
+        .expect("a bridge offers at least one mode");
+    Route::Bridge { mode }
+}
+
+/// Usable bytes of a device of `hbm_gib`.
+pub fn capacity_bytes(hbm_gib: f64) -> f64 {
+    hbm_gib * GIB
+}

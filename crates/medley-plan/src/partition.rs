@@ -1,0 +1,237 @@
+//! Exact min-max splits: layers over a pipeline's uneven stages, micro-batches over uneven
+//! replicas. Both minimise the slowest part, which bounds a pipelined step.
+
+use crate::evaluate::PipelineTiming;
+
+/// Slack, in units of one layer or micro-batch, so that a bound equal to a part's time (up to
+/// float rounding) admits that part.
+const ROUNDING: f64 = 1e-9;
+
+/// A pipeline stage as the layer partitioner sees it.
+#[derive(Clone, Copy, Debug, PartialEq)]
+pub struct StageLoad {
+    /// Seconds one more layer adds to the stage's per-micro-batch cycle.
+    pub per_layer_s: f64,
+    /// Seconds the stage spends whatever its layers: the head, boundary transfers.
+    pub fixed_s: f64,
+    /// Most layers that fit the stage's memory.
+    pub max_layers: u32,
+}
+
+impl StageLoad {
+    fn time_s(&self, n_layers: u32) -> f64 {
+        self.fixed_s + f64::from(n_layers) * self.per_layer_s
+    }
+
+    /// Most layers the stage can take without exceeding `bound_s`.
+    fn capacity(&self, bound_s: f64) -> u32 {
+        let by_time = ((bound_s - self.fixed_s) / self.per_layer_s + ROUNDING).floor();
+        if by_time < 0.0 { 0 } else { self.max_layers.min(by_time.min(f64::from(u32::MAX)) as u32) }
+    }
+}
+
+/// Layer counts per stage (each at least one, summing to `n_layers`, within memory) that
+/// minimise the slowest stage; `None` when no split fits.
+///
+/// Layers are identical, so a bound is feasible exactly when the stages' capacities under it sum
+/// to `n_layers`; bisection finds the least feasible bound to within float resolution, which is
+/// below the gap between any two distinct stage times, so the result is the optimum. Surplus
+/// capacity is taken back from the slowest-per-layer stages first, which also shortens the fill.
+pub fn min_max_layers(stages: &[StageLoad], n_layers: u32) -> Option<Vec<u32>> {
+    let total_capacity: u64 = stages.iter().map(|stage| u64::from(stage.max_layers)).sum();
+    if stages.is_empty() || stages.iter().any(|stage| stage.max_layers == 0) || total_capacity < u64::from(n_layers) {
+        return None;
+    }
+    if stages.len() > n_layers as usize {
+        return None;
+    }
+    let feasible = |bound_s: f64| {
+        let mut sum = 0u64;
+        for stage in stages {
+            let capacity = stage.capacity(bound_s);
+            if capacity == 0 {
+                return false;
+            }
+            sum += u64::from(capacity);
+        }
+        sum >= u64::from(n_layers)
+    };
+    let mut low = stages.iter().map(|stage| stage.time_s(1)).fold(0.0, f64::max);
+    let mut high = stages.iter().map(|stage| stage.time_s(stage.max_layers)).fold(0.0, f64::max);
+    if feasible(low) {
+        high = low;
+    }
+    for _ in 0..100 {
+        let mid = 0.5 * (low + high);
+        if mid <= low || mid >= high {
+            break;
+        }
+        if feasible(mid) { high = mid } else { low = mid }
+    }
+    let mut counts: Vec<u32> = stages.iter().map(|stage| stage.capacity(high)).collect();
+    let mut surplus = counts.iter().map(|&count| u64::from(count)).sum::<u64>() - u64::from(n_layers);
+    let mut by_slowness: Vec<usize> = (0..stages.len()).collect();
+    by_slowness.sort_by(|&a, &b| stages[b].per_layer_s.total_cmp(&stages[a].per_layer_s).then(a.cmp(&b)));
+    for idx in by_slowness {
+        let take = surplus.min(u64::from(counts[idx] - 1));
+        counts[idx] -= take as u32;
+        surplus -= take;
+    }
+    Some(counts)
+}
+
+/// `count` identical replicas with the same pipeline timing.
+#[derive(Clone, Copy, Debug, PartialEq)]
+pub struct ReplicaClass {
+    pub timing: PipelineTiming,
+    pub count: u32,
+}
+
+/// Micro-batches per replica (each at least one, summing to `total`) that minimise the slowest
+/// replica's pipeline time, with that time; `None` when there are more replicas than
+/// micro-batches. Each replica's time grows with its micro-batches, so the least bound whose
+/// per-replica allowances cover `total` is optimal (found by bisection as for layers).
+pub fn split_micro_batches(classes: &[ReplicaClass], total: u32) -> Option<(f64, Vec<Vec<u32>>)> {
+    let n_replicas: u64 = classes.iter().map(|class| u64::from(class.count)).sum();
+    if n_replicas == 0 || n_replicas > u64::from(total) {
+        return None;
+    }
+    let allowance = |class: &ReplicaClass, bound_s: f64| -> u64 {
+        if bound_s < class.timing.fill_s {
+            return 0;
+        }
+        let extra = ((bound_s - class.timing.fill_s) / class.timing.cycle_s + ROUNDING).floor();
+        1 + extra.min(f64::from(total)) as u64
+    };
+    let covered = |bound_s: f64| -> bool {
+        let sum: u64 = classes.iter().map(|class| u64::from(class.count) * allowance(class, bound_s)).sum();
+        classes.iter().all(|class| allowance(class, bound_s) >= 1) && sum >= u64::from(total)
+    };
+    let mut low = classes.iter().map(|class| class.timing.fill_s).fold(0.0, f64::max);
+    let mut high = classes.iter().map(|class| class.timing.time_s(total)).fold(0.0, f64::max);
+    if covered(low) {
+        high = low;
+    }
+    for _ in 0..100 {
+        let mid = 0.5 * (low + high);
+        if mid <= low || mid >= high {
+            break;
+        }
+        if covered(mid) { high = mid } else { low = mid }
+    }
+    let mut shares: Vec<Vec<u32>> = classes
+        .iter()
+        .map(|class| vec![allowance(class, high).min(u64::from(total)) as u32; class.count as usize])
+        .collect();
+    let mut surplus = shares.iter().flatten().map(|&m| u64::from(m)).sum::<u64>() - u64::from(total);
+    // Take the surplus back from the replicas that finish last.
+    while surplus > 0 {
+        let (class_idx, replica_idx) = shares
+            .iter()
+            .enumerate()
+            .flat_map(|(class_idx, replicas)| (0..replicas.len()).map(move |replica_idx| (class_idx, replica_idx)))
+            .filter(|&(class_idx, replica_idx)| shares[class_idx][replica_idx] > 1)
+            .max_by(|&(a, ai), &(b, bi)| {
+                let time = |class: usize, idx: usize| classes[class].timing.time_s(shares[class][idx]);
+                time(a, ai).total_cmp(&time(b, bi)).then((b, bi).cmp(&(a, ai)))
+            })
+            .expect("surplus implies a replica with more than one micro-batch");
+        let take = surplus.min(u64::from(shares[class_idx][replica_idx] - 1)).min(1);
+        shares[class_idx][replica_idx] -= take as u32;
+        surplus -= take;
+    }
+    let slowest = shares
+        .iter()
+        .zip(classes)
+        .flat_map(|(replicas, class)| replicas.iter().map(|&m| class.timing.time_s(m)))
+        .fold(0.0, f64::max);
+    Some((slowest, shares))
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use proptest::prelude::*;
+
+    /// The slowest stage's cycle under `counts`.
+    fn bottleneck_s(stages: &[StageLoad], counts: &[u32]) -> f64 {
+        stages.iter().zip(counts).map(|(stage, &count)| stage.time_s(count)).fold(0.0, f64::max)
+    }
+
+    /// Every split of `n` into `parts` positive counts.
+    fn compositions(n: u32, parts: usize) -> Vec<Vec<u32>> {
+        if parts == 1 {
+            return vec![vec![n]];
+        }
+        (1..=n.saturating_sub(parts as u32 - 1))
+            .flat_map(|first| {
+                compositions(n - first, parts - 1).into_iter().map(move |mut rest| {
+                    rest.insert(0, first);
+                    rest
+                })
+            })
+            .collect()
+    }
+
+    fn stage_strategy() -> impl Strategy<Value = StageLoad> {
+        (1u32..50, 0u32..40, 1u32..12).prop_map(|(per_layer, fixed, max_layers)| StageLoad {
+            per_layer_s: f64::from(per_layer) * 0.1,
+            fixed_s: f64::from(fixed) * 0.05,
+            max_layers,
+        })
+    }
+
+    proptest! {
+        #[test]
+        fn layer_split_is_optimal(stages in prop::collection::vec(stage_strategy(), 1..5), n_layers in 1u32..14) {
+            let best = compositions(n_layers, stages.len())
+                .into_iter()
+                .filter(|counts| counts.iter().zip(&stages).all(|(&c, s)| c <= s.max_layers))
+                .map(|counts| bottleneck_s(&stages, &counts))
+                .fold(None, |best: Option<f64>, t| Some(best.map_or(t, |b| b.min(t))));
+            let ours = min_max_layers(&stages, n_layers);
+            match (best, ours) {
+                (None, None) => {}
+                (Some(best), Some(counts)) => {
+                    prop_assert_eq!(counts.iter().sum::<u32>(), n_layers);
+                    prop_assert!(counts.iter().zip(&stages).all(|(&c, s)| c >= 1 && c <= s.max_layers));
+                    prop_assert!((bottleneck_s(&stages, &counts) - best).abs() < 1e-9, "{:?} vs {}", counts, best);
+                }
+                (best, ours) => prop_assert!(false, "brute force {:?} vs ours {:?}", best, ours),
+            }
+        }
+
+        #[test]
+        fn batch_split_is_optimal(
+            timings in prop::collection::vec((1u32..30, 1u32..10, 1u32..3), 1..4),
+            total in 1u32..16,
+        ) {
+            let classes: Vec<ReplicaClass> = timings
+                .iter()
+                .map(|&(fill, cycle, count)| ReplicaClass {
+                    timing: PipelineTiming { fill_s: f64::from(fill), cycle_s: f64::from(cycle) * 0.7 },
+                    count,
+                })
+                .collect();
+            let flat: Vec<PipelineTiming> =
+                classes.iter().flat_map(|class| std::iter::repeat_n(class.timing, class.count as usize)).collect();
+            let best = if flat.len() as u32 > total {
+                None
+            } else {
+                compositions(total, flat.len())
+                    .into_iter()
+                    .map(|shares| shares.iter().zip(&flat).map(|(&m, t)| t.time_s(m)).fold(0.0, f64::max))
+                    .reduce(f64::min)
+            };
+            match (best, split_micro_batches(&classes, total)) {
+                (None, None) => {}
+                (Some(best), Some((slowest, shares))) => {
+                    prop_assert_eq!(shares.iter().flatten().sum::<u32>(), total);
+                    prop_assert!(shares.iter().flatten().all(|&m| m >= 1));
+                    prop_assert!((slowest - best).abs() < 1e-9, "{} vs {}", slowest, best);
+                }
+                (best, ours) => prop_assert!(false, "brute force {:?} vs ours {:?}", best, ours),
+            }
+        }
+    }
+}

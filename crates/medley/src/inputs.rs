@@ -1,0 +1,155 @@
+//! Turns command-line arguments into validated specs: the only place that reads input files.
+
+use std::fs;
+use std::path::Path;
+
+use anyhow::{Context, Result};
+use clap::Args;
+use medley_cost::Calibration;
+use medley_spec::{Bridge, Cluster, Fabric, JobParts, JobSpec, ModelSpec, Recompute, Schedule, catalog_model};
+
+/// The example mixed cluster `medley plan` uses when none is given.
+pub const DEFAULT_CLUSTER: &str = "64xh100,128xa100,32xmi300x";
+pub const DEFAULT_MODEL: &str = "llama3-70b";
+
+/// Where the cluster, model and job come from.
+#[derive(Args, Debug, Clone)]
+pub struct SpecArgs {
+    /// Cluster: a TOML file, or inline `COUNTxDEVICE,...` (8 GPUs per node unless fewer).
+    #[arg(long, default_value = DEFAULT_CLUSTER)]
+    pub cluster: String,
+    /// Model: a catalog name (llama3-8b, llama3-70b, llama3-405b, qwen2-7b, gpt3-175b,
+    /// mixtral-8x7b, ...) or a HuggingFace config.json (file or its folder).
+    #[arg(long, default_value = DEFAULT_MODEL)]
+    pub model: String,
+    /// A job TOML file (seq_len, global_batch, micro_batch, zero1, recompute, schedule); flags
+    /// given on the command line override it.
+    #[arg(long)]
+    pub job: Option<String>,
+    /// Tokens per sequence [default: 4096].
+    #[arg(long)]
+    pub seq_len: Option<u32>,
+    /// Sequences per optimizer step [default: 1024].
+    #[arg(long)]
+    pub global_batch: Option<u32>,
+    /// Sequences per micro-batch [default: the planner chooses].
+    #[arg(long)]
+    pub micro_batch: Option<u32>,
+    /// Activation recompute: none, selective or full [default: the planner chooses].
+    #[arg(long)]
+    pub recompute: Option<Recompute>,
+    /// Pipeline schedule: 1f1b or gpipe [default: 1f1b].
+    #[arg(long)]
+    pub schedule: Option<Schedule>,
+    /// Keep optimizer states whole on every replica instead of ZeRO-1 sharding.
+    #[arg(long)]
+    pub no_zero1: bool,
+    /// Efficiency profile (TOML) overriding the cost model's defaults per device type.
+    #[arg(long)]
+    pub calibration: Option<String>,
+    #[command(flatten)]
+    pub network: NetworkArgs,
+}
+
+/// Fabric and bridge settings for an inline cluster.
+#[derive(Args, Debug, Clone)]
+pub struct NetworkArgs {
+    /// Inter-node message latency, µs (inline clusters).
+    #[arg(long)]
+    pub fabric_latency_us: Option<f64>,
+    /// Fabric oversubscription, ≥ 1 (inline clusters).
+    #[arg(long)]
+    pub oversubscription: Option<f64>,
+    /// Disable device-direct RDMA between vendors: cross-vendor traffic is CPU-forwarded.
+    #[arg(long)]
+    pub no_device_direct: bool,
+    /// Device-direct bridge bandwidth per GPU, GB/s [default: the NIC share].
+    #[arg(long)]
+    pub bridge_gb_s: Option<f64>,
+    /// CPU-forwarded bridge bandwidth per GPU, GB/s [default: 12.5].
+    #[arg(long)]
+    pub cpu_forward_gb_s: Option<f64>,
+}
+
+/// The validated inputs of a planning run.
+pub struct Specs {
+    pub cluster: Cluster,
+    pub model: ModelSpec,
+    pub job: JobSpec,
+    pub calibration: Calibration,
+}
+
+impl SpecArgs {
+    pub fn resolve(&self) -> Result<Specs> {
+        Ok(Specs {
+            cluster: self.cluster()?,
+            model: load_model(&self.model)?,
+            job: self.job_spec()?,
+            calibration: self.resolve_calibration()?,
+        })
+    }
+
+    fn cluster(&self) -> Result<Cluster> {
+        if looks_like_file(&self.cluster) {
+            let text = read(&self.cluster)?;
+            return Ok(Cluster::from_toml(&text, &self.cluster)?);
+        }
+        let network = &self.network;
+        let defaults = (Fabric::default(), Bridge::default());
+        let fabric = Fabric {
+            latency_us: network.fabric_latency_us.unwrap_or(defaults.0.latency_us),
+            oversubscription: network.oversubscription.unwrap_or(defaults.0.oversubscription),
+        };
+        let bridge = Bridge {
+            device_direct: !network.no_device_direct,
+            device_direct_gb_s: network.bridge_gb_s,
+            cpu_forward_gb_s: network.cpu_forward_gb_s.unwrap_or(defaults.1.cpu_forward_gb_s),
+            ..defaults.1
+        };
+        Ok(Cluster::from_inline(&self.cluster, fabric, bridge)?)
+    }
+
+    fn job_spec(&self) -> Result<JobSpec> {
+        let (mut parts, source) = match &self.job {
+            Some(path) => (JobParts::from_toml(&read(path)?, path)?, path.as_str()),
+            None => (JobParts::default(), "command line"),
+        };
+        parts.seq_len = self.seq_len.unwrap_or(parts.seq_len);
+        parts.global_batch = self.global_batch.unwrap_or(parts.global_batch);
+        parts.micro_batch = self.micro_batch.or(parts.micro_batch);
+        parts.recompute = self.recompute.or(parts.recompute);
+        parts.schedule = self.schedule.unwrap_or(parts.schedule);
+        parts.zero1 &= !self.no_zero1;
+        Ok(JobSpec::new(parts, source)?)
+    }
+
+    pub fn resolve_calibration(&self) -> Result<Calibration> {
+        match &self.calibration {
+            Some(path) => Ok(Calibration::from_toml(&read(path)?, path)?),
+            None => Ok(Calibration::default()),
+        }
+    }
+}
+
+/// A catalog name, or a HuggingFace config.json (or the folder holding one).
+pub fn load_model(name_or_path: &str) -> Result<ModelSpec> {
+    let path = Path::new(name_or_path);
+    if path.is_dir() {
+        let config = path.join("config.json");
+        let text = read(&config.to_string_lossy())?;
+        return Ok(ModelSpec::from_hf_config(&text, &config.to_string_lossy())?);
+    }
+    if looks_like_file(name_or_path) {
+        let text = read(name_or_path)?;
+        return Ok(ModelSpec::from_hf_config(&text, name_or_path)?);
+    }
+    Ok(catalog_model(name_or_path)?)
+}
+
+fn looks_like_file(text: &str) -> bool {
+    Path::new(text).is_file() || text.ends_with(".toml") || text.ends_with(".json") || text.contains('/')
+}
+
+pub fn read(path: &str) -> Result<String> {
+    fs::read_to_string(path).with_context(|| format!("cannot read {path}"))
+}

@@ -1,0 +1,122 @@
+//! `medley plan`: search (or evaluate a given layout), compare with the baselines, report.
+
+use std::fs;
+use std::path::PathBuf;
+use std::process::ExitCode;
+
+use anyhow::{Context, Result};
+use clap::Args;
+use medley_plan::baselines::{self, Degrees};
+use medley_plan::{Candidate, Plan, PlanError, SearchOptions, evaluate, search};
+use medley_spec::{JobParts, JobSpec};
+
+use crate::inputs::{SpecArgs, Specs, read};
+use crate::render::{self, Baseline, Report};
+
+#[derive(Args, Debug)]
+pub struct PlanArgs {
+    #[command(flatten)]
+    pub specs: SpecArgs,
+    /// How many ranked plans to show.
+    #[arg(long, default_value_t = 3)]
+    pub top: usize,
+    /// Print one JSON object (plan, prediction, baselines) instead of tables.
+    #[arg(long)]
+    pub json: bool,
+    /// Write the best plan as JSON to this file.
+    #[arg(short = 'o', long)]
+    pub output: Option<PathBuf>,
+    /// Evaluate a homogeneous Megatron-style layout instead of searching, e.g. tp=8,pp=4,dp=2.
+    #[arg(long, conflicts_with = "plan")]
+    pub fix: Option<Degrees>,
+    /// Evaluate a plan file instead of searching (its cluster, model and job are used).
+    #[arg(long)]
+    pub plan: Option<String>,
+}
+
+pub fn run(args: &PlanArgs) -> Result<ExitCode> {
+    let specs = match &args.plan {
+        Some(path) => specs_of_plan_file(args, path)?,
+        None => args.specs.resolve()?,
+    };
+    let started = std::time::Instant::now();
+    let found = match (&args.plan, args.fix) {
+        (Some(path), _) => Ok((vec![evaluate_plan_file(path, &specs)?], None)),
+        (None, Some(degrees)) => {
+            baselines::fixed(&specs.cluster, &specs.model, &specs.job, &specs.calibration, degrees)
+                .map(|candidate| (vec![candidate], None))
+        }
+        (None, None) => {
+            let options = SearchOptions { top: args.top, ..SearchOptions::default() };
+            search(&specs.cluster, &specs.model, &specs.job, &specs.calibration, &options)
+                .map(|outcome| (outcome.candidates, Some(outcome.layouts_priced)))
+        }
+    };
+    let (candidates, layouts_priced) = match found {
+        Ok(found) => found,
+        Err(err @ PlanError::NothingFits(_)) => {
+            eprintln!("medley plan: {err}");
+            return Ok(ExitCode::from(1));
+        }
+        Err(err) => return Err(err.into()),
+    };
+    let search_s = started.elapsed().as_secs_f64();
+    let baselines = compute_baselines(&specs);
+    if let Some(path) = &args.output {
+        let json = serde_json::to_string_pretty(&candidates[0].plan)?;
+        fs::write(path, json + "\n").with_context(|| format!("cannot write {}", path.display()))?;
+    }
+    let report = Report { specs: &specs, candidates: &candidates, baselines: &baselines, layouts_priced, search_s };
+    if args.json {
+        println!("{}", serde_json::to_string_pretty(&render::json(&report))?);
+    } else {
+        print!("{}", render::text(&report));
+    }
+    Ok(ExitCode::SUCCESS)
+}
+
+fn specs_of_plan_file(args: &PlanArgs, path: &str) -> Result<Specs> {
+    let plan = load_plan(path)?;
+    let parts = JobParts {
+        seq_len: plan.seq_len,
+        global_batch: plan.global_batch,
+        micro_batch: None,
+        precision: Default::default(),
+        zero1: plan.zero1,
+        recompute: None,
+        schedule: plan.schedule,
+    };
+    Ok(Specs {
+        job: JobSpec::new(parts, path)?,
+        cluster: plan.cluster,
+        model: plan.model,
+        calibration: args.specs.resolve_calibration()?,
+    })
+}
+
+fn load_plan(path: &str) -> Result<Plan> {
+    let plan: Plan = serde_json::from_str(&read(path)?).with_context(|| format!("{path} is not a medley plan"))?;
+    plan.validate().with_context(|| format!("in {path}"))?;
+    Ok(plan)
+}
+
+fn evaluate_plan_file(path: &str, specs: &Specs) -> Result<Candidate> {
+    let plan = load_plan(path)?;
+    let prediction = evaluate(&plan, &specs.calibration);
+    Ok(Candidate { plan, prediction })
+}
+
+fn compute_baselines(specs: &Specs) -> Vec<Baseline> {
+    let (uniform, homogeneous) = rayon::join(
+        || baselines::uniform(&specs.cluster, &specs.model, &specs.job, &specs.calibration),
+        || baselines::best_homogeneous(&specs.cluster, &specs.model, &specs.job, &specs.calibration),
+    );
+    vec![
+        Baseline { name: "uniform".into(), detail: None, candidate: uniform },
+        Baseline {
+            name: "best-homogeneous".into(),
+            detail: homogeneous.as_ref().map(|(device, _)| device.clone()),
+            candidate: homogeneous.map(|(_, candidate)| candidate),
+        },
+    ]
+}
