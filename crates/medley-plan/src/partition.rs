@@ -87,11 +87,26 @@ pub struct ReplicaClass {
     pub count: u32,
 }
 
+/// How one class's replicas share micro-batches: the first `n_more` run `more`, the rest one fewer.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub struct ClassShare {
+    pub more: u32,
+    pub n_more: u32,
+    pub count: u32,
+}
+
+impl ClassShare {
+    /// Micro-batches of each replica of the class, in order.
+    pub fn per_replica(self) -> impl Iterator<Item = u32> {
+        (0..self.count).map(move |idx| if idx < self.n_more { self.more } else { self.more - 1 })
+    }
+}
+
 /// Micro-batches per replica (each at least one, summing to `total`) that minimise the slowest
 /// replica's pipeline time, with that time; `None` when there are more replicas than
 /// micro-batches. Each replica's time grows with its micro-batches, so the least bound whose
 /// per-replica allowances cover `total` is optimal (found by bisection as for layers).
-pub fn split_micro_batches(classes: &[ReplicaClass], total: u32) -> Option<(f64, Vec<Vec<u32>>)> {
+pub fn split_micro_batches(classes: &[ReplicaClass], total: u32) -> Option<(f64, Vec<ClassShare>)> {
     let n_replicas: u64 = classes.iter().map(|class| u64::from(class.count)).sum();
     if n_replicas == 0 || n_replicas > u64::from(total) {
         return None;
@@ -119,32 +134,36 @@ pub fn split_micro_batches(classes: &[ReplicaClass], total: u32) -> Option<(f64,
         }
         if covered(mid) { high = mid } else { low = mid }
     }
-    let mut shares: Vec<Vec<u32>> = classes
+    let mut shares: Vec<ClassShare> = classes
         .iter()
-        .map(|class| vec![allowance(class, high).min(u64::from(total)) as u32; class.count as usize])
+        .map(|class| ClassShare {
+            more: allowance(class, high).min(u64::from(total)) as u32,
+            n_more: class.count,
+            count: class.count,
+        })
         .collect();
-    let mut surplus = shares.iter().flatten().map(|&m| u64::from(m)).sum::<u64>() - u64::from(total);
-    // Take the surplus back from the replicas that finish last.
+    let mut surplus =
+        shares.iter().map(|share| u64::from(share.more) * u64::from(share.count)).sum::<u64>() - u64::from(total);
+    // Take the surplus back from the replicas that finish last, a class level at a time. Each
+    // class keeps `n_more > 0` so its slowest replicas run `more`.
     while surplus > 0 {
-        let (class_idx, replica_idx) = shares
-            .iter()
-            .enumerate()
-            .flat_map(|(class_idx, replicas)| (0..replicas.len()).map(move |replica_idx| (class_idx, replica_idx)))
-            .filter(|&(class_idx, replica_idx)| shares[class_idx][replica_idx] > 1)
-            .max_by(|&(a, ai), &(b, bi)| {
-                let time = |class: usize, idx: usize| classes[class].timing.time_s(shares[class][idx]);
-                time(a, ai).total_cmp(&time(b, bi)).then((b, bi).cmp(&(a, ai)))
+        let class_idx = (0..shares.len())
+            .filter(|&idx| shares[idx].more > 1)
+            .max_by(|&a, &b| {
+                let time = |idx: usize| classes[idx].timing.time_s(shares[idx].more);
+                time(a).total_cmp(&time(b)).then(b.cmp(&a))
             })
             .expect("surplus implies a replica with more than one micro-batch");
-        let take = surplus.min(u64::from(shares[class_idx][replica_idx] - 1)).min(1);
-        shares[class_idx][replica_idx] -= take as u32;
+        let share = &mut shares[class_idx];
+        let take = surplus.min(u64::from(share.n_more));
+        share.n_more -= take as u32;
         surplus -= take;
+        if share.n_more == 0 {
+            share.more -= 1;
+            share.n_more = share.count;
+        }
     }
-    let slowest = shares
-        .iter()
-        .zip(classes)
-        .flat_map(|(replicas, class)| replicas.iter().map(|&m| class.timing.time_s(m)))
-        .fold(0.0, f64::max);
+    let slowest = shares.iter().zip(classes).map(|(share, class)| class.timing.time_s(share.more)).fold(0.0, f64::max);
     Some((slowest, shares))
 }
 
@@ -226,8 +245,11 @@ mod tests {
             match (best, split_micro_batches(&classes, total)) {
                 (None, None) => {}
                 (Some(best), Some((slowest, shares))) => {
-                    prop_assert_eq!(shares.iter().flatten().sum::<u32>(), total);
-                    prop_assert!(shares.iter().flatten().all(|&m| m >= 1));
+                    let shares: Vec<u32> = shares.iter().flat_map(|share| share.per_replica()).collect();
+                    prop_assert_eq!(shares.iter().sum::<u32>(), total);
+                    prop_assert!(shares.iter().all(|&m| m >= 1));
+                    let recomputed = shares.iter().zip(&flat).map(|(&m, t)| t.time_s(m)).fold(0.0, f64::max);
+                    prop_assert!((recomputed - slowest).abs() < 1e-9);
                     prop_assert!((slowest - best).abs() < 1e-9, "{} vs {}", slowest, best);
                 }
                 (best, ours) => prop_assert!(false, "brute force {:?} vs ours {:?}", best, ours),

@@ -25,7 +25,7 @@ use rayon::prelude::*;
 use crate::assemble::{ReplicaLayout, assemble, stages_from_counts};
 use crate::error::PlanError;
 use crate::evaluate::{PipelineTiming, Prediction, capacity_bytes, evaluate};
-use crate::partition::{ReplicaClass, StageLoad, min_max_layers, split_micro_batches};
+use crate::partition::{ClassShare, ReplicaClass, StageLoad, min_max_layers, split_micro_batches};
 use crate::plan::Plan;
 
 /// What to search.
@@ -157,7 +157,7 @@ impl BlockConfig {
 struct Layout {
     setting: Setting,
     blocks: Vec<BlockConfig>,
-    shares: Vec<Vec<u32>>,
+    shares: Vec<ClassShare>,
     estimate_s: f64,
 }
 
@@ -314,7 +314,7 @@ impl Space<'_> {
         let tp = layout.setting.tp;
         let mut replicas = Vec::new();
         for (block, shares) in layout.blocks.iter().zip(&layout.shares) {
-            for (replica_idx, &n_micro_batches) in shares.iter().enumerate() {
+            for (replica_idx, n_micro_batches) in shares.per_replica().enumerate() {
                 let replica_idx = replica_idx as u32;
                 let device_groups: Vec<Vec<u32>> = block
                     .order
