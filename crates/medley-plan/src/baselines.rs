@@ -17,7 +17,7 @@ use crate::assemble::{ReplicaLayout, assemble, stages_from_counts};
 use crate::error::PlanError;
 use crate::evaluate::evaluate;
 use crate::plan::Plan;
-use crate::search::{Candidate, SearchOptions, candidate_settings, search};
+use crate::search::{Candidate, SearchOptions, candidate_settings, search, settings_with_tp};
 
 /// Megatron parallel degrees; their product is the number of devices used.
 #[derive(Clone, Copy, Debug, PartialEq, Eq)]
@@ -66,21 +66,9 @@ pub fn megatron_plan(
     setting: Setting,
     degrees: Degrees,
 ) -> Result<Plan, PlanError> {
+    check_degrees(cluster, cost.model(), degrees)?;
     let error = |message: String| PlanError::Layout { layout: degrees.to_string(), message };
-    let n_used = degrees.tp * degrees.pp * degrees.dp;
-    if n_used > cluster.n_gpus() {
-        return Err(error(format!("needs {n_used} devices, the cluster has {}", cluster.n_gpus())));
-    }
-    if let Some(group) = cluster.groups().iter().find(|group| !group.gpus_per_node.is_multiple_of(degrees.tp)) {
-        return Err(error(format!(
-            "tp={} does not divide the {} GPUs per node of {}: a tensor-parallel group must sit in one node",
-            degrees.tp, group.gpus_per_node, group.device.name
-        )));
-    }
     let n_layers = cost.model().n_layers();
-    if degrees.pp > n_layers {
-        return Err(error(format!("pp={} exceeds the model's {n_layers} layers", degrees.pp)));
-    }
     let n_micro_batches = job.global_batch() / setting.micro_batch;
     if !n_micro_batches.is_multiple_of(degrees.dp) {
         return Err(error(format!(
@@ -107,6 +95,28 @@ pub fn megatron_plan(
     Ok(assemble(cluster, cost, job, setting, replicas))
 }
 
+/// Checks that `degrees` can be laid out on `cluster` for `model` at all.
+fn check_degrees(cluster: &Cluster, model: &ModelSpec, degrees: Degrees) -> Result<(), PlanError> {
+    let error = |message: String| Err(PlanError::Layout { layout: degrees.to_string(), message });
+    let n_used = degrees.tp * degrees.pp * degrees.dp;
+    if n_used > cluster.n_gpus() {
+        return error(format!("needs {n_used} devices, the cluster has {}", cluster.n_gpus()));
+    }
+    if let Some(group) = cluster.groups().iter().find(|group| !group.gpus_per_node.is_multiple_of(degrees.tp)) {
+        return error(format!(
+            "tp={} does not divide the {} GPUs per node of {}: a tensor-parallel group must sit in one node",
+            degrees.tp, group.gpus_per_node, group.device.name
+        ));
+    }
+    if !model.n_heads().is_multiple_of(degrees.tp) {
+        return error(format!("tp={} does not divide the model's {} attention heads", degrees.tp, model.n_heads()));
+    }
+    if degrees.pp > model.n_layers() {
+        return error(format!("pp={} exceeds the model's {} layers", degrees.pp, model.n_layers()));
+    }
+    Ok(())
+}
+
 /// The fastest fitting Megatron-style plan with `degrees` over the settings the job allows.
 pub fn fixed(
     cluster: &Cluster,
@@ -115,15 +125,11 @@ pub fn fixed(
     calibration: &Calibration,
     degrees: Degrees,
 ) -> Result<Candidate, PlanError> {
+    check_degrees(cluster, model, degrees)?;
     let cost = CostModel::new(model, job.seq_len(), calibration);
-    let all_groups: Vec<usize> = (0..cluster.groups().len()).collect();
-    let settings: Vec<Setting> = candidate_settings(cluster, model, job, &all_groups)
-        .into_iter()
-        .filter(|setting| setting.tp == degrees.tp)
-        .collect();
     let mut last_error = None;
     let mut best: Option<Candidate> = None;
-    for setting in settings {
+    for setting in settings_with_tp(job, degrees.tp) {
         match megatron_plan(cluster, &cost, job, setting, degrees) {
             Ok(plan) => {
                 let prediction = evaluate(&plan, calibration);

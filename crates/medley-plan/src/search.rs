@@ -111,25 +111,25 @@ pub(crate) fn candidate_settings(
     job: &JobSpec,
     allowed: &[usize],
 ) -> Vec<Setting> {
-    let micro_batches: Vec<u32> = match job.micro_batch() {
-        Some(micro_batch) => vec![micro_batch],
-        None => MICRO_BATCHES.into_iter().filter(|mb| job.global_batch().is_multiple_of(*mb)).collect(),
-    };
-    let recomputes: Vec<Recompute> = job.recompute().map_or(Recompute::ALL.to_vec(), |recompute| vec![recompute]);
     let node_fits = |tp: u32| allowed.iter().any(|&g| cluster.groups()[g].gpus_per_node.is_multiple_of(tp));
     let heads_split = |tp: u32| {
         model.n_heads().is_multiple_of(tp)
             && (model.n_kv_heads().is_multiple_of(tp) || tp.is_multiple_of(model.n_kv_heads()))
     };
-    let mut settings = Vec::new();
-    for tp in TP_DEGREES.into_iter().filter(|&tp| node_fits(tp) && heads_split(tp)) {
-        for &micro_batch in &micro_batches {
-            for &recompute in &recomputes {
-                settings.push(Setting { micro_batch, tp, recompute });
-            }
-        }
-    }
-    settings
+    TP_DEGREES.into_iter().filter(|&tp| node_fits(tp) && heads_split(tp)).flat_map(|tp| settings_with_tp(job, tp)).collect()
+}
+
+/// Every (micro-batch, recompute) the job allows, with tensor parallelism `tp`.
+pub(crate) fn settings_with_tp(job: &JobSpec, tp: u32) -> Vec<Setting> {
+    let micro_batches: Vec<u32> = match job.micro_batch() {
+        Some(micro_batch) => vec![micro_batch],
+        None => MICRO_BATCHES.into_iter().filter(|mb| job.global_batch().is_multiple_of(*mb)).collect(),
+    };
+    let recomputes: Vec<Recompute> = job.recompute().map_or(Recompute::ALL.to_vec(), |recompute| vec![recompute]);
+    micro_batches
+        .iter()
+        .flat_map(|&micro_batch| recomputes.iter().map(move |&recompute| Setting { micro_batch, tp, recompute }))
+        .collect()
 }
 
 /// One block's pipeline template: `n_replicas` copies of stages taken type by type.
