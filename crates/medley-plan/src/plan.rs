@@ -174,6 +174,9 @@ impl Plan {
         if self.replicas.is_empty() {
             return invalid("a plan needs at least one replica".into());
         }
+        if self.tp == 0 {
+            return invalid("tp must be at least 1".into());
+        }
         if self.micro_batch == 0 || self.n_micro_batches() * self.micro_batch != self.global_batch {
             return invalid(format!(
                 "replicas run {} micro-batches of {} sequences, which is not the global batch {}",

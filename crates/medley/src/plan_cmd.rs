@@ -61,7 +61,7 @@ pub fn run(args: &PlanArgs) -> Result<ExitCode> {
         Err(err) => return Err(err.into()),
     };
     let search_s = started.elapsed().as_secs_f64();
-    let baselines = compute_baselines(&specs);
+    let baselines = Baselines::compute(&specs).into_rows();
     if let Some(path) = &args.output {
         let json = serde_json::to_string_pretty(&candidates[0].plan)?;
         fs::write(path, json + "\n").with_context(|| format!("cannot write {}", path.display()))?;
@@ -106,17 +106,32 @@ fn evaluate_plan_file(path: &str, specs: &Specs) -> Result<Candidate> {
     Ok(Candidate { plan, prediction })
 }
 
-fn compute_baselines(specs: &Specs) -> Vec<Baseline> {
-    let (uniform, homogeneous) = rayon::join(
-        || baselines::uniform(&specs.cluster, &specs.model, &specs.job, &specs.calibration),
-        || baselines::best_homogeneous(&specs.cluster, &specs.model, &specs.job, &specs.calibration),
-    );
-    vec![
-        Baseline { name: "uniform".into(), detail: None, candidate: uniform },
-        Baseline {
-            name: "best-homogeneous".into(),
-            detail: homogeneous.as_ref().map(|(device, _)| device.clone()),
-            candidate: homogeneous.map(|(_, candidate)| candidate),
-        },
-    ]
+/// The layouts a plan is compared with.
+pub(crate) struct Baselines {
+    pub uniform: Option<Candidate>,
+    /// The fastest plan on one device type, with that type's name.
+    pub homogeneous: Option<(String, Candidate)>,
+}
+
+impl Baselines {
+    /// Both baselines, computed side by side.
+    pub(crate) fn compute(specs: &Specs) -> Self {
+        let (uniform, homogeneous) = rayon::join(
+            || baselines::uniform(&specs.cluster, &specs.model, &specs.job, &specs.calibration),
+            || baselines::best_homogeneous(&specs.cluster, &specs.model, &specs.job, &specs.calibration),
+        );
+        Baselines { uniform, homogeneous }
+    }
+
+    /// The rows of the report's baselines table.
+    fn into_rows(self) -> Vec<Baseline> {
+        vec![
+            Baseline { name: "uniform".into(), detail: None, candidate: self.uniform },
+            Baseline {
+                name: "best-homogeneous".into(),
+                detail: self.homogeneous.as_ref().map(|(device, _)| device.clone()),
+                candidate: self.homogeneous.map(|(_, candidate)| candidate),
+            },
+        ]
+    }
 }

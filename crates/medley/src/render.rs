@@ -86,13 +86,13 @@ fn headline(specs: &Specs) -> String {
     )
 }
 
-fn table(header: &[&str]) -> Table {
+pub(crate) fn table(header: &[&str]) -> Table {
     let mut table = Table::new();
     table.load_preset(UTF8_BORDERS_ONLY).set_header(header.iter().map(Cell::new));
     table
 }
 
-fn right(text: impl ToString) -> Cell {
+pub(crate) fn right(text: impl ToString) -> Cell {
     Cell::new(text.to_string()).set_alignment(CellAlignment::Right)
 }
 
@@ -145,7 +145,7 @@ fn baselines_table(best: &Candidate, baselines: &[Baseline]) -> Table {
                     right(format!("{:.3}", prediction.step_time_s)),
                     right(format!("{:.0}", prediction.tokens_per_s)),
                     right(percent(prediction.mfu)),
-                    right(format!("{:.2}×", prediction.step_time_s / best.prediction.step_time_s)),
+                    right(times(prediction.step_time_s / best.prediction.step_time_s)),
                 ]);
             }
             None => {
@@ -170,8 +170,13 @@ fn memory_table(best: &Candidate) -> Table {
     table
 }
 
-fn percent(fraction: f64) -> String {
+pub(crate) fn percent(fraction: f64) -> String {
     format!("{:.1}%", 100.0 * fraction)
+}
+
+/// `1.25×`: how many times one quantity is another.
+pub(crate) fn times(ratio: f64) -> String {
+    format!("{ratio:.2}×")
 }
 
 /// `8× [H100-SXM:2, A100-80GB:4]`-style summary of the replica shapes.
