@@ -19,7 +19,7 @@ use std::collections::BTreeMap;
 
 use medley_cost::comm::{self, DomainPart, Link};
 use medley_cost::{Calibration, CostModel, PassTime, Setting, StageShape};
-use medley_spec::{Cluster, JobSpec, ModelSpec, NodeGroup, Recompute, Vendor};
+use medley_spec::{BridgeMode, Cluster, DeviceSlot, JobSpec, ModelSpec, NodeGroup, Recompute, Vendor};
 use rayon::prelude::*;
 
 use crate::assemble::{ReplicaLayout, assemble, stages_from_counts};
@@ -80,7 +80,15 @@ pub fn search(
 ) -> Result<SearchOutcome, PlanError> {
     let cost = CostModel::new(model, job.seq_len(), calibration);
     let allowed: Vec<usize> = options.groups.clone().unwrap_or_else(|| (0..cluster.groups().len()).collect());
-    let space = Space { cluster, job, cost, exhaustive: options.exhaustive };
+    let space = Space {
+        cluster,
+        slots: cluster.devices(),
+        first_ids: cluster.group_first_ids(),
+        bridge_modes: cluster.bridge().modes(),
+        job,
+        cost,
+        exhaustive: options.exhaustive,
+    };
     let per_setting: Vec<(Vec<Layout>, usize)> = candidate_settings(cluster, model, job, &allowed)
         .par_iter()
         .map(|&setting| space.layouts(setting, &allowed))
@@ -116,7 +124,11 @@ pub(crate) fn candidate_settings(
         model.n_heads().is_multiple_of(tp)
             && (model.n_kv_heads().is_multiple_of(tp) || tp.is_multiple_of(model.n_kv_heads()))
     };
-    TP_DEGREES.into_iter().filter(|&tp| node_fits(tp) && heads_split(tp)).flat_map(|tp| settings_with_tp(job, tp)).collect()
+    TP_DEGREES
+        .into_iter()
+        .filter(|&tp| node_fits(tp) && heads_split(tp))
+        .flat_map(|tp| settings_with_tp(job, tp))
+        .collect()
 }
 
 /// Every (micro-batch, recompute) the job allows, with tensor parallelism `tp`.
@@ -132,16 +144,46 @@ pub(crate) fn settings_with_tp(job: &JobSpec, tp: u32) -> Vec<Setting> {
         .collect()
 }
 
+/// How a block's replicas are laid onto its node groups' tensor-parallel units (TP groups).
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+enum Placement {
+    /// Each replica takes consecutive units: pipeline neighbours share nodes, gradient groups
+    /// span nodes.
+    PipelineMajor,
+    /// Megatron-LM's rank order (dp inside pp): one stage's replicas take consecutive units, so
+    /// gradient groups share nodes and pipeline neighbours span nodes.
+    DataMajor,
+}
+
+impl Placement {
+    const ALL: [Placement; 2] = [Placement::PipelineMajor, Placement::DataMajor];
+
+    /// The unit, within its node group, of stage `stage_in_group` of `replica`.
+    fn unit(self, replica: u32, stage_in_group: u32, stages_per_replica: u32, n_replicas: u32) -> u32 {
+        match self {
+            Placement::PipelineMajor => replica * stages_per_replica + stage_in_group,
+            Placement::DataMajor => stage_in_group * n_replicas + replica,
+        }
+    }
+}
+
+/// Replicas whose links are inspected when pricing a template: placement patterns repeat with
+/// a period that divides the units per node, so this many cover nodes of up to 16 GPUs.
+const SAMPLED_REPLICAS: u32 = 16;
+
 /// One block's pipeline template: `n_replicas` copies of stages taken type by type.
 #[derive(Clone, Debug)]
 struct BlockConfig {
     /// (node group, stages of it per replica), in pipeline order.
     order: Vec<(usize, u32)>,
+    placement: Placement,
     n_replicas: u32,
     layers: Vec<u32>,
     timing: PipelineTiming,
     /// Gradient bytes of the block's largest stage per TP rank, for the sync estimate.
     max_stage_grad_bytes: f64,
+    /// The slowest link of any stage's gradient ring inside the block.
+    dp_link: Link,
     vendors: Vec<Vendor>,
 }
 
@@ -163,6 +205,9 @@ struct Layout {
 
 struct Space<'a> {
     cluster: &'a Cluster,
+    slots: Vec<DeviceSlot>,
+    first_ids: Vec<u32>,
+    bridge_modes: Vec<BridgeMode>,
     job: &'a JobSpec,
     cost: CostModel<'a>,
     exhaustive: bool,
@@ -223,21 +268,17 @@ impl Space<'_> {
         for order in type_orders(groups, block) {
             let units: Vec<u32> = order.iter().map(|&g| groups[g].n_gpus() / setting.tp).collect();
             for (n_replicas, stages_per_group) in stage_vectors(&units, n_layers, self.n_micro_batches(setting)) {
-                let stage_groups: Vec<usize> = order
-                    .iter()
-                    .zip(&stages_per_group)
-                    .flat_map(|(&g, &count)| std::iter::repeat_n(g, count as usize))
-                    .collect();
-                let template = Template { space: self, setting, stage_groups: &stage_groups, n_replicas };
-                let loads = template.loads();
-                let splits: Vec<Vec<u32>> = if self.exhaustive {
-                    compositions_within(&loads, n_layers)
-                } else {
-                    min_max_layers(&loads, n_layers).into_iter().collect()
-                };
-                let order_counts: Vec<(usize, u32)> =
-                    order.iter().copied().zip(stages_per_group.iter().copied()).collect();
-                configs.extend(splits.into_iter().map(|layers| template.config(order_counts.clone(), layers)));
+                let order_counts: Vec<(usize, u32)> = order.iter().copied().zip(stages_per_group).collect();
+                for placement in Placement::ALL {
+                    let template = Template::new(self, setting, order_counts.clone(), placement, n_replicas);
+                    let loads = template.loads();
+                    let splits: Vec<Vec<u32>> = if self.exhaustive {
+                        compositions_within(&loads, n_layers)
+                    } else {
+                        min_max_layers(&loads, n_layers).into_iter().collect()
+                    };
+                    configs.extend(splits.into_iter().map(|layers| template.config(layers)));
+                }
             }
         }
         configs
@@ -252,28 +293,39 @@ impl Space<'_> {
         Some(Layout { setting, blocks: blocks.iter().map(|&block| block.clone()).collect(), shares, estimate_s })
     }
 
-    /// Gradient synchronisation over all replicas, for the block whose largest stage is slowest
-    /// to sync: a ring inside one vendor, else the cheaper of a ring and a hierarchical
-    /// all-reduce over the bridge.
+    /// Gradient synchronisation over all replicas, for the largest stage: a ring inside one
+    /// vendor domain, else the cheaper of a ring and a hierarchical all-reduce over the bridge.
+    /// Inside a block the ring runs over the block's own links; between blocks over the NICs.
     fn dp_sync_estimate_s(&self, blocks: &[&BlockConfig]) -> f64 {
         let n_replicas: u32 = blocks.iter().map(|block| block.n_replicas).sum();
+        let bytes = blocks.iter().map(|block| block.max_stage_grad_bytes).fold(0.0, f64::max);
         if n_replicas < 2 {
             return 0.0;
         }
         let mut vendors: Vec<Vendor> = blocks.iter().flat_map(|block| block.vendors.iter().copied()).collect();
         vendors.sort();
         vendors.dedup();
-        let groups: Vec<&NodeGroup> =
-            blocks.iter().flat_map(|block| block.order.iter().map(|&(g, _)| &self.cluster.groups()[g])).collect();
-        let nic = self.nic_link(&groups);
-        let bytes = blocks.iter().map(|block| block.max_stage_grad_bytes).fold(0.0, f64::max);
-        if vendors.len() == 1 {
-            return comm::ring_all_reduce_s(bytes, n_replicas, nic);
+        let domains: Vec<DomainPart> = vendors.iter().map(|&vendor| self.domain_estimate(blocks, vendor)).collect();
+        if let [domain] = domains.as_slice() {
+            return comm::ring_all_reduce_s(bytes, n_replicas, domain.link);
         }
-        let bridge = self.best_bridge_link(nic);
-        let per_domain = n_replicas.div_ceil(vendors.len() as u32);
-        let domains = vec![DomainPart { n_ranks: per_domain, link: nic }; vendors.len()];
-        comm::hierarchical_all_reduce_s(bytes, &domains, bridge).min(comm::ring_all_reduce_s(bytes, n_replicas, bridge))
+        let bridge = self.best_bridge_link(self.nic_link(&self.block_groups(blocks)));
+        let flat_link = domains.iter().map(|domain| domain.link).fold(bridge, Link::slowest);
+        comm::hierarchical_all_reduce_s(bytes, &domains, bridge)
+            .min(comm::ring_all_reduce_s(bytes, n_replicas, flat_link))
+    }
+
+    /// The replicas of `vendor`'s blocks and the slowest link of a ring through them.
+    fn domain_estimate(&self, blocks: &[&BlockConfig], vendor: Vendor) -> DomainPart {
+        let members: Vec<&BlockConfig> =
+            blocks.iter().copied().filter(|block| block.vendors.contains(&vendor)).collect();
+        let inner = members.iter().map(|block| block.dp_link).reduce(Link::slowest).expect("a vendor has blocks");
+        let link = if members.len() > 1 { inner.slowest(self.nic_link(&self.block_groups(&members))) } else { inner };
+        DomainPart { n_ranks: members.iter().map(|block| block.n_replicas).sum(), link }
+    }
+
+    fn block_groups(&self, blocks: &[&BlockConfig]) -> Vec<&NodeGroup> {
+        blocks.iter().flat_map(|block| block.order.iter().map(|&(g, _)| &self.cluster.groups()[g])).collect()
     }
 
     /// Inter-node link shared by `groups`: the smallest NIC share.
@@ -297,20 +349,21 @@ impl Space<'_> {
             .expect("a bridge offers at least one mode")
     }
 
-    /// The estimated link between consecutive stages on groups `a` and `b`.
-    fn boundary_link(&self, a: usize, b: usize, tp: u32) -> Link {
+    /// The fastest link between two devices: any bridge mode the cluster offers across vendors.
+    fn fastest_link(&self, a: DeviceSlot, b: DeviceSlot) -> Link {
         let groups = self.cluster.groups();
-        let (group_a, group_b) = (&groups[a], &groups[b]);
-        if a == b && group_a.gpus_per_node / tp >= 2 {
-            return comm::intra_node_link(group_a);
+        if groups[a.group_idx].device.vendor == groups[b.group_idx].device.vendor {
+            return comm::link_between(self.cluster, a, b, BridgeMode::DeviceDirect);
         }
-        let nic = self.nic_link(&[group_a, group_b]);
-        if group_a.device.vendor == group_b.device.vendor { nic } else { self.best_bridge_link(nic) }
+        self.bridge_modes
+            .iter()
+            .map(|&mode| comm::link_between(self.cluster, a, b, mode))
+            .reduce(|x, y| if y.gb_s > x.gb_s { y } else { x })
+            .expect("a bridge offers at least one mode")
     }
 
     /// The explicit plan of a layout.
     fn assemble(&self, layout: &Layout) -> Plan {
-        let first_ids = self.cluster.group_first_ids();
         let tp = layout.setting.tp;
         let mut replicas = Vec::new();
         for (block, shares) in layout.blocks.iter().zip(&layout.shares) {
@@ -320,9 +373,11 @@ impl Space<'_> {
                     .order
                     .iter()
                     .flat_map(|&(g, count)| {
-                        let first = first_ids[g];
-                        (replica_idx * count..(replica_idx + 1) * count)
-                            .map(move |unit| (first + unit * tp..first + (unit + 1) * tp).collect())
+                        (0..count).map(move |stage_in_group| {
+                            let unit = block.placement.unit(replica_idx, stage_in_group, count, block.n_replicas);
+                            let first = self.first_ids[g] + unit * tp;
+                            (first..first + tp).collect()
+                        })
                     })
                     .collect();
                 replicas
@@ -337,35 +392,119 @@ impl Space<'_> {
 struct Template<'s, 'a> {
     space: &'s Space<'a>,
     setting: Setting,
-    stage_groups: &'s [usize],
+    order: Vec<(usize, u32)>,
+    placement: Placement,
     n_replicas: u32,
+    /// Per stage: (node group, index among that group's stages in a replica, that group's stages).
+    positions: Vec<(usize, u32, u32)>,
+    /// One transfer over each boundary, on the slowest sampled replica.
+    boundary_s: Vec<f64>,
+    dp_link: Link,
 }
 
-impl Template<'_, '_> {
-    fn shape(&self, stage_idx: usize, n_layers: u32) -> StageShape {
-        StageShape { n_layers, embedding: stage_idx == 0, head: stage_idx + 1 == self.stage_groups.len() }
+impl<'s, 'a> Template<'s, 'a> {
+    fn new(
+        space: &'s Space<'a>,
+        setting: Setting,
+        order: Vec<(usize, u32)>,
+        placement: Placement,
+        n_replicas: u32,
+    ) -> Self {
+        let positions = order
+            .iter()
+            .flat_map(|&(g, count)| (0..count).map(move |stage_in_group| (g, stage_in_group, count)))
+            .collect();
+        let unbounded = Link { gb_s: f64::INFINITY, latency_us: 0.0 };
+        let mut template = Template {
+            space,
+            setting,
+            order,
+            placement,
+            n_replicas,
+            positions,
+            boundary_s: Vec::new(),
+            dp_link: unbounded,
+        };
+        template.boundary_s = template.boundary_times();
+        template.dp_link = template.slowest_dp_link();
+        template
     }
 
-    fn boundary_s(&self) -> Vec<f64> {
+    fn stage_groups(&self) -> impl Iterator<Item = usize> + '_ {
+        self.positions.iter().map(|&(g, _, _)| g)
+    }
+
+    fn shape(&self, stage_idx: usize, n_layers: u32) -> StageShape {
+        StageShape { n_layers, embedding: stage_idx == 0, head: stage_idx + 1 == self.positions.len() }
+    }
+
+    /// Where the first device of stage `stage_idx` of `replica` sits.
+    fn slot(&self, replica: u32, stage_idx: usize) -> DeviceSlot {
+        let (g, stage_in_group, count) = self.positions[stage_idx];
+        let unit = self.placement.unit(replica, stage_in_group, count, self.n_replicas);
+        self.space.slots[(self.space.first_ids[g] + unit * self.setting.tp) as usize]
+    }
+
+    fn sampled_replicas(&self) -> std::ops::Range<u32> {
+        0..self.n_replicas.min(SAMPLED_REPLICAS)
+    }
+
+    /// Units of group `g` per node: link patterns along a group's stages repeat with this period.
+    fn units_per_node(&self, g: usize) -> u32 {
+        self.space.cluster.groups()[g].gpus_per_node / self.setting.tp
+    }
+
+    fn boundary_times(&self) -> Vec<f64> {
         let bytes = self.space.cost.boundary_bytes(self.setting);
-        self.stage_groups
-            .windows(2)
-            .map(|pair| self.space.boundary_link(pair[0], pair[1], self.setting.tp).transfer_s(bytes))
-            .collect()
+        let mut times: Vec<f64> = Vec::with_capacity(self.positions.len().saturating_sub(1));
+        for next in 1..self.positions.len() {
+            let ((g, stage_in_group, _), (previous_g, _, _)) = (self.positions[next], self.positions[next - 1]);
+            let period = self.units_per_node(g);
+            let time = if g == previous_g && stage_in_group > period {
+                times[next - 1 - period as usize]
+            } else {
+                self.sampled_replicas()
+                    .map(|replica| {
+                        let link = self.space.fastest_link(self.slot(replica, next - 1), self.slot(replica, next));
+                        link.transfer_s(bytes)
+                    })
+                    .fold(0.0, f64::max)
+            };
+            times.push(time);
+        }
+        times
+    }
+
+    /// The slowest link of any stage's gradient ring over the block's replicas.
+    fn slowest_dp_link(&self) -> Link {
+        let unbounded = self.dp_link;
+        if self.n_replicas < 2 {
+            return unbounded;
+        }
+        let last = self.n_replicas - 1;
+        let pairs: Vec<(u32, u32)> =
+            self.sampled_replicas().filter(|&r| r < last).map(|r| (r, r + 1)).chain([(last, 0)]).collect();
+        (0..self.positions.len())
+            .filter(|&stage| {
+                let (g, stage_in_group, _) = self.positions[stage];
+                stage_in_group < self.units_per_node(g)
+            })
+            .flat_map(|stage| pairs.iter().map(move |&(a, b)| (stage, a, b)))
+            .map(|(stage, a, b)| self.space.fastest_link(self.slot(a, stage), self.slot(b, stage)))
+            .fold(unbounded, Link::slowest)
     }
 
     /// What the partitioner needs: time per layer, fixed time and memory cap of every stage.
     fn loads(&self) -> Vec<StageLoad> {
         let groups = self.space.cluster.groups();
         let cost = &self.space.cost;
-        let n_stages = self.stage_groups.len();
-        let boundary_s = self.boundary_s();
+        let n_stages = self.positions.len();
+        let boundary_s = &self.boundary_s;
         let replica_share = self.space.n_micro_batches(self.setting).div_ceil(self.n_replicas);
         let shards = if self.space.job.zero1() { self.n_replicas } else { 1 };
-        self.stage_groups
-            .iter()
+        self.stage_groups()
             .enumerate()
-            .map(|(idx, &g)| {
+            .map(|(idx, g)| {
                 let group = &groups[g];
                 let head = if idx + 1 == n_stages { cost.head_time(group, self.setting) } else { PassTime::default() };
                 let transfers =
@@ -386,27 +525,28 @@ impl Template<'_, '_> {
             .collect()
     }
 
-    fn config(&self, order: Vec<(usize, u32)>, layers: Vec<u32>) -> BlockConfig {
+    fn config(&self, layers: Vec<u32>) -> BlockConfig {
         let groups = self.space.cluster.groups();
         let cost = &self.space.cost;
         let passes: Vec<PassTime> = self
-            .stage_groups
-            .iter()
+            .stage_groups()
             .enumerate()
-            .map(|(idx, &g)| cost.stage_time(&groups[g], self.shape(idx, layers[idx]), self.setting))
+            .map(|(idx, g)| cost.stage_time(&groups[g], self.shape(idx, layers[idx]), self.setting))
             .collect();
         let max_stage_grad_bytes = (0..layers.len())
             .map(|idx| 2.0 * cost.stage_params(self.shape(idx, layers[idx])) / f64::from(self.setting.tp))
             .fold(0.0, f64::max);
-        let mut vendors: Vec<Vendor> = order.iter().map(|&(g, _)| groups[g].device.vendor).collect();
+        let mut vendors: Vec<Vendor> = self.order.iter().map(|&(g, _)| groups[g].device.vendor).collect();
         vendors.sort();
         vendors.dedup();
         BlockConfig {
-            order,
+            order: self.order.clone(),
+            placement: self.placement,
             n_replicas: self.n_replicas,
-            timing: PipelineTiming::new(&passes, &self.boundary_s()),
+            timing: PipelineTiming::new(&passes, &self.boundary_s),
             layers,
             max_stage_grad_bytes,
+            dp_link: self.dp_link,
             vendors,
         }
     }

@@ -60,7 +60,8 @@ fn json_has_the_documented_keys() {
 fn a_written_plan_evaluates_to_the_same_prediction() {
     let path = scratch("plan.json");
     let path = path.to_str().unwrap();
-    let searched = check(&["plan", "--cluster", "8xh100,8xmi300x", "--model", "llama3-8b", "--json", "-o", path], 0, "plan");
+    let searched =
+        check(&["plan", "--cluster", "8xh100,8xmi300x", "--model", "llama3-8b", "--json", "-o", path], 0, "plan");
     let evaluated = check(&["plan", "--plan", path, "--json"], 0, "plan");
     let step = |output: &Output| {
         let value: serde_json::Value = serde_json::from_str(&stdout(output)).unwrap();
