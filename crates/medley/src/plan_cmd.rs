@@ -71,6 +71,10 @@ pub fn run(args: &PlanArgs) -> Result<ExitCode> {
         println!("{}", serde_json::to_string_pretty(&render::json(&report))?);
     } else {
         print!("{}", render::text(&report));
+        match &args.output {
+            Some(path) => println!("\nplan written to {}", path.display()),
+            None => println!("\nwrite this plan as JSON with -o plan.json (or print everything with --json)"),
+        }
     }
     Ok(ExitCode::SUCCESS)
 }
