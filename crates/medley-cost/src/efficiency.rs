@@ -27,12 +27,13 @@ pub struct Efficiency {
 impl Efficiency {
     /// The stated default for a device type (see the module comment).
     pub fn default_for(device: &DeviceSpec) -> Efficiency {
-        let name = device.name.to_ascii_lowercase();
+        let family =
+            |prefix: &str| device.name.get(..prefix.len()).is_some_and(|head| head.eq_ignore_ascii_case(prefix));
         let (matmul, attention) = match device.vendor {
-            Vendor::Amd if name.starts_with("mi250") => (0.45, 0.30),
+            Vendor::Amd if family("mi250") => (0.45, 0.30),
             Vendor::Amd => (0.50, 0.35),
-            Vendor::Nvidia if name.starts_with("a100") || name.starts_with("v100") => (0.75, 0.55),
-            Vendor::Nvidia if name.starts_with("l40") || name.contains("4090") => (0.65, 0.45),
+            Vendor::Nvidia if family("a100") || family("v100") => (0.75, 0.55),
+            Vendor::Nvidia if family("l40") || family("rtx-4090") => (0.65, 0.45),
             Vendor::Nvidia => (0.70, 0.50),
         };
         Efficiency { matmul, attention, memory: 0.8 }
@@ -92,8 +93,9 @@ impl Calibration {
 
     pub fn efficiency(&self, device: &DeviceSpec) -> Efficiency {
         self.by_device
-            .get(&device.name.to_ascii_lowercase())
-            .copied()
+            .iter()
+            .find(|(name, _)| name.eq_ignore_ascii_case(&device.name))
+            .map(|(_, efficiency)| *efficiency)
             .unwrap_or_else(|| Efficiency::default_for(device))
     }
 }

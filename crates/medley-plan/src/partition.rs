@@ -1,6 +1,9 @@
 //! Exact min-max splits: layers over a pipeline's uneven stages, micro-batches over uneven
 //! replicas. Both minimise the slowest part, which bounds a pipelined step.
 
+use std::cmp::{Ordering, Reverse};
+use std::collections::BinaryHeap;
+
 use crate::evaluate::PipelineTiming;
 
 /// Slack, in units of one layer or micro-batch, so that a bound equal to a part's time (up to
@@ -16,10 +19,13 @@ pub struct StageLoad {
     pub fixed_s: f64,
     /// Most layers that fit the stage's memory.
     pub max_layers: u32,
+    /// Parameters the stage holds beyond its layers (embedding, head), in layers' worth; equally
+    /// fast stages are given layers so that they hold equal parameters.
+    pub extra_layers: f64,
 }
 
 impl StageLoad {
-    fn time_s(&self, n_layers: u32) -> f64 {
+    pub fn time_s(&self, n_layers: u32) -> f64 {
         self.fixed_s + f64::from(n_layers) * self.per_layer_s
     }
 
@@ -30,54 +36,113 @@ impl StageLoad {
     }
 }
 
-/// Layer counts per stage (each at least one, summing to `n_layers`, within memory) that
-/// minimise the slowest stage; `None` when no split fits.
+/// Whether every stage can take a layer and together they take `n_layers` within `bound_s`.
+fn feasible(stages: &[StageLoad], n_layers: u32, bound_s: f64) -> bool {
+    let mut sum = 0u64;
+    for stage in stages {
+        let capacity = stage.capacity(bound_s);
+        if capacity == 0 {
+            return false;
+        }
+        sum += u64::from(capacity);
+    }
+    sum >= u64::from(n_layers)
+}
+
+/// The least bound on the slowest stage that some split of `n_layers` (each stage at least one,
+/// within memory) meets; `None` when no split fits.
 ///
 /// Layers are identical, so a bound is feasible exactly when the stages' capacities under it sum
 /// to `n_layers`; bisection finds the least feasible bound to within float resolution, which is
-/// below the gap between any two distinct stage times, so the result is the optimum. Surplus
-/// capacity is taken back from the slowest-per-layer stages first, which also shortens the fill.
-pub fn min_max_layers(stages: &[StageLoad], n_layers: u32) -> Option<Vec<u32>> {
-    let total_capacity: u64 = stages.iter().map(|stage| u64::from(stage.max_layers)).sum();
-    if stages.is_empty() || stages.iter().any(|stage| stage.max_layers == 0) || total_capacity < u64::from(n_layers) {
-        return None;
-    }
-    if stages.len() > n_layers as usize {
-        return None;
-    }
-    let feasible = |bound_s: f64| {
-        let mut sum = 0u64;
-        for stage in stages {
-            let capacity = stage.capacity(bound_s);
-            if capacity == 0 {
-                return false;
-            }
-            sum += u64::from(capacity);
-        }
-        sum >= u64::from(n_layers)
-    };
-    let mut low = stages.iter().map(|stage| stage.time_s(1)).fold(0.0, f64::max);
+/// below the gap between any two distinct stage times.
+pub fn least_bound_s(stages: &[StageLoad], n_layers: u32) -> Option<f64> {
     let mut high = stages.iter().map(|stage| stage.time_s(stage.max_layers)).fold(0.0, f64::max);
-    if feasible(low) {
-        high = low;
+    if stages.is_empty() || stages.len() > n_layers as usize || !feasible(stages, n_layers, high) {
+        return None;
+    }
+    let mut low = stages.iter().map(|stage| stage.time_s(1)).fold(0.0, f64::max);
+    if feasible(stages, n_layers, low) {
+        return Some(low);
     }
     for _ in 0..100 {
         let mid = 0.5 * (low + high);
         if mid <= low || mid >= high {
             break;
         }
-        if feasible(mid) { high = mid } else { low = mid }
+        if feasible(stages, n_layers, mid) { high = mid } else { low = mid }
     }
-    let mut counts: Vec<u32> = stages.iter().map(|stage| stage.capacity(high)).collect();
-    let mut surplus = counts.iter().map(|&count| u64::from(count)).sum::<u64>() - u64::from(n_layers);
-    let mut by_slowness: Vec<usize> = (0..stages.len()).collect();
-    by_slowness.sort_by(|&a, &b| stages[b].per_layer_s.total_cmp(&stages[a].per_layer_s).then(a.cmp(&b)));
-    for idx in by_slowness {
-        let take = surplus.min(u64::from(counts[idx] - 1));
-        counts[idx] -= take as u32;
-        surplus -= take;
+    // Snap to the stage time that sets the bound, so stages whose times equal it up to float
+    // rounding are all admitted.
+    Some(stages.iter().map(|stage| stage.time_s(stage.capacity(high))).fold(0.0, f64::max))
+}
+
+/// The next bound above `bound_s` at which some stage can take one more layer.
+pub fn next_bound_s(stages: &[StageLoad], bound_s: f64) -> Option<f64> {
+    stages
+        .iter()
+        .filter_map(|stage| {
+            let next = stage.capacity(bound_s) + 1;
+            (next <= stage.max_layers).then(|| stage.time_s(next))
+        })
+        .reduce(f64::min)
+}
+
+/// The split within `bound_s` with the shortest fill: every layer beyond the first of each stage
+/// goes to the fastest-per-layer stage with room, and among equally fast ones to the stage
+/// holding the fewest parameters. `None` when the bound admits no split.
+pub fn fill_within(stages: &[StageLoad], n_layers: u32, bound_s: f64) -> Option<Vec<u32>> {
+    if stages.len() > n_layers as usize || !feasible(stages, n_layers, bound_s) {
+        return None;
+    }
+    let capacities: Vec<u32> = stages.iter().map(|stage| stage.capacity(bound_s)).collect();
+    let mut counts = vec![1u32; stages.len()];
+    let mut by_speed: Vec<usize> = (0..stages.len()).collect();
+    by_speed.sort_by(|&a, &b| stages[a].per_layer_s.total_cmp(&stages[b].per_layer_s).then(a.cmp(&b)));
+    let mut left = n_layers - stages.len() as u32;
+    for tie in by_speed.chunk_by(|&a, &b| stages[a].per_layer_s == stages[b].per_layer_s) {
+        // Among equally fast stages, the next layer goes to the one holding the least.
+        let mut queue: BinaryHeap<Reverse<Held>> = tie
+            .iter()
+            .filter(|&&idx| capacities[idx] > 1)
+            .map(|&idx| Reverse(Held { params: stages[idx].extra_layers + 1.0, idx }))
+            .collect();
+        while left > 0 {
+            let Some(Reverse(Held { params, idx })) = queue.pop() else { break };
+            counts[idx] += 1;
+            left -= 1;
+            if counts[idx] < capacities[idx] {
+                queue.push(Reverse(Held { params: params + 1.0, idx }));
+            }
+        }
     }
     Some(counts)
+}
+
+/// A stage's parameters in layers' worth, ordered for the fill queue (ties by stage index).
+#[derive(Clone, Copy, Debug, PartialEq)]
+struct Held {
+    params: f64,
+    idx: usize,
+}
+
+impl Eq for Held {}
+
+impl PartialOrd for Held {
+    fn partial_cmp(&self, other: &Self) -> Option<Ordering> {
+        Some(self.cmp(other))
+    }
+}
+
+impl Ord for Held {
+    fn cmp(&self, other: &Self) -> Ordering {
+        self.params.total_cmp(&other.params).then(self.idx.cmp(&other.idx))
+    }
+}
+
+/// Layer counts per stage (each at least one, summing to `n_layers`, within memory) that
+/// minimise the slowest stage, with the shortest fill among those; `None` when no split fits.
+pub fn min_max_layers(stages: &[StageLoad], n_layers: u32) -> Option<Vec<u32>> {
+    fill_within(stages, n_layers, least_bound_s(stages, n_layers)?)
 }
 
 /// `count` identical replicas with the same pipeline timing.
@@ -193,10 +258,11 @@ mod tests {
     }
 
     fn stage_strategy() -> impl Strategy<Value = StageLoad> {
-        (1u32..50, 0u32..40, 1u32..12).prop_map(|(per_layer, fixed, max_layers)| StageLoad {
+        (1u32..6, 0u32..40, 1u32..12, 0u32..3).prop_map(|(per_layer, fixed, max_layers, extra)| StageLoad {
             per_layer_s: f64::from(per_layer) * 0.1,
             fixed_s: f64::from(fixed) * 0.05,
             max_layers,
+            extra_layers: f64::from(extra),
         })
     }
 
@@ -218,6 +284,30 @@ mod tests {
                 }
                 (best, ours) => prop_assert!(false, "brute force {:?} vs ours {:?}", best, ours),
             }
+        }
+
+        #[test]
+        fn fill_within_a_bound_is_shortest(
+            stages in prop::collection::vec(stage_strategy(), 1..5),
+            n_layers in 1u32..14,
+            slack in 0u32..6,
+        ) {
+            let fill = |counts: &[u32]| counts.iter().zip(&stages).map(|(&c, s)| s.time_s(c)).sum::<f64>();
+            let Some(least) = least_bound_s(&stages, n_layers) else { return Ok(()) };
+            let mut bound = least;
+            for _ in 0..slack {
+                bound = next_bound_s(&stages, bound).unwrap_or(bound);
+            }
+            let counts = fill_within(&stages, n_layers, bound).expect("a feasible bound");
+            prop_assert_eq!(counts.iter().sum::<u32>(), n_layers);
+            prop_assert!(bottleneck_s(&stages, &counts) <= bound + 1e-9);
+            let best = compositions(n_layers, stages.len())
+                .into_iter()
+                .filter(|c| c.iter().zip(&stages).all(|(&n, s)| n <= s.max_layers))
+                .filter(|c| bottleneck_s(&stages, c) <= bound + 1e-9)
+                .map(|c| fill(&c))
+                .fold(f64::INFINITY, f64::min);
+            prop_assert!((fill(&counts) - best).abs() < 1e-9, "{:?}: {} vs {}", counts, fill(&counts), best);
         }
 
         #[test]

@@ -1,0 +1,148 @@
+//! Enumerations the search walks: type orders, stages-per-type vectors, set partitions, layer
+//! compositions and block combinations.
+
+use medley_spec::NodeGroup;
+
+use super::template::BlockConfig;
+use crate::partition::StageLoad;
+
+/// Orders of a block's node groups along the pipeline: every permutation for up to four groups;
+/// beyond that, vendors kept contiguous (one bridge crossing) largest memory first, and reversed.
+pub(super) fn type_orders(groups: &[NodeGroup], block: &[usize]) -> Vec<Vec<usize>> {
+    if block.len() <= 4 {
+        return permutations(block);
+    }
+    let mut order = block.to_vec();
+    order.sort_by(|&a, &b| {
+        let (ga, gb) = (&groups[a], &groups[b]);
+        ga.device.vendor.cmp(&gb.device.vendor).then(gb.device.hbm_gib.total_cmp(&ga.device.hbm_gib)).then(a.cmp(&b))
+    });
+    let reversed = order.iter().rev().copied().collect();
+    vec![order, reversed]
+}
+
+fn permutations(items: &[usize]) -> Vec<Vec<usize>> {
+    if items.len() <= 1 {
+        return vec![items.to_vec()];
+    }
+    (0..items.len())
+        .flat_map(|idx| {
+            let mut rest = items.to_vec();
+            let first = rest.remove(idx);
+            permutations(&rest).into_iter().map(move |mut tail| {
+                tail.insert(0, first);
+                tail
+            })
+        })
+        .collect()
+}
+
+/// Distinct stages-per-group vectors `units[g] / d` for replica counts `d`, each with the largest
+/// `d` that gives it, keeping pipelines no deeper than the layers and replicas no more than the
+/// micro-batches.
+pub(super) fn stage_vectors(units: &[u32], n_layers: u32, n_micro_batches: u32) -> Vec<(u32, Vec<u32>)> {
+    let max_replicas = units.iter().copied().min().unwrap_or(0).min(n_micro_batches);
+    let mut vectors: Vec<(u32, Vec<u32>)> = Vec::new();
+    for n_replicas in 1..=max_replicas {
+        let stages: Vec<u32> = units.iter().map(|&u| u / n_replicas).collect();
+        if stages.iter().sum::<u32>() > n_layers {
+            continue;
+        }
+        match vectors.last_mut() {
+            Some(last) if last.1 == stages => last.0 = n_replicas,
+            _ => vectors.push((n_replicas, stages)),
+        }
+    }
+    vectors
+}
+
+/// Every split of `n_layers` over the stages within their memory caps (exhaustive mode).
+pub(super) fn compositions_within(loads: &[StageLoad], n_layers: u32) -> Vec<Vec<u32>> {
+    fn extend(loads: &[StageLoad], left: u32, prefix: &mut Vec<u32>, out: &mut Vec<Vec<u32>>) {
+        let idx = prefix.len();
+        if idx + 1 == loads.len() {
+            if left >= 1 && left <= loads[idx].max_layers {
+                prefix.push(left);
+                out.push(prefix.clone());
+                prefix.pop();
+            }
+            return;
+        }
+        let rest = (loads.len() - idx - 1) as u32;
+        for count in 1..=loads[idx].max_layers.min(left.saturating_sub(rest)) {
+            prefix.push(count);
+            extend(loads, left - count, prefix, out);
+            prefix.pop();
+        }
+    }
+    let mut out = Vec::new();
+    extend(loads, n_layers, &mut Vec::new(), &mut out);
+    out
+}
+
+/// Every partition of the set bits of `mask` into blocks (as bit masks).
+pub(super) fn set_partitions(mask: u32) -> Vec<Vec<u32>> {
+    if mask == 0 {
+        return vec![Vec::new()];
+    }
+    let lowest = mask & mask.wrapping_neg();
+    let rest = mask & !lowest;
+    let mut partitions = Vec::new();
+    // Every subset of `rest` joins the lowest element's block.
+    let mut sub = rest;
+    loop {
+        let block = lowest | sub;
+        for mut tail in set_partitions(rest & !sub) {
+            tail.insert(0, block);
+            partitions.push(tail);
+        }
+        if sub == 0 {
+            break;
+        }
+        sub = (sub - 1) & rest;
+    }
+    partitions
+}
+
+/// Calls `visit` with every choice of one configuration per block.
+pub(super) fn for_each_combination<'c>(options: &[&'c [BlockConfig]], visit: &mut impl FnMut(&[&'c BlockConfig])) {
+    fn recurse<'c>(
+        options: &[&'c [BlockConfig]],
+        chosen: &mut Vec<&'c BlockConfig>,
+        visit: &mut impl FnMut(&[&'c BlockConfig]),
+    ) {
+        match options.split_first() {
+            None => visit(chosen),
+            Some((first, rest)) => {
+                for config in *first {
+                    chosen.push(config);
+                    recurse(rest, chosen, visit);
+                    chosen.pop();
+                }
+            }
+        }
+    }
+    recurse(options, &mut Vec::with_capacity(options.len()), visit);
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn set_partitions_counts_are_bell_numbers() {
+        assert_eq!(set_partitions(0b1).len(), 1);
+        assert_eq!(set_partitions(0b11).len(), 2);
+        assert_eq!(set_partitions(0b111).len(), 5);
+        assert_eq!(set_partitions(0b1111).len(), 15);
+        assert_eq!(set_partitions(0b1010).len(), 2);
+    }
+
+    #[test]
+    fn stage_vectors_keep_the_most_replicas_per_shape() {
+        assert_eq!(stage_vectors(&[8], 80, 1000), [(1, vec![8]), (2, vec![4]), (4, vec![2]), (8, vec![1])]);
+        // Deeper than 4 layers is pruned; more replicas than micro-batches too.
+        assert_eq!(stage_vectors(&[8, 4], 4, 1000), [(4, vec![2, 1])]);
+        assert_eq!(stage_vectors(&[8], 80, 2), [(1, vec![8]), (2, vec![4])]);
+    }
+}

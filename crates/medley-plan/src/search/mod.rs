@@ -1,0 +1,344 @@
+//! The heterogeneity-aware search.
+//!
+//! A layout is a set of *blocks*. Each block takes some of the cluster's node groups and cuts them
+//! into `d` identical replicas; each replica is a pipeline whose stages are TP groups of one device
+//! type inside one node, ordered type by type. The search enumerates, per setting (TP degree,
+//! micro-batch size, recompute):
+//! 1. which node groups each block takes (every partition of every subset of groups, so "one block
+//!    of mixed pipelines", "one block per type" and "leave a slow type out" are all candidates);
+//! 2. per block, the order of types along the pipeline and the replica count (each distinct
+//!    stages-per-type vector once, with the most replicas that give it);
+//! 3. per block, the optimal min-max split of layers over its uneven stages within memory;
+//! 4. per layout, the optimal min-max split of micro-batches over the uneven replicas.
+//!
+//! Blocks are priced once and only their best few are combined. The best layouts by this
+//! estimate become explicit plans, priced again by [`evaluate`](crate::evaluate::evaluate)
+//! and ranked by that one number.
+
+mod enumerate;
+mod estimate;
+mod template;
+
+use std::collections::BTreeMap;
+
+use medley_cost::comm::{self, Link};
+use medley_cost::{Calibration, CostModel, Setting};
+use medley_spec::{BridgeMode, Cluster, DeviceSlot, JobSpec, ModelSpec, NodeGroup, Recompute};
+use rayon::prelude::*;
+
+use crate::assemble::{ReplicaLayout, assemble, stages_from_counts};
+use crate::error::PlanError;
+use crate::evaluate::{Prediction, evaluate};
+use crate::partition::{ClassShare, ReplicaClass, split_micro_batches};
+use crate::plan::Plan;
+use enumerate::{for_each_combination, set_partitions, stage_vectors, type_orders};
+use template::{BlockConfig, Placement, Template};
+
+/// What to search.
+#[derive(Clone, Debug)]
+pub struct SearchOptions {
+    /// How many ranked plans to return.
+    pub top: usize,
+    /// Node groups the search may use; `None` for all.
+    pub groups: Option<Vec<usize>>,
+    /// Enumerate every layer split instead of the min-max one, and price every layout exactly
+    /// (small clusters only: the check that the fast search loses nothing).
+    pub exhaustive: bool,
+}
+
+impl Default for SearchOptions {
+    fn default() -> Self {
+        SearchOptions { top: 5, groups: None, exhaustive: false }
+    }
+}
+
+/// A plan with its prediction.
+#[derive(Clone, Debug)]
+pub struct Candidate {
+    pub plan: Plan,
+    pub prediction: Prediction,
+}
+
+/// The ranked plans and how much work found them.
+#[derive(Clone, Debug)]
+pub struct SearchOutcome {
+    pub candidates: Vec<Candidate>,
+    /// Pipelines (block configurations) and layouts priced by the estimate.
+    pub layouts_priced: usize,
+}
+
+/// TP degrees the search tries: powers of two up to a node.
+const TP_DEGREES: [u32; 4] = [1, 2, 4, 8];
+/// Micro-batch sizes the search tries when the job does not fix one.
+const MICRO_BATCHES: [u32; 4] = [1, 2, 4, 8];
+/// Configurations kept per block before blocks are combined.
+const CONFIGS_PER_BLOCK: usize = 6;
+/// Layouts per setting that become explicit plans.
+const FINALISTS_PER_SETTING: usize = 6;
+
+/// Searches the plan space and returns the best plans that fit, fastest first.
+pub fn search(
+    cluster: &Cluster,
+    model: &ModelSpec,
+    job: &JobSpec,
+    calibration: &Calibration,
+    options: &SearchOptions,
+) -> Result<SearchOutcome, PlanError> {
+    let cost = CostModel::new(model, job.seq_len(), calibration);
+    let allowed: Vec<usize> = options.groups.clone().unwrap_or_else(|| (0..cluster.groups().len()).collect());
+    let space = Space {
+        cluster,
+        slots: cluster.devices(),
+        first_ids: cluster.group_first_ids(),
+        bridge_modes: cluster.bridge().modes(),
+        job,
+        cost,
+        exhaustive: options.exhaustive,
+    };
+    let per_setting: Vec<(Vec<Layout>, usize)> = candidate_settings(cluster, model, job, &allowed)
+        .par_iter()
+        .map(|&setting| space.layouts(setting, &allowed))
+        .collect();
+    let layouts_priced = per_setting.iter().map(|(_, priced)| priced).sum();
+    let finalists: Vec<Layout> = per_setting.into_iter().flat_map(|(layouts, _)| layouts).collect();
+    let mut candidates: Vec<Candidate> = finalists
+        .par_iter()
+        .map(|layout| {
+            let plan = space.assemble(layout);
+            let prediction = evaluate(&plan, calibration);
+            Candidate { plan, prediction }
+        })
+        .filter(|candidate| candidate.prediction.fits)
+        .collect();
+    candidates.sort_by(|a, b| a.prediction.step_time_s.total_cmp(&b.prediction.step_time_s));
+    candidates.truncate(options.top.max(1));
+    if candidates.is_empty() {
+        return Err(PlanError::NothingFits(nothing_fits_hint(cluster, &allowed, model, job, &space.cost)));
+    }
+    Ok(SearchOutcome { candidates, layouts_priced })
+}
+
+/// Every (TP, micro-batch, recompute) the job allows and the model's heads divide.
+pub(crate) fn candidate_settings(
+    cluster: &Cluster,
+    model: &ModelSpec,
+    job: &JobSpec,
+    allowed: &[usize],
+) -> Vec<Setting> {
+    let node_fits = |tp: u32| allowed.iter().any(|&g| cluster.groups()[g].gpus_per_node.is_multiple_of(tp));
+    let heads_split = |tp: u32| {
+        model.n_heads().is_multiple_of(tp)
+            && (model.n_kv_heads().is_multiple_of(tp) || tp.is_multiple_of(model.n_kv_heads()))
+    };
+    TP_DEGREES
+        .into_iter()
+        .filter(|&tp| node_fits(tp) && heads_split(tp))
+        .flat_map(|tp| settings_with_tp(job, tp))
+        .collect()
+}
+
+/// Every (micro-batch, recompute) the job allows, with tensor parallelism `tp`.
+pub(crate) fn settings_with_tp(job: &JobSpec, tp: u32) -> Vec<Setting> {
+    let micro_batches: Vec<u32> = match job.micro_batch() {
+        Some(micro_batch) => vec![micro_batch],
+        None => MICRO_BATCHES.into_iter().filter(|mb| job.global_batch().is_multiple_of(*mb)).collect(),
+    };
+    let recomputes: Vec<Recompute> = job.recompute().map_or(Recompute::ALL.to_vec(), |recompute| vec![recompute]);
+    micro_batches
+        .iter()
+        .flat_map(|&micro_batch| recomputes.iter().map(move |&recompute| Setting { micro_batch, tp, recompute }))
+        .collect()
+}
+
+/// A layout: blocks and their replicas' batch shares.
+#[derive(Clone, Debug)]
+struct Layout {
+    setting: Setting,
+    blocks: Vec<BlockConfig>,
+    shares: Vec<ClassShare>,
+    estimate_s: f64,
+}
+
+struct Space<'a> {
+    cluster: &'a Cluster,
+    slots: Vec<DeviceSlot>,
+    first_ids: Vec<u32>,
+    bridge_modes: Vec<BridgeMode>,
+    job: &'a JobSpec,
+    cost: CostModel<'a>,
+    exhaustive: bool,
+}
+
+impl Space<'_> {
+    fn n_micro_batches(&self, setting: Setting) -> u32 {
+        self.job.global_batch() / setting.micro_batch
+    }
+
+    /// The best layouts for one setting, and how many configurations were priced.
+    fn layouts(&self, setting: Setting, allowed: &[usize]) -> (Vec<Layout>, usize) {
+        let usable: Vec<usize> = allowed
+            .iter()
+            .copied()
+            .filter(|&g| self.cluster.groups()[g].gpus_per_node.is_multiple_of(setting.tp))
+            .collect();
+        let n = usable.len();
+        let mut priced = 0;
+        let mut block_configs: BTreeMap<u32, Vec<BlockConfig>> = BTreeMap::new();
+        for mask in 1..(1u32 << n) {
+            let block: Vec<usize> = (0..n).filter(|bit| mask & (1 << bit) != 0).map(|bit| usable[bit]).collect();
+            let mut configs = self.block_configs(setting, &block);
+            priced += configs.len();
+            configs.sort_by(|a, b| {
+                b.throughput().total_cmp(&a.throughput()).then(a.timing.fill_s.total_cmp(&b.timing.fill_s))
+            });
+            if !self.exhaustive {
+                configs.truncate(CONFIGS_PER_BLOCK);
+            }
+            block_configs.insert(mask, configs);
+        }
+        let keep = if self.exhaustive { usize::MAX } else { FINALISTS_PER_SETTING };
+        let mut layouts: Vec<Layout> = Vec::new();
+        for mask in 1..(1u32 << n) {
+            for partition in set_partitions(mask) {
+                let options: Vec<&[BlockConfig]> =
+                    partition.iter().map(|block| block_configs[block].as_slice()).collect();
+                for_each_combination(&options, &mut |blocks| {
+                    priced += 1;
+                    // A layout whose pipeline alone is slower than every kept one cannot be kept.
+                    let cutoff_s = if layouts.len() < keep { f64::INFINITY } else { layouts[keep - 1].estimate_s };
+                    if let Some(layout) = self.price_layout(setting, blocks, cutoff_s) {
+                        let at = layouts.partition_point(|kept| kept.estimate_s <= layout.estimate_s);
+                        layouts.insert(at, layout);
+                        layouts.truncate(keep);
+                    }
+                });
+            }
+        }
+        (layouts, priced)
+    }
+
+    /// Every pipeline template of one block of node groups.
+    fn block_configs(&self, setting: Setting, block: &[usize]) -> Vec<BlockConfig> {
+        let groups = self.cluster.groups();
+        let n_layers = self.cost.model().n_layers();
+        let mut configs = Vec::new();
+        for order in type_orders(groups, block) {
+            let units: Vec<u32> = order.iter().map(|&g| groups[g].n_gpus() / setting.tp).collect();
+            for (n_replicas, stages_per_group) in stage_vectors(&units, n_layers, self.n_micro_batches(setting)) {
+                let order_counts: Vec<(usize, u32)> = order.iter().copied().zip(stages_per_group).collect();
+                for &placement in Placement::distinct(&order_counts, n_replicas) {
+                    let template = Template::new(self, setting, order_counts.clone(), placement, n_replicas);
+                    let splits = template.splits(&template.loads());
+                    configs.extend(splits.into_iter().map(|layers| template.config(layers)));
+                }
+            }
+        }
+        configs
+    }
+
+    /// Splits the batch over the layout's replicas and estimates the step.
+    /// `None` when the batch does not split or the pipeline alone reaches `cutoff_s`.
+    fn price_layout(&self, setting: Setting, blocks: &[&BlockConfig], cutoff_s: f64) -> Option<Layout> {
+        let classes: Vec<ReplicaClass> =
+            blocks.iter().map(|block| ReplicaClass { timing: block.timing, count: block.n_replicas }).collect();
+        let (pipeline_s, shares) = split_micro_batches(&classes, self.n_micro_batches(setting))?;
+        if pipeline_s >= cutoff_s {
+            return None;
+        }
+        let estimate_s =
+            pipeline_s + self.dp_sync_estimate_s(setting, blocks) + self.optimizer_estimate_s(setting, blocks);
+        Some(Layout { setting, blocks: blocks.iter().map(|&block| block.clone()).collect(), shares, estimate_s })
+    }
+
+    /// Inter-node link shared by `groups`: the smallest NIC share.
+    fn nic_link(&self, groups: &[&NodeGroup]) -> Link {
+        let fabric = self.cluster.fabric();
+        let gb_s =
+            groups.iter().map(|group| group.nic_gb_s_per_gpu()).fold(f64::INFINITY, f64::min) / fabric.oversubscription;
+        Link { gb_s, latency_us: fabric.latency_us }
+    }
+
+    fn best_bridge_link(&self, nic: Link) -> Link {
+        let bridge = self.cluster.bridge();
+        bridge
+            .modes()
+            .into_iter()
+            .map(|mode| {
+                let (gb_s, latency_us) = bridge.rate(mode, nic.gb_s);
+                Link { gb_s, latency_us }
+            })
+            .max_by(|a, b| a.gb_s.total_cmp(&b.gb_s))
+            .expect("a bridge offers at least one mode")
+    }
+
+    /// The fastest link between two devices: any bridge mode the cluster offers across vendors.
+    fn fastest_link(&self, a: DeviceSlot, b: DeviceSlot) -> Link {
+        let groups = self.cluster.groups();
+        if groups[a.group_idx].device.vendor == groups[b.group_idx].device.vendor {
+            return comm::link_between(self.cluster, a, b, BridgeMode::DeviceDirect);
+        }
+        self.bridge_modes
+            .iter()
+            .map(|&mode| comm::link_between(self.cluster, a, b, mode))
+            .reduce(|x, y| if y.gb_s > x.gb_s { y } else { x })
+            .expect("a bridge offers at least one mode")
+    }
+
+    /// The explicit plan of a layout.
+    fn assemble(&self, layout: &Layout) -> Plan {
+        let tp = layout.setting.tp;
+        let mut replicas = Vec::new();
+        for (block, shares) in layout.blocks.iter().zip(&layout.shares) {
+            for (replica_idx, n_micro_batches) in shares.per_replica().enumerate() {
+                let replica_idx = replica_idx as u32;
+                let device_groups: Vec<Vec<u32>> = block
+                    .order
+                    .iter()
+                    .flat_map(|&(g, count)| {
+                        (0..count).map(move |stage_in_group| {
+                            let unit = block.placement.unit(replica_idx, stage_in_group, count, block.n_replicas);
+                            let first = self.first_ids[g] + unit * tp;
+                            (first..first + tp).collect()
+                        })
+                    })
+                    .collect();
+                replicas
+                    .push(ReplicaLayout { n_micro_batches, stages: stages_from_counts(device_groups, &block.layers) });
+            }
+        }
+        assemble(self.cluster, &self.cost, self.job, layout.setting, replicas)
+    }
+}
+
+/// Says what would make the job fit when nothing does.
+fn nothing_fits_hint(
+    cluster: &Cluster,
+    allowed: &[usize],
+    model: &ModelSpec,
+    job: &JobSpec,
+    cost: &CostModel,
+) -> String {
+    let groups: Vec<&NodeGroup> = allowed.iter().map(|&g| &cluster.groups()[g]).collect();
+    let states_gib = 16.0 * medley_cost::params::total_params(model) as f64 / medley_cost::GIB;
+    let hbm_gib: f64 = groups.iter().map(|group| f64::from(group.n_gpus()) * group.device.hbm_gib).sum();
+    let mut hints = Vec::new();
+    if job.recompute() != Some(Recompute::Full) && job.recompute().is_some() {
+        hints.push("--recompute full".to_string());
+    }
+    if job.micro_batch().is_some_and(|mb| mb > 1) {
+        hints.push("--micro-batch 1".to_string());
+    }
+    let seq_len = cost.seq_len();
+    if seq_len > 1024 {
+        hints.push(format!("a shorter --seq-len than {seq_len}"));
+    }
+    let largest = groups.iter().map(|group| group.device.hbm_gib).fold(0.0, f64::max);
+    let needed = (states_gib / (largest - 2.0).max(1.0) * 1.25).ceil();
+    hints.push(format!("more devices (the model's weights, gradients and Adam states alone need {states_gib:.0} GiB, about {needed} GPUs of {largest:.0} GiB, before activations)"));
+    format!(
+        "no layout of the {} GPUs ({hbm_gib:.0} GiB in all) fits {} at sequence length {seq_len}; try {}",
+        groups.iter().map(|group| group.n_gpus()).sum::<u32>(),
+        model.name(),
+        hints.join(", or ")
+    )
+}
