@@ -34,22 +34,19 @@ pub struct Experts {
 /// A decoder-only transformer. Invariants (held by [`ModelSpec::new`]): every size positive,
 /// heads divide the hidden size, kv heads divide heads, top-k at most the expert count.
 #[derive(Clone, Debug, PartialEq, Serialize, Deserialize)]
-#[serde(try_from = "ModelParts")]
+#[serde(try_from = "ModelParts", into = "ModelParts")]
 pub struct ModelSpec {
-    name: String,
-    n_layers: u32,
-    hidden: u32,
-    n_heads: u32,
-    n_kv_heads: u32,
-    ffn_hidden: u32,
-    vocab: u32,
-    mlp: MlpKind,
-    experts: Option<Experts>,
-    tie_embeddings: bool,
+    parts: ModelParts,
+}
+
+impl From<ModelSpec> for ModelParts {
+    fn from(model: ModelSpec) -> Self {
+        model.parts
+    }
 }
 
 /// The unchecked parts of a model, for [`ModelSpec::new`].
-#[derive(Clone, Debug, Deserialize)]
+#[derive(Clone, Debug, PartialEq, Serialize, Deserialize)]
 #[serde(deny_unknown_fields)]
 pub struct ModelParts {
     pub name: String,
@@ -109,18 +106,7 @@ impl ModelSpec {
                 format!("top-k {} must be between 1 and the {} experts", experts.top_k, experts.n_experts),
             ));
         }
-        Ok(ModelSpec {
-            name: parts.name,
-            n_layers: parts.n_layers,
-            hidden: parts.hidden,
-            n_heads: parts.n_heads,
-            n_kv_heads: parts.n_kv_heads,
-            ffn_hidden: parts.ffn_hidden,
-            vocab: parts.vocab,
-            mlp: parts.mlp,
-            experts: parts.experts,
-            tie_embeddings: parts.tie_embeddings,
-        })
+        Ok(ModelSpec { parts })
     }
 
     /// Parses a HuggingFace `config.json`: llama/mistral/qwen2/mixtral keys or gpt2 keys.
@@ -142,37 +128,37 @@ impl ModelSpec {
     }
 
     pub fn name(&self) -> &str {
-        &self.name
+        &self.parts.name
     }
     pub fn n_layers(&self) -> u32 {
-        self.n_layers
+        self.parts.n_layers
     }
     pub fn hidden(&self) -> u32 {
-        self.hidden
+        self.parts.hidden
     }
     pub fn n_heads(&self) -> u32 {
-        self.n_heads
+        self.parts.n_heads
     }
     pub fn n_kv_heads(&self) -> u32 {
-        self.n_kv_heads
+        self.parts.n_kv_heads
     }
     pub fn head_dim(&self) -> u32 {
-        self.hidden / self.n_heads
+        self.parts.hidden / self.parts.n_heads
     }
     pub fn ffn_hidden(&self) -> u32 {
-        self.ffn_hidden
+        self.parts.ffn_hidden
     }
     pub fn vocab(&self) -> u32 {
-        self.vocab
+        self.parts.vocab
     }
     pub fn mlp(&self) -> MlpKind {
-        self.mlp
+        self.parts.mlp
     }
     pub fn experts(&self) -> Option<Experts> {
-        self.experts
+        self.parts.experts
     }
     pub fn tie_embeddings(&self) -> bool {
-        self.tie_embeddings
+        self.parts.tie_embeddings
     }
 }
 
@@ -246,8 +232,8 @@ impl HfKeys<'_> {
 }
 
 #[allow(clippy::too_many_arguments)]
-const fn entry(
-    name: &'static str,
+fn entry(
+    name: &str,
     n_layers: u32,
     hidden: u32,
     n_heads: u32,
@@ -257,61 +243,42 @@ const fn entry(
     mlp: MlpKind,
     experts: Option<Experts>,
     tie_embeddings: bool,
-) -> (&'static str, ModelShape) {
-    (name, ModelShape { n_layers, hidden, n_heads, n_kv_heads, ffn_hidden, vocab, mlp, experts, tie_embeddings })
-}
-
-struct ModelShape {
-    n_layers: u32,
-    hidden: u32,
-    n_heads: u32,
-    n_kv_heads: u32,
-    ffn_hidden: u32,
-    vocab: u32,
-    mlp: MlpKind,
-    experts: Option<Experts>,
-    tie_embeddings: bool,
+) -> ModelParts {
+    let name = name.to_string();
+    ModelParts { name, n_layers, hidden, n_heads, n_kv_heads, ffn_hidden, vocab, mlp, experts, tie_embeddings }
 }
 
 use MlpKind::{Gelu, SwiGlu};
 
 /// Shapes from each model's published `config.json` (HuggingFace model cards) or paper.
-const CATALOG: &[(&str, ModelShape)] = &[
-    entry("gpt2", 12, 768, 12, 12, 3072, 50257, Gelu, None, true),
-    entry("llama3.2-1b", 16, 2048, 32, 8, 8192, 128256, SwiGlu, None, true),
-    entry("llama3-8b", 32, 4096, 32, 8, 14336, 128256, SwiGlu, None, false),
-    entry("llama3-70b", 80, 8192, 64, 8, 28672, 128256, SwiGlu, None, false),
-    // Llama 3 paper (Dubey et al. 2024), Table 3.
-    entry("llama3-405b", 126, 16384, 128, 8, 53248, 128256, SwiGlu, None, false),
-    entry("qwen2-7b", 28, 3584, 28, 4, 18944, 152064, SwiGlu, None, false),
-    // GPT-3 paper (Brown et al. 2020), Table 2.1: 96 layers, d_model 12288, 96 heads, 4x MLP.
-    entry("gpt3-175b", 96, 12288, 96, 96, 49152, 50257, Gelu, None, true),
-    entry("mixtral-8x7b", 32, 4096, 32, 8, 14336, 32000, SwiGlu, Some(Experts { n_experts: 8, top_k: 2 }), false),
-];
+fn catalog() -> [ModelParts; 8] {
+    [
+        entry("gpt2", 12, 768, 12, 12, 3072, 50257, Gelu, None, true),
+        entry("llama3.2-1b", 16, 2048, 32, 8, 8192, 128256, SwiGlu, None, true),
+        entry("llama3-8b", 32, 4096, 32, 8, 14336, 128256, SwiGlu, None, false),
+        entry("llama3-70b", 80, 8192, 64, 8, 28672, 128256, SwiGlu, None, false),
+        // Llama 3 paper (Dubey et al. 2024), Table 3.
+        entry("llama3-405b", 126, 16384, 128, 8, 53248, 128256, SwiGlu, None, false),
+        entry("qwen2-7b", 28, 3584, 28, 4, 18944, 152064, SwiGlu, None, false),
+        // GPT-3 paper (Brown et al. 2020), Table 2.1: 96 layers, d_model 12288, 96 heads, 4x MLP.
+        entry("gpt3-175b", 96, 12288, 96, 96, 49152, 50257, Gelu, None, true),
+        entry("mixtral-8x7b", 32, 4096, 32, 8, 14336, 32000, SwiGlu, Some(Experts { n_experts: 8, top_k: 2 }), false),
+    ]
+}
 
 /// Looks a model up in the built-in catalog, case-insensitively.
 pub fn catalog_model(name: &str) -> Result<ModelSpec, SpecError> {
     let wanted = name.trim().to_ascii_lowercase();
-    let (name, shape) = CATALOG.iter().find(|(candidate, _)| *candidate == wanted).ok_or_else(|| {
-        SpecError::Unknown { kind: "model", name: name.to_string(), close: close_names(&wanted, catalog_model_names()) }
-    })?;
-    let parts = ModelParts {
+    let parts = catalog().into_iter().find(|parts| parts.name == wanted).ok_or_else(|| SpecError::Unknown {
+        kind: "model",
         name: name.to_string(),
-        n_layers: shape.n_layers,
-        hidden: shape.hidden,
-        n_heads: shape.n_heads,
-        n_kv_heads: shape.n_kv_heads,
-        ffn_hidden: shape.ffn_hidden,
-        vocab: shape.vocab,
-        mlp: shape.mlp,
-        experts: shape.experts,
-        tie_embeddings: shape.tie_embeddings,
-    };
+        close: close_names(&wanted, catalog_model_names().iter().map(String::as_str)),
+    })?;
     ModelSpec::new(parts, "catalog")
 }
 
-pub fn catalog_model_names() -> impl Iterator<Item = &'static str> {
-    CATALOG.iter().map(|(name, _)| *name)
+pub fn catalog_model_names() -> Vec<String> {
+    catalog().into_iter().map(|parts| parts.name).collect()
 }
 
 #[cfg(test)]
@@ -321,7 +288,7 @@ mod tests {
     #[test]
     fn catalog_models_are_valid() {
         for name in catalog_model_names() {
-            catalog_model(name).unwrap();
+            catalog_model(&name).unwrap();
         }
         assert_eq!(catalog_model("Llama3-70B").unwrap().n_layers(), 80);
         let err = catalog_model("llama3-7b").unwrap_err().to_string();
@@ -339,7 +306,7 @@ mod tests {
         assert!(!model.tie_embeddings());
         assert_eq!(model, {
             let mut expected = catalog_model("mixtral-8x7b").unwrap();
-            expected.name = "mixtral/config.json".to_string();
+            expected.parts.name = "mixtral/config.json".to_string();
             expected
         });
     }
