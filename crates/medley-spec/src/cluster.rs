@@ -6,6 +6,10 @@ use serde::{Deserialize, Serialize};
 use crate::device::{DeviceSpec, LinkKind, Vendor, catalog_device};
 use crate::error::SpecError;
 
+/// The largest cluster medley plans: far beyond today's largest training runs, and small enough
+/// that device counts never overflow.
+pub const MAX_GPUS: u32 = 1 << 20;
+
 /// GPUs per node when the inline form does not say (the common 8-GPU server).
 pub const DEFAULT_GPUS_PER_NODE: u32 = 8;
 
@@ -89,7 +93,7 @@ pub struct Bridge {
 }
 
 impl Default for Bridge {
-    /// Device-direct at NIC speed with inter-node latency; CPU forwarding at 100 Gb/s per GPU with
+    /// Device-direct at NIC speed and a little over the fabric's latency; CPU forwarding at 100 Gb/s per GPU with
     /// the two extra staging copies' latency. Assumptions, stated in ARCHITECTURE.md: override
     /// them with measured values.
     fn default() -> Self {
@@ -191,14 +195,34 @@ impl Cluster {
             positive(source, &format!("group[{idx}].intra_link_gb_s"), group.intra_link_gb_s)?;
             positive(source, &format!("group[{idx}].nic_gbit_s"), group.nic_gbit_s)?;
         }
-        positive(source, "fabric.latency_us", fabric.latency_us + 1.0)?;
+        let total: u64 = groups.iter().map(|group| u64::from(group.n_nodes) * u64::from(group.gpus_per_node)).sum();
+        if total > u64::from(MAX_GPUS) {
+            return Err(SpecError::field(
+                source,
+                "group",
+                format!("{total} GPUs in all; medley plans at most {MAX_GPUS}"),
+            ));
+        }
+        for (idx, group) in groups.iter().enumerate() {
+            let clash = groups[..idx].iter().any(|other| {
+                other.device.name.eq_ignore_ascii_case(&group.device.name) && other.device != group.device
+            });
+            if clash {
+                return Err(SpecError::field(
+                    source,
+                    format!("group[{idx}].device"),
+                    format!("`{}` names two different devices; give custom devices their own names", group.device.name),
+                ));
+            }
+        }
+        non_negative(source, "fabric.latency_us", fabric.latency_us)?;
         if !(fabric.oversubscription >= 1.0 && fabric.oversubscription.is_finite()) {
             return Err(SpecError::field(source, "fabric.oversubscription", "must be at least 1"));
         }
         positive(source, "bridge.cpu_forward_gb_s", bridge.cpu_forward_gb_s)?;
         positive(source, "bridge.device_direct_gb_s", bridge.device_direct_gb_s.unwrap_or(1.0))?;
-        positive(source, "bridge.cpu_forward_latency_us", bridge.cpu_forward_latency_us + 1.0)?;
-        positive(source, "bridge.device_direct_latency_us", bridge.device_direct_latency_us + 1.0)?;
+        non_negative(source, "bridge.cpu_forward_latency_us", bridge.cpu_forward_latency_us)?;
+        non_negative(source, "bridge.device_direct_latency_us", bridge.device_direct_latency_us)?;
         Ok(Cluster { groups, fabric, bridge })
     }
 
@@ -219,6 +243,13 @@ impl Cluster {
     pub fn from_toml(text: &str, source: &str) -> Result<Self, SpecError> {
         let file: ClusterFile = toml::from_str(text).map_err(|err| SpecError::from_toml(source, text, &err))?;
         let custom = file.device.into_iter().map(|device| device.validated(source)).collect::<Result<Vec<_>, _>>()?;
+        if let Some(device) = custom.iter().find(|device| catalog_device(&device.name).is_ok()) {
+            return Err(SpecError::field(
+                source,
+                format!("device.{}.name", device.name),
+                "is a catalog device's name; give the custom device its own name",
+            ));
+        }
         let groups = file
             .group
             .into_iter()
@@ -279,14 +310,13 @@ impl Cluster {
         }
         slots
     }
+}
 
-    /// A cluster of only `group_idx`'s nodes, with this cluster's fabric and bridge.
-    pub fn only_group(&self, group_idx: usize) -> Cluster {
-        Cluster {
-            groups: vec![self.groups[group_idx].clone()],
-            fabric: self.fabric.clone(),
-            bridge: self.bridge.clone(),
-        }
+fn non_negative(source: &str, field: &str, value: f64) -> Result<(), SpecError> {
+    if value.is_finite() && value >= 0.0 {
+        Ok(())
+    } else {
+        Err(SpecError::field(source, field, format!("must be zero or more, got {value}")))
     }
 }
 
@@ -453,6 +483,17 @@ cpu_forward_gb_s = 6
         assert!(err.to_string().contains("group[0].device"), "{err}");
         let err = Cluster::from_toml("[[group]]\ndevice = \"h100\"\nnodes = 0\n", "c.toml").unwrap_err();
         assert!(err.to_string().contains("group[0].n_nodes"), "{err}");
+        for (text, wanted) in [
+            ("[[group]]\ndevice = \"h100\"\nnodes = 1\n[fabric]\nlatency_us = -0.5\n", "fabric.latency_us"),
+            ("[[group]]\ndevice = \"h100\"\nnodes = 4000000000\n", "at most"),
+            (
+                "[[device]]\nname = \"H100\"\nvendor = \"amd\"\nfp16_tflops = 1\nfp32_tflops = 1\nhbm_gib = 1\nhbm_tb_s = 1\nintra_link = \"pcie\"\nintra_link_gb_s = 1\nnics_per_node = 1\nnic_gbit_s = 1\n[[group]]\ndevice = \"h100\"\nnodes = 1\n",
+                "catalog device",
+            ),
+        ] {
+            let err = Cluster::from_toml(text, "c.toml").unwrap_err().to_string();
+            assert!(err.contains(wanted), "{wanted}: {err}");
+        }
     }
 }
 

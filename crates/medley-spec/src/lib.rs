@@ -10,7 +10,9 @@ mod error;
 mod job;
 mod model;
 
-pub use cluster::{Bridge, BridgeMode, Cluster, DEFAULT_GPUS_PER_NODE, DeviceId, DeviceSlot, Fabric, NodeGroup};
+pub use cluster::{
+    Bridge, BridgeMode, Cluster, DEFAULT_GPUS_PER_NODE, DeviceId, DeviceSlot, Fabric, MAX_GPUS, NodeGroup,
+};
 pub use device::{DeviceSpec, LinkKind, Vendor, catalog_device, catalog_devices};
 pub use error::SpecError;
 pub use job::{JobParts, JobSpec, Precision, Recompute, Schedule};

@@ -31,6 +31,10 @@ pub struct Experts {
     pub top_k: u32,
 }
 
+/// The largest size of any model dimension: far beyond published models, and small enough that
+/// parameter and FLOP counts never overflow.
+const MAX_SIZE: u32 = 1 << 24;
+
 /// A decoder-only transformer. Invariants (held by [`ModelSpec::new`]): every size positive,
 /// heads divide the hidden size, kv heads divide heads, top-k at most the expert count.
 #[derive(Clone, Debug, PartialEq, Serialize, Deserialize)]
@@ -79,8 +83,8 @@ impl ModelSpec {
             ("vocab", parts.vocab),
         ];
         for (field, value) in sizes {
-            if value == 0 {
-                return Err(SpecError::field(source, field, "must be at least 1"));
+            if value == 0 || value > MAX_SIZE {
+                return Err(SpecError::field(source, field, format!("must be between 1 and {MAX_SIZE}, got {value}")));
             }
         }
         if !parts.hidden.is_multiple_of(parts.n_heads) {
@@ -111,10 +115,11 @@ impl ModelSpec {
 
     /// Parses a HuggingFace `config.json`: llama/mistral/qwen2/mixtral keys or gpt2 keys.
     pub fn from_hf_config(text: &str, source: &str) -> Result<Self, SpecError> {
-        let config: Value = serde_json::from_str(text).map_err(|err| {
-            let offset = text.lines().take(err.line().saturating_sub(1)).map(|line| line.len() + 1).sum::<usize>()
-                + err.column().saturating_sub(1);
-            SpecError::syntax(source, text, Some(offset), &err.to_string())
+        let config: Value = serde_json::from_str(text).map_err(|err| SpecError::Syntax {
+            source_name: source.to_string(),
+            line: err.line(),
+            column: err.column(),
+            message: err.to_string(),
         })?;
         let keys = HfKeys { config: &config, source };
         let name = config
@@ -222,7 +227,7 @@ impl HfKeys<'_> {
             hidden,
             n_heads,
             n_kv_heads: n_heads,
-            ffn_hidden: self.optional("n_inner")?.unwrap_or(4 * hidden),
+            ffn_hidden: self.optional("n_inner")?.unwrap_or(hidden.saturating_mul(4)),
             vocab: self.required("vocab_size")?,
             mlp: MlpKind::Gelu,
             experts: None,
