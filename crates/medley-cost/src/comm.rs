@@ -5,7 +5,7 @@
 //! and all-gather half of that, hierarchical all-reduce a reduce-scatter inside each domain, an
 //! all-reduce of each border rank's 1/n share across domains, and an all-gather inside each domain.
 
-use medley_spec::{BridgeMode, Cluster, DeviceSlot, NodeGroup};
+use medley_spec::{BridgeMode, Cluster, DeviceSlot, LinkKind, NodeGroup};
 
 /// One link class: bandwidth per direction and per-message latency.
 #[derive(Clone, Copy, Debug, PartialEq)]
@@ -43,11 +43,6 @@ pub fn reduce_scatter_s(bytes: f64, n: u32, link: Link) -> f64 {
     steps(n) * (link.latency_us * 1e-6 + bytes / f64::from(n) / (link.gb_s * 1e9))
 }
 
-/// All-gather costs what reduce-scatter does in the ring form.
-pub fn all_gather_s(bytes: f64, n: u32, link: Link) -> f64 {
-    reduce_scatter_s(bytes, n, link)
-}
-
 /// One vendor domain's part of a hierarchical collective: its rank count and internal link.
 #[derive(Clone, Copy, Debug, PartialEq)]
 pub struct DomainPart {
@@ -55,8 +50,10 @@ pub struct DomainPart {
     pub link: Link,
 }
 
-/// Hierarchical all-reduce across domains joined by `bridge`: each byte crosses the bridge once
-/// per ring step on only a 1/n share. The smallest domain's share bounds the bridge phase.
+/// Hierarchical all-reduce across domains joined by `bridge`: each domain reduce-scatters so
+/// its ranks hold 1/n of the data each, the ranks holding the same share all-reduce it across
+/// domains over the bridge, and each domain all-gathers. Only 1/n of the data crosses the bridge
+/// per border rank; the smallest domain has the largest shares and bounds that phase.
 pub fn hierarchical_all_reduce_s(bytes: f64, domains: &[DomainPart], bridge: Link) -> f64 {
     let inner = domains.iter().map(|d| reduce_scatter_s(bytes, d.n_ranks, d.link)).fold(0.0, f64::max);
     let smallest = domains.iter().map(|d| d.n_ranks).min().unwrap_or(1).max(1);
@@ -64,16 +61,30 @@ pub fn hierarchical_all_reduce_s(bytes: f64, domains: &[DomainPart], bridge: Lin
     2.0 * inner + across
 }
 
-/// The link inside one node of `group`.
+/// What one GPU's collectives get inside a node of `group`: all of its links (rings over a mesh
+/// use every link, as RCCL does).
 pub fn intra_node_link(group: &NodeGroup) -> Link {
     Link { gb_s: group.intra_link_gb_s, latency_us: group.intra_link.latency_us() }
+}
+
+/// What one GPU gets to one peer in its node: a switched fabric (NVSwitch, a PCIe switch) gives
+/// any peer the GPU's whole bandwidth; an Infinity Fabric mesh has one direct link per peer
+/// (MI300X: 7 links of 64 GB/s each way).
+pub fn intra_node_peer_link(group: &NodeGroup) -> Link {
+    let link = intra_node_link(group);
+    match group.intra_link {
+        LinkKind::InfinityFabric if group.gpus_per_node > 1 => {
+            Link { gb_s: link.gb_s / f64::from(group.gpus_per_node - 1), ..link }
+        }
+        _ => link,
+    }
 }
 
 /// The link between two GPUs, with `mode` for the bridge when they belong to different vendors.
 pub fn link_between(cluster: &Cluster, a: DeviceSlot, b: DeviceSlot, mode: BridgeMode) -> Link {
     let (group_a, group_b) = (&cluster.groups()[a.group_idx], &cluster.groups()[b.group_idx]);
     if a.node_idx == b.node_idx {
-        return intra_node_link(group_a);
+        return intra_node_peer_link(group_a);
     }
     let nic_gb_s = group_a.nic_gb_s_per_gpu().min(group_b.nic_gb_s_per_gpu()) / cluster.fabric().oversubscription;
     if group_a.device.vendor == group_b.device.vendor {

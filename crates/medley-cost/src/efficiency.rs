@@ -8,7 +8,7 @@
 
 use std::collections::BTreeMap;
 
-use medley_spec::{DeviceSpec, Vendor};
+use medley_spec::{DeviceSpec, Vendor, catalog_device};
 use serde::Deserialize;
 use thiserror::Error;
 
@@ -86,8 +86,12 @@ impl Calibration {
                 }
             }
         }
-        let by_device =
-            file.device.into_iter().map(|(name, efficiency)| (name.to_ascii_lowercase(), efficiency)).collect();
+        // Catalog aliases (`h100`) name the canonical device (`H100-SXM`).
+        let by_device = file
+            .device
+            .into_iter()
+            .map(|(name, efficiency)| (catalog_device(&name).map_or(name, |device| device.name), efficiency))
+            .collect();
         Ok(Calibration { by_device })
     }
 
@@ -107,7 +111,7 @@ mod tests {
 
     #[test]
     fn profile_overrides_listed_devices_only() {
-        let text = "[device.h100-sxm]\nmatmul = 0.6\nattention = 0.4\nmemory = 0.9\n";
+        let text = "[device.h100]\nmatmul = 0.6\nattention = 0.4\nmemory = 0.9\n";
         let calibration = Calibration::from_toml(text, "cal.toml").unwrap();
         let h100 = catalog_device("h100").unwrap();
         assert_eq!(calibration.efficiency(&h100).matmul, 0.6);

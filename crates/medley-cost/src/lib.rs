@@ -90,7 +90,7 @@ impl<'a> CostModel<'a> {
             Recompute::Selective => attention_s,
             Recompute::Full => forward_s,
         };
-        // Backward computes input and weight gradients: twice the forward's matmul work.
+        // Backward computes input and weight gradients: twice the forward's work.
         let backward_s = 2.0 * (matmul_s + attention_s + elementwise_s) + tp_comm_s + recompute_s;
         PassTime { forward_s, backward_s }
     }
