@@ -16,7 +16,7 @@ use rayon::prelude::*;
 use crate::assemble::{ReplicaLayout, assemble, stages_from_counts};
 use crate::error::PlanError;
 use crate::evaluate::evaluate;
-use crate::plan::Plan;
+use crate::plan::{Plan, tp_splits_heads};
 use crate::search::{Candidate, SearchOptions, candidate_settings, search, settings_with_tp};
 
 /// Megatron parallel degrees; their product is the number of devices used.
@@ -98,18 +98,26 @@ pub fn megatron_plan(
 /// Checks that `degrees` can be laid out on `cluster` for `model` at all.
 fn check_degrees(cluster: &Cluster, model: &ModelSpec, degrees: Degrees) -> Result<(), PlanError> {
     let error = |message: String| Err(PlanError::Layout { layout: degrees.to_string(), message });
-    let n_used = degrees.tp * degrees.pp * degrees.dp;
-    if n_used > cluster.n_gpus() {
+    let n_used = u64::from(degrees.tp) * u64::from(degrees.pp) * u64::from(degrees.dp);
+    if n_used > u64::from(cluster.n_gpus()) {
         return error(format!("needs {n_used} devices, the cluster has {}", cluster.n_gpus()));
     }
-    if let Some(group) = cluster.groups().iter().find(|group| !group.gpus_per_node.is_multiple_of(degrees.tp)) {
+    // The layout takes the first tp·pp·dp devices; only their groups must host whole TP groups.
+    let used_groups = cluster.group_first_ids().into_iter().filter(|&first| u64::from(first) < n_used).count();
+    let misfit = cluster.groups()[..used_groups].iter().find(|group| !group.gpus_per_node.is_multiple_of(degrees.tp));
+    if let Some(group) = misfit {
         return error(format!(
             "tp={} does not divide the {} GPUs per node of {}: a tensor-parallel group must sit in one node",
             degrees.tp, group.gpus_per_node, group.device.name
         ));
     }
-    if !model.n_heads().is_multiple_of(degrees.tp) {
-        return error(format!("tp={} does not divide the model's {} attention heads", degrees.tp, model.n_heads()));
+    if !tp_splits_heads(model, degrees.tp) {
+        return error(format!(
+            "tp={} does not divide the model's {} attention heads and {} kv heads",
+            degrees.tp,
+            model.n_heads(),
+            model.n_kv_heads()
+        ));
     }
     if degrees.pp > model.n_layers() {
         return error(format!("pp={} exceeds the model's {} layers", degrees.pp, model.n_layers()));
@@ -127,26 +135,27 @@ pub fn fixed(
 ) -> Result<Candidate, PlanError> {
     check_degrees(cluster, model, degrees)?;
     let cost = CostModel::new(model, job.seq_len(), calibration);
-    let mut last_error = None;
-    let mut best: Option<Candidate> = None;
+    let mut layout_error = None;
+    let (mut built, mut best) = (false, None::<Candidate>);
     for setting in settings_with_tp(job, degrees.tp) {
         match megatron_plan(cluster, &cost, job, setting, degrees) {
             Ok(plan) => {
+                built = true;
                 let prediction = evaluate(&plan, calibration);
                 if prediction.fits && best.as_ref().is_none_or(|b| prediction.step_time_s < b.prediction.step_time_s) {
                     best = Some(Candidate { plan, prediction });
                 }
             }
-            Err(err) => last_error = Some(err),
+            Err(err) => layout_error = Some(err),
         }
     }
-    best.ok_or_else(|| {
-        last_error.unwrap_or_else(|| {
-            PlanError::NothingFits(format!(
-                "layout {degrees} does not fit {} in memory with any micro-batch size or recompute the job allows",
-                model.name()
-            ))
-        })
+    // A layout that builds but never fits is a memory problem, not bad input.
+    best.ok_or_else(|| match layout_error {
+        Some(err) if !built => err,
+        _ => PlanError::NothingFits(format!(
+            "layout {degrees} does not fit {} in memory with any micro-batch size or recompute the job allows",
+            model.name()
+        )),
     })
 }
 

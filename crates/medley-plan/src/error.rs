@@ -10,6 +10,11 @@ pub enum PlanError {
     /// No layout of the cluster fits the model and job; the message says what would.
     #[error("nothing fits: {0}")]
     NothingFits(String),
+    /// More node groups than the search enumerates.
+    #[error(
+        "the cluster has {groups} node groups; the search takes at most {max}: merge groups of the same device and node shape"
+    )]
+    TooManyGroups { groups: usize, max: usize },
     /// A fixed layout that cannot be built on this cluster.
     #[error("layout {layout}: {message}")]
     Layout { layout: String, message: String },

@@ -288,7 +288,7 @@ pub fn best_boundary_route(cluster: &Cluster, a: (DeviceSlot, Vendor), b: (Devic
     Route::Bridge { mode }
 }
 
-/// Usable bytes of a device of `hbm_gib`.
+/// Bytes of a device's `hbm_gib` (the workspace reserve is part of each stage's memory).
 pub fn capacity_bytes(hbm_gib: f64) -> f64 {
     hbm_gib * GIB
 }

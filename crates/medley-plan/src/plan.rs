@@ -174,15 +174,23 @@ impl Plan {
         if self.replicas.is_empty() {
             return invalid("a plan needs at least one replica".into());
         }
-        if self.tp == 0 {
-            return invalid("tp must be at least 1".into());
-        }
-        if self.micro_batch == 0 || self.n_micro_batches() * self.micro_batch != self.global_batch {
+        if self.tp == 0 || !tp_splits_heads(&self.model, self.tp) {
             return invalid(format!(
-                "replicas run {} micro-batches of {} sequences, which is not the global batch {}",
-                self.n_micro_batches(),
-                self.micro_batch,
-                self.global_batch
+                "tp={} must be at least 1 and divide the model's {} heads and {} kv heads",
+                self.tp,
+                self.model.n_heads(),
+                self.model.n_kv_heads()
+            ));
+        }
+        if self.seq_len == 0 {
+            return invalid("seq_len must be at least 1".into());
+        }
+        let sequences: u64 = self.replicas.iter().map(|replica| u64::from(replica.n_micro_batches)).sum::<u64>()
+            * u64::from(self.micro_batch);
+        if self.micro_batch == 0 || sequences != u64::from(self.global_batch) {
+            return invalid(format!(
+                "replicas run {sequences} sequences in micro-batches of {}, which is not the global batch {}",
+                self.micro_batch, self.global_batch
             ));
         }
         let devices = self.cluster.devices();
@@ -296,6 +304,13 @@ impl Plan {
             Route::Bridge { .. } => Err("a bridge route for members of one vendor".into()),
         }
     }
+}
+
+/// Whether tensor parallelism `tp` splits the model's attention heads evenly (kv heads may be
+/// split or replicated, as Megatron-LM does for grouped-query attention).
+pub(crate) fn tp_splits_heads(model: &ModelSpec, tp: u32) -> bool {
+    model.n_heads().is_multiple_of(tp)
+        && (model.n_kv_heads().is_multiple_of(tp) || tp.is_multiple_of(model.n_kv_heads()))
 }
 
 /// The layer ranges of data-parallel groups: cut the model wherever any replica has a stage

@@ -562,3 +562,10 @@ fn too_large_a_model_suggests_more_devices() {
         other => panic!("expected NothingFits, got {:?}", other.map(|outcome| describe(&outcome.candidates[0]))),
     }
 }
+
+#[test]
+fn too_many_node_groups_is_refused_not_searched_for_hours() {
+    let cluster = cluster("8xh100,8xa100,8xmi300x,8xl40s,8xv100,8xh200,8xmi250x");
+    let outcome = search_with(&cluster, &model("gpt2"), &job(1024, 32, None, None), &SearchOptions::default());
+    assert!(matches!(outcome, Err(PlanError::TooManyGroups { groups: 7, .. })), "{outcome:?}");
+}

@@ -35,13 +35,17 @@ pub struct PlanArgs {
 }
 
 pub fn run(args: &PlanArgs) -> Result<ExitCode> {
-    let specs = match &args.plan {
-        Some(path) => specs_of_plan_file(args, path)?,
+    let given = args.plan.as_deref().map(|path| load_plan(path).map(|plan| (path, plan))).transpose()?;
+    let specs = match &given {
+        Some((path, plan)) => specs_of_plan(args, path, plan)?,
         None => args.specs.resolve()?,
     };
     let started = std::time::Instant::now();
-    let found = match (&args.plan, args.fix) {
-        (Some(path), _) => Ok((vec![evaluate_plan_file(path, &specs)?], None)),
+    let found = match (given, args.fix) {
+        (Some((_, plan)), _) => {
+            let prediction = evaluate(&plan, &specs.calibration);
+            Ok((vec![Candidate { plan, prediction }], None))
+        }
         (None, Some(degrees)) => {
             baselines::fixed(&specs.cluster, &specs.model, &specs.job, &specs.calibration, degrees)
                 .map(|candidate| (vec![candidate], None))
@@ -76,11 +80,15 @@ pub fn run(args: &PlanArgs) -> Result<ExitCode> {
             None => println!("\nwrite this plan as JSON with -o plan.json (or print everything with --json)"),
         }
     }
+    // Only a given plan can fail to fit here: the search and --fix return fitting plans.
+    if !candidates[0].prediction.fits {
+        eprintln!("medley plan: this plan does not fit in memory (see the peak memory per device type)");
+        return Ok(ExitCode::from(1));
+    }
     Ok(ExitCode::SUCCESS)
 }
 
-fn specs_of_plan_file(args: &PlanArgs, path: &str) -> Result<Specs> {
-    let plan = load_plan(path)?;
+fn specs_of_plan(args: &PlanArgs, path: &str, plan: &Plan) -> Result<Specs> {
     let parts = JobParts {
         seq_len: plan.seq_len,
         global_batch: plan.global_batch,
@@ -92,8 +100,8 @@ fn specs_of_plan_file(args: &PlanArgs, path: &str) -> Result<Specs> {
     };
     Ok(Specs {
         job: JobSpec::new(parts, path)?,
-        cluster: plan.cluster,
-        model: plan.model,
+        cluster: plan.cluster.clone(),
+        model: plan.model.clone(),
         calibration: args.specs.resolve_calibration()?,
     })
 }
@@ -102,12 +110,6 @@ fn load_plan(path: &str) -> Result<Plan> {
     let plan: Plan = serde_json::from_str(&read(path)?).with_context(|| format!("{path} is not a medley plan"))?;
     plan.validate().with_context(|| format!("in {path}"))?;
     Ok(plan)
-}
-
-fn evaluate_plan_file(path: &str, specs: &Specs) -> Result<Candidate> {
-    let plan = load_plan(path)?;
-    let prediction = evaluate(&plan, &specs.calibration);
-    Ok(Candidate { plan, prediction })
 }
 
 /// The layouts a plan is compared with.

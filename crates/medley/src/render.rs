@@ -56,7 +56,7 @@ pub fn text(report: &Report) -> String {
     let best = &report.candidates[0];
     let _ = writeln!(out, "{}", headline(specs));
     if let Some(priced) = report.layouts_priced {
-        let _ = writeln!(out, "searched {priced} layouts in {:.2} s\n", report.search_s);
+        let _ = writeln!(out, "priced {priced} pipelines and layouts in {:.2} s\n", report.search_s);
     }
     out += &candidates_table(report.candidates).to_string();
     out += "\n\nBaselines (same cost model)\n";
@@ -238,7 +238,7 @@ pub fn explain(plan: &Plan) -> String {
     }
     let idle = plan.idle_devices();
     if !idle.is_empty() {
-        let _ = writeln!(out, "- {} devices idle (they would slow the step or do not divide evenly)", idle.len());
+        let _ = writeln!(out, "- {} devices idle", idle.len());
     }
     out
 }

@@ -1,10 +1,26 @@
 //! The `medley` binary as a person or script runs it: exit codes, JSON shape, plan files.
 
 use std::path::PathBuf;
-use std::process::{Command, Output};
+use std::process::{Command, Output, Stdio};
+use std::time::{Duration, Instant};
 
+/// Runs the binary, killing it (and failing) if it takes longer than two minutes.
 fn medley(args: &[&str]) -> Output {
-    Command::new(env!("CARGO_BIN_EXE_medley")).args(args).output().expect("medley runs")
+    let mut child = Command::new(env!("CARGO_BIN_EXE_medley"))
+        .args(args)
+        .stdout(Stdio::piped())
+        .stderr(Stdio::piped())
+        .spawn()
+        .expect("medley starts");
+    let deadline = Instant::now() + Duration::from_secs(120);
+    while child.try_wait().expect("medley can be waited on").is_none() {
+        if Instant::now() > deadline {
+            child.kill().ok();
+            panic!("medley {args:?} ran past two minutes");
+        }
+        std::thread::sleep(Duration::from_millis(20));
+    }
+    child.wait_with_output().expect("medley's output")
 }
 
 fn stdout(output: &Output) -> String {
@@ -68,6 +84,18 @@ fn a_written_plan_evaluates_to_the_same_prediction() {
         value["prediction"]["step_time_s"].as_f64().unwrap()
     };
     assert_eq!(step(&searched), step(&evaluated));
+}
+
+#[test]
+fn a_plan_file_that_does_not_fit_exits_one() {
+    let path = scratch("small.json");
+    let path = path.to_str().unwrap();
+    check(&["plan", "--cluster", "8xh100", "--model", "gpt2", "--global-batch", "8", "-o", path], 0, "written");
+    let mut plan: serde_json::Value = serde_json::from_str(&std::fs::read_to_string(path).unwrap()).unwrap();
+    plan["seq_len"] = serde_json::json!(1 << 22);
+    let grown = scratch("grown.json");
+    std::fs::write(&grown, plan.to_string()).unwrap();
+    check(&["plan", "--plan", grown.to_str().unwrap()], 1, "does not fit");
 }
 
 #[test]

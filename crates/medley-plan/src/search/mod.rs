@@ -23,14 +23,14 @@ use std::collections::BTreeMap;
 
 use medley_cost::comm::{self, Link};
 use medley_cost::{Calibration, CostModel, Setting};
-use medley_spec::{BridgeMode, Cluster, DeviceSlot, JobSpec, ModelSpec, NodeGroup, Recompute};
+use medley_spec::{BridgeMode, Cluster, DeviceSlot, JobSpec, ModelSpec, NodeGroup, Recompute, Schedule};
 use rayon::prelude::*;
 
 use crate::assemble::{ReplicaLayout, assemble, stages_from_counts};
 use crate::error::PlanError;
 use crate::evaluate::{Prediction, evaluate};
 use crate::partition::{ClassShare, ReplicaClass, split_micro_batches};
-use crate::plan::Plan;
+use crate::plan::{Plan, tp_splits_heads};
 use enumerate::{for_each_combination, set_partitions, stage_vectors, type_orders};
 use template::{BlockConfig, Placement, Template};
 
@@ -63,7 +63,7 @@ pub struct Candidate {
 #[derive(Clone, Debug)]
 pub struct SearchOutcome {
     pub candidates: Vec<Candidate>,
-    /// Pipelines (block configurations) and layouts priced by the estimate.
+    /// Pipeline templates and layouts priced by the estimate.
     pub layouts_priced: usize,
 }
 
@@ -71,6 +71,9 @@ pub struct SearchOutcome {
 const TP_DEGREES: [u32; 4] = [1, 2, 4, 8];
 /// Micro-batch sizes the search tries when the job does not fix one.
 const MICRO_BATCHES: [u32; 4] = [1, 2, 4, 8];
+/// Node groups one search takes: blocks are every partition of every subset of groups, which
+/// grows as the Bell numbers (877 sets of blocks for 6 groups).
+pub const MAX_GROUPS: usize = 6;
 /// Configurations kept per block before blocks are combined.
 const CONFIGS_PER_BLOCK: usize = 6;
 /// Layouts per setting that become explicit plans.
@@ -86,6 +89,9 @@ pub fn search(
 ) -> Result<SearchOutcome, PlanError> {
     let cost = CostModel::new(model, job.seq_len(), calibration);
     let allowed: Vec<usize> = options.groups.clone().unwrap_or_else(|| (0..cluster.groups().len()).collect());
+    if allowed.len() > MAX_GROUPS {
+        return Err(PlanError::TooManyGroups { groups: allowed.len(), max: MAX_GROUPS });
+    }
     let space = Space {
         cluster,
         slots: cluster.devices(),
@@ -126,13 +132,9 @@ pub(crate) fn candidate_settings(
     allowed: &[usize],
 ) -> Vec<Setting> {
     let node_fits = |tp: u32| allowed.iter().any(|&g| cluster.groups()[g].gpus_per_node.is_multiple_of(tp));
-    let heads_split = |tp: u32| {
-        model.n_heads().is_multiple_of(tp)
-            && (model.n_kv_heads().is_multiple_of(tp) || tp.is_multiple_of(model.n_kv_heads()))
-    };
     TP_DEGREES
         .into_iter()
-        .filter(|&tp| node_fits(tp) && heads_split(tp))
+        .filter(|&tp| node_fits(tp) && tp_splits_heads(model, tp))
         .flat_map(|tp| settings_with_tp(job, tp))
         .collect()
 }
@@ -328,12 +330,17 @@ fn nothing_fits_hint(
     if job.micro_batch().is_some_and(|mb| mb > 1) {
         hints.push("--micro-batch 1".to_string());
     }
+    if job.schedule() == Schedule::Gpipe {
+        hints.push("--schedule 1f1b (GPipe keeps every micro-batch's activations)".to_string());
+    }
     let seq_len = cost.seq_len();
     if seq_len > 1024 {
         hints.push(format!("a shorter --seq-len than {seq_len}"));
     }
     let largest = groups.iter().map(|group| group.device.hbm_gib).fold(0.0, f64::max);
-    let needed = (states_gib / (largest - 2.0).max(1.0) * 1.25).ceil();
+    // Model states alone, on devices less their workspace, with a quarter more for activations.
+    let usable_gib = (largest - medley_cost::memory::WORKSPACE_BYTES / medley_cost::GIB).max(1.0);
+    let needed = (states_gib / usable_gib * 1.25).ceil();
     hints.push(format!("more devices (the model's weights, gradients and Adam states alone need {states_gib:.0} GiB, about {needed} GPUs of {largest:.0} GiB, before activations)"));
     format!(
         "no layout of the {} GPUs ({hbm_gib:.0} GiB in all) fits {} at sequence length {seq_len}; try {}",
