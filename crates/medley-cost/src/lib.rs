@@ -32,6 +32,14 @@ pub struct StageShape {
     pub head: bool,
 }
 
+impl StageShape {
+    /// Stage `stage_idx` of a pipeline of `n_stages`: the first holds the embedding, the last the
+    /// head.
+    pub fn in_pipeline(stage_idx: usize, n_stages: usize, n_layers: u32) -> Self {
+        StageShape { n_layers, embedding: stage_idx == 0, head: stage_idx + 1 == n_stages }
+    }
+}
+
 /// Seconds of one micro-batch's forward and backward pass (compute plus tensor-parallel
 /// communication, which sits on the critical path).
 #[derive(Clone, Copy, Debug, Default, PartialEq)]

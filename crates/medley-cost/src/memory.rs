@@ -7,6 +7,9 @@
 //! and gated MLPs: with 16-bit activations and dropout masks, in units of s·b·h bytes, the two norms
 //! keep 4, attention 7 + 4·kv/heads plus 5·a·s/h for scores, softmax and dropout, a GELU MLP
 //! 3 + 4f/h, a SwiGLU MLP 3 + 6f/h (gate, up and their product), times top-k for experts.
+//! `Recompute::None` keeps attention's score, softmax and dropout buffers (the 5·a·s/h term) as
+//! Megatron-LM does without a fused attention kernel; a fused (FlashAttention) kernel never stores
+//! them and recomputes them in its backward, which is what `Recompute::Selective` prices.
 
 use medley_spec::{MlpKind, ModelSpec, Recompute};
 

@@ -126,12 +126,12 @@ pub fn evaluate(plan: &Plan, calibration: &Calibration) -> Prediction {
 
 /// What each stage of a replica holds.
 pub fn stage_shapes(replica: &Replica) -> Vec<StageShape> {
-    let last = replica.stages.len() - 1;
+    let n_stages = replica.stages.len();
     replica
         .stages
         .iter()
         .enumerate()
-        .map(|(idx, stage)| StageShape { n_layers: stage.layers.len(), embedding: idx == 0, head: idx == last })
+        .map(|(idx, stage)| StageShape::in_pipeline(idx, n_stages, stage.layers.len()))
         .collect()
 }
 

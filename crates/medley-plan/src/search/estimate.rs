@@ -83,9 +83,9 @@ impl Space<'_> {
         blocks
             .iter()
             .flat_map(|block| {
-                let last = block.layers.len() - 1;
+                let n_stages = block.layers.len();
                 block.layers.iter().zip(&block.stage_groups).enumerate().map(move |(idx, (&n_layers, &g))| {
-                    let shape = StageShape { n_layers, embedding: idx == 0, head: idx == last };
+                    let shape = StageShape::in_pipeline(idx, n_stages, n_layers);
                     let params = self.cost.stage_params(shape) / f64::from(setting.tp) / f64::from(shards);
                     self.cost.optimizer_step_s(&groups[g], params)
                 })

@@ -132,7 +132,7 @@ impl<'s, 'a> Template<'s, 'a> {
     }
 
     fn shape(&self, stage_idx: usize, n_layers: u32) -> StageShape {
-        StageShape { n_layers, embedding: stage_idx == 0, head: stage_idx + 1 == self.positions.len() }
+        StageShape::in_pipeline(stage_idx, self.positions.len(), n_layers)
     }
 
     /// Where the first device of stage `stage_idx` of `replica` sits.
