@@ -5,7 +5,7 @@ use std::collections::BTreeMap;
 
 use medley_cost::comm::{self, DomainPart, Link};
 use medley_cost::{Calibration, CostModel, GIB, PassTime, Setting, StageShape, flops};
-use medley_spec::{BridgeMode, Cluster, DeviceSlot, Vendor};
+use medley_spec::{BridgeMode, Cluster, DeviceSlot, NodeGroup, Vendor};
 use serde::Serialize;
 
 use crate::plan::{Algorithm, LayerRange, Plan, Replica, Route, Stage};
@@ -36,64 +36,20 @@ pub struct Prediction {
 }
 
 /// The setting every stage of `plan` runs with.
-pub fn plan_setting(plan: &Plan) -> Setting {
+fn plan_setting(plan: &Plan) -> Setting {
     Setting { micro_batch: plan.micro_batch, tp: plan.tp, recompute: plan.recompute }
 }
 
 /// Prices `plan`, which must have passed [`Plan::validate`].
 pub fn evaluate(plan: &Plan, calibration: &Calibration) -> Prediction {
     let cost = &CostModel::new(&plan.model, plan.seq_len, calibration);
-    let setting = plan_setting(plan);
     let slots = plan.cluster.devices();
-    let n_replicas = plan.replicas.len() as u32;
-    let optimizer_shards = if plan.zero1 { n_replicas } else { 1 };
-    let mut pipeline_s: f64 = 0.0;
-    let mut busy_fraction_sum = 0.0;
-    let mut n_stages_total = 0usize;
-    let mut optimizer_s: f64 = 0.0;
-    let mut peak_memory_gib = BTreeMap::new();
-    let mut capacity_gib = BTreeMap::new();
-    for replica in &plan.replicas {
-        let shapes = stage_shapes(replica);
-        let passes: Vec<PassTime> = replica
-            .stages
-            .iter()
-            .zip(&shapes)
-            .map(|(stage, &shape)| cost.stage_time(plan.stage_group(stage), shape, setting))
-            .collect();
-        let boundary_s: Vec<f64> = replica
-            .stages
-            .windows(2)
-            .zip(&replica.boundaries)
-            .map(|(pair, route)| {
-                let link = comm::link_between(
-                    &plan.cluster,
-                    slots[pair[0].devices[0] as usize],
-                    slots[pair[1].devices[0] as usize],
-                    route_mode(*route),
-                );
-                link.transfer_s(cost.boundary_bytes(setting))
-            })
-            .collect();
-        let timing = PipelineTiming::new(&passes, &boundary_s);
-        let replica_s = timing.time_s(replica.n_micro_batches);
-        pipeline_s = pipeline_s.max(replica_s);
-        for pass in &passes {
-            busy_fraction_sum += pass.total_s() * f64::from(replica.n_micro_batches) / replica_s;
-        }
-        n_stages_total += passes.len();
-        for (stage_idx, (stage, &shape)) in replica.stages.iter().zip(&shapes).enumerate() {
-            let group = plan.stage_group(stage);
-            let in_flight = plan.schedule.in_flight(stage_idx, replica.stages.len(), replica.n_micro_batches);
-            let memory = cost.stage_memory(shape, setting, in_flight, optimizer_shards);
-            let params_per_device = cost.stage_params(shape) / f64::from(plan.tp) / f64::from(optimizer_shards);
-            optimizer_s = optimizer_s.max(cost.optimizer_step_s(group, params_per_device));
-            let name = group.device.name.clone();
-            let peak = peak_memory_gib.entry(name.clone()).or_insert(0.0_f64);
-            *peak = peak.max(memory.total_gib());
-            capacity_gib.insert(name, group.device.hbm_gib);
-        }
-    }
+    let prices: Vec<ReplicaPrice> =
+        plan.replicas.iter().map(|replica| price_replica(plan, cost, &slots, replica)).collect();
+    let pipeline_s = prices.iter().map(|price| price.time_s).fold(0.0, f64::max);
+    let optimizer_s = prices.iter().map(|price| price.optimizer_s).fold(0.0, f64::max);
+    let busy: Vec<f64> = prices.iter().flat_map(|price| price.busy_fractions.iter().copied()).collect();
+    let memory = MemoryPeaks::of(plan, cost);
     let dp_sync_s = dp_sync_s(plan, cost, &slots);
     let step_time_s = pipeline_s + dp_sync_s + optimizer_s;
     let n_gpus_used = plan.used_devices().len() as u32;
@@ -105,7 +61,6 @@ pub fn evaluate(plan: &Plan, calibration: &Calibration) -> Prediction {
         .sum();
     let model_flops = flops::model_flops_per_step(cost.model(), plan.seq_len, plan.global_batch);
     let hardware_flops = flops::hardware_flops_per_step(cost.model(), plan.seq_len, plan.global_batch, plan.recompute);
-    let fits = peak_memory_gib.iter().all(|(name, peak)| *peak <= capacity_gib[name]);
     Prediction {
         step_time_s,
         pipeline_s,
@@ -116,11 +71,80 @@ pub fn evaluate(plan: &Plan, calibration: &Calibration) -> Prediction {
         hardware_tflops_per_gpu: hardware_flops / step_time_s / f64::from(n_gpus_used) / 1e12,
         mfu: model_flops / step_time_s / peak_flops,
         hfu: hardware_flops / step_time_s / peak_flops,
-        bubble_fraction: 1.0 - busy_fraction_sum / n_stages_total as f64,
+        bubble_fraction: 1.0 - busy.iter().sum::<f64>() / busy.len() as f64,
         n_gpus_used,
-        peak_memory_gib,
-        capacity_gib,
-        fits,
+        fits: memory.fits(),
+        peak_memory_gib: memory.peak_gib,
+        capacity_gib: memory.capacity_gib,
+    }
+}
+
+/// One replica's pipeline time, the share of it each stage computes, and its slowest
+/// optimizer step.
+struct ReplicaPrice {
+    time_s: f64,
+    busy_fractions: Vec<f64>,
+    optimizer_s: f64,
+}
+
+fn price_replica(plan: &Plan, cost: &CostModel, slots: &[DeviceSlot], replica: &Replica) -> ReplicaPrice {
+    let setting = plan_setting(plan);
+    let shapes = stage_shapes(replica);
+    let groups: Vec<&NodeGroup> = replica.stages.iter().map(|stage| plan.stage_group(stage)).collect();
+    let passes: Vec<PassTime> =
+        groups.iter().zip(&shapes).map(|(group, &shape)| cost.stage_time(group, shape, setting)).collect();
+    let boundary_s: Vec<f64> = replica
+        .stages
+        .windows(2)
+        .zip(&replica.boundaries)
+        .map(|(pair, route)| {
+            let (from, to) = (slots[pair[0].devices[0] as usize], slots[pair[1].devices[0] as usize]);
+            comm::link_between(&plan.cluster, from, to, route_mode(*route)).transfer_s(cost.boundary_bytes(setting))
+        })
+        .collect();
+    let time_s = PipelineTiming::new(&passes, &boundary_s).time_s(replica.n_micro_batches);
+    let shards = optimizer_shards(plan);
+    let optimizer_s = groups
+        .iter()
+        .zip(&shapes)
+        .map(|(group, &shape)| cost.optimizer_step_s(group, cost.stage_params(shape) / f64::from(plan.tp * shards)))
+        .fold(0.0, f64::max);
+    let busy_fractions =
+        passes.iter().map(|pass| pass.total_s() * f64::from(replica.n_micro_batches) / time_s).collect();
+    ReplicaPrice { time_s, busy_fractions, optimizer_s }
+}
+
+/// Replicas that share each optimizer state: all of them with ZeRO-1, else one.
+fn optimizer_shards(plan: &Plan) -> u32 {
+    if plan.zero1 { plan.replicas.len() as u32 } else { 1 }
+}
+
+/// The highest predicted memory and the capacity of each device type, in GiB.
+struct MemoryPeaks {
+    peak_gib: BTreeMap<String, f64>,
+    capacity_gib: BTreeMap<String, f64>,
+}
+
+impl MemoryPeaks {
+    fn of(plan: &Plan, cost: &CostModel) -> Self {
+        let setting = plan_setting(plan);
+        let mut peaks = MemoryPeaks { peak_gib: BTreeMap::new(), capacity_gib: BTreeMap::new() };
+        for replica in &plan.replicas {
+            let n_stages = replica.stages.len();
+            for (stage_idx, (stage, shape)) in replica.stages.iter().zip(stage_shapes(replica)).enumerate() {
+                let device = &plan.stage_group(stage).device;
+                let in_flight = plan.schedule.in_flight(stage_idx, n_stages, replica.n_micro_batches);
+                let used_gib = cost.stage_memory(shape, setting, in_flight, optimizer_shards(plan)).total_gib();
+                let peak = peaks.peak_gib.entry(device.name.clone()).or_insert(0.0);
+                *peak = peak.max(used_gib);
+                peaks.capacity_gib.insert(device.name.clone(), device.hbm_gib);
+            }
+        }
+        peaks
+    }
+
+    fn fits(&self) -> bool {
+        self.peak_gib.iter().all(|(name, peak)| *peak <= self.capacity_gib[name])
     }
 }
 
