@@ -323,25 +323,32 @@ fn nothing_fits_hint(
     let groups: Vec<&NodeGroup> = allowed.iter().map(|&g| &cluster.groups()[g]).collect();
     let states_gib = 16.0 * medley_cost::params::total_params(model) as f64 / medley_cost::GIB;
     let hbm_gib: f64 = groups.iter().map(|group| f64::from(group.n_gpus()) * group.device.hbm_gib).sum();
-    let mut hints = Vec::new();
-    if job.recompute() != Some(Recompute::Full) && job.recompute().is_some() {
-        hints.push("--recompute full".to_string());
-    }
-    if job.micro_batch().is_some_and(|mb| mb > 1) {
-        hints.push("--micro-batch 1".to_string());
-    }
-    if job.schedule() == Schedule::Gpipe {
-        hints.push("--schedule 1f1b (GPipe keeps every micro-batch's activations)".to_string());
-    }
-    let seq_len = cost.seq_len();
-    if seq_len > 1024 {
-        hints.push(format!("a shorter --seq-len than {seq_len}"));
-    }
     let largest = groups.iter().map(|group| group.device.hbm_gib).fold(0.0, f64::max);
     // Model states alone, on devices less their workspace, with a quarter more for activations.
     let usable_gib = (largest - medley_cost::memory::WORKSPACE_BYTES / medley_cost::GIB).max(1.0);
     let needed = (states_gib / usable_gib * 1.25).ceil();
-    hints.push(format!("more devices (the model's weights, gradients and Adam states alone need {states_gib:.0} GiB, about {needed} GPUs of {largest:.0} GiB, before activations)"));
+    let more_devices = format!(
+        "more devices (the model's weights, gradients and Adam states alone need {states_gib:.0} GiB, \
+         about {needed} GPUs of {largest:.0} GiB, before activations)"
+    );
+    let seq_len = cost.seq_len();
+    // When model states alone exceed the cluster, only more devices help.
+    let mut hints = Vec::new();
+    if states_gib < hbm_gib {
+        if job.recompute().is_some_and(|recompute| recompute != Recompute::Full) {
+            hints.push("--recompute full".to_string());
+        }
+        if job.micro_batch().is_some_and(|mb| mb > 1) {
+            hints.push("--micro-batch 1".to_string());
+        }
+        if job.schedule() == Schedule::Gpipe {
+            hints.push("--schedule 1f1b (GPipe keeps every micro-batch's activations)".to_string());
+        }
+        if seq_len > 1024 {
+            hints.push(format!("a shorter --seq-len than {seq_len}"));
+        }
+    }
+    hints.push(more_devices);
     format!(
         "no layout of the {} GPUs ({hbm_gib:.0} GiB in all) fits {} at sequence length {seq_len}; try {}",
         groups.iter().map(|group| group.n_gpus()).sum::<u32>(),
