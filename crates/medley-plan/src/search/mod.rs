@@ -183,27 +183,47 @@ impl Space<'_> {
             .copied()
             .filter(|&g| self.cluster.groups()[g].gpus_per_node.is_multiple_of(setting.tp))
             .collect();
-        let n = usable.len();
-        let mut priced = 0;
-        let mut block_configs: BTreeMap<u32, Vec<BlockConfig>> = BTreeMap::new();
-        for mask in 1..(1u32 << n) {
-            let block: Vec<usize> = (0..n).filter(|bit| mask & (1 << bit) != 0).map(|bit| usable[bit]).collect();
-            let mut configs = self.block_configs(setting, &block);
-            priced += configs.len();
-            configs.sort_by(|a, b| {
-                b.throughput().total_cmp(&a.throughput()).then(a.timing.fill_s.total_cmp(&b.timing.fill_s))
-            });
-            if !self.exhaustive {
-                configs.truncate(CONFIGS_PER_BLOCK);
-            }
-            block_configs.insert(mask, configs);
-        }
+        let block_configs = self.block_configs_by_mask(setting, &usable);
+        let priced_templates: usize = block_configs.values().map(|(_, priced)| priced).sum();
+        let (layouts, priced_layouts) = self.best_layouts(setting, usable.len(), &block_configs);
+        (layouts, priced_templates + priced_layouts)
+    }
+
+    /// Per subset of `usable` groups (a bit mask over them): its best templates, and how many
+    /// were priced.
+    fn block_configs_by_mask(&self, setting: Setting, usable: &[usize]) -> BTreeMap<u32, (Vec<BlockConfig>, usize)> {
+        (1..(1u32 << usable.len()))
+            .map(|mask| {
+                let block: Vec<usize> =
+                    (0..usable.len()).filter(|bit| mask & (1 << bit) != 0).map(|bit| usable[bit]).collect();
+                let mut configs = self.block_configs(setting, &block);
+                let priced = configs.len();
+                configs.sort_by(|a, b| {
+                    b.throughput().total_cmp(&a.throughput()).then(a.timing.fill_s.total_cmp(&b.timing.fill_s))
+                });
+                if !self.exhaustive {
+                    configs.truncate(CONFIGS_PER_BLOCK);
+                }
+                (mask, (configs, priced))
+            })
+            .collect()
+    }
+
+    /// Every way to combine the blocks of every partition of every subset of `n_groups` groups,
+    /// priced; the best kept, and how many were priced.
+    fn best_layouts(
+        &self,
+        setting: Setting,
+        n_groups: usize,
+        block_configs: &BTreeMap<u32, (Vec<BlockConfig>, usize)>,
+    ) -> (Vec<Layout>, usize) {
         let keep = if self.exhaustive { usize::MAX } else { FINALISTS_PER_SETTING };
         let mut layouts: Vec<Layout> = Vec::new();
-        for mask in 1..(1u32 << n) {
+        let mut priced = 0;
+        for mask in 1..(1u32 << n_groups) {
             for partition in set_partitions(mask) {
                 let options: Vec<&[BlockConfig]> =
-                    partition.iter().map(|block| block_configs[block].as_slice()).collect();
+                    partition.iter().map(|block| block_configs[block].0.as_slice()).collect();
                 for_each_combination(&options, &mut |blocks| {
                     priced += 1;
                     // A layout whose pipeline alone is slower than every kept one cannot be kept.
