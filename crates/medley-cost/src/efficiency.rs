@@ -95,6 +95,11 @@ impl Calibration {
         Ok(Calibration { by_device })
     }
 
+    /// The device types the profile names (catalog names where an alias was given).
+    pub fn device_names(&self) -> impl Iterator<Item = &str> {
+        self.by_device.keys().map(String::as_str)
+    }
+
     pub fn efficiency(&self, device: &DeviceSpec) -> Efficiency {
         self.by_device
             .iter()

@@ -3,7 +3,7 @@
 use std::fs;
 use std::path::Path;
 
-use anyhow::{Context, Result};
+use anyhow::{Context, Result, bail};
 use clap::Args;
 use medley_cost::Calibration;
 use medley_spec::{Bridge, Cluster, Fabric, JobParts, JobSpec, ModelSpec, Recompute, Schedule, catalog_model};
@@ -81,12 +81,10 @@ pub struct Specs {
 
 impl SpecArgs {
     pub fn resolve(&self) -> Result<Specs> {
-        Ok(Specs {
-            cluster: self.cluster()?,
-            model: load_model(&self.model)?,
-            job: self.job_spec()?,
-            calibration: self.resolve_calibration()?,
-        })
+        let cluster = self.cluster()?;
+        let calibration = self.resolve_calibration()?;
+        check_calibration_names(&calibration, &cluster)?;
+        Ok(Specs { cluster, model: load_model(&self.model)?, job: self.job_spec()?, calibration })
     }
 
     fn cluster(&self) -> Result<Cluster> {
@@ -129,6 +127,21 @@ impl SpecArgs {
             None => Ok(Calibration::default()),
         }
     }
+}
+
+/// A profile entry for a device the cluster does not have is almost always a typo: refuse it
+/// rather than silently keep the defaults.
+pub fn check_calibration_names(calibration: &Calibration, cluster: &Cluster) -> Result<()> {
+    let names: Vec<&str> = cluster.groups().iter().map(|group| group.device.name.as_str()).collect();
+    for profiled in calibration.device_names() {
+        if !names.iter().any(|name| name.eq_ignore_ascii_case(profiled)) {
+            bail!(
+                "the calibration profile names device `{profiled}`, which the cluster does not have ({})",
+                names.join(", ")
+            );
+        }
+    }
+    Ok(())
 }
 
 /// A catalog name, or a HuggingFace config.json (or the folder holding one).

@@ -10,7 +10,7 @@ use medley_plan::baselines::{self, Degrees};
 use medley_plan::{Candidate, Plan, PlanError, SearchOptions, evaluate, search};
 use medley_spec::{JobParts, JobSpec};
 
-use crate::inputs::{SpecArgs, Specs, read};
+use crate::inputs::{SpecArgs, Specs, check_calibration_names, read};
 use crate::render::{self, Baseline, Report};
 
 #[derive(Args, Debug)]
@@ -102,7 +102,11 @@ fn specs_of_plan(args: &PlanArgs, path: &str, plan: &Plan) -> Result<Specs> {
         job: JobSpec::new(parts, path)?,
         cluster: plan.cluster.clone(),
         model: plan.model.clone(),
-        calibration: args.specs.resolve_calibration()?,
+        calibration: {
+            let calibration = args.specs.resolve_calibration()?;
+            check_calibration_names(&calibration, &plan.cluster)?;
+            calibration
+        },
     })
 }
 

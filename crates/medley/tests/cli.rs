@@ -127,6 +127,9 @@ fn bad_input_exits_two_and_names_the_problem() {
     std::fs::write(&path, "[[group]]\ndevice = \"h100\"\nnodes = 1\nspeed = 2\n").unwrap();
     check(&["plan", "--cluster", path.to_str().unwrap()], 2, "cluster.toml:4:1");
     check(&["plan", "--model", "/nonexistent/config.json"], 2, "cannot read");
+    let profile = scratch("calibration.toml");
+    std::fs::write(&profile, "[device.h10]\nmatmul = 0.6\nattention = 0.4\nmemory = 0.8\n").unwrap();
+    check(&["plan", "--calibration", profile.to_str().unwrap()], 2, "does not have");
 }
 
 #[test]
