@@ -1,0 +1,56 @@
+//! Pipeline schedules as per-rank programs.
+//!
+//! A [`Plan`](medley_plan::Plan) says who holds which layers; this crate says what each of them
+//! executes, in order, in one training step. [`generate`] turns a validated plan and a
+//! [`ScheduleKind`] into [`Programs`]: one [`Program`] per pipeline position ([`RankId`]: replica,
+//! stage), a list of [`Instruction`]s. [`check`] proves a step's programs correct. The simulator
+//! executes the programs in simulated time and the runtime executes the very same programs for
+//! real; neither reorders them.
+//!
+//! # The instruction set
+//!
+//! - Compute: `Forward`, `Backward` (input and weight gradients together), or the zero-bubble
+//!   split `BackwardInput` / `BackwardWeight`, each of one micro-batch on one model chunk. Tensor
+//!   parallelism lives inside compute: every TP rank of a stage runs the stage's program, and the
+//!   TP collectives of a pass belong to that pass.
+//! - Point to point: `SendActivation` / `RecvActivation` between a stage and the next,
+//!   `SendGradient` / `RecvGradient` back, each naming micro-batch, chunk and peer. Transfer k of
+//!   a TP group goes between the two stages' TP rank k.
+//! - Gradient synchronisation: `AllReduceGradients` on `plan.dp_groups[dp_group]`, one per group
+//!   whose layers the stage holds, last layers first; the members are the group's holder stage
+//!   in every replica (a group of one replica is a no-op the engines may skip).
+//! - `OptimizerStep`, the last instruction.
+//!
+//! # Execution semantics
+//!
+//! Both engines obey the same rules, and [`check`] proves the programs cannot deadlock under them:
+//! - an instruction starts only after the rank's previous instruction has started, in order;
+//! - compute passes never wait on other ranks (their inputs were received by earlier
+//!   instructions);
+//! - a send never blocks: it hands its message to the transport, which delivers it eventually
+//!   (the runtime posts an asynchronous send and waits for it before the step ends or the buffer
+//!   is reused; the simulator starts a transfer);
+//! - a receive blocks until the matching send has been issued (the runtime may post it earlier
+//!   as long as it completes before the next instruction);
+//! - an all-reduce blocks until every member of its group has reached it.
+//!
+//! Rendezvous sends (a send that blocks until its receive is posted) are not assumed: under
+//! them 1F1B's steady state needs the send and the receive of neighbouring stages fused into one
+//! exchange, as Megatron-LM batches them.
+//!
+//! # Schedules
+//!
+//! GPipe, 1F1B, kFkB (Ada-Grouper) and ZB-H1, each for uneven stages and for replicas with
+//! different micro-batch counts (every replica runs its own pipeline; they meet only in the
+//! gradient all-reduces). Interleaved 1F1B needs several model chunks per rank, which plan
+//! schema v1 does not express; the instruction set already carries a chunk for it.
+
+mod check;
+mod generate;
+mod program;
+mod schedules;
+
+pub use check::{ScheduleError, check};
+pub use generate::generate;
+pub use program::{Instruction, Program, Programs, RankId};
+pub use schedules::ScheduleKind;
