@@ -1,0 +1,72 @@
+//! The default algorithm for an operation, by message size and group shape.
+
+use crate::{Algorithm, Group, Op};
+
+/// Below this many bytes per rank, latency dominates: trees (log₂ n steps) beat rings (n−1).
+/// NCCL's tuner switches from tree/LL protocols to ring in the same tens-of-KiB range.
+pub const SMALL_BYTES: usize = 64 << 10;
+
+/// From this many bytes per rank, a group spanning several domains uses the hierarchical
+/// all-reduce, reduce-scatter and all-gather: below it the extra phases' latencies outweigh the bridge traffic saved.
+pub const LARGE_BYTES: usize = 1 << 20;
+
+/// The algorithm medley uses for `op` over `group` with `bytes` per rank unless the caller forces
+/// one (by passing its own to [`crate::plan_steps`]). Always one that [`Algorithm::supports`] `op`.
+pub fn choose(op: Op, group: &Group, bytes: usize) -> Algorithm {
+    match op {
+        Op::AllToAll | Op::Barrier => Algorithm::Pairwise,
+        Op::AllReduce { .. } | Op::ReduceScatter { .. } | Op::AllGather
+            if group.n_domains() > 1 && bytes >= LARGE_BYTES =>
+        {
+            Algorithm::Hierarchical
+        }
+        _ if bytes < SMALL_BYTES => Algorithm::Tree,
+        // The domain-ordered chain is as long as the flat one and never changes domain more often.
+        Op::Broadcast { .. } | Op::Reduce { .. } if group.n_domains() > 1 => Algorithm::Hierarchical,
+        _ => Algorithm::Ring,
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use crate::{DomainId, ReduceOp};
+
+    #[test]
+    fn picks_by_size_and_shape() {
+        let one = Group::single_domain(8).unwrap();
+        let two = Group::new([0, 0, 0, 0, 1, 1, 1, 1].map(DomainId).to_vec()).unwrap();
+        let all_reduce = Op::AllReduce { op: ReduceOp::Sum };
+        let check = |group: &Group, bytes, expected| assert_eq!(choose(all_reduce, group, bytes), expected, "{bytes}");
+        check(&one, 4 << 10, Algorithm::Tree);
+        check(&one, 64 << 20, Algorithm::Ring);
+        check(&two, 4 << 10, Algorithm::Tree);
+        check(&two, 256 << 10, Algorithm::Ring);
+        check(&two, 64 << 20, Algorithm::Hierarchical);
+        assert_eq!(choose(Op::Barrier, &two, 0), Algorithm::Pairwise);
+        assert_eq!(choose(Op::AllGather, &two, 64 << 20), Algorithm::Hierarchical);
+        assert_eq!(choose(Op::AllGather, &one, 64 << 20), Algorithm::Ring);
+        assert_eq!(choose(Op::Broadcast { root: 0 }, &two, 64 << 20), Algorithm::Hierarchical);
+        assert_eq!(choose(Op::Reduce { op: ReduceOp::Sum, root: 0 }, &one, 64 << 20), Algorithm::Ring);
+        assert_eq!(choose(Op::Reduce { op: ReduceOp::Sum, root: 0 }, &two, 1 << 10), Algorithm::Tree);
+    }
+
+    #[test]
+    fn every_choice_is_supported() {
+        let two = Group::new([0, 1, 1].map(DomainId).to_vec()).unwrap();
+        let ops = [
+            Op::AllReduce { op: ReduceOp::Avg },
+            Op::ReduceScatter { op: ReduceOp::Max },
+            Op::AllGather,
+            Op::Broadcast { root: 1 },
+            Op::Reduce { op: ReduceOp::Min, root: 2 },
+            Op::AllToAll,
+            Op::Barrier,
+        ];
+        for op in ops {
+            for bytes in [0, 4 << 10, 1 << 20, 1 << 30] {
+                assert!(choose(op, &two, bytes).supports(op), "{op:?} {bytes}");
+            }
+        }
+    }
+}
