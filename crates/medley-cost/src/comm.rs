@@ -86,13 +86,21 @@ pub fn link_between(cluster: &Cluster, a: DeviceSlot, b: DeviceSlot, mode: Bridg
     if a.node_idx == b.node_idx {
         return intra_node_peer_link(group_a);
     }
-    let nic_gb_s = group_a.nic_gb_s_per_gpu().min(group_b.nic_gb_s_per_gpu()) / cluster.fabric().oversubscription;
+    let nic = nic_link(cluster, &[group_a, group_b]);
     if group_a.device.vendor == group_b.device.vendor {
-        Link { gb_s: nic_gb_s, latency_us: cluster.fabric().latency_us }
+        nic
     } else {
-        let (gb_s, latency_us) = cluster.bridge().rate(mode, nic_gb_s);
+        let (gb_s, latency_us) = cluster.bridge().rate(mode, nic.gb_s);
         Link { gb_s, latency_us }
     }
+}
+
+/// The inter-node link GPUs of `groups` share: the smallest NIC share per GPU, through the
+/// fabric's oversubscription, at the fabric's latency.
+pub fn nic_link(cluster: &Cluster, groups: &[&NodeGroup]) -> Link {
+    let fabric = cluster.fabric();
+    let gb_s = groups.iter().map(|group| group.nic_gb_s_per_gpu()).fold(f64::INFINITY, f64::min);
+    Link { gb_s: gb_s / fabric.oversubscription, latency_us: fabric.latency_us }
 }
 
 #[cfg(test)]

@@ -270,16 +270,20 @@ impl Plan {
             )));
         }
         for group in &self.dp_groups {
-            let vendors: Vec<Vendor> = self
-                .holders(group.layers)
-                .iter()
-                .zip(&self.replicas)
-                .map(|(&stage_idx, replica)| self.stage_vendor(&replica.stages[stage_idx]))
-                .collect();
+            let vendors = self.holder_vendors(group.layers);
             self.check_route(group.route, &vendors)
                 .map_err(|message| PlanError::Invalid(format!("dp group {}: {message}", group.layers)))?;
         }
         Ok(())
+    }
+
+    /// The vendor of each replica's stage that holds `layers`.
+    pub fn holder_vendors(&self, layers: LayerRange) -> Vec<Vendor> {
+        self.holders(layers)
+            .iter()
+            .zip(&self.replicas)
+            .map(|(&stage_idx, replica)| self.stage_vendor(&replica.stages[stage_idx]))
+            .collect()
     }
 
     /// The vendor of a stage's devices.

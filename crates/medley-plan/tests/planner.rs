@@ -158,13 +158,7 @@ fn check_candidate(cluster: &Cluster, model: &ModelSpec, job: &JobSpec, candidat
 
     // Routes: native exactly inside one vendor, and then that vendor's.
     for group in &plan.dp_groups {
-        let vendors: Vec<Vendor> = plan
-            .holders(group.layers)
-            .iter()
-            .zip(&plan.replicas)
-            .map(|(&stage_idx, replica)| plan.stage_vendor(&replica.stages[stage_idx]))
-            .collect();
-        check_route(group.route, &vendors, &context);
+        check_route(group.route, &plan.holder_vendors(group.layers), &context);
     }
     for replica in &plan.replicas {
         for (pair, &route) in replica.stages.windows(2).zip(&replica.boundaries) {

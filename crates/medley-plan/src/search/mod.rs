@@ -274,10 +274,7 @@ impl Space<'_> {
 
     /// Inter-node link shared by `groups`: the smallest NIC share.
     fn nic_link(&self, groups: &[&NodeGroup]) -> Link {
-        let fabric = self.cluster.fabric();
-        let gb_s =
-            groups.iter().map(|group| group.nic_gb_s_per_gpu()).fold(f64::INFINITY, f64::min) / fabric.oversubscription;
-        Link { gb_s, latency_us: fabric.latency_us }
+        comm::nic_link(self.cluster, groups)
     }
 
     fn best_bridge_link(&self, nic: Link) -> Link {
