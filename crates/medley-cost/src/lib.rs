@@ -45,7 +45,11 @@ impl StageShape {
 #[derive(Clone, Copy, Debug, Default, PartialEq)]
 pub struct PassTime {
     pub forward_s: f64,
+    /// The whole backward: input gradients, weight gradients and any recomputation.
     pub backward_s: f64,
+    /// The part of `backward_s` that computes weight gradients (the dW matmuls), which
+    /// zero-bubble schedules run as a separate pass (Qi et al. 2023).
+    pub weight_grad_s: f64,
 }
 
 impl PassTime {
@@ -54,11 +58,19 @@ impl PassTime {
     }
 
     fn scaled(self, factor: f64) -> PassTime {
-        PassTime { forward_s: self.forward_s * factor, backward_s: self.backward_s * factor }
+        PassTime {
+            forward_s: self.forward_s * factor,
+            backward_s: self.backward_s * factor,
+            weight_grad_s: self.weight_grad_s * factor,
+        }
     }
 
     fn plus(self, other: PassTime) -> PassTime {
-        PassTime { forward_s: self.forward_s + other.forward_s, backward_s: self.backward_s + other.backward_s }
+        PassTime {
+            forward_s: self.forward_s + other.forward_s,
+            backward_s: self.backward_s + other.backward_s,
+            weight_grad_s: self.weight_grad_s + other.weight_grad_s,
+        }
     }
 }
 
@@ -98,9 +110,10 @@ impl<'a> CostModel<'a> {
             Recompute::Selective => attention_s,
             Recompute::Full => forward_s,
         };
-        // Backward computes input and weight gradients: twice the forward's work.
+        // Backward computes input and weight gradients: twice the forward's work. Only the
+        // matmuls have weights, so the weight-gradient half is one matmul pass.
         let backward_s = 2.0 * (matmul_s + attention_s + elementwise_s) + tp_comm_s + recompute_s;
-        PassTime { forward_s, backward_s }
+        PassTime { forward_s, backward_s, weight_grad_s: matmul_s }
     }
 
     /// The output projection and loss on the last stage.
@@ -108,7 +121,7 @@ impl<'a> CostModel<'a> {
         let rates = Rates::new(self.calibration, group, setting.tp);
         let matmul_s = rates.matmul_s(flops::head_forward(self.model, self.seq_len, setting.micro_batch));
         let logits_s = rates.memory_s(memory::logits_bytes(self.model, self.seq_len, setting.micro_batch, 1));
-        PassTime { forward_s: matmul_s + logits_s, backward_s: 2.0 * matmul_s + logits_s }
+        PassTime { forward_s: matmul_s + logits_s, backward_s: 2.0 * matmul_s + logits_s, weight_grad_s: matmul_s }
     }
 
     /// A whole stage for one micro-batch.

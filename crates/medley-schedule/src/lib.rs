@@ -45,11 +45,13 @@
 //! gradient all-reduces). Interleaved 1F1B needs several model chunks per rank, which plan
 //! schema v1 does not express; the instruction set already carries a chunk for it.
 
+pub mod adaptive;
 mod check;
 mod generate;
 mod program;
 mod schedules;
 
+pub use adaptive::{AdaptiveK, StepObservation};
 pub use check::{ScheduleError, check};
 pub use generate::generate;
 pub use program::{Instruction, Program, Programs, RankId};

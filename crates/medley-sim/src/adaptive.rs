@@ -1,0 +1,112 @@
+//! Several steps in a row under a fixed schedule or adaptive kFkB: the network's bandwidth trace
+//! runs on across steps, and the adaptive policy ([`medley_schedule::AdaptiveK`], the same code the
+//! runtime runs) picks each step's k from the steps before it.
+
+use std::io::Write;
+use std::num::NonZeroU32;
+
+use medley_cost::Calibration;
+use medley_plan::Plan;
+use medley_schedule::{AdaptiveK, ScheduleKind, StepObservation};
+use serde::Serialize;
+
+use crate::network::Network;
+use crate::setup::Setup;
+use crate::{SimConfig, SimError, Simulation, StepReport};
+
+/// How each step's schedule is chosen.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub enum SchedulePolicy {
+    Fixed(ScheduleKind),
+    /// kFkB with k chosen between steps by [`AdaptiveK`], within memory.
+    Adaptive,
+}
+
+/// One step of a run, in brief.
+#[derive(Clone, Debug, PartialEq, Serialize)]
+pub struct StepSummary {
+    pub step: u32,
+    pub schedule: String,
+    pub step_time_s: f64,
+    pub comm_wait_fraction: f64,
+    pub peak_memory_gib: f64,
+    pub fits: bool,
+}
+
+/// Several simulated steps.
+#[derive(Clone, Debug, PartialEq, Serialize)]
+pub struct RunReport {
+    pub steps: Vec<StepSummary>,
+    /// Mean step time over the run.
+    pub mean_step_time_s: f64,
+    pub tokens_per_s: f64,
+    /// Whether every step fit in memory.
+    pub fits: bool,
+    /// The last step in full.
+    pub last_step: StepReport,
+}
+
+/// The largest k whose kFkB in-flight activations fit every device of `plan` (at least 1, at
+/// most the largest micro-batch count, beyond which k changes nothing).
+pub fn max_k_within_memory(plan: &Plan, calibration: &Calibration) -> u32 {
+    let setup = Setup::new(plan, calibration, &mut Network::<()>::new());
+    let max_m = plan.replicas.iter().map(|replica| replica.n_micro_batches).max().unwrap_or(1);
+    let fits = |k: u32| {
+        let kind = ScheduleKind::Kfkb { k: NonZeroU32::new(k).expect("k ≥ 1") };
+        setup.ranks.iter().all(|rank| {
+            let replica = &plan.replicas[rank.id.replica_idx as usize];
+            let in_flight = kind.in_flight(rank.id.stage_idx as usize, replica.stages.len(), replica.n_micro_batches);
+            let activations: f64 = rank.chunks.iter().map(|chunk| chunk.activation_bytes).sum();
+            rank.static_bytes + f64::from(in_flight) * activations <= rank.capacity_bytes
+        })
+    };
+    (1..=max_m.max(1)).take_while(|&k| k == 1 || fits(k)).last().unwrap_or(1)
+}
+
+/// Simulates `n_steps` steps of `plan` (at least one) under `policy`.
+pub fn simulate_steps(
+    plan: &Plan,
+    calibration: &Calibration,
+    config: &SimConfig,
+    policy: SchedulePolicy,
+    n_steps: u32,
+    timeline: Option<&mut dyn Write>,
+) -> Result<RunReport, SimError> {
+    let mut simulation = Simulation::new(plan, calibration, config, timeline)?;
+    let mut adaptive = AdaptiveK::new(max_k_within_memory(plan, calibration));
+    let mut steps = Vec::new();
+    let mut last_step = None;
+    for step in 0..n_steps.max(1) {
+        let kind = match policy {
+            SchedulePolicy::Fixed(kind) => kind,
+            SchedulePolicy::Adaptive => ScheduleKind::Kfkb { k: NonZeroU32::new(adaptive.k()).expect("k ≥ 1") },
+        };
+        let report = simulation.step(&medley_schedule::generate(plan, kind))?;
+        if let ScheduleKind::Kfkb { k } = kind {
+            adaptive.observe(StepObservation {
+                k: k.get(),
+                step_time_s: report.step_time_s,
+                comm_wait_fraction: report.comm_wait_fraction,
+            });
+        }
+        steps.push(StepSummary {
+            step,
+            schedule: report.schedule.clone(),
+            step_time_s: report.step_time_s,
+            comm_wait_fraction: report.comm_wait_fraction,
+            peak_memory_gib: report.peak_memory_gib,
+            fits: report.fits,
+        });
+        last_step = Some(report);
+    }
+    simulation.finish()?;
+    let total_s: f64 = steps.iter().map(|step| step.step_time_s).sum();
+    let tokens = f64::from(plan.seq_len) * f64::from(plan.global_batch) * steps.len() as f64;
+    Ok(RunReport {
+        mean_step_time_s: total_s / steps.len() as f64,
+        tokens_per_s: tokens / total_s,
+        fits: steps.iter().all(|step| step.fits),
+        steps,
+        last_step: last_step.expect("at least one step"),
+    })
+}

@@ -1,0 +1,340 @@
+//! Time-varying available bandwidth: a network shared with other jobs gives a link only a
+//! fraction of its capacity, and that fraction changes over time.
+//!
+//! A [`BandwidthTrace`] describes the fraction over time; [`TraceCursor`] walks one link's
+//! instance of it as a sequence of change points in simulated nanoseconds. Random traces draw
+//! each link's periods from its own seeded stream, so links are preempted independently and the
+//! same seed always gives the same periods.
+
+use std::fmt;
+use std::str::FromStr;
+
+use rand::{Rng, SeedableRng};
+use rand_chacha::ChaCha8Rng;
+
+use crate::SimError;
+
+/// The fraction of a link's bandwidth that is available over time.
+#[derive(Clone, Debug, PartialEq)]
+pub enum BandwidthTrace {
+    /// Always `fraction`.
+    Constant { fraction: f64 },
+    /// Full bandwidth for `full_ns`, then `fraction` of it for `reduced_ns`, repeating.
+    OnOff { full_ns: u64, reduced_ns: u64, fraction: f64 },
+    /// Full and reduced periods of exponentially distributed lengths with the given means (a
+    /// link preempted at random by other jobs), drawn per link from `seed`.
+    Random { seed: u64, mean_full_ns: u64, mean_reduced_ns: u64, fraction: f64 },
+    /// From each point's time on, its fraction; full bandwidth before the first point. Times
+    /// ascend.
+    Points(Vec<(u64, f64)>),
+}
+
+impl BandwidthTrace {
+    /// A trace from CSV text: one `time_s,fraction` row per line, times ascending; a header row
+    /// and blank lines are skipped. `source` names the file in errors.
+    pub fn from_csv(text: &str, source: &str) -> Result<Self, SimError> {
+        let mut points = Vec::new();
+        for (line_idx, line) in text.lines().enumerate() {
+            let line = line.trim();
+            let error = |message: String| SimError::Trace(format!("{source}:{}: {message}", line_idx + 1));
+            if line.is_empty() || (line_idx == 0 && line.chars().next().is_some_and(char::is_alphabetic)) {
+                continue;
+            }
+            let (time, fraction) =
+                line.split_once(',').ok_or_else(|| error(format!("`{line}`: expected time_s,fraction")))?;
+            let time_s: f64 =
+                time.trim().parse().map_err(|_| error(format!("`{}` is not a time in seconds", time.trim())))?;
+            if !(time_s.is_finite() && time_s >= 0.0) {
+                return Err(error(format!("time {time_s} must be a non-negative number of seconds")));
+            }
+            let fraction = parse_fraction(fraction.trim()).map_err(error)?;
+            let time_ns = seconds_to_ns(time_s);
+            if points.last().is_some_and(|&(last, _)| time_ns < last) {
+                return Err(error(format!("time {time_s} s comes before the previous row's; times must ascend")));
+            }
+            points.push((time_ns, fraction));
+        }
+        if points.is_empty() {
+            return Err(SimError::Trace(format!("{source}: no time_s,fraction rows")));
+        }
+        Ok(BandwidthTrace::Points(points))
+    }
+
+    /// The lowest fraction the trace ever gives.
+    pub fn min_fraction(&self) -> f64 {
+        match self {
+            BandwidthTrace::Constant { fraction } => *fraction,
+            BandwidthTrace::OnOff { fraction, .. } | BandwidthTrace::Random { fraction, .. } => fraction.min(1.0),
+            BandwidthTrace::Points(points) => points.iter().map(|&(_, f)| f).fold(1.0, f64::min),
+        }
+    }
+}
+
+impl FromStr for BandwidthTrace {
+    type Err = SimError;
+
+    /// `constant:F`, `on-off:full=T,reduced=T,fraction=F` or
+    /// `random:seed=N,full=T,reduced=T,fraction=F`, with times like `2s`, `500ms`, `40us`.
+    /// CSV traces come from [`BandwidthTrace::from_csv`].
+    fn from_str(text: &str) -> Result<Self, SimError> {
+        let error = |message: String| SimError::Trace(format!("network trace `{text}`: {message}"));
+        let (kind, rest) = text.split_once(':').unwrap_or((text, ""));
+        match kind.trim() {
+            "constant" => Ok(BandwidthTrace::Constant { fraction: parse_fraction(rest.trim()).map_err(error)? }),
+            "on-off" => {
+                let fields = Fields::parse(rest, &["full", "reduced", "fraction"]).map_err(error)?;
+                Ok(BandwidthTrace::OnOff {
+                    full_ns: fields.duration_ns("full").map_err(error)?,
+                    reduced_ns: fields.duration_ns("reduced").map_err(error)?,
+                    fraction: fields.fraction().map_err(error)?,
+                })
+            }
+            "random" => {
+                let fields = Fields::parse(rest, &["seed", "full", "reduced", "fraction"]).map_err(error)?;
+                let seed = fields.get("seed").map_err(error)?;
+                Ok(BandwidthTrace::Random {
+                    seed: seed.parse().map_err(|_| error(format!("seed `{seed}` is not a whole number")))?,
+                    mean_full_ns: fields.duration_ns("full").map_err(error)?,
+                    mean_reduced_ns: fields.duration_ns("reduced").map_err(error)?,
+                    fraction: fields.fraction().map_err(error)?,
+                })
+            }
+            other => Err(error(format!("unknown kind `{other}`; expected constant, on-off, random or csv"))),
+        }
+    }
+}
+
+impl fmt::Display for BandwidthTrace {
+    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
+        match self {
+            BandwidthTrace::Constant { fraction } => write!(f, "constant:{fraction}"),
+            BandwidthTrace::OnOff { full_ns, reduced_ns, fraction } => {
+                write!(f, "on-off:full={}ms,reduced={}ms,fraction={fraction}", ms(*full_ns), ms(*reduced_ns))
+            }
+            BandwidthTrace::Random { seed, mean_full_ns, mean_reduced_ns, fraction } => write!(
+                f,
+                "random:seed={seed},full={}ms,reduced={}ms,fraction={fraction}",
+                ms(*mean_full_ns),
+                ms(*mean_reduced_ns)
+            ),
+            BandwidthTrace::Points(points) => write!(f, "csv ({} points)", points.len()),
+        }
+    }
+}
+
+fn ms(ns: u64) -> f64 {
+    ns as f64 / 1e6
+}
+
+/// `key=value` pairs, each of the expected keys exactly once.
+struct Fields<'a>(Vec<(&'a str, &'a str)>);
+
+impl<'a> Fields<'a> {
+    fn parse(text: &'a str, expected: &[&str]) -> Result<Self, String> {
+        let mut pairs = Vec::new();
+        for part in text.split(',').map(str::trim).filter(|part| !part.is_empty()) {
+            let (key, value) = part.split_once('=').ok_or_else(|| format!("`{part}`: expected KEY=VALUE"))?;
+            let key = key.trim();
+            if !expected.contains(&key) {
+                return Err(format!("unknown key `{key}`; expected {}", expected.join(", ")));
+            }
+            pairs.push((key, value.trim()));
+        }
+        for key in expected {
+            if pairs.iter().filter(|(k, _)| k == key).count() != 1 {
+                return Err(format!("give `{key}=` exactly once"));
+            }
+        }
+        Ok(Fields(pairs))
+    }
+
+    fn get(&self, key: &str) -> Result<&'a str, String> {
+        self.0.iter().find(|(k, _)| *k == key).map(|(_, v)| *v).ok_or_else(|| format!("missing `{key}=`"))
+    }
+
+    fn duration_ns(&self, key: &str) -> Result<u64, String> {
+        let text = self.get(key)?;
+        let ns =
+            parse_duration_ns(text).ok_or_else(|| format!("`{key}={text}`: expected a duration like 2s or 500ms"))?;
+        if ns == 0 {
+            return Err(format!("`{key}={text}`: the duration must be positive"));
+        }
+        Ok(ns)
+    }
+
+    fn fraction(&self) -> Result<f64, String> {
+        parse_fraction(self.get("fraction")?)
+    }
+}
+
+fn parse_fraction(text: &str) -> Result<f64, String> {
+    match text.parse::<f64>() {
+        Ok(fraction) if (0.0..=1.0).contains(&fraction) => Ok(fraction),
+        _ => Err(format!("fraction `{text}` must be a number from 0 to 1")),
+    }
+}
+
+/// `2s`, `1.5s`, `500ms`, `40us`, `100ns`.
+fn parse_duration_ns(text: &str) -> Option<u64> {
+    let split = text.find(|c: char| c.is_ascii_alphabetic())?;
+    let (number, unit) = text.split_at(split);
+    let value: f64 = number.trim().parse().ok()?;
+    let scale = match unit {
+        "s" => 1e9,
+        "ms" => 1e6,
+        "us" => 1e3,
+        "ns" => 1.0,
+        _ => return None,
+    };
+    (value.is_finite() && value >= 0.0).then(|| (value * scale).round() as u64)
+}
+
+fn seconds_to_ns(seconds: f64) -> u64 {
+    (seconds * 1e9).round() as u64
+}
+
+/// One link's walk through a trace: the fraction at time 0, then each change in order.
+pub(crate) struct TraceCursor {
+    state: CursorState,
+}
+
+enum CursorState {
+    Done,
+    Periodic { next_ns: u64, full: bool, full_ns: u64, reduced_ns: u64, fraction: f64 },
+    Random { next_ns: u64, full: bool, rng: Box<ChaCha8Rng>, mean_full_ns: f64, mean_reduced_ns: f64, fraction: f64 },
+    Points { points: Vec<(u64, f64)>, next_idx: usize },
+}
+
+impl TraceCursor {
+    /// The cursor for link number `link` of `trace`, and the fraction the link starts with.
+    pub(crate) fn new(trace: &BandwidthTrace, link: u64) -> (f64, Self) {
+        match *trace {
+            BandwidthTrace::Constant { fraction } => (fraction, TraceCursor { state: CursorState::Done }),
+            BandwidthTrace::OnOff { full_ns, reduced_ns, fraction } => (
+                1.0,
+                TraceCursor {
+                    state: CursorState::Periodic { next_ns: full_ns, full: true, full_ns, reduced_ns, fraction },
+                },
+            ),
+            BandwidthTrace::Random { seed, mean_full_ns, mean_reduced_ns, fraction } => {
+                // One stream per link; the stream number keeps links independent under one seed.
+                let mut rng = ChaCha8Rng::seed_from_u64(seed);
+                rng.set_stream(link);
+                let (mean_full, mean_reduced) = (mean_full_ns as f64, mean_reduced_ns as f64);
+                // Start in each state with its long-run probability.
+                let full = rng.random::<f64>() < mean_full / (mean_full + mean_reduced);
+                let next_ns = exponential_ns(&mut rng, if full { mean_full } else { mean_reduced });
+                let state = CursorState::Random {
+                    next_ns,
+                    full,
+                    rng: Box::new(rng),
+                    mean_full_ns: mean_full,
+                    mean_reduced_ns: mean_reduced,
+                    fraction,
+                };
+                (if full { 1.0 } else { fraction }, TraceCursor { state })
+            }
+            BandwidthTrace::Points(ref points) => {
+                let starts_at_zero = points.first().is_some_and(|&(time, _)| time == 0);
+                let initial = if starts_at_zero { points[0].1 } else { 1.0 };
+                let next_idx = usize::from(starts_at_zero);
+                (initial, TraceCursor { state: CursorState::Points { points: points.clone(), next_idx } })
+            }
+        }
+    }
+
+    /// The next change: when it happens and the fraction from then on.
+    pub(crate) fn next_change(&mut self) -> Option<(u64, f64)> {
+        match &mut self.state {
+            CursorState::Done => None,
+            CursorState::Periodic { next_ns, full, full_ns, reduced_ns, fraction } => {
+                let at_ns = *next_ns;
+                *full = !*full;
+                *next_ns = at_ns.saturating_add(if *full { *full_ns } else { *reduced_ns });
+                Some((at_ns, if *full { 1.0 } else { *fraction }))
+            }
+            CursorState::Random { next_ns, full, rng, mean_full_ns, mean_reduced_ns, fraction } => {
+                let at_ns = *next_ns;
+                *full = !*full;
+                let mean = if *full { *mean_full_ns } else { *mean_reduced_ns };
+                *next_ns = at_ns.saturating_add(exponential_ns(rng, mean));
+                Some((at_ns, if *full { 1.0 } else { *fraction }))
+            }
+            CursorState::Points { points, next_idx } => {
+                let point = points.get(*next_idx).copied();
+                *next_idx += 1;
+                point
+            }
+        }
+    }
+}
+
+/// An exponentially distributed duration with mean `mean_ns`, at least 1 ns so time advances.
+fn exponential_ns(rng: &mut ChaCha8Rng, mean_ns: f64) -> u64 {
+    let uniform: f64 = rng.random();
+    ((-(1.0 - uniform).ln() * mean_ns).round() as u64).max(1)
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    fn changes(trace: &BandwidthTrace, link: u64, n: usize) -> (f64, Vec<(u64, f64)>) {
+        let (initial, mut cursor) = TraceCursor::new(trace, link);
+        (initial, std::iter::from_fn(|| cursor.next_change()).take(n).collect())
+    }
+
+    #[test]
+    fn parses_every_form_and_refuses_nonsense() {
+        assert_eq!("constant:0.5".parse::<BandwidthTrace>().unwrap(), BandwidthTrace::Constant { fraction: 0.5 });
+        assert_eq!(
+            "on-off:full=2s,reduced=500ms,fraction=0.1".parse::<BandwidthTrace>().unwrap(),
+            BandwidthTrace::OnOff { full_ns: 2_000_000_000, reduced_ns: 500_000_000, fraction: 0.1 }
+        );
+        assert_eq!(
+            "random:seed=7,full=1s,reduced=40us,fraction=0".parse::<BandwidthTrace>().unwrap(),
+            BandwidthTrace::Random { seed: 7, mean_full_ns: 1_000_000_000, mean_reduced_ns: 40_000, fraction: 0.0 }
+        );
+        for bad in [
+            "constant:1.5",
+            "on-off:full=2s,fraction=0.1",
+            "on-off:full=2s,reduced=0s,fraction=0.1",
+            "random:seed=x,full=1s,reduced=1s,fraction=0.1",
+            "on-off:full=2parsecs,reduced=1s,fraction=0.1",
+            "sometimes",
+        ] {
+            let err = bad.parse::<BandwidthTrace>().unwrap_err().to_string();
+            assert!(err.contains(bad), "{err}");
+        }
+    }
+
+    #[test]
+    fn on_off_alternates() {
+        let trace = BandwidthTrace::OnOff { full_ns: 10, reduced_ns: 5, fraction: 0.2 };
+        assert_eq!(changes(&trace, 0, 4), (1.0, vec![(10, 0.2), (15, 1.0), (25, 0.2), (30, 1.0)]));
+    }
+
+    #[test]
+    fn random_traces_repeat_per_seed_and_differ_per_link() {
+        let trace = BandwidthTrace::Random { seed: 3, mean_full_ns: 1000, mean_reduced_ns: 1000, fraction: 0.1 };
+        assert_eq!(changes(&trace, 0, 50), changes(&trace, 0, 50));
+        assert_ne!(changes(&trace, 0, 50), changes(&trace, 1, 50));
+        let (_, points) = changes(&trace, 0, 2000);
+        assert!(points.windows(2).all(|pair| pair[0].0 < pair[1].0));
+        // Equal means: the link spends about half its time reduced.
+        let reduced_ns: u64 = points.windows(2).filter(|pair| pair[0].1 < 1.0).map(|pair| pair[1].0 - pair[0].0).sum();
+        let share = reduced_ns as f64 / (points.last().unwrap().0 - points[0].0) as f64;
+        assert!((0.4..0.6).contains(&share), "{share}");
+    }
+
+    #[test]
+    fn csv_rows_become_points() {
+        let trace = BandwidthTrace::from_csv("time_s,fraction\n0,0.5\n0.25,1\n\n1.5,0.1\n", "t.csv").unwrap();
+        assert_eq!(trace, BandwidthTrace::Points(vec![(0, 0.5), (250_000_000, 1.0), (1_500_000_000, 0.1)]));
+        assert_eq!(changes(&trace, 9, 5), (0.5, vec![(250_000_000, 1.0), (1_500_000_000, 0.1)]));
+        let err = BandwidthTrace::from_csv("0,0.5\n1,2\n", "t.csv").unwrap_err().to_string();
+        assert!(err.contains("t.csv:2") && err.contains("from 0 to 1"), "{err}");
+        let err = BandwidthTrace::from_csv("1,0.5\n0.5,1\n", "t.csv").unwrap_err().to_string();
+        assert!(err.contains("ascend"), "{err}");
+    }
+}

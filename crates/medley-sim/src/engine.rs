@@ -1,0 +1,638 @@
+//! The discrete-event core: executes one step's programs over the network in simulated time.
+//!
+//! Events are ordered by (time, sequence number): ties go to the event scheduled first, so the
+//! same input always replays the same way. The rules are the schedule crate's execution
+//! semantics: a rank runs its instructions in order; a compute pass occupies its compute
+//! stream; a send starts a transfer and never blocks; a receive blocks until its message has
+//! arrived; an all-reduce starts when every member has reached it and is lowered to its
+//! algorithm's steps from `medley-collective`, each send a transfer; the optimizer step waits for
+//! the rank's outstanding sends.
+
+use std::cmp::Reverse;
+use std::collections::{BinaryHeap, HashMap, HashSet};
+
+use medley_collective::{self as collective, Chunking, Counts, DomainId, Group, Op, RankSteps, ReduceOp, Step};
+use medley_plan::Algorithm;
+use medley_schedule::{Instruction, Program, RankId};
+use serde_json::json;
+
+use crate::network::{DrainAt, FlowId};
+use crate::setup::{ELEMENT_BYTES, ns};
+use crate::timeline::{COLLECTIVE_TID, COMPUTE_TID, lane_tid};
+use crate::{SimError, Simulation};
+
+/// A message between ranks; receives match sends by key.
+#[derive(Clone, Copy, Debug, PartialEq, Eq, Hash)]
+pub(crate) enum MessageKey {
+    Activation {
+        from: u32,
+        to: u32,
+        micro_batch: u32,
+        chunk: u32,
+    },
+    Gradient {
+        from: u32,
+        to: u32,
+        micro_batch: u32,
+        chunk: u32,
+    },
+    /// The `seq`-th message from member `from` to member `to` of DP group `group`'s all-reduce.
+    Collective {
+        group: u32,
+        from: u32,
+        to: u32,
+        seq: u32,
+    },
+}
+
+/// A transfer in flight: what it carries and where it shows on the timeline.
+#[derive(Clone, Copy, Debug)]
+pub(crate) struct Transfer {
+    key: MessageKey,
+    from: usize,
+    to: usize,
+    lane: u32,
+    start_ns: u64,
+    latency_ns: u64,
+    bytes: f64,
+}
+
+#[derive(Clone, Copy, Debug)]
+enum Event {
+    Resume(usize),
+    Drained { flow: FlowId, version: u64 },
+    Deliver(Transfer),
+    Bandwidth(usize),
+}
+
+struct Scheduled {
+    at_ns: u64,
+    seq: u64,
+    event: Event,
+}
+
+impl PartialEq for Scheduled {
+    fn eq(&self, other: &Self) -> bool {
+        (self.at_ns, self.seq) == (other.at_ns, other.seq)
+    }
+}
+impl Eq for Scheduled {}
+impl PartialOrd for Scheduled {
+    fn partial_cmp(&self, other: &Self) -> Option<std::cmp::Ordering> {
+        Some(self.cmp(other))
+    }
+}
+impl Ord for Scheduled {
+    fn cmp(&self, other: &Self) -> std::cmp::Ordering {
+        (self.at_ns, self.seq).cmp(&(other.at_ns, other.seq))
+    }
+}
+
+/// What a blocked rank waits for.
+#[derive(Clone, Copy, Debug)]
+enum Wait {
+    Message(MessageKey),
+    CollectiveStart(u32),
+    Sends,
+}
+
+#[derive(Clone, Debug, Default)]
+pub(crate) struct RankState {
+    pc: usize,
+    blocked: Option<(u64, Wait)>,
+    pending_sends: u32,
+    lanes: Vec<bool>,
+    memory_bytes: f64,
+    pub peak_memory_bytes: f64,
+    /// Forward and backward passes (the pipeline's work), then all compute with the optimizer.
+    pub pass_ns: u64,
+    pub compute_ns: u64,
+    pub wait_ns: u64,
+    pub last_pass_end_ns: u64,
+    pub done_ns: Option<u64>,
+}
+
+/// One DP group's all-reduce in this step.
+struct CollectiveState {
+    members: Vec<usize>,
+    joined_ns: Vec<Option<u64>>,
+    steps: Option<Vec<RankSteps>>,
+    cursors: Vec<usize>,
+    sent: HashMap<(u32, u32), u32>,
+    received: HashMap<(u32, u32), u32>,
+}
+
+enum Progress {
+    Done,
+    Blocked,
+}
+
+#[derive(Clone, Copy)]
+enum PassKind {
+    Forward,
+    Backward,
+    BackwardInput,
+    BackwardWeight,
+}
+
+/// One step being simulated.
+pub(crate) struct StepRun<'s, 'p, 'w> {
+    sim: &'s mut Simulation<'p, 'w>,
+    programs: &'s [Program],
+    queue: BinaryHeap<Reverse<Scheduled>>,
+    seq: u64,
+    pub ranks: Vec<RankState>,
+    mailbox: HashSet<MessageKey>,
+    waiting: HashMap<MessageKey, usize>,
+    collectives: Vec<CollectiveState>,
+    drains: Vec<DrainAt>,
+    n_done: usize,
+    pub start_ns: u64,
+    pub events: u64,
+}
+
+impl<'s, 'p, 'w> StepRun<'s, 'p, 'w> {
+    pub(crate) fn new(sim: &'s mut Simulation<'p, 'w>, programs: &'s [Program]) -> Self {
+        let n_ranks = sim.setup.ranks.len();
+        let collectives = sim
+            .setup
+            .dp_members
+            .iter()
+            .map(|members| CollectiveState {
+                members: members.clone(),
+                joined_ns: vec![None; members.len()],
+                steps: None,
+                cursors: vec![0; members.len()],
+                sent: HashMap::new(),
+                received: HashMap::new(),
+            })
+            .collect();
+        let ranks = sim
+            .setup
+            .ranks
+            .iter()
+            .map(|rank| RankState {
+                memory_bytes: rank.static_bytes,
+                peak_memory_bytes: rank.static_bytes,
+                ..RankState::default()
+            })
+            .collect();
+        let start_ns = sim.now_ns;
+        let mut run = StepRun {
+            sim,
+            programs,
+            queue: BinaryHeap::new(),
+            seq: 0,
+            ranks,
+            mailbox: HashSet::new(),
+            waiting: HashMap::new(),
+            collectives,
+            drains: Vec::new(),
+            n_done: 0,
+            start_ns,
+            events: 0,
+        };
+        for rank in 0..n_ranks {
+            run.push(start_ns, Event::Resume(rank));
+        }
+        // The links' next bandwidth changes carry over from the previous step.
+        let pending: Vec<(usize, u64)> = run
+            .sim
+            .trace_changes
+            .iter()
+            .enumerate()
+            .filter_map(|(endpoint, change)| change.map(|(at_ns, _)| (endpoint, at_ns)))
+            .collect();
+        for (endpoint, at_ns) in pending {
+            run.push(at_ns.max(start_ns), Event::Bandwidth(endpoint));
+        }
+        run
+    }
+
+    pub(crate) fn sim(&self) -> &Simulation<'p, 'w> {
+        self.sim
+    }
+
+    /// Runs until every rank has finished its program.
+    pub(crate) fn run(&mut self) -> Result<(), SimError> {
+        while self.n_done < self.ranks.len() {
+            let Some(Reverse(Scheduled { at_ns, event, .. })) = self.queue.pop() else {
+                return Err(self.deadlock());
+            };
+            self.sim.now_ns = at_ns;
+            self.events += 1;
+            match event {
+                Event::Resume(rank) => self.resume(rank)?,
+                Event::Drained { flow, version } => self.drained(flow, version),
+                Event::Deliver(transfer) => self.deliver(transfer),
+                Event::Bandwidth(endpoint) => self.bandwidth(endpoint),
+            }
+        }
+        Ok(())
+    }
+
+    fn now(&self) -> u64 {
+        self.sim.now_ns
+    }
+
+    fn push(&mut self, at_ns: u64, event: Event) {
+        self.seq += 1;
+        self.queue.push(Reverse(Scheduled { at_ns, seq: self.seq, event }));
+    }
+
+    fn schedule_drains(&mut self) {
+        let drains = std::mem::take(&mut self.drains);
+        for drain in &drains {
+            self.push(drain.at_ns, Event::Drained { flow: drain.flow, version: drain.version });
+        }
+        self.drains = drains;
+        self.drains.clear();
+    }
+
+    fn block(&mut self, rank: usize, wait: Wait) {
+        self.ranks[rank].blocked = Some((self.now(), wait));
+    }
+
+    /// Wakes a rank: books the wait it ends, then runs it as far as it goes.
+    fn resume(&mut self, rank: usize) -> Result<(), SimError> {
+        if let Some((since_ns, wait)) = self.ranks[rank].blocked.take() {
+            let now = self.now();
+            self.ranks[rank].wait_ns += now - since_ns;
+            if now > since_ns && self.sim.timeline.is_some() {
+                let name = self.wait_label(rank, wait);
+                self.timeline_slice(rank, COMPUTE_TID, &name, "wait", (since_ns, now), json!({}));
+            }
+        }
+        self.advance(rank)
+    }
+
+    fn advance(&mut self, rank: usize) -> Result<(), SimError> {
+        let programs = self.programs;
+        loop {
+            let Some(&instruction) = programs[rank].instructions.get(self.ranks[rank].pc) else {
+                self.ranks[rank].done_ns = Some(self.now());
+                self.n_done += 1;
+                return Ok(());
+            };
+            match instruction {
+                Instruction::Forward { micro_batch, chunk } => {
+                    return self.compute(rank, PassKind::Forward, micro_batch, chunk);
+                }
+                Instruction::Backward { micro_batch, chunk } => {
+                    return self.compute(rank, PassKind::Backward, micro_batch, chunk);
+                }
+                Instruction::BackwardInput { micro_batch, chunk } => {
+                    return self.compute(rank, PassKind::BackwardInput, micro_batch, chunk);
+                }
+                Instruction::BackwardWeight { micro_batch, chunk } => {
+                    return self.compute(rank, PassKind::BackwardWeight, micro_batch, chunk);
+                }
+                Instruction::SendActivation { micro_batch, chunk, to } => {
+                    let to = self.peer(rank, to)?;
+                    let key = MessageKey::Activation { from: rank as u32, to: to as u32, micro_batch, chunk };
+                    self.send_boundary(rank, to, key);
+                }
+                Instruction::SendGradient { micro_batch, chunk, to } => {
+                    let to = self.peer(rank, to)?;
+                    let key = MessageKey::Gradient { from: rank as u32, to: to as u32, micro_batch, chunk };
+                    self.send_boundary(rank, to, key);
+                }
+                Instruction::RecvActivation { micro_batch, chunk, from } => {
+                    let from = self.peer(rank, from)? as u32;
+                    if !self.take(rank, MessageKey::Activation { from, to: rank as u32, micro_batch, chunk }) {
+                        return Ok(());
+                    }
+                }
+                Instruction::RecvGradient { micro_batch, chunk, from } => {
+                    let from = self.peer(rank, from)? as u32;
+                    if !self.take(rank, MessageKey::Gradient { from, to: rank as u32, micro_batch, chunk }) {
+                        return Ok(());
+                    }
+                }
+                Instruction::AllReduceGradients { dp_group, .. } => {
+                    if let Progress::Blocked = self.all_reduce(rank, dp_group)? {
+                        return Ok(());
+                    }
+                }
+                Instruction::OptimizerStep => {
+                    if self.ranks[rank].pending_sends > 0 {
+                        self.block(rank, Wait::Sends);
+                        return Ok(());
+                    }
+                    let duration_ns = self.sim.setup.ranks[rank].optimizer_ns;
+                    self.ranks[rank].pc += 1;
+                    self.ranks[rank].compute_ns += duration_ns;
+                    let span = (self.now(), self.now() + duration_ns);
+                    self.timeline_slice(rank, COMPUTE_TID, "optimizer step", "optimizer", span, json!({}));
+                    self.push(span.1, Event::Resume(rank));
+                    return Ok(());
+                }
+            }
+            self.ranks[rank].pc += 1;
+        }
+    }
+
+    fn peer(&self, rank: usize, peer: RankId) -> Result<usize, SimError> {
+        self.sim.setup.rank_index(peer).ok_or_else(|| SimError::UnknownPeer {
+            rank: self.sim.setup.ranks[rank].id.to_string(),
+            peer: peer.to_string(),
+        })
+    }
+
+    /// Consumes a delivered message, or blocks the rank until it arrives.
+    fn take(&mut self, rank: usize, key: MessageKey) -> bool {
+        if self.mailbox.remove(&key) {
+            return true;
+        }
+        self.waiting.insert(key, rank);
+        self.block(rank, Wait::Message(key));
+        false
+    }
+
+    fn compute(&mut self, rank: usize, kind: PassKind, micro_batch: u32, chunk: u32) -> Result<(), SimError> {
+        let setup = &self.sim.setup.ranks[rank];
+        let cost = *setup.chunks.get(chunk as usize).ok_or_else(|| SimError::UnknownChunk {
+            rank: setup.id.to_string(),
+            chunk,
+            n_chunks: setup.chunks.len(),
+        })?;
+        let (duration_ns, memory_change, name) = match kind {
+            PassKind::Forward => (cost.forward_ns, cost.activation_bytes, "F"),
+            PassKind::Backward => (cost.backward_ns, -cost.activation_bytes, "B"),
+            PassKind::BackwardInput => (cost.input_grad_ns, 0.0, "Bi"),
+            // The weight-gradient pass frees what the micro-batch still held.
+            PassKind::BackwardWeight => (cost.weight_grad_ns, -cost.activation_bytes, "Bw"),
+        };
+        let now = self.now();
+        let state = &mut self.ranks[rank];
+        state.pc += 1;
+        state.pass_ns += duration_ns;
+        state.compute_ns += duration_ns;
+        state.last_pass_end_ns = now + duration_ns;
+        // Memory grows when a forward starts and shrinks when a backward starts: a rank runs one
+        // pass at a time, so the peak is the same as booking the release at the end.
+        state.memory_bytes += memory_change;
+        state.peak_memory_bytes = state.peak_memory_bytes.max(state.memory_bytes);
+        let memory_gib = state.memory_bytes / medley_cost::GIB;
+        if self.sim.timeline.is_some() {
+            let name = format!("{name} mb{micro_batch}{}", chunk_suffix(chunk));
+            let args = json!({"micro_batch": micro_batch, "chunk": chunk});
+            self.timeline_slice(rank, COMPUTE_TID, &name, "compute", (now, now + duration_ns), args);
+            if memory_change != 0.0 {
+                let at_ns = if memory_change > 0.0 { now } else { now + duration_ns };
+                let pid = rank as u32 + 1;
+                self.sim.timeline.as_mut().expect("checked").counter(pid, "memory GiB", at_ns, memory_gib);
+            }
+        }
+        self.push(now + duration_ns, Event::Resume(rank));
+        Ok(())
+    }
+
+    fn send_boundary(&mut self, from: usize, to: usize, key: MessageKey) {
+        let route = self.sim.setup.boundary_route(self.sim.setup.ranks[from].id, self.sim.setup.ranks[to].id);
+        let bytes = self.sim.setup.boundary_bytes;
+        self.send(from, to, key, bytes, route);
+    }
+
+    /// Starts a transfer; the sender moves on.
+    fn send(&mut self, from: usize, to: usize, key: MessageKey, bytes: f64, route: medley_plan::Route) {
+        let (link, path) = self.sim.setup.path(from, to, route);
+        let lane = self.take_lane(from);
+        let transfer =
+            Transfer { key, from, to, lane, start_ns: self.now(), latency_ns: ns(link.latency_us * 1e-6), bytes };
+        self.ranks[from].pending_sends += 1;
+        let now = self.now();
+        self.sim.network.start(now, path, link.gb_s, bytes, transfer, &mut self.drains);
+        self.schedule_drains();
+    }
+
+    fn take_lane(&mut self, rank: usize) -> u32 {
+        let lanes = &mut self.ranks[rank].lanes;
+        let lane = lanes.iter().position(|busy| !busy).unwrap_or_else(|| {
+            lanes.push(false);
+            lanes.len() - 1
+        });
+        lanes[lane] = true;
+        let lane = lane as u32;
+        let named = &mut self.sim.named_lanes[rank];
+        if lane >= *named {
+            *named = lane + 1;
+            if let Some(timeline) = self.sim.timeline.as_mut() {
+                timeline.thread(rank as u32 + 1, lane_tid(lane), &format!("send {lane}"));
+            }
+        }
+        lane
+    }
+
+    fn drained(&mut self, flow: FlowId, version: u64) {
+        if !self.sim.network.is_current(flow, version) {
+            return;
+        }
+        let now = self.now();
+        let transfer = self.sim.network.finish(now, flow, &mut self.drains);
+        self.schedule_drains();
+        self.push(now + transfer.latency_ns, Event::Deliver(transfer));
+    }
+
+    fn deliver(&mut self, transfer: Transfer) {
+        let now = self.now();
+        if self.sim.timeline.is_some() {
+            let name = self.transfer_label(&transfer);
+            let args = json!({"bytes": transfer.bytes});
+            self.timeline_slice(
+                transfer.from,
+                lane_tid(transfer.lane),
+                &name,
+                "transfer",
+                (transfer.start_ns, now),
+                args,
+            );
+            let from = (transfer.from as u32 + 1, lane_tid(transfer.lane));
+            let to = (transfer.to as u32 + 1, COMPUTE_TID);
+            self.sim.timeline.as_mut().expect("checked").arrow(&name, from, transfer.start_ns, to, now);
+        }
+        let sender = &mut self.ranks[transfer.from];
+        sender.lanes[transfer.lane as usize] = false;
+        sender.pending_sends -= 1;
+        if sender.pending_sends == 0 && matches!(sender.blocked, Some((_, Wait::Sends))) {
+            self.push(now, Event::Resume(transfer.from));
+        }
+        self.mailbox.insert(transfer.key);
+        if let Some(receiver) = self.waiting.remove(&transfer.key) {
+            self.push(now, Event::Resume(receiver));
+        }
+    }
+
+    fn bandwidth(&mut self, endpoint: usize) {
+        let Some((at_ns, fraction)) = self.sim.trace_changes[endpoint] else { return };
+        if at_ns > self.now() {
+            return;
+        }
+        let now = self.now();
+        let ports = self.sim.setup.ranks[self.sim.traced_ranks[endpoint]].ports;
+        for resource in [ports.nic_out, ports.nic_in] {
+            self.sim.network.set_fraction(now, resource, fraction, &mut self.drains);
+        }
+        self.schedule_drains();
+        let next = self.sim.trace_cursors[endpoint].next_change();
+        self.sim.trace_changes[endpoint] = next;
+        if let Some((next_ns, _)) = next {
+            self.push(next_ns.max(now), Event::Bandwidth(endpoint));
+        }
+    }
+
+    /// Runs `rank`'s part of DP group `group`'s all-reduce as far as it can.
+    fn all_reduce(&mut self, rank: usize, group: u32) -> Result<Progress, SimError> {
+        let group_idx = group as usize;
+        let Some(collective) = self.collectives.get_mut(group_idx) else {
+            return Err(SimError::UnknownGroup { rank: self.sim.setup.ranks[rank].id.to_string(), group });
+        };
+        let n_members = collective.members.len();
+        let member = collective
+            .members
+            .iter()
+            .position(|&m| m == rank)
+            .ok_or_else(|| SimError::NotAMember { rank: self.sim.setup.ranks[rank].id.to_string(), group })?;
+        if n_members < 2 {
+            return Ok(Progress::Done);
+        }
+        if collective.steps.is_none() {
+            collective.joined_ns[member].get_or_insert(self.sim.now_ns);
+            if collective.joined_ns.iter().any(Option::is_none) {
+                self.block(rank, Wait::CollectiveStart(group));
+                return Ok(Progress::Blocked);
+            }
+            self.start_all_reduce(group_idx)?;
+        }
+        loop {
+            let collective = &mut self.collectives[group_idx];
+            let steps = collective.steps.as_ref().expect("started");
+            let Some(step) = steps[member].steps.get(collective.cursors[member]).cloned() else { break };
+            match step {
+                Step::Send { to, range, .. } => {
+                    let seq = next_seq(&mut collective.sent, member, to);
+                    let key = MessageKey::Collective { group, from: member as u32, to: to as u32, seq };
+                    let to_rank = collective.members[to];
+                    let route = self.sim.setup.plan.dp_groups[group_idx].route;
+                    self.send(rank, to_rank, key, range.len() as f64 * ELEMENT_BYTES, route);
+                }
+                Step::Recv { from, .. } => {
+                    let seq = *collective.received.get(&(from as u32, member as u32)).unwrap_or(&0);
+                    let key = MessageKey::Collective { group, from: from as u32, to: member as u32, seq };
+                    if !self.take(rank, key) {
+                        return Ok(Progress::Blocked);
+                    }
+                    next_seq(&mut self.collectives[group_idx].received, from, member);
+                }
+                // Local memory passes run at HBM speed, far beneath the transfers they sit between.
+                Step::Copy { .. } | Step::DivideBy { .. } => {}
+            }
+            self.collectives[group_idx].cursors[member] += 1;
+        }
+        let joined_ns = self.collectives[group_idx].joined_ns[member].expect("joined");
+        if self.sim.timeline.is_some() {
+            let name = format!("all-reduce dp{group}");
+            let args = json!({"bytes": self.sim.setup.dp_bytes[group_idx], "members": n_members});
+            self.timeline_slice(rank, COLLECTIVE_TID, &name, "collective", (joined_ns, self.now()), args);
+        }
+        Ok(Progress::Done)
+    }
+
+    /// Lowers the all-reduce to its algorithm's steps once every member has joined, and wakes
+    /// the members waiting for that.
+    fn start_all_reduce(&mut self, group_idx: usize) -> Result<(), SimError> {
+        let setup = &self.sim.setup;
+        let dp_group = &setup.plan.dp_groups[group_idx];
+        let collective = &mut self.collectives[group_idx];
+        let domains = collective.members.iter().map(|&m| DomainId(setup.ranks[m].vendor as u32)).collect();
+        let group = Group::new(domains)?;
+        let algorithm = match dp_group.algorithm {
+            Algorithm::Ring => collective::Algorithm::Ring,
+            Algorithm::Hierarchical => collective::Algorithm::Hierarchical,
+        };
+        let n_elements = (setup.dp_bytes[group_idx] / ELEMENT_BYTES).round() as usize;
+        let op = Op::AllReduce { op: ReduceOp::Sum };
+        collective.steps =
+            Some(collective::plan_steps(op, &group, &Counts::Same(n_elements), algorithm, Chunking::Whole)?);
+        let members = collective.members.clone();
+        for member in members {
+            if matches!(self.ranks[member].blocked, Some((_, Wait::CollectiveStart(_)))) {
+                self.push(self.now(), Event::Resume(member));
+            }
+        }
+        Ok(())
+    }
+
+    fn timeline_slice(
+        &mut self,
+        rank: usize,
+        tid: u32,
+        name: &str,
+        category: &str,
+        span_ns: (u64, u64),
+        args: serde_json::Value,
+    ) {
+        if let Some(timeline) = self.sim.timeline.as_mut() {
+            timeline.slice((rank as u32 + 1, tid), name, category, span_ns, args);
+        }
+    }
+
+    fn wait_label(&self, rank: usize, wait: Wait) -> String {
+        match wait {
+            Wait::Message(key) => format!("wait {}", self.key_label(key)),
+            Wait::CollectiveStart(group) => format!("wait all-reduce dp{group} members"),
+            Wait::Sends => format!("wait {} sends", self.ranks[rank].pending_sends),
+        }
+    }
+
+    fn transfer_label(&self, transfer: &Transfer) -> String {
+        self.key_label(transfer.key)
+    }
+
+    fn key_label(&self, key: MessageKey) -> String {
+        let name = |rank: u32| self.sim.setup.ranks[rank as usize].id.to_string();
+        match key {
+            MessageKey::Activation { from, to, micro_batch, chunk } => {
+                format!("activation mb{micro_batch}{} {}→{}", chunk_suffix(chunk), name(from), name(to))
+            }
+            MessageKey::Gradient { from, to, micro_batch, chunk } => {
+                format!("gradient mb{micro_batch}{} {}→{}", chunk_suffix(chunk), name(from), name(to))
+            }
+            MessageKey::Collective { group, from, to, seq } => {
+                let members = &self.collectives[group as usize].members;
+                format!(
+                    "dp{group} #{seq} {}→{}",
+                    name(members[from as usize] as u32),
+                    name(members[to as usize] as u32)
+                )
+            }
+        }
+    }
+
+    /// The error for a queue that ran dry with ranks unfinished: every stuck rank and what it
+    /// waits for.
+    fn deadlock(&self) -> SimError {
+        let stuck = self
+            .ranks
+            .iter()
+            .enumerate()
+            .filter(|(_, state)| state.done_ns.is_none())
+            .map(|(rank, state)| {
+                let instruction =
+                    self.programs[rank].instructions.get(state.pc).map_or("end".into(), |i| i.to_string());
+                format!("{} at instruction {} ({instruction})", self.sim.setup.ranks[rank].id, state.pc)
+            })
+            .collect();
+        SimError::Deadlock { stuck }
+    }
+}
+
+fn next_seq(counters: &mut HashMap<(u32, u32), u32>, from: usize, to: usize) -> u32 {
+    let counter = counters.entry((from as u32, to as u32)).or_insert(0);
+    *counter += 1;
+    *counter - 1
+}
+
+fn chunk_suffix(chunk: u32) -> String {
+    if chunk == 0 { String::new() } else { format!(" c{chunk}") }
+}

@@ -1,0 +1,186 @@
+//! medley's discrete-event simulator: executes the per-rank programs of a plan in simulated time.
+//!
+//! The simulator runs the very programs `medley-schedule` generates and the runtime executes,
+//! under the same execution rules (see [`medley_schedule`]). Compute passes take the cost
+//! model's time for their device type. Transfers are flows over a modelled network — each GPU's
+//! NIC and intra-node ports, per-flow caps for the cross-vendor bridge and Infinity Fabric peer
+//! links — sharing bandwidth max-min fairly when they overlap; all-reduces are lowered into
+//! their algorithm's steps by `medley-collective`, so contention between them is simulated, not
+//! assumed. Inter-node ports can follow a [`BandwidthTrace`] to model a network shared with other
+//! jobs.
+//!
+//! Time is an integer number of nanoseconds; events are ordered by (time, sequence number), and
+//! nothing reads the wall clock or iterates a hash map, so the same input gives the same output,
+//! byte for byte. A timeline in the Chrome/Perfetto trace format can be streamed to any writer.
+//!
+//! Tensor-parallel collectives sit inside compute passes (the cost model prices them on the
+//! intra-node links, where they do not meet the pipeline's traffic), and every TP group is
+//! simulated as one rank whose representative GPU stands for its members, which move their own
+//! shards over their own ports in lock step.
+
+mod adaptive;
+mod bandwidth;
+mod engine;
+mod network;
+mod report;
+mod setup;
+mod timeline;
+
+use std::io::Write;
+
+use medley_cost::Calibration;
+use medley_plan::{Plan, PlanError};
+use medley_schedule::{Programs, ScheduleKind};
+
+pub use adaptive::{RunReport, SchedulePolicy, StepSummary, max_k_within_memory, simulate_steps};
+pub use bandwidth::BandwidthTrace;
+pub use report::{RankReport, StepReport};
+
+use bandwidth::TraceCursor;
+use engine::{StepRun, Transfer};
+use network::Network;
+use setup::Setup;
+use timeline::Timeline;
+
+/// Why a simulation could not run.
+#[derive(Debug, thiserror::Error)]
+pub enum SimError {
+    #[error("invalid plan: {0}")]
+    Plan(#[from] PlanError),
+    #[error("the programs do not match the plan: {0}")]
+    ProgramsDoNotMatchPlan(String),
+    #[error("rank {rank} names peer {peer}, which the plan does not have")]
+    UnknownPeer { rank: String, peer: String },
+    #[error("rank {rank} runs chunk {chunk}, but holds {n_chunks} chunk(s)")]
+    UnknownChunk { rank: String, chunk: u32, n_chunks: usize },
+    #[error("rank {rank} all-reduces DP group {group}, which the plan does not have")]
+    UnknownGroup { rank: String, group: u32 },
+    #[error("rank {rank} all-reduces DP group {group}, which it is not a member of")]
+    NotAMember { rank: String, group: u32 },
+    #[error("the programs deadlock: {}", stuck.join("; "))]
+    Deadlock { stuck: Vec<String> },
+    #[error("lowering an all-reduce: {0}")]
+    Collective(#[from] medley_collective::CollectiveError),
+    #[error("{0}")]
+    Trace(String),
+    #[error("writing the timeline: {0}")]
+    Timeline(#[from] std::io::Error),
+}
+
+/// Knobs of a simulation beyond the plan.
+#[derive(Clone, Debug, Default, PartialEq)]
+pub struct SimConfig {
+    /// Available bandwidth over time on every inter-node port (each link draws its own random
+    /// periods); full bandwidth when absent.
+    pub network_trace: Option<BandwidthTrace>,
+}
+
+/// A plan being simulated step after step: simulated time, the network's bandwidth traces and
+/// the timeline carry over from one step to the next.
+pub struct Simulation<'p, 'w> {
+    setup: Setup<'p>,
+    network: Network<Transfer>,
+    timeline: Option<Timeline<'w>>,
+    now_ns: u64,
+    /// Per traced rank: its cursor and its next change.
+    traced_ranks: Vec<usize>,
+    trace_cursors: Vec<TraceCursor>,
+    trace_changes: Vec<Option<(u64, f64)>>,
+    /// Transfer lanes each rank's timeline has named so far.
+    named_lanes: Vec<u32>,
+}
+
+impl<'p, 'w> Simulation<'p, 'w> {
+    /// A simulation of `plan` starting at time 0; `timeline` receives the Perfetto trace.
+    pub fn new(
+        plan: &'p Plan,
+        calibration: &Calibration,
+        config: &SimConfig,
+        timeline: Option<&'w mut dyn Write>,
+    ) -> Result<Self, SimError> {
+        plan.validate()?;
+        let mut network = Network::new();
+        let setup = Setup::new(plan, calibration, &mut network);
+        let n_ranks = setup.ranks.len();
+        let mut simulation = Simulation {
+            setup,
+            network,
+            timeline: timeline.map(Timeline::new),
+            now_ns: 0,
+            traced_ranks: Vec::new(),
+            trace_cursors: Vec::new(),
+            trace_changes: Vec::new(),
+            named_lanes: vec![0; n_ranks],
+        };
+        if let Some(trace) = &config.network_trace {
+            simulation.follow_trace(trace);
+        }
+        simulation.name_processes();
+        Ok(simulation)
+    }
+
+    /// Every rank's NIC ports follow `trace`, each rank's link with its own random stream.
+    fn follow_trace(&mut self, trace: &BandwidthTrace) {
+        let mut drains = Vec::new();
+        for (rank_idx, rank) in self.setup.ranks.iter().enumerate() {
+            let (fraction, mut cursor) = TraceCursor::new(trace, rank_idx as u64);
+            for resource in [rank.ports.nic_out, rank.ports.nic_in] {
+                self.network.set_fraction(0, resource, fraction, &mut drains);
+            }
+            self.traced_ranks.push(rank_idx);
+            self.trace_changes.push(cursor.next_change());
+            self.trace_cursors.push(cursor);
+        }
+    }
+
+    fn name_processes(&mut self) {
+        let Some(timeline) = self.timeline.as_mut() else { return };
+        for (rank_idx, rank) in self.setup.ranks.iter().enumerate() {
+            let first = rank.devices[0];
+            let last = rank.devices[rank.devices.len() - 1];
+            let devices = if first == last { format!("device {first}") } else { format!("devices {first}-{last}") };
+            let name = format!("{} · {} ×{} ({devices})", rank.id, rank.device_name, rank.devices.len());
+            timeline.process(rank_idx as u32 + 1, &name, rank_idx as u32);
+        }
+    }
+
+    /// Simulates one step of `programs`, which must be generated from this simulation's plan.
+    pub fn step(&mut self, programs: &Programs) -> Result<StepReport, SimError> {
+        self.check_programs(programs)?;
+        let mut run = StepRun::new(self, &programs.programs);
+        run.run()?;
+        Ok(StepReport::of(&run, programs.schedule.to_string()))
+    }
+
+    /// Closes the timeline; reports the first error writing it.
+    pub fn finish(self) -> Result<(), SimError> {
+        self.timeline.map_or(Ok(()), Timeline::finish).map_err(SimError::from)
+    }
+
+    fn check_programs(&self, programs: &Programs) -> Result<(), SimError> {
+        let expected: Vec<_> = self.setup.ranks.iter().map(|rank| rank.id).collect();
+        let given: Vec<_> = programs.programs.iter().map(|program| program.rank).collect();
+        if expected != given {
+            return Err(SimError::ProgramsDoNotMatchPlan(format!(
+                "the plan has {} ranks, the programs are for {} (or name other ranks)",
+                expected.len(),
+                given.len()
+            )));
+        }
+        Ok(())
+    }
+}
+
+/// Simulates one step of `plan` under `schedule`, streaming the timeline to `timeline`.
+pub fn simulate(
+    plan: &Plan,
+    schedule: ScheduleKind,
+    calibration: &Calibration,
+    config: &SimConfig,
+    timeline: Option<&mut dyn Write>,
+) -> Result<StepReport, SimError> {
+    let mut simulation = Simulation::new(plan, calibration, config, timeline)?;
+    let report = simulation.step(&medley_schedule::generate(plan, schedule))?;
+    simulation.finish()?;
+    Ok(report)
+}

@@ -1,0 +1,261 @@
+//! Flows over shared resources with max-min fair bandwidth sharing.
+//!
+//! A resource is one direction of a port (a GPU's NIC egress, its intra-node ingress, ...) with a
+//! capacity that a bandwidth trace may scale. A flow crosses a path of resources and may have its
+//! own rate cap (the bridge's bandwidth, an Infinity Fabric peer link). Whenever a flow starts or
+//! ends, or a capacity changes, the flows of the affected connected component get new max-min
+//! fair rates by progressive filling (Bertsekas & Gallager, "Data Networks", §6.5.2); each
+//! re-rated flow gets a new version, so drain events computed from its old rate are recognised as
+//! stale. Rates are bytes per nanosecond (numerically GB/s).
+
+use std::collections::BTreeSet;
+
+pub(crate) type ResourceId = usize;
+pub(crate) type FlowId = usize;
+
+struct Resource {
+    capacity: f64,
+    fraction: f64,
+    flows: Vec<FlowId>,
+}
+
+struct Flow<P> {
+    path: Vec<ResourceId>,
+    cap: f64,
+    remaining: f64,
+    rate: f64,
+    updated_ns: u64,
+    version: u64,
+    payload: P,
+}
+
+/// A flow whose drain time changed: schedule `Drained { flow, version }` at `at_ns`.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub(crate) struct DrainAt {
+    pub flow: FlowId,
+    pub version: u64,
+    pub at_ns: u64,
+}
+
+pub(crate) struct Network<P> {
+    resources: Vec<Resource>,
+    flows: Vec<Option<Flow<P>>>,
+    free_slots: Vec<FlowId>,
+}
+
+impl<P> Network<P> {
+    pub(crate) fn new() -> Self {
+        Network { resources: Vec::new(), flows: Vec::new(), free_slots: Vec::new() }
+    }
+
+    /// A resource of `capacity` bytes per ns at full bandwidth.
+    pub(crate) fn add_resource(&mut self, capacity: f64) -> ResourceId {
+        self.resources.push(Resource { capacity, fraction: 1.0, flows: Vec::new() });
+        self.resources.len() - 1
+    }
+
+    /// Starts a flow of `bytes` over `path`, at most `cap` bytes per ns.
+    pub(crate) fn start(
+        &mut self,
+        now_ns: u64,
+        path: Vec<ResourceId>,
+        cap: f64,
+        bytes: f64,
+        payload: P,
+        drains: &mut Vec<DrainAt>,
+    ) -> FlowId {
+        let flow = Flow { path, cap, remaining: bytes, rate: 0.0, updated_ns: now_ns, version: 0, payload };
+        let id = match self.free_slots.pop() {
+            Some(id) => {
+                self.flows[id] = Some(flow);
+                id
+            }
+            None => {
+                self.flows.push(Some(flow));
+                self.flows.len() - 1
+            }
+        };
+        let path = self.flow(id).path.clone();
+        for &resource in &path {
+            self.resources[resource].flows.push(id);
+        }
+        self.rerate(now_ns, &path, drains);
+        if path.is_empty() {
+            // Nothing to share: the flow drains at once.
+            drains.push(DrainAt { flow: id, version: 0, at_ns: now_ns });
+        }
+        id
+    }
+
+    /// Whether `version` is still `flow`'s current one.
+    pub(crate) fn is_current(&self, flow: FlowId, version: u64) -> bool {
+        self.flows.get(flow).and_then(Option::as_ref).is_some_and(|f| f.version == version)
+    }
+
+    /// Removes a drained flow and re-rates its neighbours; returns its payload.
+    pub(crate) fn finish(&mut self, now_ns: u64, id: FlowId, drains: &mut Vec<DrainAt>) -> P {
+        let flow = self.flows[id].take().expect("a drained flow is live");
+        self.free_slots.push(id);
+        for &resource in &flow.path {
+            self.resources[resource].flows.retain(|&f| f != id);
+        }
+        self.rerate(now_ns, &flow.path, drains);
+        flow.payload
+    }
+
+    /// Sets the available fraction of `resource`'s capacity and re-rates the flows it carries.
+    pub(crate) fn set_fraction(&mut self, now_ns: u64, resource: ResourceId, fraction: f64, drains: &mut Vec<DrainAt>) {
+        self.resources[resource].fraction = fraction;
+        self.rerate(now_ns, &[resource], drains);
+    }
+
+    fn flow(&self, id: FlowId) -> &Flow<P> {
+        self.flows[id].as_ref().expect("live flow")
+    }
+
+    fn flow_mut(&mut self, id: FlowId) -> &mut Flow<P> {
+        self.flows[id].as_mut().expect("live flow")
+    }
+
+    /// New max-min fair rates for every flow connected to `seeds`, progress booked at the old
+    /// rates first.
+    fn rerate(&mut self, now_ns: u64, seeds: &[ResourceId], drains: &mut Vec<DrainAt>) {
+        let (flows, resources) = self.component(seeds);
+        if flows.is_empty() {
+            return;
+        }
+        for &id in &flows {
+            let flow = self.flow_mut(id);
+            flow.remaining = (flow.remaining - flow.rate * (now_ns - flow.updated_ns) as f64).max(0.0);
+            flow.updated_ns = now_ns;
+        }
+        let rates = self.max_min_rates(&flows, &resources);
+        for (&id, rate) in flows.iter().zip(rates) {
+            let flow = self.flow_mut(id);
+            flow.rate = rate;
+            flow.version += 1;
+            if rate > 0.0 || flow.remaining == 0.0 {
+                let wait_ns = if flow.remaining == 0.0 { 0 } else { (flow.remaining / rate).ceil() as u64 };
+                drains.push(DrainAt { flow: id, version: flow.version, at_ns: now_ns.saturating_add(wait_ns) });
+            }
+        }
+    }
+
+    /// The flows and resources reachable from `seeds` through shared resources, sorted.
+    fn component(&self, seeds: &[ResourceId]) -> (Vec<FlowId>, Vec<ResourceId>) {
+        let mut resources: BTreeSet<ResourceId> = BTreeSet::new();
+        let mut flows: BTreeSet<FlowId> = BTreeSet::new();
+        let mut frontier: Vec<ResourceId> = seeds.to_vec();
+        while let Some(resource) = frontier.pop() {
+            if !resources.insert(resource) {
+                continue;
+            }
+            for &id in &self.resources[resource].flows {
+                if flows.insert(id) {
+                    frontier.extend(self.flow(id).path.iter().copied().filter(|r| !resources.contains(r)));
+                }
+            }
+        }
+        (flows.into_iter().collect(), resources.into_iter().collect())
+    }
+
+    /// Progressive filling: raise every unfrozen flow's rate together until a resource is full
+    /// or a flow reaches its cap, freeze those flows, repeat.
+    fn max_min_rates(&self, flows: &[FlowId], resources: &[ResourceId]) -> Vec<f64> {
+        let mut rates = vec![0.0; flows.len()];
+        let mut frozen = vec![false; flows.len()];
+        let position = |id: FlowId| flows.binary_search(&id).expect("component flow");
+        let mut left: Vec<f64> =
+            resources.iter().map(|&r| self.resources[r].capacity * self.resources[r].fraction).collect();
+        loop {
+            let mut level = f64::INFINITY;
+            for (idx, &id) in flows.iter().enumerate() {
+                if !frozen[idx] {
+                    level = level.min(self.flow(id).cap - rates[idx]);
+                }
+            }
+            for (slot, &r) in resources.iter().enumerate() {
+                let active = self.resources[r].flows.iter().filter(|&&id| !frozen[position(id)]).count();
+                if active > 0 {
+                    level = level.min(left[slot] / active as f64);
+                }
+            }
+            // Every flow frozen, or none limited by anything (no resources, no cap).
+            if level == f64::INFINITY {
+                return rates;
+            }
+            let level = level.max(0.0);
+            for (idx, rate) in rates.iter_mut().enumerate() {
+                if !frozen[idx] {
+                    *rate += level;
+                }
+            }
+            for (slot, &r) in resources.iter().enumerate() {
+                let active = self.resources[r].flows.iter().filter(|&&id| !frozen[position(id)]).count();
+                left[slot] -= level * active as f64;
+            }
+            // Freeze flows at their cap or on a saturated resource.
+            let saturated: Vec<bool> = left.iter().map(|&l| l <= 1e-12).collect();
+            for (idx, &id) in flows.iter().enumerate() {
+                if frozen[idx] {
+                    continue;
+                }
+                let flow = self.flow(id);
+                let on_full = flow.path.iter().any(|r| saturated[resources.binary_search(r).expect("component")]);
+                if on_full || flow.cap - rates[idx] <= 1e-12 {
+                    frozen[idx] = true;
+                }
+            }
+        }
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    fn rates(network: &Network<()>) -> Vec<f64> {
+        network.flows.iter().flatten().map(|f| f.rate).collect()
+    }
+
+    #[test]
+    fn flows_share_a_bottleneck_fairly_and_take_what_is_left() {
+        let mut network = Network::new();
+        let mut drains = Vec::new();
+        let (a, b, c) = (network.add_resource(10.0), network.add_resource(4.0), network.add_resource(10.0));
+        // Two flows through b share its 4; the third, through a and c only, gets the rest of a.
+        network.start(0, vec![a, b], f64::INFINITY, 100.0, (), &mut drains);
+        network.start(0, vec![b, c], f64::INFINITY, 100.0, (), &mut drains);
+        network.start(0, vec![a, c], f64::INFINITY, 100.0, (), &mut drains);
+        assert_eq!(rates(&network), [2.0, 2.0, 8.0]);
+        // A cap below the fair share frees bandwidth for the others.
+        network.start(0, vec![a], 1.0, 100.0, (), &mut drains);
+        assert_eq!(rates(&network), [2.0, 2.0, 7.0, 1.0]);
+    }
+
+    #[test]
+    fn drain_times_follow_rate_changes() {
+        let mut network = Network::new();
+        let link = network.add_resource(2.0);
+        let mut drains = Vec::new();
+        let first = network.start(0, vec![link], f64::INFINITY, 100.0, (), &mut drains);
+        assert_eq!(drains.last(), Some(&DrainAt { flow: first, version: 1, at_ns: 50 }));
+        // At 10 ns a second flow halves the first's rate: 80 bytes left at 1 byte/ns.
+        drains.clear();
+        let second = network.start(10, vec![link], f64::INFINITY, 10.0, (), &mut drains);
+        assert!(!network.is_current(first, 1));
+        assert!(drains.contains(&DrainAt { flow: first, version: 2, at_ns: 90 }));
+        assert!(drains.contains(&DrainAt { flow: second, version: 1, at_ns: 20 }));
+        // The link drops to a quarter for the rest: 70 bytes left on the first at 0.5 byte/ns.
+        drains.clear();
+        network.finish(20, second, &mut drains);
+        network.set_fraction(20, link, 0.25, &mut drains);
+        assert_eq!(drains.last(), Some(&DrainAt { flow: first, version: 4, at_ns: 160 }));
+        // A link at zero stalls its flows: no drain is scheduled until it comes back.
+        drains.clear();
+        network.set_fraction(30, link, 0.0, &mut drains);
+        assert!(drains.is_empty());
+        network.set_fraction(40, link, 1.0, &mut drains);
+        assert_eq!(drains.last(), Some(&DrainAt { flow: first, version: 6, at_ns: 40 + 33 }));
+    }
+}

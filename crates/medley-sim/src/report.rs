@@ -1,0 +1,138 @@
+//! What a simulated step measured: time, throughput, utilisation, bubbles, memory, and where
+//! each rank's time went.
+
+use std::collections::BTreeMap;
+
+use medley_cost::{GIB, flops};
+use serde::Serialize;
+
+use crate::engine::StepRun;
+
+/// One simulated training step.
+#[derive(Clone, Debug, PartialEq, Serialize)]
+pub struct StepReport {
+    pub schedule: String,
+    pub step_time_s: f64,
+    pub tokens_per_s: f64,
+    pub model_tflops_per_gpu: f64,
+    pub hardware_tflops_per_gpu: f64,
+    /// Model FLOPs utilisation over the peak of the devices the plan uses (Megatron/PaLM).
+    pub mfu: f64,
+    /// Hardware FLOPs utilisation, counting recomputation.
+    pub hfu: f64,
+    /// Pipeline bubble time over pipeline compute time, averaged over ranks (Narayanan et al.
+    /// 2021's definition, so uniform GPipe/1F1B gives (p − 1)/m). A rank's pipeline time runs from
+    /// the step's start to its replica's last forward or backward pass.
+    pub bubble_fraction: f64,
+    /// Share of the step the average rank spends blocked on communication.
+    pub comm_wait_fraction: f64,
+    /// The highest peak of any device, GiB.
+    pub peak_memory_gib: f64,
+    pub peak_memory_by_device_gib: BTreeMap<String, f64>,
+    pub capacity_gib: BTreeMap<String, f64>,
+    pub fits: bool,
+    pub ranks: Vec<RankReport>,
+    /// Events the engine processed: a measure of the simulation's own work.
+    pub events: u64,
+}
+
+/// Where one pipeline rank's step went.
+#[derive(Clone, Debug, PartialEq, Serialize)]
+pub struct RankReport {
+    pub rank: String,
+    pub device: String,
+    pub devices: Vec<u32>,
+    pub compute_s: f64,
+    /// Blocked on a receive, an all-reduce or outstanding sends.
+    pub comm_wait_s: f64,
+    /// Neither computing nor waiting: finished before the slowest rank.
+    pub idle_s: f64,
+    pub peak_memory_gib: f64,
+}
+
+impl StepReport {
+    pub(crate) fn of(run: &StepRun, schedule: String) -> Self {
+        let sim = run.sim();
+        let plan = sim.setup.plan;
+        let end_ns = run.ranks.iter().filter_map(|state| state.done_ns).max().unwrap_or(run.start_ns);
+        let step_ns = end_ns - run.start_ns;
+        let step_time_s = step_ns as f64 * 1e-9;
+        let ranks: Vec<RankReport> = sim
+            .setup
+            .ranks
+            .iter()
+            .zip(&run.ranks)
+            .map(|(setup, state)| RankReport {
+                rank: setup.id.to_string(),
+                device: setup.device_name.clone(),
+                devices: setup.devices.clone(),
+                compute_s: state.compute_ns as f64 * 1e-9,
+                comm_wait_s: state.wait_ns as f64 * 1e-9,
+                idle_s: step_ns.saturating_sub(state.compute_ns + state.wait_ns) as f64 * 1e-9,
+                peak_memory_gib: state.peak_memory_bytes / GIB,
+            })
+            .collect();
+        let mut peak_memory_by_device_gib: BTreeMap<String, f64> = BTreeMap::new();
+        let mut capacity_gib = BTreeMap::new();
+        let mut fits = true;
+        for (setup, state) in sim.setup.ranks.iter().zip(&run.ranks) {
+            let peak = peak_memory_by_device_gib.entry(setup.device_name.clone()).or_insert(0.0);
+            *peak = peak.max(state.peak_memory_bytes / GIB);
+            capacity_gib.insert(setup.device_name.clone(), setup.capacity_bytes / GIB);
+            fits &= state.peak_memory_bytes <= setup.capacity_bytes;
+        }
+        let n_gpus: usize = sim.setup.ranks.iter().map(|rank| rank.devices.len()).sum();
+        let peak_flops: f64 = sim
+            .setup
+            .ranks
+            .iter()
+            .map(|rank| {
+                let group = &plan.cluster.groups()[rank.slot.group_idx];
+                group.device.half_precision_tflops() * 1e12 * rank.devices.len() as f64
+            })
+            .sum();
+        let model_flops = flops::model_flops_per_step(&plan.model, plan.seq_len, plan.global_batch);
+        let hardware_flops =
+            flops::hardware_flops_per_step(&plan.model, plan.seq_len, plan.global_batch, plan.recompute);
+        let wait_ns: u64 = run.ranks.iter().map(|state| state.wait_ns).sum();
+        StepReport {
+            schedule,
+            step_time_s,
+            tokens_per_s: f64::from(plan.seq_len) * f64::from(plan.global_batch) / step_time_s,
+            model_tflops_per_gpu: model_flops / step_time_s / n_gpus as f64 / 1e12,
+            hardware_tflops_per_gpu: hardware_flops / step_time_s / n_gpus as f64 / 1e12,
+            mfu: model_flops / step_time_s / peak_flops,
+            hfu: hardware_flops / step_time_s / peak_flops,
+            bubble_fraction: bubble_fraction(run),
+            comm_wait_fraction: wait_ns as f64 / (step_ns as f64 * run.ranks.len() as f64),
+            peak_memory_gib: peak_memory_by_device_gib.values().copied().fold(0.0, f64::max),
+            peak_memory_by_device_gib,
+            capacity_gib,
+            fits,
+            ranks,
+            events: run.events,
+        }
+    }
+}
+
+/// Mean over ranks of (pipeline time − pass time) / pass time, the pipeline time being each
+/// replica's span from the step's start to its last pass.
+fn bubble_fraction(run: &StepRun) -> f64 {
+    let setup = &run.sim().setup;
+    let mut replica_end_ns: BTreeMap<u32, u64> = BTreeMap::new();
+    for (rank, state) in setup.ranks.iter().zip(&run.ranks) {
+        let end = replica_end_ns.entry(rank.id.replica_idx).or_insert(0);
+        *end = (*end).max(state.last_pass_end_ns);
+    }
+    let ratios: Vec<f64> = setup
+        .ranks
+        .iter()
+        .zip(&run.ranks)
+        .filter(|(_, state)| state.pass_ns > 0)
+        .map(|(rank, state)| {
+            let span_ns = replica_end_ns[&rank.id.replica_idx] - run.start_ns;
+            (span_ns - state.pass_ns) as f64 / state.pass_ns as f64
+        })
+        .collect();
+    if ratios.is_empty() { 0.0 } else { ratios.iter().sum::<f64>() / ratios.len() as f64 }
+}

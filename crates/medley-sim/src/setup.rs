@@ -1,0 +1,169 @@
+//! What a plan fixes for every step: each rank's pass times, memory and network ports, and the
+//! members of each gradient group. Built once per simulation from the plan and the cost model.
+
+use std::collections::BTreeMap;
+
+use medley_cost::comm::{self, Link};
+use medley_cost::{Calibration, CostModel, GIB, Setting, StageShape};
+use medley_plan::{Plan, Route};
+use medley_schedule::RankId;
+use medley_spec::{BridgeMode, DeviceSlot, Vendor};
+
+use crate::network::{Network, ResourceId};
+
+/// One micro-batch's passes on one model chunk, in nanoseconds, and the activation memory the
+/// micro-batch holds on the chunk from its forward until its backward ends.
+#[derive(Clone, Copy, Debug, PartialEq)]
+pub(crate) struct ChunkCost {
+    pub forward_ns: u64,
+    pub backward_ns: u64,
+    pub input_grad_ns: u64,
+    pub weight_grad_ns: u64,
+    pub activation_bytes: f64,
+}
+
+/// The four port directions of a rank's representative GPU. Every GPU of a TP group has its
+/// own ports and moves its own shard, so one GPU's ports stand for the group's.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub(crate) struct Ports {
+    pub nic_out: ResourceId,
+    pub nic_in: ResourceId,
+    pub intra_out: ResourceId,
+    pub intra_in: ResourceId,
+}
+
+/// One pipeline rank: a TP group running one program.
+#[derive(Clone, Debug)]
+pub(crate) struct RankSetup {
+    pub id: RankId,
+    pub slot: DeviceSlot,
+    pub vendor: Vendor,
+    pub device_name: String,
+    pub devices: Vec<u32>,
+    pub chunks: Vec<ChunkCost>,
+    pub optimizer_ns: u64,
+    /// Weights, gradients, optimizer states and workspace: held all step.
+    pub static_bytes: f64,
+    pub capacity_bytes: f64,
+    pub ports: Ports,
+}
+
+pub(crate) struct Setup<'p> {
+    pub plan: &'p Plan,
+    /// In [`RankId`] order, as programs are.
+    pub ranks: Vec<RankSetup>,
+    /// Per DP group: its members' rank indices in replica order.
+    pub dp_members: Vec<Vec<usize>>,
+    /// Bytes per TP rank of one activation or gradient crossing a pipeline boundary.
+    pub boundary_bytes: f64,
+    /// Bytes per TP rank of each DP group's gradients.
+    pub dp_bytes: Vec<f64>,
+}
+
+/// Gradients and pipeline messages travel as bf16.
+pub(crate) const ELEMENT_BYTES: f64 = 2.0;
+
+pub(crate) fn ns(seconds: f64) -> u64 {
+    (seconds * 1e9).round() as u64
+}
+
+impl<'p> Setup<'p> {
+    /// `network` receives every rank's ports.
+    pub(crate) fn new<P>(plan: &'p Plan, calibration: &Calibration, network: &mut Network<P>) -> Self {
+        let cost = CostModel::new(&plan.model, plan.seq_len, calibration);
+        let setting = Setting { micro_batch: plan.micro_batch, tp: plan.tp, recompute: plan.recompute };
+        let slots = plan.cluster.devices();
+        let shards = if plan.zero1 { plan.replicas.len() as u32 } else { 1 };
+        let mut ranks = Vec::new();
+        for (replica_idx, replica) in plan.replicas.iter().enumerate() {
+            let n_stages = replica.stages.len();
+            for (stage_idx, stage) in replica.stages.iter().enumerate() {
+                let group = plan.stage_group(stage);
+                let shape = StageShape::in_pipeline(stage_idx, n_stages, stage.layers.len());
+                let pass = cost.stage_time(group, shape, setting);
+                let memory = |in_flight| cost.stage_memory(shape, setting, in_flight, shards).total();
+                let chunk = ChunkCost {
+                    forward_ns: ns(pass.forward_s),
+                    backward_ns: ns(pass.backward_s),
+                    input_grad_ns: ns(pass.backward_s - pass.weight_grad_s),
+                    weight_grad_ns: ns(pass.weight_grad_s),
+                    activation_bytes: memory(1) - memory(0),
+                };
+                let params_per_device = cost.stage_params(shape) / f64::from(plan.tp * shards);
+                let slot = slots[stage.devices[0] as usize];
+                let nic_gb_s = comm::nic_link(&plan.cluster, &[group]).gb_s;
+                let intra_gb_s = comm::intra_node_link(group).gb_s;
+                ranks.push(RankSetup {
+                    id: RankId::new(replica_idx, stage_idx),
+                    slot,
+                    vendor: group.device.vendor,
+                    device_name: group.device.name.clone(),
+                    devices: stage.devices.clone(),
+                    chunks: vec![chunk],
+                    optimizer_ns: ns(cost.optimizer_step_s(group, params_per_device)),
+                    static_bytes: memory(0),
+                    capacity_bytes: group.device.hbm_gib * GIB,
+                    ports: Ports {
+                        nic_out: network.add_resource(nic_gb_s),
+                        nic_in: network.add_resource(nic_gb_s),
+                        intra_out: network.add_resource(intra_gb_s),
+                        intra_in: network.add_resource(intra_gb_s),
+                    },
+                });
+            }
+        }
+        let index: BTreeMap<RankId, usize> = ranks.iter().enumerate().map(|(idx, rank)| (rank.id, idx)).collect();
+        let dp_members = plan
+            .dp_groups
+            .iter()
+            .map(|group| {
+                plan.holders(group.layers)
+                    .into_iter()
+                    .enumerate()
+                    .map(|(replica_idx, stage_idx)| index[&RankId::new(replica_idx, stage_idx)])
+                    .collect()
+            })
+            .collect();
+        let dp_bytes = plan
+            .dp_groups
+            .iter()
+            .map(|group| {
+                let shape = StageShape {
+                    n_layers: group.layers.len(),
+                    embedding: group.layers.start == 0,
+                    head: group.layers.end == plan.model.n_layers(),
+                };
+                ELEMENT_BYTES * cost.stage_params(shape) / f64::from(plan.tp)
+            })
+            .collect();
+        Setup { plan, ranks, dp_members, boundary_bytes: cost.boundary_bytes(setting), dp_bytes }
+    }
+
+    /// The rank index of `id`, if the plan has that rank.
+    pub(crate) fn rank_index(&self, id: RankId) -> Option<usize> {
+        self.ranks.binary_search_by_key(&id, |rank| rank.id).ok()
+    }
+
+    /// The link a transfer from rank `from` to rank `to` crosses, and the port resources on its
+    /// way: inside a node the GPUs' intra-node ports, between nodes their NICs.
+    pub(crate) fn path(&self, from: usize, to: usize, route: Route) -> (Link, Vec<ResourceId>) {
+        let (a, b) = (&self.ranks[from], &self.ranks[to]);
+        let mode = match route {
+            Route::Bridge { mode } => mode,
+            Route::Native { .. } => BridgeMode::DeviceDirect,
+        };
+        let link = comm::link_between(&self.plan.cluster, a.slot, b.slot, mode);
+        let resources = if a.slot.node_idx == b.slot.node_idx {
+            vec![a.ports.intra_out, b.ports.intra_in]
+        } else {
+            vec![a.ports.nic_out, b.ports.nic_in]
+        };
+        (link, resources)
+    }
+
+    /// The route between two neighbouring stages of one replica.
+    pub(crate) fn boundary_route(&self, a: RankId, b: RankId) -> Route {
+        let replica = &self.plan.replicas[a.replica_idx as usize];
+        replica.boundaries[a.stage_idx.min(b.stage_idx) as usize]
+    }
+}

@@ -1,0 +1,119 @@
+//! A Chrome/Perfetto trace (the JSON "Trace Event Format"), written event by event as the
+//! simulation runs so that a long run never holds its timeline in memory.
+//!
+//! Layout: one process per pipeline rank (a tensor-parallel group, whose devices run in lock
+//! step), one thread per stream: compute (with the waits that stall it), collectives, and one
+//! lane per concurrent outgoing transfer, so slices on a track never overlap. Point-to-point
+//! transfers carry flow arrows from sender to receiver; memory is a counter per rank.
+//! Timestamps are microseconds with nanosecond decimals.
+
+use std::io::{self, Write};
+
+use serde_json::{Value, json};
+
+/// Thread ids: fixed streams first, transfer lanes after.
+pub(crate) const COMPUTE_TID: u32 = 1;
+pub(crate) const COLLECTIVE_TID: u32 = 2;
+const FIRST_LANE_TID: u32 = 10;
+
+pub(crate) fn lane_tid(lane: u32) -> u32 {
+    FIRST_LANE_TID + lane
+}
+
+/// Writes trace events to `out`; the first I/O error is kept and reported by [`Timeline::finish`]
+/// so the simulation loop need not handle it at every event.
+pub(crate) struct Timeline<'w> {
+    out: &'w mut dyn Write,
+    wrote_event: bool,
+    error: Option<io::Error>,
+    next_flow_id: u64,
+}
+
+impl<'w> Timeline<'w> {
+    pub(crate) fn new(out: &'w mut dyn Write) -> Self {
+        let mut timeline = Timeline { out, wrote_event: false, error: None, next_flow_id: 0 };
+        timeline.raw(br#"{"displayTimeUnit":"ns","traceEvents":["#);
+        timeline
+    }
+
+    /// Names a rank's process and its fixed threads; `sort` orders processes in the viewer.
+    pub(crate) fn process(&mut self, pid: u32, name: &str, sort: u32) {
+        self.event(json!({"ph": "M", "name": "process_name", "pid": pid, "args": {"name": name}}));
+        self.event(json!({"ph": "M", "name": "process_sort_index", "pid": pid, "args": {"sort_index": sort}}));
+        self.thread(pid, COMPUTE_TID, "compute");
+        self.thread(pid, COLLECTIVE_TID, "collectives");
+    }
+
+    /// Names a thread; threads sort by id.
+    pub(crate) fn thread(&mut self, pid: u32, tid: u32, name: &str) {
+        self.event(json!({"ph": "M", "name": "thread_name", "pid": pid, "tid": tid, "args": {"name": name}}));
+        self.event(
+            json!({"ph": "M", "name": "thread_sort_index", "pid": pid, "tid": tid, "args": {"sort_index": tid}}),
+        );
+    }
+
+    /// A complete slice from `start_ns` to `end_ns`.
+    pub(crate) fn slice(&mut self, track: (u32, u32), name: &str, category: &str, span_ns: (u64, u64), args: Value) {
+        let (pid, tid) = track;
+        let (start_ns, end_ns) = span_ns;
+        self.event(json!({
+            "ph": "X", "name": name, "cat": category, "pid": pid, "tid": tid,
+            "ts": micros(start_ns), "dur": micros(end_ns - start_ns), "args": args,
+        }));
+    }
+
+    /// A flow arrow from the slice on `from` that encloses `from_ns` to the one on `to` that
+    /// encloses `to_ns`.
+    pub(crate) fn arrow(&mut self, name: &str, from: (u32, u32), from_ns: u64, to: (u32, u32), to_ns: u64) {
+        let id = self.next_flow_id;
+        self.next_flow_id += 1;
+        self.event(json!({"ph": "s", "name": name, "cat": "transfer", "id": id, "pid": from.0, "tid": from.1, "ts": micros(from_ns)}));
+        self.event(json!({
+            "ph": "f", "bp": "e", "name": name, "cat": "transfer", "id": id,
+            "pid": to.0, "tid": to.1, "ts": micros(to_ns),
+        }));
+    }
+
+    pub(crate) fn counter(&mut self, pid: u32, name: &str, at_ns: u64, value: f64) {
+        self.event(json!({"ph": "C", "name": name, "pid": pid, "ts": micros(at_ns), "args": {name: value}}));
+    }
+
+    /// Closes the JSON document; the first write error, if any.
+    pub(crate) fn finish(mut self) -> io::Result<()> {
+        self.raw(b"]}\n");
+        if self.error.is_none()
+            && let Err(err) = self.out.flush()
+        {
+            self.error = Some(err);
+        }
+        self.error.map_or(Ok(()), Err)
+    }
+
+    fn event(&mut self, event: Value) {
+        if self.error.is_some() {
+            return;
+        }
+        let separator: &[u8] = if self.wrote_event { b",\n" } else { b"\n" };
+        self.wrote_event = true;
+        let result = self
+            .out
+            .write_all(separator)
+            .and_then(|()| serde_json::to_writer(&mut *self.out, &event).map_err(io::Error::from));
+        if let Err(err) = result {
+            self.error = Some(err);
+        }
+    }
+
+    fn raw(&mut self, bytes: &[u8]) {
+        if self.error.is_none()
+            && let Err(err) = self.out.write_all(bytes)
+        {
+            self.error = Some(err);
+        }
+    }
+}
+
+/// Nanoseconds as microseconds; an f64 holds every nanosecond of a run shorter than 104 days.
+fn micros(ns: u64) -> f64 {
+    ns as f64 / 1e3
+}

@@ -1,0 +1,279 @@
+//! medley-sim's integration tests: the simulator against closed forms on trivial cases, known
+//! orderings of schedules, determinism, a well-formed timeline, and clear errors.
+
+use std::collections::BTreeMap;
+use std::num::NonZeroU32;
+
+use medley_cost::comm::{self, Link};
+use medley_cost::{Calibration, CostModel, Setting};
+use medley_plan::Plan;
+use medley_plan::baselines::{Degrees, megatron_plan};
+use medley_schedule::{Instruction, ScheduleKind, generate};
+use medley_sim::{BandwidthTrace, SchedulePolicy, SimConfig, SimError, Simulation, simulate, simulate_steps};
+use medley_spec::{Bridge, Cluster, Fabric, JobParts, JobSpec, ModelSpec, Recompute, catalog_model};
+use serde_json::Value;
+
+// ---------------------------------------------------------------------------------------------
+// Inputs
+
+fn cluster(text: &str) -> Cluster {
+    Cluster::from_inline(text, Fabric::default(), Bridge::default()).unwrap()
+}
+
+/// A Llama-shaped model with a 256-token vocabulary, so the head is negligible and every stage
+/// of an even split costs the same: the setting of the closed forms.
+fn uniform_model(n_layers: u32) -> ModelSpec {
+    let config = format!(
+        r#"{{"model_type": "llama", "hidden_size": 4096, "intermediate_size": 14336, "num_hidden_layers": {n_layers},
+            "num_attention_heads": 32, "num_key_value_heads": 8, "vocab_size": 256}}"#
+    );
+    ModelSpec::from_hf_config(&config, "uniform.json").unwrap()
+}
+
+struct Layout<'a> {
+    cluster: &'a str,
+    model: ModelSpec,
+    seq_len: u32,
+    global_batch: u32,
+    degrees: Degrees,
+    recompute: Recompute,
+}
+
+/// One node of H100-like GPUs whose links are so fast that transfers vanish next to compute:
+/// the closed forms leave communication out.
+const IDEAL_NODE: &str = r#"
+[[group]]
+device = "ideal-h100"
+nodes = 1
+
+[[device]]
+name = "ideal-h100"
+vendor = "nvidia"
+bf16_tflops = 989
+fp16_tflops = 989
+fp32_tflops = 67
+hbm_gib = 80
+hbm_tb_s = 3.35
+intra_link = "nvlink"
+intra_link_gb_s = 1000000
+nics_per_node = 8
+nic_gbit_s = 400
+"#;
+
+fn megatron(layout: Layout) -> Plan {
+    let Layout { cluster: text, model, seq_len, global_batch, degrees, recompute } = layout;
+    let cluster = if text == IDEAL_NODE { Cluster::from_toml(text, "ideal.toml").unwrap() } else { cluster(text) };
+    let calibration = Calibration::default();
+    let cost = CostModel::new(&model, seq_len, &calibration);
+    let parts = JobParts { seq_len, global_batch, micro_batch: Some(1), ..JobParts::default() };
+    let job = JobSpec::new(parts, "test").unwrap();
+    let setting = Setting { micro_batch: 1, tp: degrees.tp, recompute };
+    megatron_plan(&cluster, &cost, &job, setting, degrees).unwrap()
+}
+
+/// A one-node pipeline of `pp` uniform stages over `m` micro-batches, communication negligible.
+fn uniform_pipeline(pp: u32, m: u32) -> Plan {
+    megatron(Layout {
+        cluster: IDEAL_NODE,
+        model: uniform_model(32),
+        seq_len: 4096,
+        global_batch: m,
+        degrees: Degrees { tp: 8 / pp, pp, dp: 1 },
+        recompute: Recompute::None,
+    })
+}
+
+fn run(plan: &Plan, schedule: ScheduleKind) -> medley_sim::StepReport {
+    simulate(plan, schedule, &Calibration::default(), &SimConfig::default(), None).unwrap()
+}
+
+fn kfkb(k: u32) -> ScheduleKind {
+    ScheduleKind::Kfkb { k: NonZeroU32::new(k).unwrap() }
+}
+
+// ---------------------------------------------------------------------------------------------
+// Closed forms
+
+#[test]
+fn uniform_bubbles_match_the_closed_form() {
+    for (pp, m) in [(2, 4), (4, 8), (4, 32), (8, 16), (8, 64)] {
+        let plan = uniform_pipeline(pp, m);
+        let expected = f64::from(pp - 1) / f64::from(m);
+        for schedule in [ScheduleKind::Gpipe, ScheduleKind::OneFOneB] {
+            let bubble = run(&plan, schedule).bubble_fraction;
+            assert!((bubble - expected).abs() <= 0.01 * expected, "pp={pp} m={m} {schedule}: {bubble} vs {expected}");
+        }
+    }
+}
+
+#[test]
+fn an_idle_ring_all_reduce_takes_the_alpha_beta_time() {
+    // Data parallelism across nodes, TP inside: each gradient all-reduce is a ring over NICs.
+    let plan = megatron(Layout {
+        cluster: "64xh100",
+        model: catalog_model("llama3.2-1b").unwrap(),
+        seq_len: 2048,
+        global_batch: 8,
+        degrees: Degrees { tp: 8, pp: 1, dp: 8 },
+        recompute: Recompute::None,
+    });
+    let report = run(&plan, ScheduleKind::OneFOneB);
+    let calibration = Calibration::default();
+    let cost = CostModel::new(&plan.model, plan.seq_len, &calibration);
+    let setting = Setting { micro_batch: 1, tp: 8, recompute: Recompute::None };
+    let pass = cost.stage_time(&plan.cluster.groups()[0], medley_cost::StageShape::in_pipeline(0, 1, 16), setting);
+    let link: Link = comm::nic_link(&plan.cluster, &[&plan.cluster.groups()[0]]);
+    let bytes = 2.0 * cost.stage_params(medley_cost::StageShape::in_pipeline(0, 1, 16)) / 8.0;
+    let all_reduce_s = comm::ring_all_reduce_s(bytes, 8, link);
+    let rank = &report.ranks[0];
+    // Every rank computes the same and waits only for the all-reduce.
+    assert!((rank.comm_wait_s - all_reduce_s).abs() < 0.01 * all_reduce_s, "{} vs {all_reduce_s}", rank.comm_wait_s);
+    assert!((rank.compute_s - pass.total_s()).abs() < 0.05 * pass.total_s() + 1e-3, "{rank:?}");
+}
+
+// ---------------------------------------------------------------------------------------------
+// Orderings
+
+#[test]
+fn zero_bubble_beats_one_f_one_b() {
+    let plan = uniform_pipeline(4, 8);
+    let (one_f, zero) = (run(&plan, ScheduleKind::OneFOneB), run(&plan, ScheduleKind::ZbH1));
+    assert!(zero.step_time_s < 0.97 * one_f.step_time_s, "{} vs {}", zero.step_time_s, one_f.step_time_s);
+    assert!(zero.bubble_fraction < one_f.bubble_fraction);
+}
+
+#[test]
+fn a_slower_network_slows_a_cross_node_pipeline_and_larger_k_recovers_some() {
+    // One node per stage: every pipeline boundary crosses the network.
+    let plan = megatron(Layout {
+        cluster: "32xh100",
+        model: uniform_model(16),
+        seq_len: 4096,
+        global_batch: 16,
+        degrees: Degrees { tp: 8, pp: 4, dp: 1 },
+        recompute: Recompute::Full,
+    });
+    let calibration = Calibration::default();
+    let step = |trace: Option<&str>, schedule| {
+        let config = SimConfig { network_trace: trace.map(|t| t.parse::<BandwidthTrace>().unwrap()) };
+        simulate(&plan, schedule, &calibration, &config, None).unwrap().step_time_s
+    };
+    let full = step(None, ScheduleKind::OneFOneB);
+    let slow = step(Some("constant:0.02"), ScheduleKind::OneFOneB);
+    assert!(slow > 1.2 * full, "{slow} vs {full}");
+    assert!(step(Some("constant:0.02"), kfkb(4)) < slow, "k = 4 on the slow network");
+}
+
+#[test]
+fn adaptive_k_is_close_to_the_best_fixed_k_on_a_preempted_network() {
+    let plan = megatron(Layout {
+        cluster: "32xh100",
+        model: uniform_model(16),
+        seq_len: 4096,
+        global_batch: 32,
+        degrees: Degrees { tp: 8, pp: 4, dp: 1 },
+        recompute: Recompute::Full,
+    });
+    let calibration = Calibration::default();
+    let config =
+        SimConfig { network_trace: Some("random:seed=5,full=300ms,reduced=300ms,fraction=0.02".parse().unwrap()) };
+    let mean = |policy| simulate_steps(&plan, &calibration, &config, policy, 12, None).unwrap().mean_step_time_s;
+    let fixed: BTreeMap<u32, f64> = [1, 2, 4, 8].map(|k| (k, mean(SchedulePolicy::Fixed(kfkb(k))))).into();
+    let best = fixed.values().copied().fold(f64::INFINITY, f64::min);
+    let adaptive = mean(SchedulePolicy::Adaptive);
+    assert!(adaptive <= 1.10 * best, "adaptive {adaptive} vs fixed {fixed:?}");
+}
+
+// ---------------------------------------------------------------------------------------------
+// Determinism and the timeline
+
+fn timeline_bytes(plan: &Plan, schedule: ScheduleKind, trace: Option<&str>) -> (String, Vec<u8>) {
+    let config = SimConfig { network_trace: trace.map(|t| t.parse().unwrap()) };
+    let mut bytes = Vec::new();
+    let report = simulate(plan, schedule, &Calibration::default(), &config, Some(&mut bytes)).unwrap();
+    (serde_json::to_string(&report).unwrap(), bytes)
+}
+
+fn mixed_plan() -> Plan {
+    megatron(Layout {
+        cluster: "8xh100,8xmi300x",
+        model: catalog_model("llama3-8b").unwrap(),
+        seq_len: 2048,
+        global_batch: 16,
+        degrees: Degrees { tp: 2, pp: 4, dp: 2 },
+        recompute: Recompute::Selective,
+    })
+}
+
+#[test]
+fn same_input_same_bytes() {
+    let plan = mixed_plan();
+    let trace = Some("random:seed=11,full=20ms,reduced=10ms,fraction=0.1");
+    let first = timeline_bytes(&plan, ScheduleKind::OneFOneB, trace);
+    assert_eq!(first, timeline_bytes(&plan, ScheduleKind::OneFOneB, trace));
+    assert_ne!(first.0, timeline_bytes(&plan, ScheduleKind::OneFOneB, None).0, "the trace matters");
+}
+
+#[test]
+fn the_timeline_is_well_formed_and_tracks_never_overlap() {
+    let plan = mixed_plan();
+    let (_, bytes) = timeline_bytes(&plan, ScheduleKind::ZbH1, Some("on-off:full=5ms,reduced=5ms,fraction=0.2"));
+    let document: Value = serde_json::from_slice(&bytes).expect("valid JSON");
+    let events = document["traceEvents"].as_array().expect("traceEvents");
+    let mut tracks: BTreeMap<(u64, u64), Vec<(f64, f64)>> = BTreeMap::new();
+    let (mut names, mut counters, mut flow_starts, mut flow_ends) = (0, 0, BTreeMap::new(), BTreeMap::new());
+    for event in events {
+        let phase = event["ph"].as_str().expect("ph");
+        let pid = event["pid"].as_u64().expect("pid");
+        match phase {
+            "X" => {
+                let (ts, dur) = (event["ts"].as_f64().unwrap(), event["dur"].as_f64().unwrap());
+                assert!(ts >= 0.0 && dur >= 0.0 && event["name"].is_string(), "{event}");
+                tracks.entry((pid, event["tid"].as_u64().unwrap())).or_default().push((ts, ts + dur));
+            }
+            "M" => names += 1,
+            "C" => counters += 1,
+            "s" => assert!(flow_starts.insert(event["id"].as_u64().unwrap(), event["ts"].as_f64().unwrap()).is_none()),
+            "f" => assert!(flow_ends.insert(event["id"].as_u64().unwrap(), event["ts"].as_f64().unwrap()).is_none()),
+            other => panic!("unexpected phase {other}"),
+        }
+    }
+    let n_ranks = 8;
+    assert!(names >= 2 * n_ranks + 4 * n_ranks, "process and thread names: {names}");
+    assert!(counters > 0, "memory counters");
+    assert_eq!(flow_starts.keys().collect::<Vec<_>>(), flow_ends.keys().collect::<Vec<_>>());
+    assert!(flow_starts.iter().all(|(id, start)| flow_ends[id] >= *start));
+    for (track, mut slices) in tracks {
+        slices.sort_by(|a, b| a.0.total_cmp(&b.0));
+        for pair in slices.windows(2) {
+            // Slices are exact to the nanosecond; allow float rounding of the microsecond values.
+            assert!(pair[1].0 >= pair[0].1 - 1e-6, "overlap on {track:?}: {pair:?}");
+        }
+    }
+}
+
+// ---------------------------------------------------------------------------------------------
+// Errors
+
+#[test]
+fn programs_that_deadlock_are_reported_with_the_stuck_ranks() {
+    let plan = uniform_pipeline(2, 2);
+    let mut programs = generate(&plan, ScheduleKind::OneFOneB);
+    // The last stage waits for a micro-batch the first stage never sends.
+    programs.programs[0].instructions.retain(|i| !matches!(i, Instruction::SendActivation { micro_batch: 1, .. }));
+    let calibration = Calibration::default();
+    let mut simulation = Simulation::new(&plan, &calibration, &SimConfig::default(), None).unwrap();
+    let err = simulation.step(&programs).unwrap_err();
+    assert!(matches!(err, SimError::Deadlock { .. }), "{err}");
+    let message = err.to_string();
+    assert!(message.contains("r0s1") && message.contains("recv-activation mb1"), "{message}");
+}
+
+#[test]
+fn programs_of_another_plan_are_refused() {
+    let calibration = Calibration::default();
+    let plan = uniform_pipeline(2, 2);
+    let mut simulation = Simulation::new(&plan, &calibration, &SimConfig::default(), None).unwrap();
+    let err = simulation.step(&generate(&uniform_pipeline(4, 4), ScheduleKind::OneFOneB)).unwrap_err();
+    assert!(err.to_string().contains("do not match the plan"), "{err}");
+}
