@@ -202,6 +202,10 @@ impl JobSpec {
     pub fn zero1(&self) -> bool {
         self.zero1
     }
+    /// The same job with ZeRO-1 on or off (no invariant depends on it).
+    pub fn with_zero1(self, zero1: bool) -> Self {
+        JobSpec { zero1, ..self }
+    }
     pub fn recompute(&self) -> Option<Recompute> {
         self.recompute
     }

@@ -4,6 +4,7 @@ mod bench;
 mod inputs;
 mod plan_cmd;
 mod render;
+mod simulate_cmd;
 
 use std::process::ExitCode;
 
@@ -21,6 +22,8 @@ struct Cli {
 enum Command {
     /// Find the fastest parallel plan for a model on a (mixed) cluster.
     Plan(Box<plan_cmd::PlanArgs>),
+    /// Simulate training steps of a plan (or a what-if Megatron layout) event by event.
+    Simulate(Box<simulate_cmd::SimulateArgs>),
     /// Benchmarks that print tables.
     Bench {
         #[command(subcommand)]
@@ -32,6 +35,7 @@ fn main() -> ExitCode {
     let cli = Cli::parse();
     let result = match cli.command {
         Command::Plan(args) => plan_cmd::run(&args),
+        Command::Simulate(args) => simulate_cmd::run(&args),
         Command::Bench { which } => bench::run(&which).map(|()| ExitCode::SUCCESS),
     };
     result.unwrap_or_else(|err| {

@@ -6,9 +6,12 @@ use std::process::ExitCode;
 
 use anyhow::{Context, Result};
 use clap::Args;
+use medley_cost::Calibration;
 use medley_plan::baselines::{self, Degrees};
 use medley_plan::{Candidate, Plan, PlanError, SearchOptions, evaluate, search};
+use medley_sim::{SimConfig, StepReport, simulate};
 use medley_spec::{JobParts, JobSpec};
+use rayon::prelude::*;
 
 use crate::inputs::{SpecArgs, Specs, check_calibration_names, read};
 use crate::render::{self, Baseline, Report};
@@ -37,7 +40,7 @@ pub struct PlanArgs {
 pub fn run(args: &PlanArgs) -> Result<ExitCode> {
     let given = args.plan.as_deref().map(|path| load_plan(path).map(|plan| (path, plan))).transpose()?;
     let specs = match &given {
-        Some((path, plan)) => specs_of_plan(args, path, plan)?,
+        Some((path, plan)) => specs_of_plan(&args.specs, path, plan)?,
         None => args.specs.resolve()?,
     };
     let started = std::time::Instant::now();
@@ -65,12 +68,15 @@ pub fn run(args: &PlanArgs) -> Result<ExitCode> {
         Err(err) => return Err(err.into()),
     };
     let search_s = started.elapsed().as_secs_f64();
+    let confirmed = confirm_by_simulation(candidates, &specs.calibration)?;
+    let candidates = &confirmed.candidates;
     let baselines = Baselines::compute(&specs).into_rows();
     if let Some(path) = &args.output {
         let json = serde_json::to_string_pretty(&candidates[0].plan)?;
         fs::write(path, json + "\n").with_context(|| format!("cannot write {}", path.display()))?;
     }
-    let report = Report { specs: &specs, candidates: &candidates, baselines: &baselines, layouts_priced, search_s };
+    let report =
+        Report { specs: &specs, candidates, confirmed: &confirmed, baselines: &baselines, layouts_priced, search_s };
     if args.json {
         println!("{}", serde_json::to_string_pretty(&render::json(&report))?);
     } else {
@@ -88,7 +94,33 @@ pub fn run(args: &PlanArgs) -> Result<ExitCode> {
     Ok(ExitCode::SUCCESS)
 }
 
-fn specs_of_plan(args: &PlanArgs, path: &str, plan: &Plan) -> Result<Specs> {
+/// The candidates ranked by simulated step time (analytical search first, simulation to
+/// confirm), and the cost model's rank of each.
+pub(crate) struct Confirmed {
+    pub candidates: Vec<Candidate>,
+    pub simulated: Vec<StepReport>,
+    /// `analytical_rank[i]`: where the cost model ranked candidate i (0 = first).
+    pub analytical_rank: Vec<usize>,
+}
+
+fn confirm_by_simulation(candidates: Vec<Candidate>, calibration: &Calibration) -> Result<Confirmed> {
+    let simulated: Vec<StepReport> = candidates
+        .par_iter()
+        .map(|candidate| {
+            let plan = &candidate.plan;
+            simulate(plan, plan.schedule.into(), calibration, &SimConfig::default(), None)
+        })
+        .collect::<Result<_, _>>()
+        .context("simulating the candidates")?;
+    let mut order: Vec<usize> = (0..candidates.len()).collect();
+    order.sort_by(|&a, &b| simulated[a].step_time_s.total_cmp(&simulated[b].step_time_s));
+    let mut slots: Vec<Option<(Candidate, StepReport)>> = candidates.into_iter().zip(simulated).map(Some).collect();
+    let (candidates, simulated) = order.iter().map(|&idx| slots[idx].take().expect("each once")).unzip();
+    Ok(Confirmed { candidates, simulated, analytical_rank: order })
+}
+
+/// The specs a plan file carries, with the calibration the flags name.
+pub(crate) fn specs_of_plan(args: &SpecArgs, path: &str, plan: &Plan) -> Result<Specs> {
     let parts = JobParts {
         seq_len: plan.seq_len,
         global_batch: plan.global_batch,
@@ -103,14 +135,14 @@ fn specs_of_plan(args: &PlanArgs, path: &str, plan: &Plan) -> Result<Specs> {
         cluster: plan.cluster.clone(),
         model: plan.model.clone(),
         calibration: {
-            let calibration = args.specs.resolve_calibration()?;
+            let calibration = args.resolve_calibration()?;
             check_calibration_names(&calibration, &plan.cluster)?;
             calibration
         },
     })
 }
 
-fn load_plan(path: &str) -> Result<Plan> {
+pub(crate) fn load_plan(path: &str) -> Result<Plan> {
     let plan: Plan = serde_json::from_str(&read(path)?).with_context(|| format!("{path} is not a medley plan"))?;
     plan.validate().with_context(|| format!("in {path}"))?;
     Ok(plan)

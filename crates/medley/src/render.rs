@@ -9,6 +9,7 @@ use medley_plan::{Algorithm, Candidate, Plan, Route};
 use serde_json::{Value, json};
 
 use crate::inputs::Specs;
+use crate::plan_cmd::Confirmed;
 
 /// A baseline layout, absent when it does not fit.
 pub struct Baseline {
@@ -21,6 +22,7 @@ pub struct Baseline {
 pub struct Report<'a> {
     pub specs: &'a Specs,
     pub candidates: &'a [Candidate],
+    pub confirmed: &'a Confirmed,
     pub baselines: &'a [Baseline],
     /// Layouts the search priced, when it searched.
     pub layouts_priced: Option<usize>,
@@ -47,7 +49,21 @@ pub fn json(report: &Report) -> Value {
             }),
         })
         .collect();
-    json!({ "plan": best.plan, "prediction": best.prediction, "baselines": baselines })
+    let simulated = &report.confirmed.simulated[0];
+    json!({
+        "plan": best.plan,
+        "prediction": best.prediction,
+        "simulated": {
+            "step_time_s": simulated.step_time_s,
+            "tokens_per_s": simulated.tokens_per_s,
+            "mfu": simulated.mfu,
+            "bubble_fraction": simulated.bubble_fraction,
+            "peak_memory_gib": simulated.peak_memory_gib,
+            "fits": simulated.fits,
+            "cost_model_rank": report.confirmed.analytical_rank[0] + 1,
+        },
+        "baselines": baselines,
+    })
 }
 
 pub fn text(report: &Report) -> String {
@@ -58,7 +74,8 @@ pub fn text(report: &Report) -> String {
     if let Some(priced) = report.layouts_priced {
         let _ = writeln!(out, "priced {priced} pipelines and layouts in {:.2} s\n", report.search_s);
     }
-    out += &candidates_table(report.candidates).to_string();
+    out += &candidates_table(report.candidates, report.confirmed).to_string();
+    out += &agreement(report.confirmed);
     out += "\n\nBaselines (same cost model)\n";
     out += &baselines_table(best, report.baselines).to_string();
     out += "\n\nPeak memory of the best plan\n";
@@ -96,10 +113,30 @@ pub(crate) fn right(text: impl ToString) -> Cell {
     Cell::new(text.to_string()).set_alignment(CellAlignment::Right)
 }
 
-fn candidates_table(candidates: &[Candidate]) -> Table {
+/// Whether the simulator confirms the cost model's ranking, and how far apart their times are.
+fn agreement(confirmed: &Confirmed) -> String {
+    let worst_gap = confirmed
+        .candidates
+        .iter()
+        .zip(&confirmed.simulated)
+        .map(|(candidate, simulated)| simulated.step_time_s / candidate.prediction.step_time_s - 1.0)
+        .fold(0.0, |worst: f64, gap| if gap.abs() > worst.abs() { gap } else { worst });
+    let ranking = match confirmed.analytical_rank.iter().position(|&rank| rank == 0) {
+        Some(0) | None => "the simulator confirms the cost model's first choice".to_string(),
+        Some(position) => format!(
+            "the simulator disagrees: the cost model's first choice is #{} when simulated; #1 above was its #{}",
+            position + 1,
+            confirmed.analytical_rank[0] + 1
+        ),
+    };
+    format!("\n{ranking}; simulated step times differ from the cost model's by up to {:+.1}%\n", 100.0 * worst_gap)
+}
+
+fn candidates_table(candidates: &[Candidate], confirmed: &Confirmed) -> Table {
     let mut table = table(&[
         "#",
-        "step s",
+        "simulated s",
+        "model s",
         "tokens/s",
         "MFU",
         "HFU",
@@ -110,10 +147,11 @@ fn candidates_table(candidates: &[Candidate]) -> Table {
         "replicas",
         "pipeline (stages of type)",
     ]);
-    for (rank, candidate) in candidates.iter().enumerate() {
+    for (rank, (candidate, simulated)) in candidates.iter().zip(&confirmed.simulated).enumerate() {
         let (plan, prediction) = (&candidate.plan, &candidate.prediction);
         table.add_row(vec![
             right(rank + 1),
+            right(format!("{:.3}", simulated.step_time_s)),
             right(format!("{:.3}", prediction.step_time_s)),
             right(format!("{:.0}", prediction.tokens_per_s)),
             right(percent(prediction.mfu)),

@@ -140,3 +140,71 @@ fn a_huggingface_config_is_a_model() {
     std::fs::write(&path, config).unwrap();
     check(&["plan", "--cluster", "8xa100", "--model", path.to_str().unwrap()], 0, "config.json");
 }
+
+#[test]
+fn simulate_what_if_prints_the_documented_json() {
+    let args = [
+        "simulate",
+        "--cluster",
+        "64xa100",
+        "--model",
+        "gpt3-175b",
+        "--seq-len",
+        "2048",
+        "--global-batch",
+        "32",
+        "--micro-batch",
+        "1",
+        "--tp",
+        "8",
+        "--pp",
+        "8",
+        "--recompute",
+        "full",
+        "--sequence-parallel",
+        "--json",
+    ];
+    let output = check(&args, 0, "step_time_s");
+    let value: serde_json::Value = serde_json::from_str(&stdout(&output)).unwrap();
+    for key in [
+        "step_time_s",
+        "tokens_per_s",
+        "model_tflops_per_gpu",
+        "hardware_tflops_per_gpu",
+        "mfu",
+        "hfu",
+        "bubble_fraction",
+        "peak_memory_gib",
+        "fits",
+    ] {
+        assert!(value.get(key).is_some(), "{key} missing");
+    }
+    assert!(value["hfu"].as_f64().unwrap() > value["mfu"].as_f64().unwrap(), "full recompute counts in HFU");
+}
+
+#[test]
+fn simulate_a_plan_file_with_a_timeline_and_a_network_trace() {
+    let plan = scratch("sim-plan.json");
+    let timeline = scratch("sim-trace.json");
+    let csv = scratch("bandwidth.csv");
+    std::fs::write(&csv, "time_s,fraction\n0,1\n0.5,0.1\n").unwrap();
+    let (plan, timeline, csv) = (plan.to_str().unwrap(), timeline.to_str().unwrap(), csv.to_str().unwrap());
+    check(&["plan", "--cluster", "8xh100,8xmi300x", "--model", "llama3-8b", "-o", plan], 0, "written");
+    let args = ["simulate", "--plan", plan, "--trace", timeline, "--network-trace", csv, "--steps", "2"];
+    check(&args, 0, "Where the time went");
+    let document: serde_json::Value = serde_json::from_str(&std::fs::read_to_string(timeline).unwrap()).unwrap();
+    assert!(document["traceEvents"].as_array().unwrap().len() > 100);
+}
+
+#[test]
+fn simulate_refuses_bad_input_with_exit_two() {
+    check(&["simulate", "--cluster", "8xh100", "--model", "gpt2", "--cp", "2"], 2, "context parallelism");
+    check(&["simulate", "--cluster", "8xh100", "--model", "gpt2", "--network-trace", "constant:2"], 2, "from 0 to 1");
+    check(&["simulate", "--cluster", "8xh100", "--model", "gpt2", "--tp", "3"], 2, "does not divide");
+}
+
+#[test]
+fn simulate_a_layout_that_does_not_fit_exits_one() {
+    let args = ["simulate", "--cluster", "8xh100", "--model", "llama3-70b", "--global-batch", "8", "--tp", "8"];
+    check(&args, 1, "does not fit");
+}

@@ -1,0 +1,206 @@
+//! `medley simulate`: run a plan's steps in the discrete-event simulator and report what they did.
+
+use std::fs::File;
+use std::io::{BufWriter, Write};
+use std::path::PathBuf;
+use std::process::ExitCode;
+
+use anyhow::{Context, Result, bail};
+use clap::Args;
+use comfy_table::Cell;
+use medley_cost::{CostModel, Setting};
+use medley_plan::Plan;
+use medley_plan::baselines::{Degrees, megatron_plan};
+use medley_sim::{BandwidthTrace, RunReport, SchedulePolicy, SimConfig, simulate_steps};
+use medley_spec::{Recompute, Schedule};
+
+use crate::inputs::{SpecArgs, Specs, read};
+use crate::plan_cmd::{load_plan, specs_of_plan};
+use crate::render::{percent, right, table};
+
+#[derive(Args, Debug)]
+pub struct SimulateArgs {
+    /// A plan file (from `medley plan -o`); without one, a homogeneous Megatron-style layout is
+    /// built from --cluster, --model, the job flags and the degrees below.
+    #[arg(long)]
+    pub plan: Option<String>,
+    #[command(flatten)]
+    pub specs: SpecArgs,
+    /// Tensor-parallel degree of the what-if layout.
+    #[arg(long, default_value_t = 1, conflicts_with = "plan")]
+    pub tp: u32,
+    /// Pipeline-parallel degree of the what-if layout.
+    #[arg(long, default_value_t = 1, conflicts_with = "plan")]
+    pub pp: u32,
+    /// Data-parallel degree of the what-if layout [default: the devices left, GPUs / (tp·pp)].
+    #[arg(long, conflicts_with = "plan")]
+    pub dp: Option<u32>,
+    /// Context-parallel degree; only 1 is modelled so far.
+    #[arg(long, default_value_t = 1)]
+    pub cp: u32,
+    /// Shard optimizer states over data-parallel replicas (ZeRO-1); what-if layouts default to
+    /// Megatron's unsharded optimizer.
+    #[arg(long, conflicts_with = "plan")]
+    pub zero1: bool,
+    /// Accepted for Megatron-style command lines: medley always pairs tensor parallelism with
+    /// sequence parallelism (Korthikanti et al. 2022).
+    #[arg(long)]
+    pub sequence_parallel: bool,
+    /// Steps to simulate; the network trace and the adaptive schedule carry over between them.
+    #[arg(long, default_value_t = 1)]
+    pub steps: u32,
+    /// Available bandwidth of inter-node links over time: constant:F,
+    /// on-off:full=T,reduced=T,fraction=F, random:seed=N,full=T,reduced=T,fraction=F, or a CSV
+    /// file of time_s,fraction rows.
+    #[arg(long)]
+    pub network_trace: Option<String>,
+    /// Write a Chrome/Perfetto timeline (open it at ui.perfetto.dev) to this file.
+    #[arg(long)]
+    pub trace: Option<PathBuf>,
+    /// Print one JSON object instead of tables.
+    #[arg(long)]
+    pub json: bool,
+}
+
+pub fn run(args: &SimulateArgs) -> Result<ExitCode> {
+    if args.cp != 1 {
+        bail!("--cp {}: context parallelism is not modelled by the simulator yet; use --cp 1", args.cp);
+    }
+    let (specs, plan) = match &args.plan {
+        Some(path) => {
+            let plan = load_plan(path)?;
+            (specs_of_plan(&args.specs, path, &plan)?, plan)
+        }
+        None => what_if(args)?,
+    };
+    let config = SimConfig { network_trace: args.network_trace.as_deref().map(network_trace).transpose()? };
+    let policy = policy(args.specs.schedule.unwrap_or(plan.schedule));
+    let report = match &args.trace {
+        Some(path) => {
+            let file = File::create(path).with_context(|| format!("cannot create {}", path.display()))?;
+            let mut out = BufWriter::new(file);
+            let report = simulate_steps(&plan, &specs.calibration, &config, policy, args.steps, Some(&mut out));
+            out.flush().with_context(|| format!("cannot write {}", path.display()))?;
+            report
+        }
+        None => simulate_steps(&plan, &specs.calibration, &config, policy, args.steps, None),
+    }?;
+    if args.json {
+        println!("{}", serde_json::to_string_pretty(&json(&report))?);
+    } else {
+        print!("{}", text(&specs, &plan, &report));
+        if let Some(path) = &args.trace {
+            println!("\ntimeline written to {} (open it at https://ui.perfetto.dev)", path.display());
+        }
+    }
+    if !report.fits {
+        eprintln!("medley simulate: the plan does not fit in memory (see peak memory per device type)");
+        return Ok(ExitCode::from(1));
+    }
+    Ok(ExitCode::SUCCESS)
+}
+
+/// The homogeneous Megatron-style plan the flags describe.
+fn what_if(args: &SimulateArgs) -> Result<(Specs, Plan)> {
+    let mut specs = args.specs.resolve()?;
+    specs.job = specs.job.with_zero1(args.zero1);
+    let n_gpus = specs.cluster.n_gpus();
+    let dp = match args.dp {
+        Some(dp) => dp,
+        None if n_gpus.is_multiple_of(args.tp * args.pp) => n_gpus / (args.tp * args.pp),
+        None => bail!("--tp {} × --pp {} does not divide the cluster's {n_gpus} GPUs; give --dp", args.tp, args.pp),
+    };
+    let degrees = Degrees { tp: args.tp, pp: args.pp, dp };
+    let setting = Setting {
+        micro_batch: specs.job.micro_batch().unwrap_or(1),
+        tp: args.tp,
+        recompute: specs.job.recompute().unwrap_or(Recompute::None),
+    };
+    let cost = CostModel::new(&specs.model, specs.job.seq_len(), &specs.calibration);
+    let plan = megatron_plan(&specs.cluster, &cost, &specs.job, setting, degrees)?;
+    Ok((specs, plan))
+}
+
+fn network_trace(text: &str) -> Result<BandwidthTrace> {
+    if text.ends_with(".csv") || std::path::Path::new(text).is_file() {
+        return Ok(BandwidthTrace::from_csv(&read(text)?, text)?);
+    }
+    Ok(text.parse()?)
+}
+
+fn policy(schedule: Schedule) -> SchedulePolicy {
+    SchedulePolicy::Fixed(schedule.into())
+}
+
+fn json(report: &RunReport) -> serde_json::Value {
+    let mut object = serde_json::to_value(&report.last_step).expect("a report serialises");
+    object["step_time_s"] = report.mean_step_time_s.into();
+    object["tokens_per_s"] = report.tokens_per_s.into();
+    object["fits"] = report.fits.into();
+    object["steps"] = serde_json::to_value(&report.steps).expect("steps serialise");
+    object
+}
+
+fn text(specs: &Specs, plan: &Plan, report: &RunReport) -> String {
+    let last = &report.last_step;
+    let mut out = format!(
+        "medley simulate: {} on {} of {} GPUs, {} replicas × {} stages, tp={}, {} micro-batches per step\n\n",
+        plan.model.name(),
+        plan.used_devices().len(),
+        specs.cluster.n_gpus(),
+        plan.replicas.len(),
+        plan.replicas.iter().map(|replica| replica.stages.len()).max().unwrap_or(0),
+        plan.tp,
+        plan.n_micro_batches(),
+    );
+    let mut summary = table(&["step time", "tokens/s", "model TFLOP/s/GPU", "MFU", "HFU", "bubble", "comm wait"]);
+    summary.add_row(vec![
+        right(format!("{:.3} s", report.mean_step_time_s)),
+        right(format!("{:.0}", report.tokens_per_s)),
+        right(format!("{:.1}", last.model_tflops_per_gpu)),
+        right(percent(last.mfu)),
+        right(percent(last.hfu)),
+        right(percent(last.bubble_fraction)),
+        right(percent(last.comm_wait_fraction)),
+    ]);
+    out += &summary.to_string();
+    if report.steps.len() > 1 {
+        out += "\n\nSteps\n";
+        let mut steps = table(&["step", "schedule", "time", "comm wait"]);
+        for step in &report.steps {
+            steps.add_row(vec![
+                right(step.step),
+                Cell::new(&step.schedule),
+                right(format!("{:.3} s", step.step_time_s)),
+                right(percent(step.comm_wait_fraction)),
+            ]);
+        }
+        out += &steps.to_string();
+    }
+    out += "\n\nWhere the time went (last step, mean per rank of each device type)\n";
+    out += &breakdown(last).to_string();
+    out
+}
+
+fn breakdown(report: &medley_sim::StepReport) -> comfy_table::Table {
+    let mut by_device: std::collections::BTreeMap<&str, Vec<&medley_sim::RankReport>> = Default::default();
+    for rank in &report.ranks {
+        by_device.entry(rank.device.as_str()).or_default().push(rank);
+    }
+    let mut table = table(&["device", "ranks", "compute", "comm wait", "idle", "peak memory", "capacity"]);
+    for (device, ranks) in by_device {
+        let mean = |value: fn(&medley_sim::RankReport) -> f64| {
+            ranks.iter().map(|r| value(r)).sum::<f64>() / ranks.len() as f64
+        };
+        table.add_row(vec![
+            Cell::new(device),
+            right(ranks.len()),
+            right(format!("{:.3} s", mean(|r| r.compute_s))),
+            right(format!("{:.3} s", mean(|r| r.comm_wait_s))),
+            right(format!("{:.3} s", mean(|r| r.idle_s))),
+            right(format!("{:.1} GiB", report.peak_memory_by_device_gib[device])),
+            right(format!("{:.0} GiB", report.capacity_gib[device])),
+        ]);
+    }
+    table
+}
