@@ -9,7 +9,7 @@
 //! the rank's outstanding sends.
 
 use std::cmp::Reverse;
-use std::collections::{BinaryHeap, HashMap, HashSet};
+use std::collections::{BinaryHeap, HashMap, HashSet, VecDeque};
 
 use medley_collective::{self as collective, Chunking, Counts, DomainId, Group, Op, RankSteps, ReduceOp, Step};
 use medley_plan::Algorithm;
@@ -88,6 +88,23 @@ impl Ord for Scheduled {
     }
 }
 
+/// A send waiting for its channel.
+#[derive(Clone, Copy, Debug)]
+struct QueuedSend {
+    key: MessageKey,
+    from: usize,
+    to: usize,
+    bytes: f64,
+    route: medley_plan::Route,
+}
+
+/// The transfers from one rank to another: one on the wire at a time.
+#[derive(Debug, Default)]
+struct Channel {
+    busy: bool,
+    queue: VecDeque<QueuedSend>,
+}
+
 /// What a blocked rank waits for.
 #[derive(Clone, Copy, Debug)]
 enum Wait {
@@ -144,6 +161,7 @@ pub(crate) struct StepRun<'s, 'p, 'w> {
     pub ranks: Vec<RankState>,
     mailbox: HashSet<MessageKey>,
     waiting: HashMap<MessageKey, usize>,
+    channels: HashMap<(usize, usize), Channel>,
     collectives: Vec<CollectiveState>,
     drains: Vec<DrainAt>,
     n_done: usize,
@@ -186,6 +204,7 @@ impl<'s, 'p, 'w> StepRun<'s, 'p, 'w> {
             ranks,
             mailbox: HashSet::new(),
             waiting: HashMap::new(),
+            channels: HashMap::new(),
             collectives,
             drains: Vec::new(),
             n_done: 0,
@@ -395,13 +414,26 @@ impl<'s, 'p, 'w> StepRun<'s, 'p, 'w> {
     }
 
     /// Starts a transfer; the sender moves on.
+    /// Issues a transfer; the sender moves on. Transfers between one pair of ranks go one at a
+    /// time, in order, as operations on one NCCL channel do.
     fn send(&mut self, from: usize, to: usize, key: MessageKey, bytes: f64, route: medley_plan::Route) {
+        self.ranks[from].pending_sends += 1;
+        let send = QueuedSend { key, from, to, bytes, route };
+        let channel = self.channels.entry((from, to)).or_default();
+        if channel.busy {
+            channel.queue.push_back(send);
+        } else {
+            channel.busy = true;
+            self.start_transfer(send);
+        }
+    }
+
+    fn start_transfer(&mut self, send: QueuedSend) {
+        let QueuedSend { key, from, to, bytes, route } = send;
         let (link, path) = self.sim.setup.path(from, to, route);
         let lane = self.take_lane(from);
-        let transfer =
-            Transfer { key, from, to, lane, start_ns: self.now(), latency_ns: ns(link.latency_us * 1e-6), bytes };
-        self.ranks[from].pending_sends += 1;
         let now = self.now();
+        let transfer = Transfer { key, from, to, lane, start_ns: now, latency_ns: ns(link.latency_us * 1e-6), bytes };
         self.sim.network.start(now, path, link.gb_s, bytes, transfer, &mut self.drains);
         self.schedule_drains();
     }
@@ -432,6 +464,11 @@ impl<'s, 'p, 'w> StepRun<'s, 'p, 'w> {
         let transfer = self.sim.network.finish(now, flow, &mut self.drains);
         self.schedule_drains();
         self.push(now + transfer.latency_ns, Event::Deliver(transfer));
+        let channel = self.channels.get_mut(&(transfer.from, transfer.to)).expect("a transfer's channel");
+        match channel.queue.pop_front() {
+            Some(next) => self.start_transfer(next),
+            None => channel.busy = false,
+        }
     }
 
     fn deliver(&mut self, transfer: Transfer) {

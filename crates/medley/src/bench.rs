@@ -27,11 +27,18 @@ pub enum BenchCommand {
         #[arg(long)]
         json: bool,
     },
+    /// Simulator speed on a 1024-GPU step, and known orderings of pipeline schedules in simulation.
+    Schedules {
+        /// Print the rows as JSON instead of tables.
+        #[arg(long)]
+        json: bool,
+    },
 }
 
 pub fn run(which: &BenchCommand) -> Result<()> {
     match which {
         BenchCommand::Plan { json } => bench_plan(*json),
+        BenchCommand::Schedules { json } => crate::bench_schedules::bench_schedules(*json),
     }
 }
 
@@ -308,7 +315,7 @@ fn optional<T, S: ToString>(value: Option<T>, absent: &str, show: impl FnOnce(T)
     value.map_or_else(|| absent.to_string(), |value| show(value).to_string())
 }
 
-fn median(mut values: Vec<f64>) -> f64 {
+pub(crate) fn median(mut values: Vec<f64>) -> f64 {
     values.sort_by(f64::total_cmp);
     let mid = values.len() / 2;
     if values.len() % 2 == 1 { values[mid] } else { (values[mid - 1] + values[mid]) / 2.0 }
@@ -324,7 +331,7 @@ fn geometric_mean(values: &[f64]) -> f64 {
 }
 
 /// The process's peak resident memory so far, MiB; `None` where there is no /proc (not Linux).
-fn peak_rss_mib() -> Option<f64> {
+pub(crate) fn peak_rss_mib() -> Option<f64> {
     vm_hwm_mib(&fs::read_to_string("/proc/self/status").ok()?)
 }
 

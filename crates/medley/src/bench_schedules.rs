@@ -1,0 +1,311 @@
+//! `medley bench schedules`: the simulator's own speed on a 1024-GPU step, and the orderings of
+//! pipeline schedules the literature reports, each reproduced in simulation side by side with
+//! its baseline.
+
+use std::fs::File;
+use std::io::BufWriter;
+use std::num::NonZeroU32;
+use std::time::Instant;
+
+use anyhow::{Context, Result};
+use comfy_table::Cell;
+use medley_cost::{Calibration, CostModel, Setting};
+use medley_plan::Plan;
+use medley_plan::baselines::{Degrees, megatron_plan};
+use medley_schedule::ScheduleKind;
+use medley_sim::{SchedulePolicy, SimConfig, simulate, simulate_steps};
+use medley_spec::{Bridge, Cluster, Fabric, JobParts, JobSpec, Recompute, catalog_model};
+use serde::Serialize;
+
+use crate::bench::{median, peak_rss_mib};
+use crate::render::{right, table, times};
+
+/// A cluster: inline, or TOML text with a short name for the tables.
+enum ClusterText {
+    Inline(&'static str),
+    Toml { name: &'static str, text: &'static str },
+}
+
+/// A homogeneous Megatron-style layout.
+struct Layout {
+    cluster: ClusterText,
+    model: &'static str,
+    seq_len: u32,
+    global_batch: u32,
+    degrees: Degrees,
+    recompute: Recompute,
+}
+
+impl Layout {
+    fn plan(&self) -> Result<Plan> {
+        let calibration = Calibration::default();
+        let model = catalog_model(self.model)?;
+        let cluster = match self.cluster {
+            ClusterText::Inline(text) => Cluster::from_inline(text, Fabric::default(), Bridge::default())?,
+            ClusterText::Toml { name, text } => Cluster::from_toml(text, name)?,
+        };
+        let parts = JobParts {
+            seq_len: self.seq_len,
+            global_batch: self.global_batch,
+            micro_batch: Some(1),
+            zero1: false,
+            ..JobParts::default()
+        };
+        let job = JobSpec::new(parts, "medley bench schedules")?;
+        let cost = CostModel::new(&model, self.seq_len, &calibration);
+        let setting = Setting { micro_batch: 1, tp: self.degrees.tp, recompute: self.recompute };
+        Ok(megatron_plan(&cluster, &cost, &job, setting, self.degrees)?)
+    }
+
+    fn describe(&self) -> String {
+        let cluster = match self.cluster {
+            ClusterText::Inline(text) | ClusterText::Toml { name: text, .. } => text,
+        };
+        format!("{} on {cluster}, {}, {} seqs", self.model, self.degrees, self.global_batch)
+    }
+}
+
+/// The step the simulator's speed is measured on: 1024 GPUs, pp = 16, 64 micro-batches per replica.
+const SPEED_LAYOUT: Layout = Layout {
+    cluster: ClusterText::Inline("1024xh100"),
+    model: "llama3-70b",
+    seq_len: 4096,
+    global_batch: 512,
+    degrees: Degrees { tp: 8, pp: 16, dp: 8 },
+    recompute: Recompute::Selective,
+};
+const SPEED_TARGET_S: f64 = 0.5;
+const MEMORY_TARGET_MIB: f64 = 1024.0;
+const SPEED_RUNS: usize = 3;
+
+/// The Ada-Grouper setting (Wang et al. 2023): a pipeline across nodes of a shared cluster, one
+/// A100 per node behind one 100 Gb/s NIC, so pipeline transfers are a fair share of the step.
+const CROSS_NODE: Layout = Layout {
+    cluster: ClusterText::Toml {
+        name: "8 nodes × 1 A100, 100 Gb/s",
+        text: "[[group]]\ndevice = \"a100\"\nnodes = 8\ngpus_per_node = 1\nnics_per_node = 1\nnic_gbit_s = 100\n",
+    },
+    model: "llama3.2-1b",
+    seq_len: 4096,
+    global_batch: 32,
+    degrees: Degrees { tp: 1, pp: 8, dp: 1 },
+    recompute: Recompute::Full,
+};
+/// Other jobs take 95% of a link's bandwidth for periods of 200 ms on average, half the time.
+const PREEMPTED: &str = "random:seed=7,full=200ms,reduced=200ms,fraction=0.05";
+/// Steps per network experiment: enough for the adaptive policy to settle.
+const NETWORK_STEPS: u32 = 16;
+
+#[derive(Serialize)]
+struct SpeedRow {
+    layout: String,
+    n_gpus: u32,
+    timeline: bool,
+    median_s: f64,
+    target_s: f64,
+    speed_ratio: f64,
+    events: u64,
+    peak_rss_mib: Option<f64>,
+    memory_target_mib: f64,
+    timeline_mib: Option<f64>,
+}
+
+#[derive(Serialize)]
+struct OrderingRow {
+    claim: &'static str,
+    /// Which setting of the legend.
+    setting: char,
+    layout: String,
+    network: &'static str,
+    schedule: String,
+    schedule_s: f64,
+    baseline: String,
+    baseline_s: f64,
+    /// baseline_s / schedule_s.
+    speedup: f64,
+    /// The speedup the claim needs.
+    required: f64,
+    holds: bool,
+}
+
+pub fn bench_schedules(json: bool) -> Result<()> {
+    // Speed first, alone, so that the peak RSS is the simulator's.
+    let speed = vec![speed_row(false)?, speed_row(true)?];
+    let orderings = orderings()?;
+    if json {
+        #[derive(Serialize)]
+        struct Rows<'a> {
+            speed: &'a [SpeedRow],
+            orderings: &'a [OrderingRow],
+        }
+        println!("{}", serde_json::to_string_pretty(&Rows { speed: &speed, orderings: &orderings })?);
+        return Ok(());
+    }
+    println!("Simulator speed: one step, median of {SPEED_RUNS} runs");
+    let mut table_ = table(&["layout", "timeline", "median", "target", "target/median", "events", "peak RSS"]);
+    for row in &speed {
+        table_.add_row(vec![
+            Cell::new(&row.layout),
+            Cell::new(row.timeline_mib.map_or("none".into(), |mib| format!("streamed, {mib:.0} MiB"))),
+            right(format!("{:.3} s", row.median_s)),
+            right(format!("{:.1} s", row.target_s)),
+            right(times(row.speed_ratio)),
+            right(row.events),
+            right(row.peak_rss_mib.map_or("-".into(), |mib| format!("{mib:.0} MiB"))),
+        ]);
+    }
+    println!("{table_}\n");
+    println!("Schedule orderings, simulated side by side (speedup = baseline time / schedule time)");
+    let mut table_ = table(&["claim", "setting", "schedule", "baseline", "speedup", "needs", "holds"]);
+    let mut legend = std::collections::BTreeMap::new();
+    for row in &orderings {
+        legend.insert(row.setting, format!("{}; network {}", row.layout, row.network));
+        table_.add_row(vec![
+            Cell::new(row.claim),
+            Cell::new(row.setting),
+            Cell::new(format!("{} {:.3} s", row.schedule, row.schedule_s)),
+            Cell::new(format!("{} {:.3} s", row.baseline, row.baseline_s)),
+            right(times(row.speedup)),
+            right(format!("≥ {}", times(row.required))),
+            Cell::new(if row.holds { "yes" } else { "NO" }),
+        ]);
+    }
+    println!("{table_}");
+    for (setting, description) in legend {
+        println!("  {setting}: {description}");
+    }
+    Ok(())
+}
+
+fn speed_row(with_timeline: bool) -> Result<SpeedRow> {
+    let plan = SPEED_LAYOUT.plan()?;
+    let calibration = Calibration::default();
+    let timeline_path = std::env::temp_dir().join(format!("medley-bench-timeline-{}.json", std::process::id()));
+    let mut runs_s = Vec::with_capacity(SPEED_RUNS);
+    let mut events = 0;
+    for _ in 0..SPEED_RUNS {
+        let started = Instant::now();
+        let report = if with_timeline {
+            let file = File::create(&timeline_path).context("creating the benchmark's timeline file")?;
+            let mut out = BufWriter::new(file);
+            simulate(&plan, ScheduleKind::OneFOneB, &calibration, &SimConfig::default(), Some(&mut out))?
+        } else {
+            simulate(&plan, ScheduleKind::OneFOneB, &calibration, &SimConfig::default(), None)?
+        };
+        runs_s.push(started.elapsed().as_secs_f64());
+        events = report.events;
+    }
+    let timeline_mib = with_timeline
+        .then(|| std::fs::metadata(&timeline_path).map(|meta| meta.len() as f64 / (1 << 20) as f64))
+        .transpose()?;
+    if with_timeline {
+        std::fs::remove_file(&timeline_path).ok();
+    }
+    let median_s = median(runs_s);
+    Ok(SpeedRow {
+        layout: SPEED_LAYOUT.describe(),
+        n_gpus: plan.used_devices().len() as u32,
+        timeline: with_timeline,
+        median_s,
+        target_s: SPEED_TARGET_S,
+        speed_ratio: SPEED_TARGET_S / median_s,
+        events,
+        peak_rss_mib: peak_rss_mib(),
+        memory_target_mib: MEMORY_TARGET_MIB,
+        timeline_mib,
+    })
+}
+
+fn kfkb(k: u32) -> ScheduleKind {
+    ScheduleKind::Kfkb { k: NonZeroU32::new(k).expect("k ≥ 1") }
+}
+
+/// Mean step time of `policy` over the network experiment's steps.
+fn network_run(plan: &Plan, trace: Option<&str>, policy: SchedulePolicy) -> Result<f64> {
+    let config = SimConfig { network_trace: trace.map(str::parse).transpose()? };
+    Ok(simulate_steps(plan, &Calibration::default(), &config, policy, NETWORK_STEPS, None)?.mean_step_time_s)
+}
+
+fn orderings() -> Result<Vec<OrderingRow>> {
+    let calibration = Calibration::default();
+    let mut rows = Vec::new();
+    let mut row =
+        |claim, setting, layout: &Layout, network, (schedule, schedule_s), (baseline, baseline_s), required| {
+            let speedup = baseline_s / schedule_s;
+            rows.push(OrderingRow {
+                claim,
+                setting,
+                layout: layout.describe(),
+                network,
+                schedule,
+                schedule_s,
+                baseline,
+                baseline_s,
+                speedup,
+                required,
+                holds: speedup >= required,
+            });
+        };
+    // ZB-H1 fills 1F1B's cool-down with deferred weight-gradient passes (Qi et al. 2023).
+    let zero_bubble = Layout {
+        cluster: ClusterText::Inline("64xh100"),
+        model: "llama3-70b",
+        seq_len: 4096,
+        global_batch: 16,
+        degrees: Degrees { tp: 8, pp: 8, dp: 1 },
+        recompute: Recompute::Selective,
+    };
+    let plan = zero_bubble.plan()?;
+    let step =
+        |kind| -> Result<f64> { Ok(simulate(&plan, kind, &calibration, &SimConfig::default(), None)?.step_time_s) };
+    let one_f_one_b = step(ScheduleKind::OneFOneB)?;
+    row(
+        "ZB-H1 beats 1F1B",
+        'A',
+        &zero_bubble,
+        "idle",
+        ("zb-h1".into(), step(ScheduleKind::ZbH1)?),
+        ("1f1b".into(), one_f_one_b),
+        1.0,
+    );
+    // The Ada-Grouper setting: a cross-node pipeline whose links lose most of their bandwidth
+    // for periods.
+    let plan = CROSS_NODE.plan()?;
+    let one_f_one_b = network_run(&plan, Some(PREEMPTED), SchedulePolicy::Fixed(ScheduleKind::OneFOneB))?;
+    let fixed: Vec<(u32, f64)> = [2, 4, 8, 16]
+        .into_iter()
+        .map(|k| Ok((k, network_run(&plan, Some(PREEMPTED), SchedulePolicy::Fixed(kfkb(k)))?)))
+        .collect::<Result<_>>()?;
+    let &(best_k, best_s) = fixed.iter().min_by(|a, b| a.1.total_cmp(&b.1)).expect("candidates");
+    row(
+        "kFkB (best k) beats 1F1B by ≥ 10%",
+        'B',
+        &CROSS_NODE,
+        PREEMPTED,
+        (format!("kfkb:{best_k}"), best_s),
+        ("1f1b".into(), one_f_one_b),
+        1.10,
+    );
+    let adaptive = network_run(&plan, Some(PREEMPTED), SchedulePolicy::Adaptive)?;
+    row(
+        "adaptive k ≈ best fixed k",
+        'B',
+        &CROSS_NODE,
+        PREEMPTED,
+        ("adaptive".into(), adaptive),
+        (format!("kfkb:{best_k}"), best_s),
+        0.9,
+    );
+    let quiet_adaptive = network_run(&plan, None, SchedulePolicy::Adaptive)?;
+    let quiet_one_f = network_run(&plan, None, SchedulePolicy::Fixed(ScheduleKind::OneFOneB))?;
+    row(
+        "adaptive k costs little when idle",
+        'C',
+        &CROSS_NODE,
+        "idle",
+        ("adaptive".into(), quiet_adaptive),
+        ("1f1b".into(), quiet_one_f),
+        0.95,
+    );
+    Ok(rows)
+}
