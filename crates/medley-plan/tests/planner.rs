@@ -551,23 +551,27 @@ fn fixed_layouts_have_the_given_degrees() {
     check_fixed("8xh100", "tp=8,vpp=2", Err("needs pp of at least 2"));
 }
 
-#[test]
-fn interleaving_shrinks_the_bubble_and_holds_more_activations() {
-    // llama3-8b on 16 H100s, tp=2 × pp=4 × dp=2, 8 micro-batches per replica, with and without
-    // 2 chunks per rank.
-    let (cluster, model, job) = (cluster("16xh100"), model("llama3-8b"), job(4096, 16, Some(1), Some(Recompute::Full)));
+/// The validated Megatron-style plan of llama3-8b (micro-batches of one, full recompute) with
+/// `degrees` on `cluster_text`.
+fn llama3_8b_megatron(cluster_text: &str, degrees: Degrees, global_batch: u32) -> Plan {
+    let (model, job) = (model("llama3-8b"), job(4096, global_batch, Some(1), Some(Recompute::Full)));
     let calibration = Calibration::default();
     let cost = CostModel::new(&model, job.seq_len(), &calibration);
-    let setting = Setting { micro_batch: 1, tp: 2, recompute: Recompute::Full };
-    let plan = |vpp| {
-        let degrees = Degrees { vpp, ..Degrees::new(2, 4, 2) };
-        let plan = baselines::megatron_plan(&cluster, &cost, &job, setting, degrees).unwrap();
-        plan.validate().unwrap();
-        plan
-    };
+    let setting = Setting { micro_batch: 1, tp: degrees.tp, recompute: Recompute::Full };
+    let plan = baselines::megatron_plan(&cluster(cluster_text), &cost, &job, setting, degrees).unwrap();
+    plan.validate().unwrap();
+    plan
+}
+
+#[test]
+fn interleaving_shrinks_the_bubble_and_holds_more_activations() {
+    // 16 H100s, tp=2 × pp=4 × dp=2, 8 micro-batches per replica, with and without 2 chunks per
+    // rank.
+    let plan = |vpp| llama3_8b_megatron("16xh100", Degrees { vpp, ..Degrees::new(2, 4, 2) }, 16);
     let (flat, interleaved) = (plan(1), plan(2));
     assert_eq!(interleaved.used_devices(), flat.used_devices());
     assert_eq!(interleaved.replicas[0].stages.len(), 8);
+    let calibration = Calibration::default();
     let (flat, interleaved) = (evaluate(&flat, &calibration), evaluate(&interleaved, &calibration));
     assert_eq!(interleaved.n_gpus_used, 16);
     assert!(interleaved.pipeline_s < flat.pipeline_s, "{} vs {}", interleaved.pipeline_s, flat.pipeline_s);
@@ -579,13 +583,9 @@ fn interleaving_shrinks_the_bubble_and_holds_more_activations() {
 
 #[test]
 fn interleaved_plans_are_validated() {
-    let (cluster, model, job) = (cluster("8xh100"), model("llama3-8b"), job(4096, 8, Some(1), Some(Recompute::Full)));
-    let calibration = Calibration::default();
-    let cost = CostModel::new(&model, job.seq_len(), &calibration);
-    let setting = Setting { micro_batch: 1, tp: 2, recompute: Recompute::Full };
-    let degrees = Degrees { vpp: 2, ..Degrees::new(2, 4, 1) };
-    let plan = baselines::megatron_plan(&cluster, &cost, &job, setting, degrees).unwrap();
-    plan.validate().unwrap();
+    let plan = llama3_8b_megatron("8xh100", Degrees { vpp: 2, ..Degrees::new(2, 4, 1) }, 8);
+    let flat = llama3_8b_megatron("8xh100", Degrees::new(2, 4, 1), 8);
+    assert!(!serde_json::to_string(&flat).unwrap().contains("virtual_stages"));
     // A plan file says nothing of virtual stages unless there are several.
     let json = serde_json::to_string(&plan).unwrap();
     assert!(json.contains("\"virtual_stages\":2") && json.contains("\"schedule\":\"interleaved\""), "{json}");
