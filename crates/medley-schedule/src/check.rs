@@ -93,6 +93,10 @@ struct Seen {
     recv_gradient: u32,
 }
 
+/// [`VirtualPipeline::previous`] or [`VirtualPipeline::next`]: the (rank, chunk) on one side of
+/// a rank's chunk.
+type Neighbour = fn(VirtualPipeline, usize, u32) -> Option<(usize, u32)>;
+
 /// One rank's program on its own: references, local order, pass counts, groups and memory.
 fn check_program(plan: &Plan, programs: &Programs, program: &Program) -> Result<(), ScheduleError> {
     let rank = program.rank;
@@ -120,24 +124,20 @@ fn check_program(plan: &Plan, programs: &Programs, program: &Program) -> Result<
         let entry_of = |micro_batch: u32, chunk: u32| (micro_batch * n_chunks + chunk) as usize;
         // A send goes to the neighbour of the sending chunk.
         let check_send =
-            |chunk: u32, to: RankId, neighbour: fn(VirtualPipeline, usize, u32) -> Option<(usize, u32)>| {
-                match neighbour(pipeline, rank_idx, chunk).map(peer) {
-                    Some((expected, _)) if expected == to => Ok(()),
-                    Some((expected, _)) => malformed(format!("the peer is {to}, expected {expected}")),
-                    None => malformed(format!("the peer is {to}, but the stage has no such neighbour")),
-                }
+            |chunk: u32, to: RankId, neighbour: Neighbour| match neighbour(pipeline, rank_idx, chunk).map(peer) {
+                Some((expected, _)) if expected == to => Ok(()),
+                Some((expected, _)) => malformed(format!("the peer is {to}, expected {expected}")),
+                None => malformed(format!("the peer is {to}, but the stage has no such neighbour")),
             };
         // A receive names the sender's chunk: find the local chunk that sender neighbours.
-        let receiving_chunk =
-            |from: RankId, from_chunk: u32, neighbour: fn(VirtualPipeline, usize, u32) -> Option<(usize, u32)>| {
-                (0..n_chunks)
-                    .find(|&chunk| neighbour(pipeline, rank_idx, chunk).map(peer) == Some((from, from_chunk)))
-                    .ok_or_else(|| {
-                        let reason =
-                            format!("the peer {from} chunk {from_chunk} is not a neighbour of this rank's chunks");
-                        ScheduleError::Malformed { rank, idx, instruction, reason }
-                    })
-            };
+        let receiving_chunk = |from: RankId, from_chunk: u32, neighbour: Neighbour| {
+            (0..n_chunks)
+                .find(|&chunk| neighbour(pipeline, rank_idx, chunk).map(peer) == Some((from, from_chunk)))
+                .ok_or_else(|| {
+                    let reason = format!("the peer {from} chunk {from_chunk} is not a neighbour of this rank's chunks");
+                    ScheduleError::Malformed { rank, idx, instruction, reason }
+                })
+        };
         match instruction {
             Instruction::Forward { micro_batch, chunk } => {
                 let entry = &mut seen[entry_of(micro_batch, chunk)];
