@@ -142,20 +142,21 @@ impl<'a> CostModel<'a> {
         layers + embedding + head
     }
 
-    /// Peak memory of one device of a stage that keeps `in_flight` micro-batches' activations,
-    /// with optimizer states sharded over `optimizer_shards` replicas.
+    /// Peak memory of one device of a stage that keeps `in_flight` micro-batches' worth of its
+    /// layers' activations (fractional when a rank's chunks each hold part of its layers, as in
+    /// interleaved 1F1B), with optimizer states sharded over `optimizer_shards` replicas.
     pub fn stage_memory(
         &self,
         shape: StageShape,
         setting: Setting,
-        in_flight: u32,
+        in_flight: f64,
         optimizer_shards: u32,
     ) -> MemoryBreakdown {
         let mut breakdown = MemoryBreakdown::model_states(self.stage_params(shape), setting.tp, optimizer_shards);
         let per_layer = |recompute| {
             memory::layer_activation_bytes(self.model, self.seq_len, setting.micro_batch, setting.tp, recompute)
         };
-        let mut activations = f64::from(in_flight) * f64::from(shape.n_layers) * per_layer(setting.recompute);
+        let mut activations = in_flight * f64::from(shape.n_layers) * per_layer(setting.recompute);
         if setting.recompute == Recompute::Full && shape.n_layers > 0 {
             // Backward re-materialises one layer at a time.
             activations += per_layer(Recompute::Selective);
@@ -273,7 +274,7 @@ mod tests {
                 let setting = Setting { micro_batch: 1, tp: 8, recompute };
                 (
                     cost.stage_time(&group("h100"), shape, setting).total_s(),
-                    cost.stage_memory(shape, setting, 4, 8).total(),
+                    cost.stage_memory(shape, setting, 4.0, 8).total(),
                 )
             })
             .collect();

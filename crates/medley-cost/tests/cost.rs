@@ -52,14 +52,14 @@ proptest! {
             let time = |n| cost.stage_time(&group, shape(n), setting).total_s();
             let memory = |n, in_flight| cost.stage_memory(shape(n), setting, in_flight, 1).total();
             prop_assert!(time(n_layers) > 0.0 && time(n_layers + 1) > time(n_layers));
-            prop_assert!(memory(n_layers + 1, 2) > memory(n_layers, 2));
-            prop_assert!(memory(n_layers, 3) > memory(n_layers, 2));
+            prop_assert!(memory(n_layers + 1, 2.0) > memory(n_layers, 2.0));
+            prop_assert!(memory(n_layers, 3.0) > memory(n_layers, 2.0));
             let bigger = Setting { micro_batch: micro_batch + 1, ..setting };
             prop_assert!(cost.stage_time(&group, shape(n_layers), bigger).total_s() > time(n_layers));
             // Splitting a stage over more TP ranks never needs more memory per rank.
             if tp < 8 {
                 let wider = Setting { tp: tp * 2, ..setting };
-                prop_assert!(cost.stage_memory(shape(n_layers), wider, 2, 1).total() < memory(n_layers, 2));
+                prop_assert!(cost.stage_memory(shape(n_layers), wider, 2.0, 1).total() < memory(n_layers, 2.0));
             }
         }
     }

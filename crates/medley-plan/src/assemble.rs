@@ -2,12 +2,12 @@
 //! choosing the cheapest route for every pipeline boundary and gradient group.
 
 use medley_cost::{CostModel, Setting};
-use medley_spec::{Cluster, DeviceSlot, JobSpec, Vendor};
+use medley_spec::{Cluster, DeviceSlot, JobSpec, Schedule, Vendor};
 
 use crate::evaluate::{best_boundary_route, best_dp_route, dp_group_bytes};
 use crate::plan::{DpGroup, LayerRange, PLAN_VERSION, Plan, Replica, Stage, dp_layer_ranges};
 
-/// One replica before routing: its batch share and its stages in pipeline order.
+/// One replica before routing: its batch share and its (virtual) stages in model order.
 pub struct ReplicaLayout {
     pub n_micro_batches: u32,
     pub stages: Vec<Stage>,
@@ -27,11 +27,14 @@ pub fn stages_from_counts(device_groups: Vec<Vec<u32>>, counts: &[u32]) -> Vec<S
         .collect()
 }
 
+/// The plan of `layouts` with `schedule` over `virtual_stages` chunks per rank.
 pub fn assemble(
     cluster: &Cluster,
     cost: &CostModel,
     job: &JobSpec,
     setting: Setting,
+    schedule: Schedule,
+    virtual_stages: u32,
     layouts: Vec<ReplicaLayout>,
 ) -> Plan {
     let slots = cluster.devices();
@@ -75,10 +78,11 @@ pub fn assemble(
         seq_len: cost.seq_len(),
         global_batch: job.global_batch(),
         micro_batch: setting.micro_batch,
-        schedule: job.schedule(),
+        schedule,
         recompute: setting.recompute,
         zero1: job.zero1(),
         tp: setting.tp,
+        virtual_stages,
         replicas,
         dp_groups,
     }

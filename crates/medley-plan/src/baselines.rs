@@ -4,13 +4,14 @@
 //!   devices in id order (tp innermost, then dp, then pp, Megatron-LM's default rank order), layers
 //!   and batch split evenly.
 //! - `best-homogeneous`: the best plan that uses one device type only.
-//! - `fixed`: a Megatron-style layout with degrees the user gives (`--fix tp=8,pp=4,dp=2`).
+//! - `fixed`: a Megatron-style layout with degrees the user gives (`--fix tp=8,pp=4,dp=2`), with
+//!   `vpp=V` for V model chunks per pipeline rank under interleaved 1F1B.
 
 use std::fmt;
 use std::str::FromStr;
 
 use medley_cost::{Calibration, CostModel, Setting};
-use medley_spec::{Cluster, JobSpec, ModelSpec};
+use medley_spec::{Cluster, JobSpec, ModelSpec, Schedule};
 use rayon::prelude::*;
 
 use crate::assemble::{ReplicaLayout, assemble, stages_from_counts};
@@ -19,25 +20,39 @@ use crate::evaluate::evaluate;
 use crate::plan::{Plan, tp_splits_heads};
 use crate::search::{Candidate, SearchOptions, candidate_settings, search, settings_with_tp};
 
-/// Megatron parallel degrees; their product is the number of devices used.
+/// Megatron parallel degrees; the product of tp, pp and dp is the number of devices used.
 #[derive(Clone, Copy, Debug, PartialEq, Eq)]
 pub struct Degrees {
     pub tp: u32,
     pub pp: u32,
     pub dp: u32,
+    /// Virtual pipeline size: model chunks per pipeline rank (Megatron's
+    /// `--num-layers-per-virtual-pipeline-stage` expressed as a count); 1 is no interleaving.
+    pub vpp: u32,
+}
+
+impl Degrees {
+    /// Degrees without interleaving.
+    pub fn new(tp: u32, pp: u32, dp: u32) -> Self {
+        Degrees { tp, pp, dp, vpp: 1 }
+    }
 }
 
 impl fmt::Display for Degrees {
     fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
-        write!(f, "tp={},pp={},dp={}", self.tp, self.pp, self.dp)
+        write!(f, "tp={},pp={},dp={}", self.tp, self.pp, self.dp)?;
+        if self.vpp > 1 {
+            write!(f, ",vpp={}", self.vpp)?;
+        }
+        Ok(())
     }
 }
 
 impl FromStr for Degrees {
     type Err = String;
-    /// `tp=8,pp=4,dp=2`; an axis left out has degree 1.
+    /// `tp=8,pp=4,dp=2` or `tp=8,pp=4,dp=2,vpp=2`; an axis left out has degree 1.
     fn from_str(text: &str) -> Result<Self, String> {
-        let mut degrees = Degrees { tp: 1, pp: 1, dp: 1 };
+        let mut degrees = Degrees::new(1, 1, 1);
         for part in text.split(',').map(str::trim).filter(|part| !part.is_empty()) {
             let (axis, value) =
                 part.split_once('=').ok_or_else(|| format!("`{part}`: expected AXIS=DEGREE, e.g. tp=8"))?;
@@ -51,14 +66,17 @@ impl FromStr for Degrees {
                 "tp" => degrees.tp = value,
                 "pp" => degrees.pp = value,
                 "dp" => degrees.dp = value,
-                other => return Err(format!("unknown axis `{other}`; expected tp, pp or dp")),
+                "vpp" => degrees.vpp = value,
+                other => return Err(format!("unknown axis `{other}`; expected tp, pp, dp or vpp")),
             }
         }
         Ok(degrees)
     }
 }
 
-/// The Megatron-style plan with `degrees` over the first tp·pp·dp devices.
+/// The Megatron-style plan with `degrees` over the first tp·pp·dp devices. With vpp = v > 1 each
+/// replica has pp·v virtual stages, layers split as evenly as possible over them, and pipeline
+/// rank i holds virtual stages i, i + pp, …; the job's 1F1B becomes interleaved 1F1B.
 pub fn megatron_plan(
     cluster: &Cluster,
     cost: &CostModel,
@@ -69,6 +87,7 @@ pub fn megatron_plan(
     check_degrees(cluster, cost.model(), degrees)?;
     let error = |message: String| PlanError::Layout { layout: degrees.to_string(), message };
     let n_layers = cost.model().n_layers();
+    let schedule = chunked_schedule(job.schedule(), degrees.vpp)?;
     let n_micro_batches = job.global_batch() / setting.micro_batch;
     if !n_micro_batches.is_multiple_of(degrees.dp) {
         return Err(error(format!(
@@ -76,11 +95,13 @@ pub fn megatron_plan(
             setting.micro_batch, degrees.dp
         )));
     }
+    let n_stages = degrees.pp * degrees.vpp;
     let counts: Vec<u32> =
-        (0..degrees.pp).map(|stage| n_layers / degrees.pp + u32::from(stage < n_layers % degrees.pp)).collect();
+        (0..n_stages).map(|stage| n_layers / n_stages + u32::from(stage < n_layers % n_stages)).collect();
     let replicas = (0..degrees.dp)
         .map(|dp_rank| {
-            let device_groups = (0..degrees.pp)
+            let device_groups = (0..n_stages)
+                .map(|stage_idx| stage_idx % degrees.pp)
                 .map(|pp_rank| {
                     let first = degrees.tp * (dp_rank + degrees.dp * pp_rank);
                     (first..first + degrees.tp).collect()
@@ -92,7 +113,18 @@ pub fn megatron_plan(
             }
         })
         .collect();
-    Ok(assemble(cluster, cost, job, setting, replicas))
+    Ok(assemble(cluster, cost, job, setting, schedule, degrees.vpp, replicas))
+}
+
+/// The schedule a Megatron-style plan with `vpp` chunks per rank runs: 1F1B over several
+/// chunks is interleaved 1F1B; any other schedule needs one chunk per rank, and interleaved
+/// needs several.
+fn chunked_schedule(schedule: Schedule, vpp: u32) -> Result<Schedule, PlanError> {
+    match (schedule, vpp) {
+        (Schedule::OneFOneB | Schedule::Interleaved, 2..) => Ok(Schedule::Interleaved),
+        (Schedule::Interleaved, _) | (_, 2..) => Err(PlanError::ScheduleMismatch { schedule, virtual_stages: vpp }),
+        _ => Ok(schedule),
+    }
 }
 
 /// Checks that `degrees` can be laid out on `cluster` for `model` at all.
@@ -119,8 +151,15 @@ fn check_degrees(cluster: &Cluster, model: &ModelSpec, degrees: Degrees) -> Resu
             model.n_kv_heads()
         ));
     }
-    if degrees.pp > model.n_layers() {
-        return error(format!("pp={} exceeds the model's {} layers", degrees.pp, model.n_layers()));
+    if u64::from(degrees.pp) * u64::from(degrees.vpp) > u64::from(model.n_layers()) {
+        let stages = match degrees.vpp {
+            1 => format!("pp={}", degrees.pp),
+            vpp => format!("pp={} × vpp={vpp}", degrees.pp),
+        };
+        return error(format!("{stages} exceeds the model's {} layers", model.n_layers()));
+    }
+    if degrees.vpp > 1 && degrees.pp < 2 {
+        return error(format!("vpp={} interleaves chunks over pipeline ranks and needs pp of at least 2", degrees.vpp));
     }
     Ok(())
 }
@@ -171,7 +210,7 @@ pub fn uniform(cluster: &Cluster, model: &ModelSpec, job: &JobSpec, calibration:
             continue;
         }
         for pp in (1..=model.n_layers().min(per_tp)).filter(|pp| per_tp.is_multiple_of(*pp)) {
-            layouts.push((setting, Degrees { tp: setting.tp, pp, dp: per_tp / pp }));
+            layouts.push((setting, Degrees::new(setting.tp, pp, per_tp / pp)));
         }
     }
     let cost = CostModel::new(model, job.seq_len(), calibration);
@@ -212,8 +251,12 @@ mod tests {
 
     #[test]
     fn degrees_parse_with_defaults_and_errors() {
-        assert_eq!("tp=8,pp=4,dp=2".parse(), Ok(Degrees { tp: 8, pp: 4, dp: 2 }));
-        assert_eq!("pp=2".parse(), Ok(Degrees { tp: 1, pp: 2, dp: 1 }));
+        assert_eq!("tp=8,pp=4,dp=2".parse(), Ok(Degrees::new(8, 4, 2)));
+        assert_eq!("pp=2".parse(), Ok(Degrees::new(1, 2, 1)));
+        let interleaved = Degrees { vpp: 2, ..Degrees::new(8, 8, 16) };
+        assert_eq!("tp=8,pp=8,dp=16,vpp=2".parse(), Ok(interleaved));
+        assert_eq!(interleaved.to_string(), "tp=8,pp=8,dp=16,vpp=2");
+        assert_eq!(Degrees::new(8, 4, 2).to_string(), "tp=8,pp=4,dp=2");
         assert!("tp=0".parse::<Degrees>().unwrap_err().contains("positive"));
         assert!("ep=2".parse::<Degrees>().unwrap_err().contains("unknown axis"));
         assert!("tp8".parse::<Degrees>().unwrap_err().contains("AXIS=DEGREE"));

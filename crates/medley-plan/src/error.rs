@@ -1,5 +1,6 @@
 //! Planner errors.
 
+use medley_spec::Schedule;
 use thiserror::Error;
 
 #[derive(Debug, Error, PartialEq)]
@@ -15,6 +16,11 @@ pub enum PlanError {
         "the cluster has {groups} node groups; the search takes at most {max}: merge groups of the same device and node shape"
     )]
     TooManyGroups { groups: usize, max: usize },
+    /// A schedule that cannot run a plan with this many model chunks per rank.
+    #[error(
+        "schedule {schedule} does not run plans with {virtual_stages} virtual stage(s) per rank: interleaved needs more than one (e.g. --fix ...,vpp=2), every other schedule exactly one"
+    )]
+    ScheduleMismatch { schedule: Schedule, virtual_stages: u32 },
     /// A fixed layout that cannot be built on this cluster.
     #[error("layout {layout}: {message}")]
     Layout { layout: String, message: String },

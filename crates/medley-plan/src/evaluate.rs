@@ -56,7 +56,7 @@ pub fn evaluate(plan: &Plan, calibration: &Calibration) -> Prediction {
     let peak_flops: f64 = plan
         .replicas
         .iter()
-        .flat_map(|replica| &replica.stages)
+        .flat_map(|replica| &replica.stages[..plan.n_ranks(replica)])
         .map(|stage| plan.stage_group(stage).device.half_precision_tflops() * 1e12 * stage.devices.len() as f64)
         .sum();
     let model_flops = flops::model_flops_per_step(cost.model(), plan.seq_len, plan.global_batch);
@@ -79,7 +79,7 @@ pub fn evaluate(plan: &Plan, calibration: &Calibration) -> Prediction {
     }
 }
 
-/// One replica's pipeline time, the share of it each stage computes, and its slowest
+/// One replica's pipeline time, the share of it each rank computes, and its slowest
 /// optimizer step.
 struct ReplicaPrice {
     time_s: f64,
@@ -89,10 +89,9 @@ struct ReplicaPrice {
 
 fn price_replica(plan: &Plan, cost: &CostModel, slots: &[DeviceSlot], replica: &Replica) -> ReplicaPrice {
     let setting = plan_setting(plan);
-    let shapes = stage_shapes(replica);
     let groups: Vec<&NodeGroup> = replica.stages.iter().map(|stage| plan.stage_group(stage)).collect();
     let passes: Vec<PassTime> =
-        groups.iter().zip(&shapes).map(|(group, &shape)| cost.stage_time(group, shape, setting)).collect();
+        groups.iter().zip(stage_shapes(replica)).map(|(group, shape)| cost.stage_time(group, shape, setting)).collect();
     let boundary_s: Vec<f64> = replica
         .stages
         .windows(2)
@@ -102,15 +101,20 @@ fn price_replica(plan: &Plan, cost: &CostModel, slots: &[DeviceSlot], replica: &
             comm::link_between(&plan.cluster, from, to, route_mode(*route)).transfer_s(cost.boundary_bytes(setting))
         })
         .collect();
-    let time_s = PipelineTiming::new(&passes, &boundary_s).time_s(replica.n_micro_batches);
+    let time_s = PipelineTiming::interleaved(&passes, &boundary_s, plan.virtual_stages).time_s(replica.n_micro_batches);
     let shards = optimizer_shards(plan);
     let optimizer_s = groups
         .iter()
-        .zip(&shapes)
-        .map(|(group, &shape)| cost.optimizer_step_s(group, cost.stage_params(shape) / f64::from(plan.tp * shards)))
+        .zip(rank_shapes(plan, replica))
+        .map(|(group, shape)| cost.optimizer_step_s(group, cost.stage_params(shape) / f64::from(plan.tp * shards)))
         .fold(0.0, f64::max);
-    let busy_fractions =
-        passes.iter().map(|pass| pass.total_s() * f64::from(replica.n_micro_batches) / time_s).collect();
+    let n_ranks = plan.n_ranks(replica);
+    let busy_fractions = (0..n_ranks)
+        .map(|rank| {
+            let rank_s: f64 = passes.iter().skip(rank).step_by(n_ranks).map(|pass| pass.total_s()).sum();
+            rank_s * f64::from(replica.n_micro_batches) / time_s
+        })
+        .collect();
     ReplicaPrice { time_s, busy_fractions, optimizer_s }
 }
 
@@ -130,10 +134,10 @@ impl MemoryPeaks {
         let setting = plan_setting(plan);
         let mut peaks = MemoryPeaks { peak_gib: BTreeMap::new(), capacity_gib: BTreeMap::new() };
         for replica in &plan.replicas {
-            let n_stages = replica.stages.len();
-            for (stage_idx, (stage, shape)) in replica.stages.iter().zip(stage_shapes(replica)).enumerate() {
+            let n_ranks = plan.n_ranks(replica);
+            for (rank, (stage, shape)) in replica.stages.iter().zip(rank_shapes(plan, replica)).enumerate() {
                 let device = &plan.stage_group(stage).device;
-                let in_flight = plan.schedule.in_flight(stage_idx, n_stages, replica.n_micro_batches);
+                let in_flight = micro_batches_in_flight(plan, rank, n_ranks, replica.n_micro_batches);
                 let used_gib = cost.stage_memory(shape, setting, in_flight, optimizer_shards(plan)).total_gib();
                 let peak = peaks.peak_gib.entry(device.name.clone()).or_insert(0.0);
                 *peak = peak.max(used_gib);
@@ -148,14 +152,33 @@ impl MemoryPeaks {
     }
 }
 
-/// What each stage of a replica holds.
-pub fn stage_shapes(replica: &Replica) -> Vec<StageShape> {
+/// Micro-batches' worth of rank `rank`'s layers' activations it holds at its peak: the schedule's
+/// chunk-micro-batches in flight, each holding 1/v of the rank's layers (v chunks per rank).
+fn micro_batches_in_flight(plan: &Plan, rank: usize, n_ranks: usize, m: u32) -> f64 {
+    let chunks = plan.schedule.in_flight(rank, n_ranks, plan.virtual_stages, m);
+    f64::from(chunks) / f64::from(plan.virtual_stages)
+}
+
+/// What each (virtual) stage of a replica holds: the embedding on the first, the head on the last.
+fn stage_shapes(replica: &Replica) -> Vec<StageShape> {
     let n_stages = replica.stages.len();
     replica
         .stages
         .iter()
         .enumerate()
         .map(|(idx, stage)| StageShape::in_pipeline(idx, n_stages, stage.layers.len()))
+        .collect()
+}
+
+/// What each physical rank of a replica holds: its chunks' layers, the embedding on rank 0 (it
+/// holds virtual stage 0) and the head on rank p − 1 (it holds the last virtual stage).
+fn rank_shapes(plan: &Plan, replica: &Replica) -> Vec<StageShape> {
+    let n_ranks = plan.n_ranks(replica);
+    (0..n_ranks)
+        .map(|rank| {
+            let n_layers = replica.stages.iter().skip(rank).step_by(n_ranks).map(|stage| stage.layers.len()).sum();
+            StageShape::in_pipeline(rank, n_ranks, n_layers)
+        })
         .collect()
 }
 
@@ -170,16 +193,34 @@ pub struct PipelineTiming {
 impl PipelineTiming {
     /// `boundary_s[i]` is one transfer between stage i and i + 1.
     pub fn new(passes: &[PassTime], boundary_s: &[f64]) -> Self {
-        let fill_s = passes.iter().map(|pass| pass.total_s()).sum::<f64>() + 2.0 * boundary_s.iter().sum::<f64>();
-        let cycle_s = passes
-            .iter()
-            .enumerate()
-            .map(|(idx, pass)| {
-                let before = if idx > 0 { boundary_s[idx - 1] } else { 0.0 };
-                pass.total_s() + before + boundary_s.get(idx).copied().unwrap_or(0.0)
+        PipelineTiming::interleaved(passes, boundary_s, 1)
+    }
+
+    /// Interleaved 1F1B with `n_chunks` = v chunks per rank: `passes` and `boundary_s` run along
+    /// the p·v virtual stages, virtual stage j on rank j mod p. The ranks form a pipeline whose
+    /// unit is one chunk-micro-batch, u_i = Σ over rank i's chunks of (F + B + the transfers on
+    /// either side) / v, and each micro-batch is v units: T(m) = Σ u_i + (m·v − 1)·max u_i. With
+    /// even ranks the bubble is (p − 1)/v of a micro-batch's rank time (Narayanan et al. SC'21,
+    /// arXiv 2104.04473: bubble fraction (p − 1)/(v·m)); with v = 1 this is [`PipelineTiming::new`].
+    pub fn interleaved(passes: &[PassTime], boundary_s: &[f64], n_chunks: u32) -> Self {
+        let v = n_chunks as usize;
+        let n_ranks = passes.len() / v;
+        let unit_s: Vec<f64> = (0..n_ranks)
+            .map(|rank| {
+                let rank_s: f64 = (rank..passes.len())
+                    .step_by(n_ranks)
+                    .map(|idx| {
+                        let before = if idx > 0 { boundary_s[idx - 1] } else { 0.0 };
+                        passes[idx].total_s() + before + boundary_s.get(idx).copied().unwrap_or(0.0)
+                    })
+                    .sum();
+                rank_s / f64::from(n_chunks)
             })
-            .fold(0.0, f64::max);
-        PipelineTiming { fill_s, cycle_s }
+            .collect();
+        let max_unit_s = unit_s.iter().copied().fold(0.0, f64::max);
+        // Rewritten per micro-batch so that `time_s(m)` = Σ u + (m·v − 1)·max u.
+        let fill_s = unit_s.iter().sum::<f64>() + (f64::from(n_chunks) - 1.0) * max_unit_s;
+        PipelineTiming { fill_s, cycle_s: f64::from(n_chunks) * max_unit_s }
     }
 
     pub fn time_s(&self, n_micro_batches: u32) -> f64 {
@@ -200,8 +241,8 @@ fn dp_sync_s(plan: &Plan, cost: &CostModel, slots: &[DeviceSlot]) -> f64 {
     if plan.replicas.len() < 2 {
         return 0.0;
     }
-    // Per (replica, stage): the summed time of the DP groups it takes part in.
-    let mut per_stage: BTreeMap<(usize, usize), f64> = BTreeMap::new();
+    // Per (replica, rank): the summed time of the DP groups its chunks take part in.
+    let mut per_rank: BTreeMap<(usize, usize), f64> = BTreeMap::new();
     for group in &plan.dp_groups {
         let holders = plan.holders(group.layers);
         let members: Vec<(DeviceSlot, Vendor)> = holders
@@ -211,11 +252,11 @@ fn dp_sync_s(plan: &Plan, cost: &CostModel, slots: &[DeviceSlot]) -> f64 {
             .collect();
         let bytes = dp_group_bytes(cost, plan.tp, group.layers);
         let time_s = dp_group_time_s(&plan.cluster, &members, bytes, group.route, group.algorithm);
-        for (replica_idx, &stage_idx) in holders.iter().enumerate() {
-            *per_stage.entry((replica_idx, stage_idx)).or_insert(0.0) += time_s;
+        for ((replica_idx, &stage_idx), replica) in holders.iter().enumerate().zip(&plan.replicas) {
+            *per_rank.entry((replica_idx, plan.rank_of(replica, stage_idx))).or_insert(0.0) += time_s;
         }
     }
-    per_stage.into_values().fold(0.0, f64::max)
+    per_rank.into_values().fold(0.0, f64::max)
 }
 
 fn member(plan: &Plan, stage: &Stage, slots: &[DeviceSlot]) -> (DeviceSlot, Vendor) {
@@ -315,4 +356,21 @@ pub fn best_boundary_route(cluster: &Cluster, a: (DeviceSlot, Vendor), b: (Devic
 /// Bytes of a device's `hbm_gib` (the workspace reserve is part of each stage's memory).
 pub fn capacity_bytes(hbm_gib: f64) -> f64 {
     hbm_gib * GIB
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn interleaving_divides_the_bubble_by_the_chunks() {
+        // 4 ranks of 2 chunks, 1 s of work per chunk per micro-batch (2 s per rank), no
+        // transfers, 8 micro-batches: m·t + (p − 1)·t/v = 16 + 3 = 19 s (Narayanan et al.).
+        let chunk = PassTime { forward_s: 0.25, backward_s: 0.75 };
+        let timing = PipelineTiming::interleaved(&[chunk; 8], &[0.0; 7], 2);
+        assert_eq!(timing.time_s(8), 19.0);
+        // Without interleaving the same ranks (2 s each) leave a (p − 1)·t = 6 s bubble.
+        let rank = PassTime { forward_s: 0.5, backward_s: 1.5 };
+        assert_eq!(PipelineTiming::new(&[rank; 4], &[0.0; 3]).time_s(8), 22.0);
+    }
 }

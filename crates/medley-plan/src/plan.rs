@@ -32,11 +32,25 @@ pub struct Plan {
     pub zero1: bool,
     /// Tensor-parallel degree of every stage; sequence parallelism is on when it exceeds 1.
     pub tp: u32,
+    /// Model chunks per pipeline rank, v (Megatron's virtual pipeline size). With v > 1 each
+    /// replica's `stages` are its p·v *virtual* stages in model order, and virtual stage j runs
+    /// on the devices of rank j mod p (rank i holds chunks i, i + p, i + 2p, …), the layout the
+    /// `interleaved` schedule needs. Omitted from plan files when 1.
+    #[serde(default = "one_chunk", skip_serializing_if = "is_one_chunk")]
+    pub virtual_stages: u32,
     /// Data-parallel replicas, each a pipeline; they may differ in devices, depth and batch share.
     pub replicas: Vec<Replica>,
     /// Gradient synchronisation across replicas, one group per range of layers whose holders
     /// are the same stages.
     pub dp_groups: Vec<DpGroup>,
+}
+
+fn one_chunk() -> u32 {
+    1
+}
+
+fn is_one_chunk(virtual_stages: &u32) -> bool {
+    *virtual_stages == 1
 }
 
 /// One data-parallel replica: a pipeline.
@@ -45,8 +59,10 @@ pub struct Plan {
 pub struct Replica {
     /// Micro-batches this replica runs per step: its batch share.
     pub n_micro_batches: u32,
+    /// Its stages in model order; virtual stages when the plan's `virtual_stages` exceeds 1.
     pub stages: Vec<Stage>,
-    /// `boundaries[i]` carries activations from stage i to i + 1 and gradients back.
+    /// `boundaries[i]` carries activations from stage i to i + 1 and gradients back (for virtual
+    /// stages, from the last rank to the first rank's next chunk where i + 1 is a multiple of p).
     pub boundaries: Vec<Route>,
 }
 
@@ -135,11 +151,22 @@ impl Plan {
         self.replicas.iter().map(|replica| replica.n_micro_batches).sum()
     }
 
-    /// Devices the plan uses, sorted.
+    /// Devices the plan uses, sorted, each once.
     pub fn used_devices(&self) -> Vec<DeviceId> {
         let mut used: Vec<DeviceId> = self.stages().flat_map(|stage| stage.devices.iter().copied()).collect();
         used.sort_unstable();
+        used.dedup();
         used
+    }
+
+    /// Physical pipeline ranks of `replica`: p, its stages over the chunks per rank.
+    pub fn n_ranks(&self, replica: &Replica) -> usize {
+        replica.stages.len() / self.virtual_stages as usize
+    }
+
+    /// The physical rank that runs (virtual) stage `stage_idx` of `replica`.
+    pub fn rank_of(&self, replica: &Replica, stage_idx: usize) -> usize {
+        stage_idx % self.n_ranks(replica)
     }
 
     /// Devices of the cluster the plan leaves idle.
@@ -152,7 +179,8 @@ impl Plan {
         self.replicas.iter().flat_map(|replica| replica.stages.iter())
     }
 
-    /// The stage index of each replica that holds `layers`.
+    /// The stage index of each replica that holds `layers`: a virtual stage index when the plan
+    /// has several chunks per rank ([`Plan::rank_of`] gives its rank).
     pub fn holders(&self, layers: LayerRange) -> Vec<usize> {
         self.replicas
             .iter()
@@ -181,6 +209,12 @@ impl Plan {
                 self.model.n_heads(),
                 self.model.n_kv_heads()
             ));
+        }
+        if self.virtual_stages == 0 {
+            return invalid("virtual_stages must be at least 1".into());
+        }
+        if (self.schedule == Schedule::Interleaved) != (self.virtual_stages > 1) {
+            return Err(PlanError::ScheduleMismatch { schedule: self.schedule, virtual_stages: self.virtual_stages });
         }
         if self.seq_len == 0 {
             return invalid("seq_len must be at least 1".into());
@@ -220,6 +254,9 @@ impl Plan {
                 replica.boundaries.len()
             ));
         }
+        self.validate_chunks(replica)
+            .map_err(|message| PlanError::Invalid(format!("replica {replica_idx}: {message}")))?;
+        let n_ranks = self.n_ranks(replica);
         let mut next_layer = 0;
         for (stage_idx, stage) in replica.stages.iter().enumerate() {
             if stage.layers.start != next_layer || stage.layers.is_empty() {
@@ -229,6 +266,10 @@ impl Plan {
                 ));
             }
             next_layer = stage.layers.end;
+            // Later chunks repeat their rank's devices, checked in `validate_chunks`.
+            if stage_idx >= n_ranks {
+                continue;
+            }
             if stage.devices.len() != self.tp as usize {
                 return invalid(format!("stage {stage_idx} has {} devices for tp={}", stage.devices.len(), self.tp));
             }
@@ -257,6 +298,33 @@ impl Plan {
             self.check_route(*route, &vendors).map_err(|message| {
                 PlanError::Invalid(format!("replica {replica_idx}: boundary {boundary_idx}: {message}"))
             })?;
+        }
+        Ok(())
+    }
+
+    /// With v > 1: the virtual stages split into v chunks over at least two ranks, and virtual
+    /// stage j runs on rank j mod p's devices.
+    fn validate_chunks(&self, replica: &Replica) -> Result<(), String> {
+        let (n_stages, v) = (replica.stages.len(), self.virtual_stages as usize);
+        if v == 1 {
+            return Ok(());
+        }
+        if !n_stages.is_multiple_of(v) || n_stages / v < 2 {
+            return Err(format!(
+                "{n_stages} virtual stages do not split into virtual_stages={v} chunks on each of at least 2 ranks"
+            ));
+        }
+        let n_ranks = n_stages / v;
+        for (stage_idx, stage) in replica.stages.iter().enumerate().skip(n_ranks) {
+            let rank_devices = &replica.stages[stage_idx % n_ranks].devices;
+            if stage.devices != *rank_devices {
+                return Err(format!(
+                    "virtual stage {stage_idx} runs on devices {:?}, but rank {} (virtual stage {stage_idx} mod {n_ranks}) has {:?}",
+                    stage.devices,
+                    stage_idx % n_ranks,
+                    rank_devices
+                ));
+            }
         }
         Ok(())
     }

@@ -5,7 +5,7 @@
 
 use std::collections::BTreeSet;
 
-use medley_cost::Calibration;
+use medley_cost::{Calibration, CostModel, Setting};
 use medley_plan::baselines::{self, Degrees};
 use medley_plan::{
     Algorithm, Candidate, DpGroup, LayerRange, Plan, PlanError, Replica, Route, SearchOptions, SearchOutcome, Stage,
@@ -104,7 +104,9 @@ fn check_candidate(cluster: &Cluster, model: &ModelSpec, job: &JobSpec, candidat
     let context = describe(candidate);
     plan.validate().unwrap_or_else(|err| panic!("{err}: {context}"));
     assert_eq!((&plan.cluster, &plan.model), (cluster, model));
-    assert_eq!((plan.seq_len, plan.schedule, plan.zero1), (job.seq_len(), job.schedule(), job.zero1()));
+    // 1F1B over several chunks per rank is interleaved 1F1B.
+    let schedule = if plan.virtual_stages > 1 { Schedule::Interleaved } else { job.schedule() };
+    assert_eq!((plan.seq_len, plan.schedule, plan.zero1), (job.seq_len(), schedule, job.zero1()));
     if let Some(micro_batch) = job.micro_batch() {
         assert_eq!(plan.micro_batch, micro_batch);
     }
@@ -117,11 +119,12 @@ fn check_candidate(cluster: &Cluster, model: &ModelSpec, job: &JobSpec, candidat
     assert_eq!(plan.n_micro_batches() * plan.micro_batch, job.global_batch(), "{context}");
     assert!(plan.replicas.iter().all(|replica| replica.n_micro_batches >= 1), "{context}");
 
-    // Devices exist, each used at most once; each stage is tp devices of one node and one group.
+    // Devices exist, each used at most once (by one rank, however many chunks it holds); each
+    // stage is tp devices of one node and one group.
     let slots = cluster.devices();
     let mut used = BTreeSet::new();
     for replica in &plan.replicas {
-        for stage in &replica.stages {
+        for stage in &replica.stages[..plan.n_ranks(replica)] {
             assert_eq!(stage.devices.len(), plan.tp as usize, "{context}");
             let places: BTreeSet<(u32, usize)> = stage
                 .devices
@@ -521,7 +524,8 @@ fn check_fixed(cluster_text: &str, degrees: &str, expected: Result<(), &str>) {
             let plan = &candidate.plan;
             assert_eq!(plan.tp, degrees.tp);
             assert_eq!(plan.replicas.len() as u32, degrees.dp);
-            assert!(plan.replicas.iter().all(|replica| replica.stages.len() as u32 == degrees.pp));
+            assert_eq!(plan.virtual_stages, degrees.vpp);
+            assert!(plan.replicas.iter().all(|replica| replica.stages.len() as u32 == degrees.pp * degrees.vpp));
             check_uniform_shape(plan);
         }
         (Err(PlanError::Layout { layout, message }), Err(wanted)) => {
@@ -541,6 +545,70 @@ fn fixed_layouts_have_the_given_degrees() {
     check_fixed("8xh100", "tp=3,pp=2,dp=1", Err("tp=3 does not divide the 8 GPUs per node of H100-SXM"));
     check_fixed("6xh100", "tp=3,pp=2", Err("tp=3 does not divide the model's 32 attention heads"));
     check_fixed("64xh100", "pp=40", Err("pp=40 exceeds the model's 32 layers"));
+    check_fixed("16xh100", "tp=2,pp=4,dp=2,vpp=2", Ok(()));
+    check_fixed("16xh100", "tp=2,pp=4,dp=2,vpp=3", Ok(()));
+    check_fixed("64xh100", "pp=8,vpp=5", Err("pp=8 × vpp=5 exceeds the model's 32 layers"));
+    check_fixed("8xh100", "tp=8,vpp=2", Err("needs pp of at least 2"));
+}
+
+/// The validated Megatron-style plan of llama3-8b (micro-batches of one, full recompute) with
+/// `degrees` on `cluster_text`.
+fn llama3_8b_megatron(cluster_text: &str, degrees: Degrees, global_batch: u32) -> Plan {
+    let (model, job) = (model("llama3-8b"), job(4096, global_batch, Some(1), Some(Recompute::Full)));
+    let calibration = Calibration::default();
+    let cost = CostModel::new(&model, job.seq_len(), &calibration);
+    let setting = Setting { micro_batch: 1, tp: degrees.tp, recompute: Recompute::Full };
+    let plan = baselines::megatron_plan(&cluster(cluster_text), &cost, &job, setting, degrees).unwrap();
+    plan.validate().unwrap();
+    plan
+}
+
+#[test]
+fn interleaving_shrinks_the_bubble_and_holds_more_activations() {
+    // 16 H100s, tp=2 × pp=4 × dp=2, 8 micro-batches per replica, with and without 2 chunks per
+    // rank.
+    let plan = |vpp| llama3_8b_megatron("16xh100", Degrees { vpp, ..Degrees::new(2, 4, 2) }, 16);
+    let (flat, interleaved) = (plan(1), plan(2));
+    assert_eq!(interleaved.used_devices(), flat.used_devices());
+    assert_eq!(interleaved.replicas[0].stages.len(), 8);
+    let calibration = Calibration::default();
+    let (flat, interleaved) = (evaluate(&flat, &calibration), evaluate(&interleaved, &calibration));
+    assert_eq!(interleaved.n_gpus_used, 16);
+    assert!(interleaved.pipeline_s < flat.pipeline_s, "{} vs {}", interleaved.pipeline_s, flat.pipeline_s);
+    assert!(interleaved.bubble_fraction < flat.bubble_fraction);
+    // Rank 0 holds (4 − 1)·2 + 4 + 1 = 11 half-rank chunk-micro-batches, 5.5 micro-batches' worth,
+    // where 1F1B holds 4.
+    assert!(interleaved.peak_memory_gib["H100-SXM"] > flat.peak_memory_gib["H100-SXM"]);
+}
+
+#[test]
+fn interleaved_plans_are_validated() {
+    let plan = llama3_8b_megatron("8xh100", Degrees { vpp: 2, ..Degrees::new(2, 4, 1) }, 8);
+    let flat = llama3_8b_megatron("8xh100", Degrees::new(2, 4, 1), 8);
+    assert!(!serde_json::to_string(&flat).unwrap().contains("virtual_stages"));
+    // A plan file says nothing of virtual stages unless there are several.
+    let json = serde_json::to_string(&plan).unwrap();
+    assert!(json.contains("\"virtual_stages\":2") && json.contains("\"schedule\":\"interleaved\""), "{json}");
+    assert_eq!(serde_json::from_str::<Plan>(&json).unwrap(), plan);
+    let check = |edit: fn(&mut Plan), wanted: &str| {
+        let mut broken = plan.clone();
+        edit(&mut broken);
+        let message = broken.validate().unwrap_err().to_string();
+        assert!(message.contains(wanted), "`{message}` lacks `{wanted}`");
+    };
+    check(|p| p.replicas[0].stages[5].devices = vec![0, 1], "virtual stage 5 runs on devices [0, 1], but rank 1");
+    check(|p| p.virtual_stages = 3, "8 virtual stages do not split into virtual_stages=3");
+    check(|p| p.virtual_stages = 0, "virtual_stages must be at least 1");
+    check(|p| p.schedule = Schedule::OneFOneB, "schedule 1f1b does not run plans with 2 virtual stage(s)");
+    // Rank 1 (virtual stages 1 and 5) on rank 0's devices.
+    check(
+        |p| {
+            for stage_idx in [1, 5] {
+                p.replicas[0].stages[stage_idx].devices = vec![0, 1];
+            }
+        },
+        "device 0 is used twice",
+    );
 }
 
 // ---------------------------------------------------------------------------------------------

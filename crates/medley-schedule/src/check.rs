@@ -1,28 +1,43 @@
 //! The checks every step's programs pass: each rank's program is well formed (every micro-batch
-//! forwarded and backwarded exactly once, transfers to the right neighbours after the pass that
-//! produces them, the stage's data-parallel groups synchronised once), activations in flight stay
-//! within the schedule's promise, every send meets a receive, and executing all programs together
-//! cannot deadlock.
+//! forwarded and backwarded exactly once on each of the rank's chunks, transfers to the right
+//! neighbours in virtual-stage order after the pass that produces them, the rank's data-parallel
+//! groups synchronised once), activations in flight stay within the schedule's promise, every
+//! send meets a receive, and executing all programs together cannot deadlock.
 
 use std::collections::{BTreeMap, BTreeSet};
 
 use medley_plan::Plan;
 use thiserror::Error;
 
+use crate::generate::{VirtualPipeline, check_chunks, rank_dp_groups};
 use crate::program::{Instruction, Program, Programs, RankId};
+use crate::schedules::ScheduleKind;
 
 /// Why a step's programs are wrong.
 #[derive(Clone, Debug, Error, PartialEq, Eq)]
 pub enum ScheduleError {
+    /// A user's schedule that is a policy, not one order of passes.
+    #[error("schedule {schedule} chooses its order per step; a program needs a concrete schedule")]
+    NotConcrete { schedule: medley_spec::Schedule },
+    /// A schedule that does not run the plan's chunks per rank.
+    #[error(
+        "schedule {schedule} does not run a plan with {virtual_stages} virtual stage(s) per rank: interleaved needs more than one, every other schedule exactly one"
+    )]
+    ChunkMismatch { schedule: ScheduleKind, virtual_stages: u32 },
+    /// Interleaved 1F1B over a micro-batch count its order cannot pipeline without deadlock.
+    #[error(
+        "replica {replica_idx}: interleaved 1F1B needs a micro-batch count that is a multiple of its {n_ranks} ranks or below it, not {n_micro_batches}"
+    )]
+    InterleavedMicroBatches { replica_idx: usize, n_micro_batches: u32, n_ranks: u32 },
     /// The programs are not one per pipeline position of the plan.
     #[error("the programs are for ranks [{found}]; the plan has ranks [{expected}]")]
     Ranks { expected: String, found: String },
     /// An instruction that names something the rank does not have, or comes before what it needs.
     #[error("{rank}: instruction {idx} `{instruction}`: {reason}")]
     Malformed { rank: RankId, idx: usize, instruction: Instruction, reason: String },
-    /// A micro-batch's pass runs other than once.
-    #[error("{rank}: micro-batch {micro_batch} runs {pass} {count} times, expected once")]
-    PassCount { rank: RankId, micro_batch: u32, pass: &'static str, count: u32 },
+    /// A micro-batch's pass runs other than once on one of the rank's chunks.
+    #[error("{rank}: micro-batch {micro_batch} runs {pass} on chunk {chunk} {count} times, expected once")]
+    PassCount { rank: RankId, micro_batch: u32, chunk: u32, pass: &'static str, count: u32 },
     /// The rank does not synchronise exactly the data-parallel groups whose layers it holds.
     #[error("{rank}: all-reduces dp groups {found:?}, expected {expected:?}")]
     DpGroups { rank: RankId, expected: Vec<u32>, found: Vec<u32> },
@@ -38,8 +53,10 @@ pub enum ScheduleError {
     Deadlock { blocked: String },
 }
 
-/// Checks `programs` against the validated `plan` they were generated for.
+/// Checks `programs` against the validated `plan` they were generated for. Ranks are physical:
+/// with several chunks per rank, one program runs all of a rank's chunks.
 pub fn check(plan: &Plan, programs: &Programs) -> Result<(), ScheduleError> {
+    check_chunks(plan, programs.schedule)?;
     check_ranks(plan, programs)?;
     for program in &programs.programs {
         check_program(plan, programs, program)?;
@@ -54,7 +71,7 @@ fn check_ranks(plan: &Plan, programs: &Programs) -> Result<(), ScheduleError> {
         .iter()
         .enumerate()
         .flat_map(|(replica_idx, replica)| {
-            (0..replica.stages.len()).map(move |stage_idx| RankId::new(replica_idx, stage_idx))
+            (0..plan.n_ranks(replica)).map(move |rank_idx| RankId::new(replica_idx, rank_idx))
         })
         .collect();
     let found: Vec<RankId> = programs.programs.iter().map(|program| program.rank).collect();
@@ -76,16 +93,21 @@ struct Seen {
     recv_gradient: u32,
 }
 
+/// [`VirtualPipeline::previous`] or [`VirtualPipeline::next`]: the (rank, chunk) on one side of
+/// a rank's chunk.
+type Neighbour = fn(VirtualPipeline, usize, u32) -> Option<(usize, u32)>;
+
 /// One rank's program on its own: references, local order, pass counts, groups and memory.
 fn check_program(plan: &Plan, programs: &Programs, program: &Program) -> Result<(), ScheduleError> {
     let rank = program.rank;
     let replica = &plan.replicas[rank.replica_idx as usize];
-    let stage_idx = rank.stage_idx as usize;
-    let n_stages = replica.stages.len();
+    let pipeline = VirtualPipeline::of(plan, replica);
+    let rank_idx = rank.stage_idx as usize;
     let m = replica.n_micro_batches;
-    let previous = (stage_idx > 0).then(|| RankId { stage_idx: rank.stage_idx - 1, ..rank });
-    let next = (stage_idx + 1 < n_stages).then(|| RankId { stage_idx: rank.stage_idx + 1, ..rank });
-    let mut seen = vec![Seen::default(); m as usize];
+    let n_chunks = pipeline.n_chunks;
+    let peer = |(stage_idx, chunk): (usize, u32)| (RankId { stage_idx: stage_idx as u32, ..rank }, chunk);
+    // Per (micro-batch, chunk), at micro_batch·v + chunk.
+    let mut seen = vec![Seen::default(); (m * n_chunks) as usize];
     let mut all_reduced = Vec::new();
     let (mut live, mut peak) = (0u32, 0u32);
     let n_instructions = program.instructions.len();
@@ -95,31 +117,43 @@ fn check_program(plan: &Plan, programs: &Programs, program: &Program) -> Result<
             if micro_batch >= m {
                 return malformed(format!("the replica runs {m} micro-batches"));
             }
-            if chunk != 0 {
-                return malformed("ranks hold one model chunk, chunk 0".into());
+            if chunk >= n_chunks {
+                return malformed(format!("ranks hold {n_chunks} model chunk(s), numbered from 0"));
             }
         }
-        let check_peer = |peer: RankId, expected: Option<RankId>| match expected {
-            Some(expected) if expected == peer => Ok(()),
-            Some(expected) => malformed(format!("the peer is {peer}, expected {expected}")),
-            None => malformed(format!("the peer is {peer}, but the stage has no such neighbour")),
+        let entry_of = |micro_batch: u32, chunk: u32| (micro_batch * n_chunks + chunk) as usize;
+        // A send goes to the neighbour of the sending chunk.
+        let check_send =
+            |chunk: u32, to: RankId, neighbour: Neighbour| match neighbour(pipeline, rank_idx, chunk).map(peer) {
+                Some((expected, _)) if expected == to => Ok(()),
+                Some((expected, _)) => malformed(format!("the peer is {to}, expected {expected}")),
+                None => malformed(format!("the peer is {to}, but the stage has no such neighbour")),
+            };
+        // A receive names the sender's chunk: find the local chunk that sender neighbours.
+        let receiving_chunk = |from: RankId, from_chunk: u32, neighbour: Neighbour| {
+            (0..n_chunks)
+                .find(|&chunk| neighbour(pipeline, rank_idx, chunk).map(peer) == Some((from, from_chunk)))
+                .ok_or_else(|| {
+                    let reason = format!("the peer {from} chunk {from_chunk} is not a neighbour of this rank's chunks");
+                    ScheduleError::Malformed { rank, idx, instruction, reason }
+                })
         };
         match instruction {
-            Instruction::Forward { micro_batch, .. } => {
-                let entry = &mut seen[micro_batch as usize];
-                if previous.is_some() && entry.recv_activation == 0 {
+            Instruction::Forward { micro_batch, chunk } => {
+                let entry = &mut seen[entry_of(micro_batch, chunk)];
+                if pipeline.previous(rank_idx, chunk).is_some() && entry.recv_activation == 0 {
                     return malformed("comes before its activation is received".into());
                 }
                 entry.forward += 1;
                 live += 1;
                 peak = peak.max(live);
             }
-            Instruction::Backward { micro_batch, .. } | Instruction::BackwardInput { micro_batch, .. } => {
-                let entry = &mut seen[micro_batch as usize];
+            Instruction::Backward { micro_batch, chunk } | Instruction::BackwardInput { micro_batch, chunk } => {
+                let entry = &mut seen[entry_of(micro_batch, chunk)];
                 if entry.forward == 0 {
                     return malformed("comes before the micro-batch's forward".into());
                 }
-                if next.is_some() && entry.recv_gradient == 0 {
+                if pipeline.next(rank_idx, chunk).is_some() && entry.recv_gradient == 0 {
                     return malformed("comes before its output gradient is received".into());
                 }
                 match instruction {
@@ -130,34 +164,34 @@ fn check_program(plan: &Plan, programs: &Programs, program: &Program) -> Result<
                     _ => entry.backward_input += 1,
                 }
             }
-            Instruction::BackwardWeight { micro_batch, .. } => {
-                let entry = &mut seen[micro_batch as usize];
+            Instruction::BackwardWeight { micro_batch, chunk } => {
+                let entry = &mut seen[entry_of(micro_batch, chunk)];
                 if entry.backward_input == 0 {
                     return malformed("comes before the micro-batch's backward-input".into());
                 }
                 entry.backward_weight += 1;
                 live = live.saturating_sub(1);
             }
-            Instruction::SendActivation { micro_batch, to, .. } => {
-                check_peer(to, next)?;
-                if seen[micro_batch as usize].forward == 0 {
+            Instruction::SendActivation { micro_batch, chunk, to } => {
+                check_send(chunk, to, VirtualPipeline::next)?;
+                if seen[entry_of(micro_batch, chunk)].forward == 0 {
                     return malformed("comes before the forward that produces it".into());
                 }
             }
-            Instruction::RecvActivation { micro_batch, from, .. } => {
-                check_peer(from, previous)?;
-                seen[micro_batch as usize].recv_activation += 1;
+            Instruction::RecvActivation { micro_batch, chunk, from } => {
+                let local = receiving_chunk(from, chunk, VirtualPipeline::previous)?;
+                seen[entry_of(micro_batch, local)].recv_activation += 1;
             }
-            Instruction::SendGradient { micro_batch, to, .. } => {
-                check_peer(to, previous)?;
-                let entry = seen[micro_batch as usize];
+            Instruction::SendGradient { micro_batch, chunk, to } => {
+                check_send(chunk, to, VirtualPipeline::previous)?;
+                let entry = seen[entry_of(micro_batch, chunk)];
                 if entry.backward + entry.backward_input == 0 {
                     return malformed("comes before the backward that produces it".into());
                 }
             }
-            Instruction::RecvGradient { micro_batch, from, .. } => {
-                check_peer(from, next)?;
-                seen[micro_batch as usize].recv_gradient += 1;
+            Instruction::RecvGradient { micro_batch, chunk, from } => {
+                let local = receiving_chunk(from, chunk, VirtualPipeline::next)?;
+                seen[entry_of(micro_batch, local)].recv_gradient += 1;
             }
             Instruction::AllReduceGradients { dp_group, layers } => {
                 if plan.dp_groups.get(dp_group as usize).map(|group| group.layers) != Some(layers) {
@@ -175,33 +209,30 @@ fn check_program(plan: &Plan, programs: &Programs, program: &Program) -> Result<
             }
         }
     }
-    check_pass_counts(rank, &seen)?;
+    check_pass_counts(rank, n_chunks, &seen)?;
     if let Some(&last) = program.instructions.last()
         && last != Instruction::OptimizerStep
     {
         let reason = "a step ends with the optimizer step".into();
         return Err(ScheduleError::Malformed { rank, idx: n_instructions - 1, instruction: last, reason });
     }
-    let stage = &replica.stages[stage_idx];
-    let expected: Vec<u32> = (0..plan.dp_groups.len() as u32)
-        .filter(|&dp_group| stage.layers.contains(plan.dp_groups[dp_group as usize].layers))
-        .collect();
+    let expected = rank_dp_groups(plan, rank);
     all_reduced.sort_unstable();
     if all_reduced != expected {
         return Err(ScheduleError::DpGroups { rank, expected, found: all_reduced });
     }
-    let promised = programs.schedule.in_flight(stage_idx, n_stages, m);
+    let promised = programs.schedule.in_flight(rank_idx, pipeline.n_ranks, n_chunks, m);
     if peak > promised {
         return Err(ScheduleError::InFlight { rank, peak, promised });
     }
     Ok(())
 }
 
-/// Every micro-batch forwarded once and backwarded once, whole or split into halves.
-fn check_pass_counts(rank: RankId, seen: &[Seen]) -> Result<(), ScheduleError> {
-    for (micro_batch, entry) in seen.iter().enumerate() {
-        let micro_batch = micro_batch as u32;
-        let count_error = |pass, count| Err(ScheduleError::PassCount { rank, micro_batch, pass, count });
+/// Every micro-batch forwarded once and backwarded once on each chunk, whole or split into halves.
+fn check_pass_counts(rank: RankId, n_chunks: u32, seen: &[Seen]) -> Result<(), ScheduleError> {
+    for (idx, entry) in seen.iter().enumerate() {
+        let (micro_batch, chunk) = (idx as u32 / n_chunks, idx as u32 % n_chunks);
+        let count_error = |pass, count| Err(ScheduleError::PassCount { rank, micro_batch, chunk, pass, count });
         if entry.forward != 1 {
             return count_error("forward", entry.forward);
         }

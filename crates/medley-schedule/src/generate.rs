@@ -1,62 +1,114 @@
 //! Lowering: a schedule's order of compute passes becomes each rank's program, with the
 //! point-to-point transfers around every pass and the gradient synchronisation at the end.
 
-use medley_plan::Plan;
+use medley_plan::{Plan, Replica};
 
+use crate::check::ScheduleError;
 use crate::program::{Instruction, Program, Programs, RankId};
-use crate::schedules::{Pass, ScheduleKind};
-
-/// The model chunk every rank holds while plans give each rank one contiguous range of layers.
-const ONLY_CHUNK: u32 = 0;
+use crate::schedules::{ChunkPass, Pass, ScheduleKind};
 
 /// Every rank's program for one step of `plan` under `schedule`. The plan must have passed
 /// [`Plan::validate`]; replicas may differ in depth, layer split and micro-batch count, each
-/// running its own pipeline.
-pub fn generate(plan: &Plan, schedule: ScheduleKind) -> Programs {
+/// running its own pipeline. Fails when the schedule does not run the plan's chunks per rank
+/// (interleaved needs `virtual_stages` > 1, every other kind exactly 1), and for interleaved when
+/// a replica's micro-batch count is neither a multiple of its rank count nor below it.
+pub fn generate(plan: &Plan, schedule: ScheduleKind) -> Result<Programs, ScheduleError> {
+    check_chunks(plan, schedule)?;
     let mut programs = Vec::new();
     for (replica_idx, replica) in plan.replicas.iter().enumerate() {
-        let n_stages = replica.stages.len();
-        for stage_idx in 0..n_stages {
-            let rank = RankId::new(replica_idx, stage_idx);
-            let passes = schedule.passes(stage_idx, n_stages, replica.n_micro_batches);
-            let mut instructions = lower_passes(rank, n_stages, &passes);
+        let pipeline = VirtualPipeline::of(plan, replica);
+        let (m, n_ranks) = (replica.n_micro_batches, pipeline.n_ranks as u32);
+        // Megatron's order over a last group of k micro-batches, 0 < k < p, waits on itself
+        // (Megatron-LM refuses it too); below p there is one group and the warm-up covers it.
+        if schedule == ScheduleKind::Interleaved && m > n_ranks && !m.is_multiple_of(n_ranks) {
+            return Err(ScheduleError::InterleavedMicroBatches { replica_idx, n_micro_batches: m, n_ranks });
+        }
+        for rank_idx in 0..pipeline.n_ranks {
+            let rank = RankId::new(replica_idx, rank_idx);
+            let passes = schedule.passes(rank_idx, pipeline.n_ranks, pipeline.n_chunks, replica.n_micro_batches);
+            let mut instructions = lower_passes(rank, pipeline, &passes);
             instructions.extend(synchronise(plan, rank));
             programs.push(Program { rank, instructions });
         }
     }
-    Programs { schedule, programs }
+    Ok(Programs { schedule, programs })
+}
+
+/// Whether `schedule` runs `plan`'s chunks per rank.
+pub(crate) fn check_chunks(plan: &Plan, schedule: ScheduleKind) -> Result<(), ScheduleError> {
+    if schedule.runs_chunks(plan.virtual_stages) {
+        Ok(())
+    } else {
+        Err(ScheduleError::ChunkMismatch { schedule, virtual_stages: plan.virtual_stages })
+    }
+}
+
+/// A replica's pipeline as ranks and chunks: virtual stage j = chunk·p + rank, so chunk c of
+/// rank i feeds chunk c of rank i + 1, and the last rank's chunk c feeds rank 0's chunk c + 1.
+#[derive(Clone, Copy, Debug)]
+pub(crate) struct VirtualPipeline {
+    pub n_ranks: usize,
+    pub n_chunks: u32,
+}
+
+impl VirtualPipeline {
+    pub fn of(plan: &Plan, replica: &Replica) -> Self {
+        VirtualPipeline { n_ranks: plan.n_ranks(replica), n_chunks: plan.virtual_stages }
+    }
+
+    /// The virtual stage chunk `chunk` of rank `rank_idx` runs.
+    pub fn stage_idx(self, rank_idx: usize, chunk: u32) -> usize {
+        chunk as usize * self.n_ranks + rank_idx
+    }
+
+    /// The (rank, chunk) running virtual stage `stage_idx`, if the pipeline has it.
+    fn position(self, stage_idx: usize) -> Option<(usize, u32)> {
+        (stage_idx < self.n_ranks * self.n_chunks as usize)
+            .then(|| (stage_idx % self.n_ranks, (stage_idx / self.n_ranks) as u32))
+    }
+
+    /// Who feeds rank `rank_idx`'s chunk `chunk` its activations.
+    pub fn previous(self, rank_idx: usize, chunk: u32) -> Option<(usize, u32)> {
+        self.stage_idx(rank_idx, chunk).checked_sub(1).and_then(|stage_idx| self.position(stage_idx))
+    }
+
+    /// Who rank `rank_idx`'s chunk `chunk` feeds its activations.
+    pub fn next(self, rank_idx: usize, chunk: u32) -> Option<(usize, u32)> {
+        self.position(self.stage_idx(rank_idx, chunk) + 1)
+    }
 }
 
 /// Wraps each pass in the transfers it needs: a forward receives its input from the previous
-/// stage and sends its output to the next; a backward receives its output gradient from the
-/// next stage and sends its input gradient to the previous. The weight-gradient half of a split
-/// backward reads only local tensors.
-fn lower_passes(rank: RankId, n_stages: usize, passes: &[Pass]) -> Vec<Instruction> {
-    let stage_idx = rank.stage_idx as usize;
-    let previous = (stage_idx > 0).then(|| RankId { stage_idx: rank.stage_idx - 1, ..rank });
-    let next = (stage_idx + 1 < n_stages).then(|| RankId { stage_idx: rank.stage_idx + 1, ..rank });
-    let chunk = ONLY_CHUNK;
+/// virtual stage and sends its output to the next; a backward receives its output gradient from
+/// the next and sends its input gradient to the previous. A transfer names the sender's chunk on
+/// both ends, so both name the same message. The weight-gradient half of a split backward reads
+/// only local tensors.
+fn lower_passes(rank: RankId, pipeline: VirtualPipeline, passes: &[ChunkPass]) -> Vec<Instruction> {
+    let rank_idx = rank.stage_idx as usize;
+    let peer = |(stage_idx, chunk): (usize, u32)| (RankId { stage_idx: stage_idx as u32, ..rank }, chunk);
     let mut instructions = Vec::with_capacity(passes.len() * 3 + 2);
-    for &pass in passes {
+    for &ChunkPass { pass, chunk } in passes {
+        let previous = pipeline.previous(rank_idx, chunk).map(peer);
+        let next = pipeline.next(rank_idx, chunk).map(peer);
         match pass {
             Pass::Forward(micro_batch) => {
-                if let Some(from) = previous {
-                    instructions.push(Instruction::RecvActivation { micro_batch, chunk, from });
+                if let Some((from, from_chunk)) = previous {
+                    instructions.push(Instruction::RecvActivation { micro_batch, chunk: from_chunk, from });
                 }
                 instructions.push(Instruction::Forward { micro_batch, chunk });
-                if let Some(to) = next {
+                if let Some((to, _)) = next {
                     instructions.push(Instruction::SendActivation { micro_batch, chunk, to });
                 }
             }
             Pass::Backward(micro_batch) | Pass::BackwardInput(micro_batch) => {
-                if let Some(from) = next {
-                    instructions.push(Instruction::RecvGradient { micro_batch, chunk, from });
+                if let Some((from, from_chunk)) = next {
+                    instructions.push(Instruction::RecvGradient { micro_batch, chunk: from_chunk, from });
                 }
                 instructions.push(match pass {
                     Pass::Backward(_) => Instruction::Backward { micro_batch, chunk },
                     _ => Instruction::BackwardInput { micro_batch, chunk },
                 });
-                if let Some(to) = previous {
+                if let Some((to, _)) = previous {
                     instructions.push(Instruction::SendGradient { micro_batch, chunk, to });
                 }
             }
@@ -68,18 +120,23 @@ fn lower_passes(rank: RankId, n_stages: usize, passes: &[Pass]) -> Vec<Instructi
     instructions
 }
 
-/// The end of a step: one all-reduce per data-parallel group whose layers the stage holds, last
+/// The data-parallel groups whose layers rank `rank` holds in any of its chunks, ascending.
+pub(crate) fn rank_dp_groups(plan: &Plan, rank: RankId) -> Vec<u32> {
+    let replica = &plan.replicas[rank.replica_idx as usize];
+    let chunks: Vec<_> = replica.stages.iter().skip(rank.stage_idx as usize).step_by(plan.n_ranks(replica)).collect();
+    (0..plan.dp_groups.len() as u32)
+        .filter(|&dp_group| chunks.iter().any(|stage| stage.layers.contains(plan.dp_groups[dp_group as usize].layers)))
+        .collect()
+}
+
+/// The end of a step: one all-reduce per data-parallel group whose layers the rank holds, last
 /// layers first (the order backward finishes them, and one order for every member so the
 /// collectives cannot wait on each other in a cycle), then the optimizer step.
 fn synchronise(plan: &Plan, rank: RankId) -> Vec<Instruction> {
-    let stage = &plan.replicas[rank.replica_idx as usize].stages[rank.stage_idx as usize];
-    let mut instructions: Vec<Instruction> = plan
-        .dp_groups
-        .iter()
-        .enumerate()
+    let mut instructions: Vec<Instruction> = rank_dp_groups(plan, rank)
+        .into_iter()
         .rev()
-        .filter(|(_, group)| stage.layers.contains(group.layers))
-        .map(|(dp_group, group)| Instruction::AllReduceGradients { dp_group: dp_group as u32, layers: group.layers })
+        .map(|dp_group| Instruction::AllReduceGradients { dp_group, layers: plan.dp_groups[dp_group as usize].layers })
         .collect();
     instructions.push(Instruction::OptimizerStep);
     instructions
@@ -89,14 +146,19 @@ fn synchronise(plan: &Plan, rank: RankId) -> Vec<Instruction> {
 mod tests {
     use super::*;
 
+    fn on_chunk(chunk: u32, passes: &[Pass]) -> Vec<ChunkPass> {
+        passes.iter().map(|&pass| ChunkPass { pass, chunk }).collect()
+    }
+
     #[test]
     fn passes_are_wrapped_in_their_transfers() {
         let rank = RankId::new(1, 1);
         let (previous, next) = (RankId::new(1, 0), RankId::new(1, 2));
-        let passes = [Pass::Forward(0), Pass::BackwardInput(0), Pass::BackwardWeight(0)];
+        let passes = on_chunk(0, &[Pass::Forward(0), Pass::BackwardInput(0), Pass::BackwardWeight(0)]);
         let chunk = 0;
+        let one_chunk = |n_ranks| VirtualPipeline { n_ranks, n_chunks: 1 };
         assert_eq!(
-            lower_passes(rank, 3, &passes),
+            lower_passes(rank, one_chunk(3), &passes),
             [
                 Instruction::RecvActivation { micro_batch: 0, chunk, from: previous },
                 Instruction::Forward { micro_batch: 0, chunk },
@@ -109,8 +171,27 @@ mod tests {
         );
         // A single-stage pipeline transfers nothing.
         assert_eq!(
-            lower_passes(RankId::new(0, 0), 1, &[Pass::Forward(0), Pass::Backward(0)]),
+            lower_passes(RankId::new(0, 0), one_chunk(1), &on_chunk(0, &[Pass::Forward(0), Pass::Backward(0)])),
             [Instruction::Forward { micro_batch: 0, chunk }, Instruction::Backward { micro_batch: 0, chunk }]
         );
+    }
+
+    #[test]
+    fn chunks_wrap_from_the_last_rank_to_the_first() {
+        // Rank 0 of 2 with 2 chunks: chunk 1 is virtual stage 2, fed by rank 1's chunk 0.
+        let (rank, other) = (RankId::new(0, 0), RankId::new(0, 1));
+        let pipeline = VirtualPipeline { n_ranks: 2, n_chunks: 2 };
+        assert_eq!(
+            lower_passes(rank, pipeline, &on_chunk(1, &[Pass::Forward(0), Pass::Backward(0)])),
+            [
+                Instruction::RecvActivation { micro_batch: 0, chunk: 0, from: other },
+                Instruction::Forward { micro_batch: 0, chunk: 1 },
+                Instruction::SendActivation { micro_batch: 0, chunk: 1, to: other },
+                Instruction::RecvGradient { micro_batch: 0, chunk: 1, from: other },
+                Instruction::Backward { micro_batch: 0, chunk: 1 },
+                Instruction::SendGradient { micro_batch: 0, chunk: 1, to: other },
+            ]
+        );
+        assert_eq!((pipeline.previous(0, 0), pipeline.next(1, 1)), (None, None));
     }
 }

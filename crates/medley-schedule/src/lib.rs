@@ -2,22 +2,26 @@
 //!
 //! A [`Plan`](medley_plan::Plan) says who holds which layers; this crate says what each of them
 //! executes, in order, in one training step. [`generate`] turns a validated plan and a
-//! [`ScheduleKind`] into [`Programs`]: one [`Program`] per pipeline position ([`RankId`]: replica,
-//! stage), a list of [`Instruction`]s. [`check`] proves a step's programs correct. The simulator
+//! [`ScheduleKind`] into [`Programs`]: one [`Program`] per pipeline rank ([`RankId`]: replica,
+//! physical stage, which runs all of its model chunks when the plan has several), a list of
+//! [`Instruction`]s. [`check`] proves a step's programs correct. The simulator
 //! executes the programs in simulated time and the runtime executes the very same programs for
 //! real; neither reorders them.
 //!
 //! # The instruction set
 //!
 //! - Compute: `Forward`, `Backward` (input and weight gradients together), or the zero-bubble
-//!   split `BackwardInput` / `BackwardWeight`, each of one micro-batch on one model chunk. Tensor
+//!   split `BackwardInput` / `BackwardWeight`, each of one micro-batch on one model chunk (chunk c
+//!   of rank i of p is the plan's virtual stage c·p + i). Tensor
 //!   parallelism lives inside compute: every TP rank of a stage runs the stage's program, and the
 //!   TP collectives of a pass belong to that pass.
-//! - Point to point: `SendActivation` / `RecvActivation` between a stage and the next,
-//!   `SendGradient` / `RecvGradient` back, each naming micro-batch, chunk and peer. Transfer k of
-//!   a TP group goes between the two stages' TP rank k.
+//! - Point to point: `SendActivation` / `RecvActivation` between a virtual stage and the next
+//!   (the last rank's chunk c feeds rank 0's chunk c + 1), `SendGradient` / `RecvGradient` back,
+//!   each naming micro-batch, chunk and peer; the chunk is the *sender's* on both ends, so a send
+//!   and its receive are equal messages. Transfer k of a TP group goes between the two stages'
+//!   TP rank k.
 //! - Gradient synchronisation: `AllReduceGradients` on `plan.dp_groups[dp_group]`, one per group
-//!   whose layers the stage holds, last layers first; the members are the group's holder stage
+//!   whose layers the rank holds in any chunk, last layers first; the members are the group's holder stage
 //!   in every replica (a group of one replica is a no-op the engines may skip).
 //! - `OptimizerStep`, the last instruction.
 //!
@@ -42,8 +46,10 @@
 //!
 //! GPipe, 1F1B, kFkB (Ada-Grouper) and ZB-H1, each for uneven stages and for replicas with
 //! different micro-batch counts (every replica runs its own pipeline; they meet only in the
-//! gradient all-reduces). Interleaved 1F1B needs several model chunks per rank, which plan
-//! schema v1 does not express; the instruction set already carries a chunk for it.
+//! gradient all-reduces), on plans with one chunk per rank; interleaved 1F1B (Megatron-LM's
+//! order) on plans with `virtual_stages` > 1, for micro-batch counts that are a multiple of the
+//! replica's ranks or below it. [`generate`] refuses other combinations with a typed error.
+//! `adaptive` is a policy over kFkB, not a kind: `ScheduleKind::try_from` refuses it.
 
 pub mod adaptive;
 mod check;

@@ -7,8 +7,10 @@ use serde::{Deserialize, Serialize};
 
 use crate::schedules::ScheduleKind;
 
-/// A pipeline position: stage `stage_idx` of replica `replica_idx`. Every tensor-parallel rank of
-/// the stage runs the same program; tensor-parallel collectives happen inside the compute passes.
+/// A pipeline rank: physical stage `stage_idx` of replica `replica_idx` (with several chunks per
+/// rank, the rank that runs virtual stages stage_idx, stage_idx + p, …). Every tensor-parallel
+/// rank of the stage runs the same program; tensor-parallel collectives happen inside the
+/// compute passes.
 #[derive(Clone, Copy, Debug, PartialEq, Eq, PartialOrd, Ord, Hash, Serialize, Deserialize)]
 #[serde(deny_unknown_fields)]
 pub struct RankId {
@@ -29,8 +31,8 @@ impl fmt::Display for RankId {
 }
 
 /// One step of a program. Micro-batch indices count from 0 within the rank's replica; `chunk` is
-/// the model chunk the rank holds (always 0 until plans give ranks several chunks, as interleaved
-/// 1F1B needs).
+/// which of the rank's model chunks a pass runs on (0 when it holds one), and for a transfer the
+/// sending chunk on both ends.
 #[derive(Clone, Copy, Debug, PartialEq, Eq, PartialOrd, Ord, Hash, Serialize, Deserialize)]
 #[serde(tag = "op", rename_all = "kebab-case", deny_unknown_fields)]
 pub enum Instruction {

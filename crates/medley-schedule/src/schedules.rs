@@ -1,11 +1,13 @@
-//! Pipeline schedules: the order in which one stage runs its compute passes. Each schedule is one
-//! function of (stage, stages, micro-batches) with its phases named; [`crate::generate`] lowers
-//! the order into a program with its sends, receives and gradient synchronisation.
+//! Pipeline schedules: the order in which one rank runs its compute passes. Each schedule is one
+//! function of (rank, ranks, chunks, micro-batches) with its phases named; [`crate::generate`]
+//! lowers the order into a program with its sends, receives and gradient synchronisation.
 
 use std::fmt;
 use std::num::NonZeroU32;
 
 use serde::{Deserialize, Serialize};
+
+use crate::check::ScheduleError;
 
 /// A pipeline schedule the generators know.
 #[derive(Clone, Copy, Debug, PartialEq, Eq, PartialOrd, Ord, Hash, Serialize, Deserialize)]
@@ -26,53 +28,73 @@ pub enum ScheduleKind {
     /// many micro-batches in flight as 1F1B's first stage, and the deferred ones fill the
     /// cool-down bubble.
     ZbH1,
+    /// Interleaved 1F1B (Narayanan et al. SC'21, arXiv 2104.04473) over the plan's
+    /// `virtual_stages` chunks per rank, in Megatron-LM's order. Only for plans with more than
+    /// one chunk per rank; every other kind needs exactly one.
+    Interleaved,
 }
 
 impl ScheduleKind {
-    /// Micro-batches stage `stage_idx` of `n_stages` may hold in flight at once with `m`
-    /// micro-batches: forwarded and not yet through their whole backward (for a split backward,
-    /// its weight-gradient half). GPipe and 1F1B promise what [`medley_spec::Schedule::in_flight`]
-    /// says, which the cost model prices; ZB-H1 promises 1F1B's first-stage peak on every stage
-    /// (its deferred micro-batches hold only what the weight gradient reads, less than a whole
-    /// backward, which is why its peak memory stays within 1F1B's).
-    pub fn in_flight(self, stage_idx: usize, n_stages: usize, m: u32) -> u32 {
-        match self {
-            ScheduleKind::Gpipe => medley_spec::Schedule::Gpipe.in_flight(stage_idx, n_stages, m),
-            ScheduleKind::OneFOneB => medley_spec::Schedule::OneFOneB.in_flight(stage_idx, n_stages, m),
-            ScheduleKind::ZbH1 => medley_spec::Schedule::OneFOneB.in_flight(0, n_stages, m),
-            ScheduleKind::Kfkb { k } => m.min(k.get().saturating_mul((n_stages - stage_idx) as u32)),
-        }
+    /// Chunk-micro-batches rank `rank_idx` of `n_ranks`, holding `n_chunks` chunks, may hold in
+    /// flight at once with `m` micro-batches: forwarded and not yet through their whole backward
+    /// (for a split backward, its weight-gradient half). The promise is
+    /// [`medley_spec::Schedule::in_flight`], which the cost model prices. ZB-H1's deferred
+    /// micro-batches hold only what the weight gradient reads, less than a whole backward, which
+    /// is why its peak memory stays within 1F1B's first stage's.
+    pub fn in_flight(self, rank_idx: usize, n_ranks: usize, n_chunks: u32, m: u32) -> u32 {
+        medley_spec::Schedule::from(self).in_flight(rank_idx, n_ranks, n_chunks, m)
     }
 
-    /// The order of stage `stage_idx`'s passes over `m` micro-batches in a pipeline of
-    /// `n_stages`.
-    pub(crate) fn passes(self, stage_idx: usize, n_stages: usize, m: u32) -> Vec<Pass> {
+    /// Whether the kind runs plans with `virtual_stages` chunks per rank.
+    pub fn runs_chunks(self, virtual_stages: u32) -> bool {
+        (self == ScheduleKind::Interleaved) == (virtual_stages > 1)
+    }
+
+    /// The order of rank `rank_idx`'s passes over `m` micro-batches in a pipeline of `n_ranks`
+    /// ranks holding `n_chunks` chunks each.
+    pub(crate) fn passes(self, rank_idx: usize, n_ranks: usize, n_chunks: u32, m: u32) -> Vec<ChunkPass> {
+        let on_one_chunk = |passes: Vec<Pass>| passes.into_iter().map(|pass| ChunkPass { pass, chunk: 0 }).collect();
         match self {
-            ScheduleKind::Gpipe => gpipe(m),
-            ScheduleKind::OneFOneB => kfkb(stage_idx, n_stages, m, 1),
-            ScheduleKind::Kfkb { k } => kfkb(stage_idx, n_stages, m, k.get()),
-            ScheduleKind::ZbH1 => zb_h1(stage_idx, n_stages, m),
+            ScheduleKind::Gpipe => on_one_chunk(gpipe(m)),
+            ScheduleKind::OneFOneB => on_one_chunk(kfkb(rank_idx, n_ranks, m, 1)),
+            ScheduleKind::Kfkb { k } => on_one_chunk(kfkb(rank_idx, n_ranks, m, k.get())),
+            ScheduleKind::ZbH1 => on_one_chunk(zb_h1(rank_idx, n_ranks, m)),
+            ScheduleKind::Interleaved => interleaved(rank_idx, n_ranks, n_chunks, m),
         }
     }
 }
 
-impl From<medley_spec::Schedule> for ScheduleKind {
-    fn from(schedule: medley_spec::Schedule) -> Self {
+impl From<ScheduleKind> for medley_spec::Schedule {
+    fn from(kind: ScheduleKind) -> Self {
+        match kind {
+            ScheduleKind::Gpipe => medley_spec::Schedule::Gpipe,
+            ScheduleKind::OneFOneB => medley_spec::Schedule::OneFOneB,
+            ScheduleKind::Kfkb { k } => medley_spec::Schedule::Kfkb { k },
+            ScheduleKind::ZbH1 => medley_spec::Schedule::ZbH1,
+            ScheduleKind::Interleaved => medley_spec::Schedule::Interleaved,
+        }
+    }
+}
+
+/// The concrete kind of a user's schedule; `adaptive` is not one (a simulator policy picks
+/// kFkB's k per step).
+impl TryFrom<medley_spec::Schedule> for ScheduleKind {
+    type Error = ScheduleError;
+    fn try_from(schedule: medley_spec::Schedule) -> Result<Self, ScheduleError> {
         match schedule {
-            medley_spec::Schedule::Gpipe => ScheduleKind::Gpipe,
-            medley_spec::Schedule::OneFOneB => ScheduleKind::OneFOneB,
+            medley_spec::Schedule::Gpipe => Ok(ScheduleKind::Gpipe),
+            medley_spec::Schedule::OneFOneB => Ok(ScheduleKind::OneFOneB),
+            medley_spec::Schedule::Kfkb { k } => Ok(ScheduleKind::Kfkb { k }),
+            medley_spec::Schedule::ZbH1 => Ok(ScheduleKind::ZbH1),
+            medley_spec::Schedule::Interleaved => Ok(ScheduleKind::Interleaved),
+            medley_spec::Schedule::Adaptive => Err(ScheduleError::NotConcrete { schedule }),
         }
     }
 }
 
 impl fmt::Display for ScheduleKind {
     fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
-        match self {
-            ScheduleKind::Gpipe => f.write_str("gpipe"),
-            ScheduleKind::OneFOneB => f.write_str("1f1b"),
-            ScheduleKind::Kfkb { k } => write!(f, "kfkb:{k}"),
-            ScheduleKind::ZbH1 => f.write_str("zb-h1"),
-        }
+        medley_spec::Schedule::from(*self).fmt(f)
     }
 }
 
@@ -83,6 +105,13 @@ pub(crate) enum Pass {
     Backward(u32),
     BackwardInput(u32),
     BackwardWeight(u32),
+}
+
+/// A pass on one of the rank's model chunks.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub(crate) struct ChunkPass {
+    pub pass: Pass,
+    pub chunk: u32,
 }
 
 /// GPipe: every forward, then every backward (in the same order, so the last stage can start
@@ -151,6 +180,40 @@ fn zb_h1(stage_idx: usize, n_stages: usize, m: u32) -> Vec<Pass> {
     passes
 }
 
+/// Interleaved 1F1B for rank `rank_idx` of p = `n_ranks` with v = `n_chunks` chunks, in
+/// Megatron-LM's order (`forward_backward_pipelining_with_interleaving` and its
+/// `get_schedule_table`): forwards take the micro-batches in groups of p, running each group
+/// through chunk 0, then chunk 1, … (the last group may be smaller); backwards follow the same
+/// table with the chunks reversed. Rank i warms up with (p − i − 1)·2 + (v − 1)·p forwards,
+/// capped at the m·v the step runs, then alternates one forward and one backward, then drains.
+/// [`crate::generate`] calls it only for m a multiple of p (Megatron-LM's requirement) or below p;
+/// a smaller last group deadlocks.
+fn interleaved(rank_idx: usize, n_ranks: usize, n_chunks: u32, m: u32) -> Vec<ChunkPass> {
+    let group = n_ranks as u32;
+    let table: Vec<(u32, u32)> = (0..m)
+        .step_by(group as usize)
+        .flat_map(|first| {
+            let micro_batches = first..m.min(first + group);
+            (0..n_chunks).flat_map(move |chunk| micro_batches.clone().map(move |micro_batch| (micro_batch, chunk)))
+        })
+        .collect();
+    let total = table.len();
+    let forward = |idx: usize| ChunkPass { pass: Pass::Forward(table[idx].0), chunk: table[idx].1 };
+    let backward = |idx: usize| ChunkPass { pass: Pass::Backward(table[idx].0), chunk: n_chunks - 1 - table[idx].1 };
+    let warm_up = total.min((n_ranks - rank_idx - 1) * 2 + (n_chunks as usize - 1) * n_ranks);
+    let mut passes = Vec::with_capacity(2 * total);
+    // Warm-up: enough forwards that the first backward's gradient can come round.
+    passes.extend((0..warm_up).map(forward));
+    // Steady: one forward, one backward.
+    for backwarded in 0..total - warm_up {
+        passes.push(forward(warm_up + backwarded));
+        passes.push(backward(backwarded));
+    }
+    // Cool-down: the backwards still owed.
+    passes.extend((total - warm_up..total).map(backward));
+    passes
+}
+
 #[cfg(test)]
 mod tests {
     use super::*;
@@ -169,7 +232,17 @@ mod tests {
     }
 
     fn check(kind: ScheduleKind, stage_idx: usize, n_stages: usize, m: u32, expected: &str) {
-        assert_eq!(render(&kind.passes(stage_idx, n_stages, m)), expected, "{kind} stage {stage_idx}/{n_stages} m={m}");
+        let passes: Vec<Pass> =
+            kind.passes(stage_idx, n_stages, 1, m).into_iter().map(|chunk_pass| chunk_pass.pass).collect();
+        assert_eq!(render(&passes), expected, "{kind} stage {stage_idx}/{n_stages} m={m}");
+    }
+
+    /// Interleaved passes as `F<micro-batch>.<chunk>`.
+    fn check_interleaved(rank_idx: usize, n_ranks: usize, n_chunks: u32, m: u32, expected: &str) {
+        let passes = ScheduleKind::Interleaved.passes(rank_idx, n_ranks, n_chunks, m);
+        let words: Vec<String> =
+            passes.iter().map(|chunk_pass| format!("{}.{}", render(&[chunk_pass.pass]), chunk_pass.chunk)).collect();
+        assert_eq!(words.join(" "), expected, "rank {rank_idx}/{n_ranks} v={n_chunks} m={m}");
     }
 
     fn k(k: u32) -> ScheduleKind {
@@ -192,7 +265,10 @@ mod tests {
     #[test]
     fn kfkb_with_k_one_is_1f1b() {
         for (stage_idx, n_stages, m) in [(0, 4, 6), (2, 4, 6), (0, 1, 3), (1, 3, 1)] {
-            assert_eq!(k(1).passes(stage_idx, n_stages, m), ScheduleKind::OneFOneB.passes(stage_idx, n_stages, m));
+            assert_eq!(
+                k(1).passes(stage_idx, n_stages, 1, m),
+                ScheduleKind::OneFOneB.passes(stage_idx, n_stages, 1, m)
+            );
         }
     }
 
@@ -210,18 +286,37 @@ mod tests {
     }
 
     #[test]
-    fn in_flight_promises() {
-        assert_eq!(ScheduleKind::Gpipe.in_flight(0, 4, 8), 8);
-        assert_eq!(ScheduleKind::OneFOneB.in_flight(1, 4, 8), 3);
-        assert_eq!(k(3).in_flight(1, 4, 8), 8);
-        assert_eq!(k(2).in_flight(2, 4, 8), 4);
-        assert_eq!(ScheduleKind::ZbH1.in_flight(3, 4, 8), 4);
-        assert_eq!(ScheduleKind::ZbH1.in_flight(0, 4, 2), 2);
+    fn interleaved_phases_follow_megatron() {
+        // p = 2, v = 2, m = 4: groups of 2 micro-batches, chunk 0 then chunk 1. Rank 0 warms up
+        // with 1·2 + 1·2 = 4 forwards, rank 1 with 2.
+        check_interleaved(
+            0,
+            2,
+            2,
+            4,
+            "F0.0 F1.0 F0.1 F1.1 F2.0 B0.1 F3.0 B1.1 F2.1 B0.0 F3.1 B1.0 B2.1 B3.1 B2.0 B3.0",
+        );
+        check_interleaved(
+            1,
+            2,
+            2,
+            4,
+            "F0.0 F1.0 F0.1 B0.1 F1.1 B1.1 F2.0 B0.0 F3.0 B1.0 F2.1 B2.1 F3.1 B3.1 B2.0 B3.0",
+        );
+        // m = 3 is not a multiple of p = 2: the last group holds one micro-batch.
+        check_interleaved(1, 2, 2, 3, "F0.0 F1.0 F0.1 B0.1 F1.1 B1.1 F2.0 B0.0 F2.1 B1.0 B2.1 B2.0");
+        // Fewer chunk-micro-batches than the warm-up: all forwards, then all backwards.
+        check_interleaved(0, 4, 2, 1, "F0.0 F0.1 B0.1 B0.0");
     }
 
     #[test]
-    fn serde_names() {
-        assert_eq!(ScheduleKind::from(medley_spec::Schedule::OneFOneB).to_string(), "1f1b");
+    fn kinds_convert_to_and_from_user_schedules() {
+        assert_eq!(ScheduleKind::try_from(medley_spec::Schedule::OneFOneB).unwrap().to_string(), "1f1b");
         assert_eq!(k(4).to_string(), "kfkb:4");
+        for kind in [ScheduleKind::Gpipe, ScheduleKind::OneFOneB, ScheduleKind::Interleaved, ScheduleKind::ZbH1, k(3)] {
+            assert_eq!(ScheduleKind::try_from(medley_spec::Schedule::from(kind)), Ok(kind));
+        }
+        let adaptive = medley_spec::Schedule::Adaptive;
+        assert_eq!(ScheduleKind::try_from(adaptive), Err(ScheduleError::NotConcrete { schedule: adaptive }));
     }
 }

@@ -7,7 +7,7 @@ use medley_cost::{Calibration, CostModel, Setting};
 use medley_plan::baselines::{Degrees, megatron_plan};
 use medley_plan::{Algorithm, DpGroup, LayerRange, Plan, Replica, Route, SearchOptions, Stage, search};
 use medley_schedule::{Instruction, Programs, RankId, ScheduleError, ScheduleKind, check, generate};
-use medley_spec::{Bridge, Cluster, Fabric, JobParts, JobSpec, Recompute, catalog_model};
+use medley_spec::{Bridge, Cluster, Fabric, JobParts, JobSpec, Recompute, Schedule, catalog_model};
 use proptest::prelude::*;
 
 // ---------------------------------------------------------------------------------------------
@@ -24,30 +24,46 @@ fn job(global_batch: u32) -> JobSpec {
 
 /// A Megatron-style plan of gpt2 (12 layers) with tp = 1 on `cluster_text`.
 fn megatron(cluster_text: &str, pp: u32, dp: u32, global_batch: u32) -> Plan {
+    megatron_interleaved(cluster_text, Degrees::new(1, pp, dp), global_batch)
+}
+
+/// A Megatron-style plan of gpt2 with `degrees`, interleaved when `degrees.vpp` > 1.
+fn megatron_interleaved(cluster_text: &str, degrees: Degrees, global_batch: u32) -> Plan {
     let model = catalog_model("gpt2").unwrap();
     let calibration = Calibration::default();
     let cost = CostModel::new(&model, 1024, &calibration);
     let setting = Setting { micro_batch: 1, tp: 1, recompute: Recompute::Full };
-    megatron_plan(&cluster(cluster_text), &cost, &job(global_batch), setting, Degrees { tp: 1, pp, dp }).unwrap()
+    megatron_plan(&cluster(cluster_text), &cost, &job(global_batch), setting, degrees).unwrap()
 }
 
 /// `base` with its replicas replaced: one per `(cuts, n_micro_batches)`, whose stages split
 /// gpt2's 12 layers at `cuts`, on consecutive devices.
 fn reshape(base: &Plan, shapes: &[(Vec<u32>, u32)]) -> Plan {
+    reshape_interleaved(base, 1, shapes)
+}
+
+/// [`reshape`] with `virtual_stages` chunks per rank: a replica's cuts make its virtual stages,
+/// and virtual stage j runs on the replica's device j mod p.
+fn reshape_interleaved(base: &Plan, virtual_stages: u32, shapes: &[(Vec<u32>, u32)]) -> Plan {
     let mut plan = base.clone();
+    plan.virtual_stages = virtual_stages;
+    plan.schedule = if virtual_stages > 1 { Schedule::Interleaved } else { Schedule::OneFOneB };
     let n_layers = plan.model.n_layers();
-    let mut next_device = 0;
+    let mut first_device = 0;
     plan.replicas = shapes
         .iter()
         .map(|(cuts, n_micro_batches)| {
             let bounds: Vec<u32> = std::iter::once(0).chain(cuts.iter().copied()).chain([n_layers]).collect();
+            let n_ranks = (bounds.len() as u32 - 1) / virtual_stages;
             let stages: Vec<Stage> = bounds
                 .windows(2)
-                .map(|pair| {
-                    next_device += 1;
-                    Stage { devices: vec![next_device - 1], layers: LayerRange { start: pair[0], end: pair[1] } }
+                .enumerate()
+                .map(|(stage_idx, pair)| {
+                    let device = first_device + stage_idx as u32 % n_ranks;
+                    Stage { devices: vec![device], layers: LayerRange { start: pair[0], end: pair[1] } }
                 })
                 .collect();
+            first_device += n_ranks;
             let boundaries = stages.windows(2).map(|pair| route(base, &pair[0..2])).collect();
             Replica { n_micro_batches: *n_micro_batches, stages, boundaries }
         })
@@ -92,10 +108,16 @@ fn kfkb(k: u32) -> ScheduleKind {
     ScheduleKind::Kfkb { k: NonZeroU32::new(k).unwrap() }
 }
 
+/// Every schedule of one chunk per rank.
 fn all_schedules() -> Vec<ScheduleKind> {
     let mut kinds = vec![ScheduleKind::Gpipe, ScheduleKind::OneFOneB, ScheduleKind::ZbH1];
     kinds.extend((1..=4).map(kfkb));
     kinds
+}
+
+/// The schedules that run `plan`: interleaved for several chunks per rank, else all the others.
+fn schedules_for(plan: &Plan) -> Vec<ScheduleKind> {
+    if plan.virtual_stages > 1 { vec![ScheduleKind::Interleaved] } else { all_schedules() }
 }
 
 // ---------------------------------------------------------------------------------------------
@@ -103,8 +125,8 @@ fn all_schedules() -> Vec<ScheduleKind> {
 
 /// Every schedule's programs for `plan` pass every check.
 fn check_all_schedules(plan: &Plan) {
-    for kind in all_schedules() {
-        let programs = generate(plan, kind);
+    for kind in schedules_for(plan) {
+        let programs = generate(plan, kind).unwrap();
         if let Err(err) = check(plan, &programs) {
             panic!("{kind} on replicas {:?}: {err}\n{programs}", plan.replica_shapes());
         }
@@ -119,12 +141,13 @@ fn check_all_schedules(plan: &Plan) {
 fn runs_to_completion(plan: &Plan, programs: &Programs) -> bool {
     let programs = &programs.programs;
     let mut pcs = vec![0usize; programs.len()];
-    let mut bag: Vec<(bool, u32, RankId, RankId)> = Vec::new();
+    // (activation?, micro-batch, sender's chunk, sender, receiver)
+    let mut bag: Vec<(bool, u32, u32, RankId, RankId)> = Vec::new();
     let reached_all_reduce = |pcs: &[usize], dp_group: u32| {
         let layers = plan.dp_groups[dp_group as usize].layers;
         plan.holders(layers).iter().enumerate().all(|(replica_idx, &stage_idx)| {
-            let member =
-                programs.iter().position(|program| program.rank == RankId::new(replica_idx, stage_idx)).unwrap();
+            let rank = RankId::new(replica_idx, plan.rank_of(&plan.replicas[replica_idx], stage_idx));
+            let member = programs.iter().position(|program| program.rank == rank).unwrap();
             let at = programs[member].instructions.iter().position(
                 |ins| matches!(ins, Instruction::AllReduceGradients { dp_group: group, .. } if *group == dp_group),
             );
@@ -139,11 +162,11 @@ fn runs_to_completion(plan: &Plan, programs: &Programs) -> bool {
             let rank = programs[i].rank;
             match programs[i].instructions.get(pcs[i]) {
                 None => false,
-                Some(&Instruction::RecvActivation { micro_batch, from, .. }) => {
-                    bag.contains(&(true, micro_batch, from, rank))
+                Some(&Instruction::RecvActivation { micro_batch, chunk, from }) => {
+                    bag.contains(&(true, micro_batch, chunk, from, rank))
                 }
-                Some(&Instruction::RecvGradient { micro_batch, from, .. }) => {
-                    bag.contains(&(false, micro_batch, from, rank))
+                Some(&Instruction::RecvGradient { micro_batch, chunk, from }) => {
+                    bag.contains(&(false, micro_batch, chunk, from, rank))
                 }
                 Some(&Instruction::AllReduceGradients { dp_group, .. }) => reached_all_reduce(&pcs, dp_group),
                 Some(_) => true,
@@ -152,13 +175,13 @@ fn runs_to_completion(plan: &Plan, programs: &Programs) -> bool {
         let Some(i) = movable else { return false };
         let rank = programs[i].rank;
         match programs[i].instructions[pcs[i]] {
-            Instruction::SendActivation { micro_batch, to, .. } => bag.push((true, micro_batch, rank, to)),
-            Instruction::SendGradient { micro_batch, to, .. } => bag.push((false, micro_batch, rank, to)),
-            Instruction::RecvActivation { micro_batch, from, .. } => {
-                bag.swap_remove(bag.iter().position(|&msg| msg == (true, micro_batch, from, rank)).unwrap());
+            Instruction::SendActivation { micro_batch, chunk, to } => bag.push((true, micro_batch, chunk, rank, to)),
+            Instruction::SendGradient { micro_batch, chunk, to } => bag.push((false, micro_batch, chunk, rank, to)),
+            Instruction::RecvActivation { micro_batch, chunk, from } => {
+                bag.swap_remove(bag.iter().position(|&msg| msg == (true, micro_batch, chunk, from, rank)).unwrap());
             }
-            Instruction::RecvGradient { micro_batch, from, .. } => {
-                bag.swap_remove(bag.iter().position(|&msg| msg == (false, micro_batch, from, rank)).unwrap());
+            Instruction::RecvGradient { micro_batch, chunk, from } => {
+                bag.swap_remove(bag.iter().position(|&msg| msg == (false, micro_batch, chunk, from, rank)).unwrap());
             }
             _ => {}
         }
@@ -173,7 +196,7 @@ fn check_rejects(
     edit: impl FnOnce(&mut Programs),
     expected: fn(&ScheduleError) -> bool,
 ) {
-    let mut programs = generate(plan, kind);
+    let mut programs = generate(plan, kind).unwrap();
     check(plan, &programs).unwrap();
     edit(&mut programs);
     match check(plan, &programs) {
@@ -224,7 +247,7 @@ fn a_large_step_generates_and_checks_quickly() {
     let plan = reshape(&megatron("128xh100", 1, 1, 1), &vec![shape; 8]);
     let start = std::time::Instant::now();
     for kind in all_schedules() {
-        check(&plan, &generate(&plan, kind)).unwrap();
+        check(&plan, &generate(&plan, kind).unwrap()).unwrap();
     }
     assert!(start.elapsed().as_secs_f64() < 5.0, "took {:?}", start.elapsed());
 }
@@ -232,7 +255,7 @@ fn a_large_step_generates_and_checks_quickly() {
 #[test]
 fn the_plans_own_schedule_is_generated() {
     let plan = megatron("16xh100", 4, 2, 8);
-    let programs = generate(&plan, plan.schedule.into());
+    let programs = generate(&plan, plan.schedule.try_into().unwrap()).unwrap();
     assert_eq!(programs.schedule, ScheduleKind::OneFOneB);
     check(&plan, &programs).unwrap();
 }
@@ -241,10 +264,10 @@ fn the_plans_own_schedule_is_generated() {
 fn generation_is_deterministic_and_round_trips_through_json() {
     let plan = reshape(&megatron("16xh100", 1, 1, 1), &[(vec![4, 8], 4), (vec![6], 3)]);
     for kind in all_schedules() {
-        let programs = generate(&plan, kind);
-        assert_eq!(programs, generate(&plan, kind));
+        let programs = generate(&plan, kind).unwrap();
+        assert_eq!(programs, generate(&plan, kind).unwrap());
         let json = serde_json::to_string(&programs).unwrap();
-        assert_eq!(json, serde_json::to_string(&generate(&plan, kind)).unwrap());
+        assert_eq!(json, serde_json::to_string(&generate(&plan, kind).unwrap()).unwrap());
         assert_eq!(serde_json::from_str::<Programs>(&json).unwrap(), programs);
     }
 }
@@ -252,12 +275,85 @@ fn generation_is_deterministic_and_round_trips_through_json() {
 #[test]
 fn programs_print_one_instruction_a_line() {
     let plan = megatron("8xh100", 2, 1, 2);
-    let text = generate(&plan, ScheduleKind::OneFOneB).to_string();
+    let text = generate(&plan, ScheduleKind::OneFOneB).unwrap().to_string();
     let expected = "schedule 1f1b\nr0s0:\n     0  forward mb0 c0\n     1  send-activation mb0 c0 -> r0s1\n";
     assert!(text.starts_with(expected), "{text}");
     assert!(text.contains("recv-gradient mb1 c0 <- r0s1\n"), "{text}");
     assert!(text.contains("all-reduce-gradients dp0 layers 0..6\n"), "{text}");
     assert!(text.ends_with("optimizer-step\n"), "{text}");
+}
+
+#[test]
+fn interleaved_megatron_plans() {
+    // 12 layers over 2 ranks × 3 chunks, 4 ranks × 2 chunks (m a multiple of p and not), and
+    // 5 ranks × 2 chunks (uneven chunks: 2,2,1,…).
+    for (pp, vpp, dp, global_batch) in [(2, 3, 2, 8), (4, 2, 1, 8), (4, 2, 2, 6), (5, 2, 1, 10), (3, 4, 1, 1)] {
+        let plan = megatron_interleaved("16xh100", Degrees { vpp, ..Degrees::new(1, pp, dp) }, global_batch);
+        assert_eq!((plan.virtual_stages, plan.schedule), (vpp, Schedule::Interleaved));
+        check_all_schedules(&plan);
+    }
+}
+
+#[test]
+fn interleaved_runs_micro_batch_counts_that_are_multiples_of_the_ranks_or_below_them() {
+    // llama3-8b's 32 layers leave room for p·v up to 24.
+    let model = catalog_model("llama3-8b").unwrap();
+    let calibration = Calibration::default();
+    let cost = CostModel::new(&model, 1024, &calibration);
+    let setting = Setting { micro_batch: 1, tp: 1, recompute: Recompute::Full };
+    let cluster = cluster("16xh100");
+    for n_ranks in 2..=6 {
+        for vpp in 2..=4 {
+            for m in 1..=2 * n_ranks + 1 {
+                let degrees = Degrees { vpp, ..Degrees::new(1, n_ranks, 1) };
+                let plan = megatron_plan(&cluster, &cost, &job(m), setting, degrees).unwrap();
+                let supported = m < n_ranks || m.is_multiple_of(n_ranks);
+                match generate(&plan, ScheduleKind::Interleaved) {
+                    Ok(programs) if supported => check(&plan, &programs).unwrap(),
+                    Err(err) if !supported => assert_eq!(
+                        err,
+                        ScheduleError::InterleavedMicroBatches { replica_idx: 0, n_micro_batches: m, n_ranks }
+                    ),
+                    other => panic!("p={n_ranks} v={vpp} m={m}: {other:?}"),
+                }
+            }
+        }
+    }
+}
+
+#[test]
+fn interleaved_programs_are_one_per_physical_rank() {
+    let plan = megatron_interleaved("8xh100", Degrees { vpp: 2, ..Degrees::new(1, 2, 1) }, 2);
+    let programs = generate(&plan, ScheduleKind::Interleaved).unwrap();
+    let ranks: Vec<String> = programs.programs.iter().map(|program| program.rank.to_string()).collect();
+    assert_eq!(ranks, ["r0s0", "r0s1"]);
+    // Rank 0 forwards chunk 0, then receives its chunk 1's input from rank 1's chunk 0.
+    let text = programs.to_string();
+    assert!(text.contains("r0s0:\n     0  forward mb0 c0\n     1  send-activation mb0 c0 -> r0s1\n"), "{text}");
+    assert!(text.contains("recv-activation mb0 c0 <- r0s1\n     5  forward mb0 c1\n"), "{text}");
+    // Rank 0 holds layers 0..3 and 6..9: its two dp groups, last layers first.
+    assert!(text.contains("all-reduce-gradients dp2 layers 6..9\n"), "{text}");
+}
+
+#[test]
+fn schedules_and_chunks_must_agree() {
+    let interleaved = megatron_interleaved("8xh100", Degrees { vpp: 2, ..Degrees::new(1, 2, 1) }, 2);
+    let flat = megatron("8xh100", 2, 1, 2);
+    let mismatch = |plan: &Plan, kind| generate(plan, kind).unwrap_err();
+    assert_eq!(
+        mismatch(&interleaved, ScheduleKind::OneFOneB),
+        ScheduleError::ChunkMismatch { schedule: ScheduleKind::OneFOneB, virtual_stages: 2 }
+    );
+    assert_eq!(
+        mismatch(&flat, ScheduleKind::Interleaved),
+        ScheduleError::ChunkMismatch { schedule: ScheduleKind::Interleaved, virtual_stages: 1 }
+    );
+    // Programs of the wrong kind are refused by the check too.
+    let mut programs = generate(&flat, ScheduleKind::OneFOneB).unwrap();
+    programs.schedule = ScheduleKind::Interleaved;
+    assert!(matches!(check(&flat, &programs), Err(ScheduleError::ChunkMismatch { .. })));
+    let adaptive = ScheduleKind::try_from(Schedule::Adaptive).unwrap_err();
+    assert!(adaptive.to_string().contains("adaptive"), "{adaptive}");
 }
 
 // ---------------------------------------------------------------------------------------------
@@ -331,6 +427,13 @@ fn check_catches_broken_counts_transfers_and_groups() {
         kind,
         |programs| instructions(programs, 0, 0).insert(0, Instruction::Forward { micro_batch: 0, chunk: 0 }),
         |err| matches!(err, ScheduleError::PassCount { pass: "forward", count: 2, .. }),
+    );
+    // A chunk the rank does not hold.
+    check_rejects(
+        &plan,
+        kind,
+        |programs| instructions(programs, 0, 0).insert(0, Instruction::Forward { micro_batch: 0, chunk: 1 }),
+        |err| matches!(err, ScheduleError::Malformed { reason, .. } if reason.contains("1 model chunk")),
     );
     // A gradient never sent.
     check_rejects(
@@ -408,6 +511,61 @@ fn check_holds_schedules_to_their_memory_promise() {
     );
 }
 
+#[test]
+fn check_catches_broken_interleaved_programs() {
+    let plan = megatron_interleaved("8xh100", Degrees { vpp: 2, ..Degrees::new(1, 2, 1) }, 4);
+    let kind = ScheduleKind::Interleaved;
+    // Chunk 1's forward of micro-batch 0 runs twice on rank 1.
+    check_rejects(
+        &plan,
+        kind,
+        |programs| {
+            let program = instructions(programs, 0, 1);
+            let at = program.iter().position(|ins| *ins == Instruction::Forward { micro_batch: 0, chunk: 1 }).unwrap();
+            program.insert(at, Instruction::Forward { micro_batch: 0, chunk: 1 });
+        },
+        |err| matches!(err, ScheduleError::PassCount { pass: "forward", chunk: 1, count: 2, .. }),
+    );
+    // Rank 1's chunk 1 is the last virtual stage: it sends no activation.
+    check_rejects(
+        &plan,
+        kind,
+        |programs| {
+            let to = RankId::new(0, 0);
+            let program = instructions(programs, 0, 1);
+            let at = program.iter().position(|ins| *ins == Instruction::Forward { micro_batch: 0, chunk: 1 }).unwrap();
+            program.insert(at + 1, Instruction::SendActivation { micro_batch: 0, chunk: 1, to });
+        },
+        |err| matches!(err, ScheduleError::Malformed { reason, .. } if reason.contains("no such neighbour")),
+    );
+    // A receive naming the wrong sender chunk matches none of the rank's chunks.
+    check_rejects(
+        &plan,
+        kind,
+        |programs| {
+            let program = instructions(programs, 0, 0);
+            let at = program.iter().position(|ins| matches!(ins, Instruction::RecvActivation { .. })).unwrap();
+            let Instruction::RecvActivation { micro_batch, from, .. } = program[at] else { unreachable!() };
+            program[at] = Instruction::RecvActivation { micro_batch, chunk: 1, from };
+        },
+        |err| matches!(err, ScheduleError::Malformed { reason, .. } if reason.contains("not a neighbour")),
+    );
+    // Rank 0 of 2 with 2 chunks promises (2 − 0 − 1)·2 + 1·2 + 1 = 5; delaying its first
+    // backward (and the gradient it sends) to the end of the step holds one more.
+    check_rejects(
+        &megatron_interleaved("8xh100", Degrees { vpp: 2, ..Degrees::new(1, 2, 1) }, 8),
+        kind,
+        |programs| {
+            let program = instructions(programs, 0, 0);
+            let at = program.iter().position(|ins| matches!(ins, Instruction::Backward { .. })).unwrap();
+            let delayed: Vec<Instruction> = program.drain(at..at + 2).collect();
+            let end = program.iter().position(|ins| matches!(ins, Instruction::AllReduceGradients { .. })).unwrap();
+            program.splice(end..end, delayed);
+        },
+        |err| matches!(err, ScheduleError::InFlight { peak: 6, promised: 5, .. }),
+    );
+}
+
 // ---------------------------------------------------------------------------------------------
 // Properties over arbitrary uneven plans
 
@@ -417,6 +575,22 @@ fn shapes() -> impl Strategy<Value = Vec<(Vec<u32>, u32)>> {
     let replica = (prop::collection::btree_set(1u32..12, 0..4), 1u32..=9)
         .prop_map(|(cuts, n_micro_batches)| (cuts.into_iter().collect(), n_micro_batches));
     prop::collection::vec(replica, 1..=3)
+}
+
+/// A chunk count v of 2 or 3 and up to two replicas, each with its own rank count p (2 to 4,
+/// p·v ≤ 12), virtual stages cut anywhere in gpt2's 12 layers, and its own micro-batch count
+/// (one interleaving runs).
+fn interleaved_shapes() -> impl Strategy<Value = (u32, Vec<(Vec<u32>, u32)>)> {
+    (2u32..=3).prop_flat_map(|virtual_stages| {
+        let replica = (2u32..=(12 / virtual_stages).min(4), 1u32..=9).prop_flat_map(move |(n_ranks, m)| {
+            let n_cuts = (n_ranks * virtual_stages - 1) as usize;
+            // A micro-batch count interleaving runs: below p or a multiple of it.
+            let n_micro_batches = if m < n_ranks { m } else { m - m % n_ranks };
+            prop::sample::subsequence((1u32..12).collect::<Vec<_>>(), n_cuts)
+                .prop_map(move |cuts| (cuts, n_micro_batches))
+        });
+        (Just(virtual_stages), prop::collection::vec(replica, 1..=2))
+    })
 }
 
 proptest! {
@@ -437,7 +611,7 @@ proptest! {
         // Moving a receive earlier or a send later keeps every program well formed, but may make
         // ranks wait on each other in a cycle.
         let plan = reshape(&megatron("16xh100", 1, 1, 1), &shapes);
-        let mut programs = generate(&plan, all_schedules()[kind_idx]);
+        let mut programs = generate(&plan, all_schedules()[kind_idx]).unwrap();
         let program = picks.0.get_mut(&mut programs.programs);
         let transfers: Vec<usize> = (0..program.instructions.len())
             .filter(|&idx| {
@@ -468,9 +642,16 @@ proptest! {
     }
 
     #[test]
+    fn interleaved_passes_every_check_on_uneven_plans(shapes in interleaved_shapes()) {
+        let (virtual_stages, shapes) = shapes;
+        let plan = reshape_interleaved(&megatron("32xh100", 1, 1, 1), virtual_stages, &shapes);
+        check_all_schedules(&plan);
+    }
+
+    #[test]
     fn kfkb_with_k_one_is_1f1b(shapes in shapes()) {
         let plan = reshape(&megatron("16xh100", 1, 1, 1), &shapes);
-        let programs = generate(&plan, kfkb(1));
-        prop_assert_eq!(programs.programs, generate(&plan, ScheduleKind::OneFOneB).programs);
+        let programs = generate(&plan, kfkb(1)).unwrap();
+        prop_assert_eq!(programs.programs, generate(&plan, ScheduleKind::OneFOneB).unwrap().programs);
     }
 }

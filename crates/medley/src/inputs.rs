@@ -38,7 +38,8 @@ pub struct SpecArgs {
     /// Activation recompute: none, selective or full [default: the planner chooses].
     #[arg(long)]
     pub recompute: Option<Recompute>,
-    /// Pipeline schedule: 1f1b or gpipe [default: 1f1b].
+    /// Pipeline schedule: 1f1b, gpipe, interleaved (needs --fix with vpp > 1), kfkb:K, zb-h1 or
+    /// adaptive [default: 1f1b].
     #[arg(long)]
     pub schedule: Option<Schedule>,
     /// Keep optimizer states whole on every replica instead of ZeRO-1 sharding.

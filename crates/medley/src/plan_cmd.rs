@@ -29,7 +29,8 @@ pub struct PlanArgs {
     /// Write the best plan as JSON to this file.
     #[arg(short = 'o', long)]
     pub output: Option<PathBuf>,
-    /// Evaluate a homogeneous Megatron-style layout instead of searching, e.g. tp=8,pp=4,dp=2.
+    /// Evaluate a homogeneous Megatron-style layout instead of searching, e.g. tp=8,pp=4,dp=2;
+    /// add vpp=V for V model chunks per pipeline rank under interleaved 1F1B (tp=8,pp=8,dp=16,vpp=2).
     #[arg(long, conflicts_with = "plan")]
     pub fix: Option<Degrees>,
     /// Evaluate a plan file instead of searching (its cluster, model and job are used).

@@ -217,20 +217,23 @@ pub(crate) fn times(ratio: f64) -> String {
     format!("{ratio:.2}×")
 }
 
-/// `8× [H100-SXM:2, A100-80GB:4]`-style summary of the replica shapes.
+/// `8× [H100-SXM:2, A100-80GB:4]`-style summary of the replica shapes: pipeline ranks per
+/// device type (with ` ×2 chunks` when ranks hold several virtual stages).
 fn pipeline_summary(plan: &Plan) -> String {
+    let chunks = if plan.virtual_stages > 1 { format!(" ×{} chunks", plan.virtual_stages) } else { String::new() };
     plan.replica_shapes()
         .iter()
         .map(|shape| {
             let mut runs: Vec<(String, u32)> = Vec::new();
-            for (device, _) in &shape.stages {
+            let n_ranks = shape.stages.len() / plan.virtual_stages as usize;
+            for (device, _) in &shape.stages[..n_ranks] {
                 match runs.last_mut() {
                     Some((last, count)) if last == device => *count += 1,
                     _ => runs.push((device.clone(), 1)),
                 }
             }
             let stages: Vec<String> = runs.iter().map(|(device, count)| format!("{device}:{count}")).collect();
-            format!("{}× [{}]", shape.n_replicas, stages.join(" → "))
+            format!("{}× [{}]{chunks}", shape.n_replicas, stages.join(" → "))
         })
         .collect::<Vec<_>>()
         .join(" + ")
@@ -244,9 +247,10 @@ pub fn explain(plan: &Plan) -> String {
         let shares: Vec<String> = shape.micro_batches.iter().map(u32::to_string).collect();
         let _ = writeln!(
             out,
-            "- {} replica(s), {} stages each (layers per stage: {}), {} micro-batches of {} each",
+            "- {} replica(s), {} {}stages each (layers per stage: {}), {} micro-batches of {} each",
             shape.n_replicas,
             shape.stages.len(),
+            if plan.virtual_stages > 1 { "virtual " } else { "" },
             layers.join(" "),
             shares.join("/"),
             plan.micro_batch,

@@ -113,6 +113,38 @@ fn fixed_layouts_are_evaluated_or_refused() {
 }
 
 #[test]
+fn fixed_layouts_interleave_with_vpp() {
+    let args = ["plan", "--cluster", "16xh100", "--model", "llama3-8b", "--fix", "tp=2,pp=4,dp=2,vpp=2", "--json"];
+    let output = check(&args, 0, "plan");
+    let value: serde_json::Value = serde_json::from_str(&stdout(&output)).unwrap();
+    assert_eq!(value["plan"]["virtual_stages"], 2);
+    assert_eq!(value["plan"]["schedule"], "interleaved");
+    assert_eq!(value["plan"]["replicas"][0]["stages"].as_array().unwrap().len(), 8);
+    let path = scratch("interleaved.json");
+    let path = path.to_str().unwrap();
+    let text = ["plan", "--cluster", "16xh100", "--model", "llama3-8b", "--fix", "tp=2,pp=4,dp=2,vpp=2", "-o", path];
+    check(&text, 0, "×2 chunks");
+    // The written plan evaluates to the same prediction.
+    let evaluated = check(&["plan", "--plan", path, "--json"], 0, "plan");
+    let evaluated: serde_json::Value = serde_json::from_str(&stdout(&evaluated)).unwrap();
+    assert_eq!(evaluated["prediction"]["step_time_s"], value["prediction"]["step_time_s"]);
+    let gpipe = ["plan", "--cluster", "16xh100", "--model", "llama3-8b", "--fix", "pp=4,vpp=2", "--schedule", "gpipe"];
+    check(&gpipe, 2, "schedule gpipe does not run plans with 2 virtual stage(s)");
+    check(&["plan", "--cluster", "16xh100", "--model", "llama3-8b", "--fix", "pp=2,vpp=0"], 2, "positive integer");
+    // The search lays out one chunk per rank.
+    check(&["plan", "--cluster", "16xh100", "--model", "llama3-8b", "--schedule", "interleaved"], 2, "vpp=2");
+    check(&["plan", "--schedule", "2f2b"], 2, "unknown schedule `2f2b`");
+}
+
+#[test]
+fn schedules_by_name() {
+    for schedule in ["gpipe", "kfkb:2", "zb-h1", "adaptive"] {
+        let args = ["plan", "--cluster", "8xh100", "--model", "gpt2", "--global-batch", "16", "--schedule", schedule];
+        check(&args, 0, &format!("schedule {schedule}"));
+    }
+}
+
+#[test]
 fn nothing_fits_exits_one_and_says_what_would() {
     check(&["plan", "--cluster", "8xa100-40gb", "--model", "llama3-405b"], 1, "more devices");
 }

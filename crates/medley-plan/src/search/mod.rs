@@ -87,6 +87,10 @@ pub fn search(
     calibration: &Calibration,
     options: &SearchOptions,
 ) -> Result<SearchOutcome, PlanError> {
+    // The search lays out one chunk per rank; interleaving is a fixed layout's (`vpp`).
+    if job.schedule() == Schedule::Interleaved {
+        return Err(PlanError::ScheduleMismatch { schedule: job.schedule(), virtual_stages: 1 });
+    }
     let cost = CostModel::new(model, job.seq_len(), calibration);
     let allowed: Vec<usize> = options.groups.clone().unwrap_or_else(|| (0..cluster.groups().len()).collect());
     if allowed.len() > MAX_GROUPS {
@@ -325,7 +329,7 @@ impl Space<'_> {
                     .push(ReplicaLayout { n_micro_batches, stages: stages_from_counts(device_groups, &block.layers) });
             }
         }
-        assemble(self.cluster, &self.cost, self.job, layout.setting, replicas)
+        assemble(self.cluster, &self.cost, self.job, layout.setting, self.job.schedule(), 1, replicas)
     }
 }
 

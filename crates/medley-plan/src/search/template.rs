@@ -215,7 +215,7 @@ impl<'s, 'a> Template<'s, 'a> {
                 let head = if idx + 1 == n_stages { cost.head_time(group, self.setting) } else { PassTime::default() };
                 let transfers =
                     boundary_s.get(idx).copied().unwrap_or(0.0) + if idx > 0 { boundary_s[idx - 1] } else { 0.0 };
-                let in_flight = self.space.job.schedule().in_flight(idx, n_stages, replica_share);
+                let in_flight = f64::from(self.space.job.schedule().in_flight(idx, n_stages, 1, replica_share));
                 let memory =
                     |n_layers| cost.stage_memory(self.shape(idx, n_layers), self.setting, in_flight, shards).total();
                 StageLoad {
