@@ -33,7 +33,7 @@ pub struct Degrees {
 
 impl Degrees {
     /// Degrees without interleaving.
-    pub fn new(tp: u32, pp: u32, dp: u32) -> Self {
+    pub const fn new(tp: u32, pp: u32, dp: u32) -> Self {
         Degrees { tp, pp, dp, vpp: 1 }
     }
 }

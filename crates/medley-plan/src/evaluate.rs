@@ -366,11 +366,11 @@ mod tests {
     fn interleaving_divides_the_bubble_by_the_chunks() {
         // 4 ranks of 2 chunks, 1 s of work per chunk per micro-batch (2 s per rank), no
         // transfers, 8 micro-batches: m·t + (p − 1)·t/v = 16 + 3 = 19 s (Narayanan et al.).
-        let chunk = PassTime { forward_s: 0.25, backward_s: 0.75 };
+        let chunk = PassTime { forward_s: 0.25, backward_s: 0.75, weight_grad_s: 0.25 };
         let timing = PipelineTiming::interleaved(&[chunk; 8], &[0.0; 7], 2);
         assert_eq!(timing.time_s(8), 19.0);
         // Without interleaving the same ranks (2 s each) leave a (p − 1)·t = 6 s bubble.
-        let rank = PassTime { forward_s: 0.5, backward_s: 1.5 };
+        let rank = PassTime { forward_s: 0.5, backward_s: 1.5, weight_grad_s: 0.5 };
         assert_eq!(PipelineTiming::new(&[rank; 4], &[0.0; 3]).time_s(8), 22.0);
     }
 }

@@ -8,6 +8,7 @@ use std::num::NonZeroU32;
 use medley_cost::Calibration;
 use medley_plan::Plan;
 use medley_schedule::{AdaptiveK, ScheduleKind, StepObservation};
+use medley_spec::Schedule;
 use serde::Serialize;
 
 use crate::network::Network;
@@ -20,6 +21,16 @@ pub enum SchedulePolicy {
     Fixed(ScheduleKind),
     /// kFkB with k chosen between steps by [`AdaptiveK`], within memory.
     Adaptive,
+}
+
+impl From<Schedule> for SchedulePolicy {
+    fn from(schedule: Schedule) -> Self {
+        match ScheduleKind::try_from(schedule) {
+            Ok(kind) => SchedulePolicy::Fixed(kind),
+            // The one schedule name that is not a concrete order.
+            Err(_) => SchedulePolicy::Adaptive,
+        }
+    }
 }
 
 /// One step of a run, in brief.
@@ -55,7 +66,8 @@ pub fn max_k_within_memory(plan: &Plan, calibration: &Calibration) -> u32 {
         let kind = ScheduleKind::Kfkb { k: NonZeroU32::new(k).expect("k ≥ 1") };
         setup.ranks.iter().all(|rank| {
             let replica = &plan.replicas[rank.id.replica_idx as usize];
-            let in_flight = kind.in_flight(rank.id.stage_idx as usize, replica.stages.len(), replica.n_micro_batches);
+            let n_ranks = plan.n_ranks(replica);
+            let in_flight = kind.in_flight(rank.id.stage_idx as usize, n_ranks, 1, replica.n_micro_batches);
             let activations: f64 = rank.chunks.iter().map(|chunk| chunk.activation_bytes).sum();
             rank.static_bytes + f64::from(in_flight) * activations <= rank.capacity_bytes
         })
@@ -81,7 +93,7 @@ pub fn simulate_steps(
             SchedulePolicy::Fixed(kind) => kind,
             SchedulePolicy::Adaptive => ScheduleKind::Kfkb { k: NonZeroU32::new(adaptive.k()).expect("k ≥ 1") },
         };
-        let report = simulation.step(&medley_schedule::generate(plan, kind))?;
+        let report = simulation.step(&medley_schedule::generate(plan, kind)?)?;
         if let ScheduleKind::Kfkb { k } = kind {
             adaptive.observe(StepObservation {
                 k: k.get(),

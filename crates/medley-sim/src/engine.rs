@@ -408,7 +408,12 @@ impl<'s, 'p, 'w> StepRun<'s, 'p, 'w> {
     }
 
     fn send_boundary(&mut self, from: usize, to: usize, key: MessageKey) {
-        let route = self.sim.setup.boundary_route(self.sim.setup.ranks[from].id, self.sim.setup.ranks[to].id);
+        let (chunk, forward) = match key {
+            MessageKey::Activation { chunk, .. } => (chunk, true),
+            MessageKey::Gradient { chunk, .. } => (chunk, false),
+            MessageKey::Collective { .. } => unreachable!("collective messages take their group's route"),
+        };
+        let route = self.sim.setup.boundary_route(self.sim.setup.ranks[from].id, chunk, forward);
         let bytes = self.sim.setup.boundary_bytes;
         self.send(from, to, key, bytes, route);
     }

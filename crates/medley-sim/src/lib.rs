@@ -59,6 +59,8 @@ pub enum SimError {
     NotAMember { rank: String, group: u32 },
     #[error("the programs deadlock: {}", stuck.join("; "))]
     Deadlock { stuck: Vec<String> },
+    #[error("generating the programs: {0}")]
+    Schedule(#[from] medley_schedule::ScheduleError),
     #[error("lowering an all-reduce: {0}")]
     Collective(#[from] medley_collective::CollectiveError),
     #[error("{0}")]
@@ -180,7 +182,7 @@ pub fn simulate(
     timeline: Option<&mut dyn Write>,
 ) -> Result<StepReport, SimError> {
     let mut simulation = Simulation::new(plan, calibration, config, timeline)?;
-    let report = simulation.step(&medley_schedule::generate(plan, schedule))?;
+    let report = simulation.step(&medley_schedule::generate(plan, schedule)?)?;
     simulation.finish()?;
     Ok(report)
 }

@@ -76,32 +76,47 @@ impl<'p> Setup<'p> {
         let shards = if plan.zero1 { plan.replicas.len() as u32 } else { 1 };
         let mut ranks = Vec::new();
         for (replica_idx, replica) in plan.replicas.iter().enumerate() {
+            let n_ranks = plan.n_ranks(replica);
             let n_stages = replica.stages.len();
-            for (stage_idx, stage) in replica.stages.iter().enumerate() {
+            for rank_idx in 0..n_ranks {
+                let stage = &replica.stages[rank_idx];
                 let group = plan.stage_group(stage);
-                let shape = StageShape::in_pipeline(stage_idx, n_stages, stage.layers.len());
-                let pass = cost.stage_time(group, shape, setting);
-                let memory = |in_flight| cost.stage_memory(shape, setting, in_flight, shards).total();
-                let chunk = ChunkCost {
-                    forward_ns: ns(pass.forward_s),
-                    backward_ns: ns(pass.backward_s),
-                    input_grad_ns: ns(pass.backward_s - pass.weight_grad_s),
-                    weight_grad_ns: ns(pass.weight_grad_s),
-                    activation_bytes: memory(1) - memory(0),
-                };
-                let params_per_device = cost.stage_params(shape) / f64::from(plan.tp * shards);
+                // Virtual stages rank_idx, rank_idx + p, ...: the rank's chunks in order.
+                let chunk_shapes: Vec<StageShape> = (rank_idx..n_stages)
+                    .step_by(n_ranks)
+                    .map(|stage_idx| {
+                        StageShape::in_pipeline(stage_idx, n_stages, replica.stages[stage_idx].layers.len())
+                    })
+                    .collect();
+                let n_layers = chunk_shapes.iter().map(|shape| shape.n_layers).sum();
+                let rank_shape = StageShape::in_pipeline(rank_idx, n_ranks, n_layers);
+                let memory = |shape, in_flight| cost.stage_memory(shape, setting, in_flight, shards).total();
+                let chunks = chunk_shapes
+                    .iter()
+                    .map(|&shape| {
+                        let pass = cost.stage_time(group, shape, setting);
+                        ChunkCost {
+                            forward_ns: ns(pass.forward_s),
+                            backward_ns: ns(pass.backward_s),
+                            input_grad_ns: ns(pass.backward_s - pass.weight_grad_s),
+                            weight_grad_ns: ns(pass.weight_grad_s),
+                            activation_bytes: memory(shape, 1.0) - memory(shape, 0.0),
+                        }
+                    })
+                    .collect();
+                let params_per_device = cost.stage_params(rank_shape) / f64::from(plan.tp * shards);
                 let slot = slots[stage.devices[0] as usize];
                 let nic_gb_s = comm::nic_link(&plan.cluster, &[group]).gb_s;
                 let intra_gb_s = comm::intra_node_link(group).gb_s;
                 ranks.push(RankSetup {
-                    id: RankId::new(replica_idx, stage_idx),
+                    id: RankId::new(replica_idx, rank_idx),
                     slot,
                     vendor: group.device.vendor,
                     device_name: group.device.name.clone(),
                     devices: stage.devices.clone(),
-                    chunks: vec![chunk],
+                    chunks,
                     optimizer_ns: ns(cost.optimizer_step_s(group, params_per_device)),
-                    static_bytes: memory(0),
+                    static_bytes: memory(rank_shape, 0.0),
                     capacity_bytes: group.device.hbm_gib * GIB,
                     ports: Ports {
                         nic_out: network.add_resource(nic_gb_s),
@@ -119,8 +134,11 @@ impl<'p> Setup<'p> {
             .map(|group| {
                 plan.holders(group.layers)
                     .into_iter()
+                    .zip(&plan.replicas)
                     .enumerate()
-                    .map(|(replica_idx, stage_idx)| index[&RankId::new(replica_idx, stage_idx)])
+                    .map(|(replica_idx, (stage_idx, replica))| {
+                        index[&RankId::new(replica_idx, plan.rank_of(replica, stage_idx))]
+                    })
                     .collect()
             })
             .collect();
@@ -161,9 +179,11 @@ impl<'p> Setup<'p> {
         (link, resources)
     }
 
-    /// The route between two neighbouring stages of one replica.
-    pub(crate) fn boundary_route(&self, a: RankId, b: RankId) -> Route {
-        let replica = &self.plan.replicas[a.replica_idx as usize];
-        replica.boundaries[a.stage_idx.min(b.stage_idx) as usize]
+    /// The route of a pipeline transfer that `sender` makes from its chunk `chunk`: forward to
+    /// the next virtual stage, or backward to the previous one.
+    pub(crate) fn boundary_route(&self, sender: RankId, chunk: u32, forward: bool) -> Route {
+        let replica = &self.plan.replicas[sender.replica_idx as usize];
+        let virtual_stage = chunk as usize * self.plan.n_ranks(replica) + sender.stage_idx as usize;
+        replica.boundaries[if forward { virtual_stage } else { virtual_stage - 1 }]
     }
 }

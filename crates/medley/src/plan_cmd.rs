@@ -9,7 +9,7 @@ use clap::Args;
 use medley_cost::Calibration;
 use medley_plan::baselines::{self, Degrees};
 use medley_plan::{Candidate, Plan, PlanError, SearchOptions, evaluate, search};
-use medley_sim::{SimConfig, StepReport, simulate};
+use medley_sim::{SchedulePolicy, SimConfig, StepReport, simulate_steps};
 use medley_spec::{JobParts, JobSpec};
 use rayon::prelude::*;
 
@@ -109,7 +109,8 @@ fn confirm_by_simulation(candidates: Vec<Candidate>, calibration: &Calibration) 
         .par_iter()
         .map(|candidate| {
             let plan = &candidate.plan;
-            simulate(plan, plan.schedule.into(), calibration, &SimConfig::default(), None)
+            let policy = SchedulePolicy::from(plan.schedule);
+            simulate_steps(plan, calibration, &SimConfig::default(), policy, 1, None).map(|run| run.last_step)
         })
         .collect::<Result<_, _>>()
         .context("simulating the candidates")?;

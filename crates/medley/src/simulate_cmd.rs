@@ -12,7 +12,7 @@ use medley_cost::{CostModel, Setting};
 use medley_plan::Plan;
 use medley_plan::baselines::{Degrees, megatron_plan};
 use medley_sim::{BandwidthTrace, RunReport, SchedulePolicy, SimConfig, simulate_steps};
-use medley_spec::{Recompute, Schedule};
+use medley_spec::Recompute;
 
 use crate::inputs::{SpecArgs, Specs, read};
 use crate::plan_cmd::{load_plan, specs_of_plan};
@@ -35,6 +35,10 @@ pub struct SimulateArgs {
     /// Data-parallel degree of the what-if layout [default: the devices left, GPUs / (tp·pp)].
     #[arg(long, conflicts_with = "plan")]
     pub dp: Option<u32>,
+    /// Virtual pipeline stages per rank (interleaved 1F1B, Narayanan et al. 2021); over 1 turns
+    /// the default 1F1B schedule into `interleaved`.
+    #[arg(long, default_value_t = 1, conflicts_with = "plan")]
+    pub vpp: u32,
     /// Context-parallel degree; only 1 is modelled so far.
     #[arg(long, default_value_t = 1)]
     pub cp: u32,
@@ -74,7 +78,7 @@ pub fn run(args: &SimulateArgs) -> Result<ExitCode> {
         None => what_if(args)?,
     };
     let config = SimConfig { network_trace: args.network_trace.as_deref().map(network_trace).transpose()? };
-    let policy = policy(args.specs.schedule.unwrap_or(plan.schedule));
+    let policy = SchedulePolicy::from(plan.schedule);
     let report = match &args.trace {
         Some(path) => {
             let file = File::create(path).with_context(|| format!("cannot create {}", path.display()))?;
@@ -110,7 +114,7 @@ fn what_if(args: &SimulateArgs) -> Result<(Specs, Plan)> {
         None if n_gpus.is_multiple_of(args.tp * args.pp) => n_gpus / (args.tp * args.pp),
         None => bail!("--tp {} × --pp {} does not divide the cluster's {n_gpus} GPUs; give --dp", args.tp, args.pp),
     };
-    let degrees = Degrees { tp: args.tp, pp: args.pp, dp };
+    let degrees = Degrees { vpp: args.vpp, ..Degrees::new(args.tp, args.pp, dp) };
     let setting = Setting {
         micro_batch: specs.job.micro_batch().unwrap_or(1),
         tp: args.tp,
@@ -126,10 +130,6 @@ fn network_trace(text: &str) -> Result<BandwidthTrace> {
         return Ok(BandwidthTrace::from_csv(&read(text)?, text)?);
     }
     Ok(text.parse()?)
-}
-
-fn policy(schedule: Schedule) -> SchedulePolicy {
-    SchedulePolicy::Fixed(schedule.into())
 }
 
 fn json(report: &RunReport) -> serde_json::Value {
