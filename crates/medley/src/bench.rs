@@ -27,6 +27,12 @@ pub enum BenchCommand {
         #[arg(long)]
         json: bool,
     },
+    /// The simulator against published measured runs, and the efficiencies that fit them.
+    Calibration {
+        /// Print the rows as JSON instead of tables.
+        #[arg(long)]
+        json: bool,
+    },
     /// Simulator speed on a 1024-GPU step, and known orderings of pipeline schedules in simulation.
     Schedules {
         /// Print the rows as JSON instead of tables.
@@ -38,6 +44,7 @@ pub enum BenchCommand {
 pub fn run(which: &BenchCommand) -> Result<()> {
     match which {
         BenchCommand::Plan { json } => bench_plan(*json),
+        BenchCommand::Calibration { json } => crate::bench_calibration::bench_calibration(*json),
         BenchCommand::Schedules { json } => crate::bench_schedules::bench_schedules(*json),
     }
 }

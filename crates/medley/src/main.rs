@@ -1,6 +1,7 @@
 //! The `medley` command line: glue between the spec, cost and plan libraries and a person.
 
 mod bench;
+mod bench_calibration;
 mod bench_schedules;
 mod inputs;
 mod plan_cmd;
