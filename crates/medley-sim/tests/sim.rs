@@ -312,3 +312,50 @@ fn programs_of_another_plan_are_refused() {
     let err = simulation.step(&generate(&uniform_pipeline(4, 4), ScheduleKind::OneFOneB).unwrap()).unwrap_err();
     assert!(err.to_string().contains("do not match the plan"), "{err}");
 }
+
+// ---------------------------------------------------------------------------------------------
+// Properties over the planner's plans for mixed clusters
+
+/// The planner's best plans for a small mixed cluster and a model that must be split.
+fn searched_plans(h100: u32, other: (&str, u32), global_batch: u32) -> Vec<Plan> {
+    let text = format!("{h100}xh100,{}x{}", other.1, other.0);
+    let model = catalog_model("llama3-8b").unwrap();
+    let parts = JobParts { seq_len: 2048, global_batch, ..JobParts::default() };
+    let job = JobSpec::new(parts, "test").unwrap();
+    let options = medley_plan::SearchOptions { top: 3, ..Default::default() };
+    let outcome = medley_plan::search(&cluster(&text), &model, &job, &Calibration::default(), &options).unwrap();
+    outcome.candidates.into_iter().map(|candidate| candidate.plan).collect()
+}
+
+proptest::proptest! {
+    #![proptest_config(proptest::prelude::ProptestConfig { cases: 12, ..Default::default() })]
+
+    /// Every schedule runs every searched plan to the end; no rank computes or waits longer than
+    /// the step; the simulated memory peak is the one the cost model prices for the plan's schedule.
+    #[test]
+    fn every_schedule_runs_searched_plans_within_their_promises(
+        h100 in 1u32..=2,
+        other in proptest::sample::select(vec![("a100", 8u32), ("mi300x", 8), ("a100", 4), ("mi300x", 16)]),
+        global_batch in proptest::sample::select(vec![16u32, 24, 64]),
+    ) {
+        let calibration = Calibration::default();
+        for plan in searched_plans(8 * h100, other, global_batch) {
+            let predicted = medley_plan::evaluate(&plan, &calibration);
+            for schedule in [ScheduleKind::Gpipe, ScheduleKind::OneFOneB, kfkb(2), ScheduleKind::ZbH1] {
+                let report = run(&plan, schedule);
+                for rank in &report.ranks {
+                    proptest::prop_assert!(rank.compute_s + rank.comm_wait_s <= report.step_time_s + 1e-9, "{rank:?}");
+                    proptest::prop_assert!(rank.idle_s >= 0.0);
+                }
+                proptest::prop_assert!(report.bubble_fraction >= 0.0);
+                if matches!(schedule, ScheduleKind::Gpipe | ScheduleKind::OneFOneB) && plan.schedule == schedule.into() {
+                    for (device, peak) in &report.peak_memory_by_device_gib {
+                        let promised = predicted.peak_memory_gib[device];
+                        // The schedule reaches its promise: the simulated peak is the priced one.
+                        proptest::prop_assert!((peak / promised - 1.0).abs() < 1e-6, "{schedule} {device}: {peak} vs {promised}");
+                    }
+                }
+            }
+        }
+    }
+}
