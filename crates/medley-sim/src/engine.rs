@@ -124,7 +124,12 @@ pub(crate) struct RankState {
     /// Forward and backward passes (the pipeline's work), then all compute with the optimizer.
     pub pass_ns: u64,
     pub compute_ns: u64,
-    pub wait_ns: u64,
+    /// Blocked on data already on its way (or on the rank's own sends draining): the network's
+    /// share of the step.
+    pub transfer_wait_ns: u64,
+    /// Blocked on a peer that had not sent yet, or on all-reduce members still to arrive:
+    /// pipeline bubbles, imbalance, stragglers.
+    pub peer_wait_ns: u64,
     pub last_pass_end_ns: u64,
     pub done_ns: Option<u64>,
 }
@@ -162,6 +167,8 @@ pub(crate) struct StepRun<'s, 'p, 'w> {
     mailbox: HashSet<MessageKey>,
     waiting: HashMap<MessageKey, usize>,
     channels: HashMap<(usize, usize), Channel>,
+    /// When each message's send was issued.
+    issued_ns: HashMap<MessageKey, u64>,
     collectives: Vec<CollectiveState>,
     drains: Vec<DrainAt>,
     n_done: usize,
@@ -205,6 +212,7 @@ impl<'s, 'p, 'w> StepRun<'s, 'p, 'w> {
             mailbox: HashSet::new(),
             waiting: HashMap::new(),
             channels: HashMap::new(),
+            issued_ns: HashMap::new(),
             collectives,
             drains: Vec::new(),
             n_done: 0,
@@ -276,7 +284,14 @@ impl<'s, 'p, 'w> StepRun<'s, 'p, 'w> {
     fn resume(&mut self, rank: usize) -> Result<(), SimError> {
         if let Some((since_ns, wait)) = self.ranks[rank].blocked.take() {
             let now = self.now();
-            self.ranks[rank].wait_ns += now - since_ns;
+            // The wait is the peer's until the awaited message was issued, the network's after.
+            let issued_ns = match wait {
+                Wait::Message(key) => self.issued_ns.get(&key).map_or(now, |&at| at.clamp(since_ns, now)),
+                Wait::CollectiveStart(_) => now,
+                Wait::Sends => since_ns,
+            };
+            self.ranks[rank].peer_wait_ns += issued_ns - since_ns;
+            self.ranks[rank].transfer_wait_ns += now - issued_ns;
             if now > since_ns && self.sim.timeline.is_some() {
                 let name = self.wait_label(rank, wait);
                 self.timeline_slice(rank, COMPUTE_TID, &name, "wait", (since_ns, now), json!({}));
@@ -423,6 +438,7 @@ impl<'s, 'p, 'w> StepRun<'s, 'p, 'w> {
     /// time, in order, as operations on one NCCL channel do.
     fn send(&mut self, from: usize, to: usize, key: MessageKey, bytes: f64, route: medley_plan::Route) {
         self.ranks[from].pending_sends += 1;
+        self.issued_ns.insert(key, self.sim.now_ns);
         let send = QueuedSend { key, from, to, bytes, route };
         let channel = self.channels.entry((from, to)).or_default();
         if channel.busy {

@@ -24,7 +24,8 @@ pub struct StepReport {
     /// 2021's definition, so uniform GPipe/1F1B gives (p − 1)/m). A rank's pipeline time runs from
     /// the step's start to its replica's last forward or backward pass.
     pub bubble_fraction: f64,
-    /// Share of the step the average rank spends blocked on communication.
+    /// Share of the step the average rank spends blocked on data in flight: what the network
+    /// costs beyond the pipeline's own bubbles.
     pub comm_wait_fraction: f64,
     /// The highest peak of any device, GiB.
     pub peak_memory_gib: f64,
@@ -43,8 +44,11 @@ pub struct RankReport {
     pub device: String,
     pub devices: Vec<u32>,
     pub compute_s: f64,
-    /// Blocked on a receive, an all-reduce or outstanding sends.
+    /// Blocked on data already sent to it (or on its own sends draining).
     pub comm_wait_s: f64,
+    /// Blocked on a peer that had not sent yet, or on all-reduce members still to arrive:
+    /// pipeline bubbles, load imbalance, stragglers.
+    pub peer_wait_s: f64,
     /// Neither computing nor waiting: finished before the slowest rank.
     pub idle_s: f64,
     pub peak_memory_gib: f64,
@@ -67,8 +71,10 @@ impl StepReport {
                 device: setup.device_name.clone(),
                 devices: setup.devices.clone(),
                 compute_s: state.compute_ns as f64 * 1e-9,
-                comm_wait_s: state.wait_ns as f64 * 1e-9,
-                idle_s: step_ns.saturating_sub(state.compute_ns + state.wait_ns) as f64 * 1e-9,
+                comm_wait_s: state.transfer_wait_ns as f64 * 1e-9,
+                peer_wait_s: state.peer_wait_ns as f64 * 1e-9,
+                idle_s: step_ns.saturating_sub(state.compute_ns + state.transfer_wait_ns + state.peer_wait_ns) as f64
+                    * 1e-9,
                 peak_memory_gib: state.peak_memory_bytes / GIB,
             })
             .collect();
@@ -94,7 +100,7 @@ impl StepReport {
         let model_flops = flops::model_flops_per_step(&plan.model, plan.seq_len, plan.global_batch);
         let hardware_flops =
             flops::hardware_flops_per_step(&plan.model, plan.seq_len, plan.global_batch, plan.recompute);
-        let wait_ns: u64 = run.ranks.iter().map(|state| state.wait_ns).sum();
+        let wait_ns: u64 = run.ranks.iter().map(|state| state.transfer_wait_ns).sum();
         StepReport {
             schedule,
             step_time_s,

@@ -187,7 +187,7 @@ fn breakdown(report: &medley_sim::StepReport) -> comfy_table::Table {
     for rank in &report.ranks {
         by_device.entry(rank.device.as_str()).or_default().push(rank);
     }
-    let mut table = table(&["device", "ranks", "compute", "comm wait", "idle", "peak memory", "capacity"]);
+    let mut table = table(&["device", "ranks", "compute", "comm wait", "peer wait", "idle", "peak memory", "capacity"]);
     for (device, ranks) in by_device {
         let mean = |value: fn(&medley_sim::RankReport) -> f64| {
             ranks.iter().map(|r| value(r)).sum::<f64>() / ranks.len() as f64
@@ -197,6 +197,7 @@ fn breakdown(report: &medley_sim::StepReport) -> comfy_table::Table {
             right(ranks.len()),
             right(format!("{:.3} s", mean(|r| r.compute_s))),
             right(format!("{:.3} s", mean(|r| r.comm_wait_s))),
+            right(format!("{:.3} s", mean(|r| r.peer_wait_s))),
             right(format!("{:.3} s", mean(|r| r.idle_s))),
             right(format!("{:.1} GiB", report.peak_memory_by_device_gib[device])),
             right(format!("{:.0} GiB", report.capacity_gib[device])),
