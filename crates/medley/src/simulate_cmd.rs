@@ -72,7 +72,11 @@ pub fn run(args: &SimulateArgs) -> Result<ExitCode> {
     }
     let (specs, plan) = match &args.plan {
         Some(path) => {
-            let plan = load_plan(path)?;
+            let mut plan = load_plan(path)?;
+            if let Some(schedule) = args.specs.schedule {
+                plan.schedule = schedule;
+                plan.validate().with_context(|| format!("--schedule {schedule} with {path}"))?;
+            }
             (specs_of_plan(&args.specs, path, &plan)?, plan)
         }
         None => what_if(args)?,

@@ -224,6 +224,10 @@ fn simulate_a_plan_file_with_a_timeline_and_a_network_trace() {
     check(&["plan", "--cluster", "8xh100,8xmi300x", "--model", "llama3-8b", "-o", plan], 0, "written");
     let args = ["simulate", "--plan", plan, "--trace", timeline, "--network-trace", csv, "--steps", "2"];
     check(&args, 0, "Where the time went");
+    // A schedule given on the command line replaces the plan's, if the plan can run it; this
+    // plan's memory was sized for 1F1B, and ZB-H1 keeps more micro-batches in flight.
+    check(&["simulate", "--plan", plan, "--schedule", "zb-h1", "--json"], 1, "\"schedule\": \"zb-h1\"");
+    check(&["simulate", "--plan", plan, "--schedule", "interleaved"], 2, "interleaved");
     let document: serde_json::Value = serde_json::from_str(&std::fs::read_to_string(timeline).unwrap()).unwrap();
     assert!(document["traceEvents"].as_array().unwrap().len() > 100);
 }
