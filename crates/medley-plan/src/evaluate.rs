@@ -19,6 +19,21 @@ pub struct Prediction {
     /// Gradient synchronisation after the pipeline drains (not overlapped, a conservative choice).
     pub dp_sync_s: f64,
     pub optimizer_s: f64,
+    #[serde(flatten)]
+    pub utilisation: Utilisation,
+    /// Pipeline bubble time over pipeline compute time, averaged over ranks (Narayanan et al.
+    /// 2021's definition: uniform GPipe/1F1B gives (p − 1)/m).
+    pub bubble_fraction: f64,
+    pub n_gpus_used: u32,
+    /// Highest predicted memory per device type, GiB.
+    pub peak_memory_gib: BTreeMap<String, f64>,
+    pub capacity_gib: BTreeMap<String, f64>,
+    pub fits: bool,
+}
+
+/// Throughput and utilisation of a plan whose step takes `step_time_s`: what both engines report.
+#[derive(Clone, Copy, Debug, PartialEq, Serialize)]
+pub struct Utilisation {
     pub tokens_per_s: f64,
     pub model_tflops_per_gpu: f64,
     pub hardware_tflops_per_gpu: f64,
@@ -26,13 +41,28 @@ pub struct Prediction {
     pub mfu: f64,
     /// Hardware FLOPs utilisation, counting recomputation.
     pub hfu: f64,
-    /// Share of the pipeline time the average stage waits in fill and drain.
-    pub bubble_fraction: f64,
-    pub n_gpus_used: u32,
-    /// Highest predicted memory per device type, GiB.
-    pub peak_memory_gib: BTreeMap<String, f64>,
-    pub capacity_gib: BTreeMap<String, f64>,
-    pub fits: bool,
+}
+
+impl Utilisation {
+    pub fn of(plan: &Plan, step_time_s: f64) -> Self {
+        let n_gpus_used = plan.used_devices().len() as f64;
+        let peak_flops: f64 = plan
+            .replicas
+            .iter()
+            .flat_map(|replica| &replica.stages[..plan.n_ranks(replica)])
+            .map(|stage| plan.stage_group(stage).device.half_precision_tflops() * 1e12 * stage.devices.len() as f64)
+            .sum();
+        let model_flops = flops::model_flops_per_step(&plan.model, plan.seq_len, plan.global_batch);
+        let hardware_flops =
+            flops::hardware_flops_per_step(&plan.model, plan.seq_len, plan.global_batch, plan.recompute);
+        Utilisation {
+            tokens_per_s: f64::from(plan.seq_len) * f64::from(plan.global_batch) / step_time_s,
+            model_tflops_per_gpu: model_flops / step_time_s / n_gpus_used / 1e12,
+            hardware_tflops_per_gpu: hardware_flops / step_time_s / n_gpus_used / 1e12,
+            mfu: model_flops / step_time_s / peak_flops,
+            hfu: hardware_flops / step_time_s / peak_flops,
+        }
+    }
 }
 
 /// The setting every stage of `plan` runs with.
@@ -52,27 +82,14 @@ pub fn evaluate(plan: &Plan, calibration: &Calibration) -> Prediction {
     let memory = MemoryPeaks::of(plan, cost);
     let dp_sync_s = dp_sync_s(plan, cost, &slots);
     let step_time_s = pipeline_s + dp_sync_s + optimizer_s;
-    let n_gpus_used = plan.used_devices().len() as u32;
-    let peak_flops: f64 = plan
-        .replicas
-        .iter()
-        .flat_map(|replica| &replica.stages[..plan.n_ranks(replica)])
-        .map(|stage| plan.stage_group(stage).device.half_precision_tflops() * 1e12 * stage.devices.len() as f64)
-        .sum();
-    let model_flops = flops::model_flops_per_step(cost.model(), plan.seq_len, plan.global_batch);
-    let hardware_flops = flops::hardware_flops_per_step(cost.model(), plan.seq_len, plan.global_batch, plan.recompute);
     Prediction {
         step_time_s,
         pipeline_s,
         dp_sync_s,
         optimizer_s,
-        tokens_per_s: f64::from(plan.seq_len) * f64::from(plan.global_batch) / step_time_s,
-        model_tflops_per_gpu: model_flops / step_time_s / f64::from(n_gpus_used) / 1e12,
-        hardware_tflops_per_gpu: hardware_flops / step_time_s / f64::from(n_gpus_used) / 1e12,
-        mfu: model_flops / step_time_s / peak_flops,
-        hfu: hardware_flops / step_time_s / peak_flops,
-        bubble_fraction: 1.0 - busy.iter().sum::<f64>() / busy.len() as f64,
-        n_gpus_used,
+        utilisation: Utilisation::of(plan, step_time_s),
+        bubble_fraction: busy.iter().map(|busy| 1.0 / busy - 1.0).sum::<f64>() / busy.len() as f64,
+        n_gpus_used: plan.used_devices().len() as u32,
         fits: memory.fits(),
         peak_memory_gib: memory.peak_gib,
         capacity_gib: memory.capacity_gib,

@@ -14,7 +14,7 @@ mod plan;
 mod search;
 
 pub use error::PlanError;
-pub use evaluate::{PipelineTiming, Prediction, evaluate};
+pub use evaluate::{PipelineTiming, Prediction, Utilisation, evaluate};
 pub use partition::{ClassShare, ReplicaClass, StageLoad, min_max_layers, split_micro_batches};
 pub use plan::{Algorithm, DpGroup, LayerRange, PLAN_VERSION, Plan, Replica, ReplicaShape, Route, Stage};
 pub use search::{Candidate, MAX_GROUPS, SearchOptions, SearchOutcome, search};

@@ -3,7 +3,8 @@
 
 use std::collections::BTreeMap;
 
-use medley_cost::{GIB, flops};
+use medley_cost::GIB;
+use medley_plan::Utilisation;
 use serde::Serialize;
 
 use crate::engine::StepRun;
@@ -13,13 +14,8 @@ use crate::engine::StepRun;
 pub struct StepReport {
     pub schedule: String,
     pub step_time_s: f64,
-    pub tokens_per_s: f64,
-    pub model_tflops_per_gpu: f64,
-    pub hardware_tflops_per_gpu: f64,
-    /// Model FLOPs utilisation over the peak of the devices the plan uses (Megatron/PaLM).
-    pub mfu: f64,
-    /// Hardware FLOPs utilisation, counting recomputation.
-    pub hfu: f64,
+    #[serde(flatten)]
+    pub utilisation: Utilisation,
     /// Pipeline bubble time over pipeline compute time, averaged over ranks (Narayanan et al.
     /// 2021's definition, so uniform GPipe/1F1B gives (p − 1)/m). A rank's pipeline time runs from
     /// the step's start to its replica's last forward or backward pass.
@@ -87,28 +83,11 @@ impl StepReport {
             capacity_gib.insert(setup.device_name.clone(), setup.capacity_bytes / GIB);
             fits &= state.peak_memory_bytes <= setup.capacity_bytes;
         }
-        let n_gpus: usize = sim.setup.ranks.iter().map(|rank| rank.devices.len()).sum();
-        let peak_flops: f64 = sim
-            .setup
-            .ranks
-            .iter()
-            .map(|rank| {
-                let group = &plan.cluster.groups()[rank.slot.group_idx];
-                group.device.half_precision_tflops() * 1e12 * rank.devices.len() as f64
-            })
-            .sum();
-        let model_flops = flops::model_flops_per_step(&plan.model, plan.seq_len, plan.global_batch);
-        let hardware_flops =
-            flops::hardware_flops_per_step(&plan.model, plan.seq_len, plan.global_batch, plan.recompute);
         let wait_ns: u64 = run.ranks.iter().map(|state| state.transfer_wait_ns).sum();
         StepReport {
             schedule,
             step_time_s,
-            tokens_per_s: f64::from(plan.seq_len) * f64::from(plan.global_batch) / step_time_s,
-            model_tflops_per_gpu: model_flops / step_time_s / n_gpus as f64 / 1e12,
-            hardware_tflops_per_gpu: hardware_flops / step_time_s / n_gpus as f64 / 1e12,
-            mfu: model_flops / step_time_s / peak_flops,
-            hfu: hardware_flops / step_time_s / peak_flops,
+            utilisation: Utilisation::of(plan, step_time_s),
             bubble_fraction: bubble_fraction(run),
             comm_wait_fraction: wait_ns as f64 / (step_ns as f64 * run.ranks.len() as f64),
             peak_memory_gib: peak_memory_by_device_gib.values().copied().fold(0.0, f64::max),

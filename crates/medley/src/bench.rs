@@ -214,14 +214,16 @@ fn speed_row(speed: &SpeedCase) -> Result<SpeedRow> {
 fn quality_row(case: &Case) -> Result<QualityRow> {
     let specs = case.specs()?;
     let (best, baselines) = plan(case, &specs)?;
-    let best_tokens_per_s = best.prediction.tokens_per_s;
-    let uniform_tokens_per_s = baselines.uniform.map(|uniform| uniform.prediction.tokens_per_s);
-    let (homogeneous_device, homogeneous_tokens_per_s) =
-        baselines.homogeneous.map(|(device, candidate)| (device, candidate.prediction.tokens_per_s)).unzip();
+    let best_tokens_per_s = best.prediction.utilisation.tokens_per_s;
+    let uniform_tokens_per_s = baselines.uniform.map(|uniform| uniform.prediction.utilisation.tokens_per_s);
+    let (homogeneous_device, homogeneous_tokens_per_s) = baselines
+        .homogeneous
+        .map(|(device, candidate)| (device, candidate.prediction.utilisation.tokens_per_s))
+        .unzip();
     Ok(QualityRow {
         case: case.info(&specs),
         best_tokens_per_s,
-        best_mfu: best.prediction.mfu,
+        best_mfu: best.prediction.utilisation.mfu,
         uniform_tokens_per_s,
         uniform_ratio: uniform_tokens_per_s.map(|tokens_per_s| best_tokens_per_s / tokens_per_s),
         homogeneous_device,

@@ -268,8 +268,8 @@ impl CitedRun {
     fn time_ratio(&self, report: &StepReport) -> f64 {
         match self.measured {
             Measured::StepS(step_s) => report.step_time_s / step_s,
-            Measured::HardwareTflopsPerGpu(tflops) => tflops / report.hardware_tflops_per_gpu,
-            Measured::ModelTflopsPerGpu(tflops) => tflops / report.model_tflops_per_gpu,
+            Measured::HardwareTflopsPerGpu(tflops) => tflops / report.utilisation.hardware_tflops_per_gpu,
+            Measured::ModelTflopsPerGpu(tflops) => tflops / report.utilisation.model_tflops_per_gpu,
         }
     }
 

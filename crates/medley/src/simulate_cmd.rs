@@ -161,9 +161,9 @@ fn text(specs: &Specs, plan: &Plan, report: &RunReport) -> String {
     summary.add_row(vec![
         right(format!("{:.3} s", report.mean_step_time_s)),
         right(format!("{:.0}", report.tokens_per_s)),
-        right(format!("{:.1}", last.model_tflops_per_gpu)),
-        right(percent(last.mfu)),
-        right(percent(last.hfu)),
+        right(format!("{:.1}", last.utilisation.model_tflops_per_gpu)),
+        right(percent(last.utilisation.mfu)),
+        right(percent(last.utilisation.hfu)),
         right(percent(last.bubble_fraction)),
         right(percent(last.comm_wait_fraction)),
     ]);
