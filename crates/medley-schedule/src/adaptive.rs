@@ -16,7 +16,8 @@ use std::collections::BTreeMap;
 pub struct StepObservation {
     pub k: u32,
     pub step_time_s: f64,
-    /// Share of the step the average rank was blocked on communication.
+    /// Share of the step the average rank was blocked on pipeline transfers already on their
+    /// way (not on bubbles, and not on gradient all-reduces, which k does not change).
     pub comm_wait_fraction: f64,
 }
 

@@ -98,7 +98,7 @@ pub fn simulate_steps(
             adaptive.observe(StepObservation {
                 k: k.get(),
                 step_time_s: report.step_time_s,
-                comm_wait_fraction: report.comm_wait_fraction,
+                comm_wait_fraction: report.pipeline_wait_fraction,
             });
         }
         steps.push(StepSummary {

@@ -37,7 +37,9 @@ impl BandwidthTrace {
         for (line_idx, line) in text.lines().enumerate() {
             let line = line.trim();
             let error = |message: String| SimError::Trace(format!("{source}:{}: {message}", line_idx + 1));
-            if line.is_empty() || (line_idx == 0 && line.chars().next().is_some_and(char::is_alphabetic)) {
+            let is_header =
+                line_idx == 0 && line.split(',').next().is_some_and(|first| first.trim().parse::<f64>().is_err());
+            if line.is_empty() || is_header {
                 continue;
             }
             let (time, fraction) =

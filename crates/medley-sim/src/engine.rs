@@ -130,6 +130,9 @@ pub(crate) struct RankState {
     /// Blocked on a peer that had not sent yet, or on all-reduce members still to arrive:
     /// pipeline bubbles, imbalance, stragglers.
     pub peer_wait_ns: u64,
+    /// The part of `transfer_wait_ns` spent on pipeline activations and gradients: what the
+    /// group size k of kFkB can hide.
+    pub pipeline_wait_ns: u64,
     pub last_pass_end_ns: u64,
     pub done_ns: Option<u64>,
 }
@@ -174,6 +177,9 @@ pub(crate) struct StepRun<'s, 'p, 'w> {
     n_done: usize,
     pub start_ns: u64,
     pub events: u64,
+    /// Queued events other than bandwidth changes: when none is left and no transfer is on the
+    /// wire, nothing can ever wake a blocked rank, however long the traces run.
+    queued_work: usize,
 }
 
 impl<'s, 'p, 'w> StepRun<'s, 'p, 'w> {
@@ -218,6 +224,7 @@ impl<'s, 'p, 'w> StepRun<'s, 'p, 'w> {
             n_done: 0,
             start_ns,
             events: 0,
+            queued_work: 0,
         };
         for rank in 0..n_ranks {
             run.push(start_ns, Event::Resume(rank));
@@ -243,9 +250,15 @@ impl<'s, 'p, 'w> StepRun<'s, 'p, 'w> {
     /// Runs until every rank has finished its program.
     pub(crate) fn run(&mut self) -> Result<(), SimError> {
         while self.n_done < self.ranks.len() {
+            if self.queued_work == 0 && self.sim.network.n_flows() == 0 {
+                return Err(self.deadlock());
+            }
             let Some(Reverse(Scheduled { at_ns, event, .. })) = self.queue.pop() else {
                 return Err(self.deadlock());
             };
+            if !matches!(event, Event::Bandwidth(_)) {
+                self.queued_work -= 1;
+            }
             self.sim.now_ns = at_ns;
             self.events += 1;
             match event {
@@ -263,6 +276,9 @@ impl<'s, 'p, 'w> StepRun<'s, 'p, 'w> {
     }
 
     fn push(&mut self, at_ns: u64, event: Event) {
+        if !matches!(event, Event::Bandwidth(_)) {
+            self.queued_work += 1;
+        }
         self.seq += 1;
         self.queue.push(Reverse(Scheduled { at_ns, seq: self.seq, event }));
     }
@@ -292,6 +308,9 @@ impl<'s, 'p, 'w> StepRun<'s, 'p, 'w> {
             };
             self.ranks[rank].peer_wait_ns += issued_ns - since_ns;
             self.ranks[rank].transfer_wait_ns += now - issued_ns;
+            if let Wait::Message(MessageKey::Activation { .. } | MessageKey::Gradient { .. }) = wait {
+                self.ranks[rank].pipeline_wait_ns += now - issued_ns;
+            }
             if now > since_ns && self.sim.timeline.is_some() {
                 let name = self.wait_label(rank, wait);
                 self.timeline_slice(rank, COMPUTE_TID, &name, "wait", (since_ns, now), json!({}));
@@ -667,8 +686,8 @@ impl<'s, 'p, 'w> StepRun<'s, 'p, 'w> {
         }
     }
 
-    /// The error for a queue that ran dry with ranks unfinished: every stuck rank and what it
-    /// waits for.
+    /// The error for a step that cannot finish: every stuck rank and what it waits for, and the
+    /// transfers stalled on links whose bandwidth never comes back.
     fn deadlock(&self) -> SimError {
         let stuck = self
             .ranks
@@ -681,7 +700,10 @@ impl<'s, 'p, 'w> StepRun<'s, 'p, 'w> {
                 format!("{} at instruction {} ({instruction})", self.sim.setup.ranks[rank].id, state.pc)
             })
             .collect();
-        SimError::Deadlock { stuck }
+        match self.sim.network.n_flows() {
+            0 => SimError::Deadlock { stuck },
+            stalled_transfers => SimError::Stalled { stuck, stalled_transfers },
+        }
     }
 }
 

@@ -59,7 +59,13 @@ pub enum SimError {
     NotAMember { rank: String, group: u32 },
     #[error("the programs deadlock: {}", stuck.join("; "))]
     Deadlock { stuck: Vec<String> },
-    #[error("generating the programs: {0}")]
+    #[error(
+        "the step cannot finish: {stalled_transfers} transfer(s) wait on links the network trace leaves at zero \
+         bandwidth for good ({})",
+        stuck.join("; ")
+    )]
+    Stalled { stuck: Vec<String>, stalled_transfers: usize },
+    #[error("invalid programs: {0}")]
     Schedule(#[from] medley_schedule::ScheduleError),
     #[error("lowering an all-reduce: {0}")]
     Collective(#[from] medley_collective::CollectiveError),
@@ -146,9 +152,11 @@ impl<'p, 'w> Simulation<'p, 'w> {
         }
     }
 
-    /// Simulates one step of `programs`, which must be generated from this simulation's plan.
+    /// Simulates one step of `programs`, which must be correct programs of this simulation's
+    /// plan: `medley_schedule::check` proves them first.
     pub fn step(&mut self, programs: &Programs) -> Result<StepReport, SimError> {
         self.check_programs(programs)?;
+        medley_schedule::check(self.setup.plan, programs)?;
         let mut run = StepRun::new(self, &programs.programs);
         run.run()?;
         Ok(StepReport::of(&run, programs.schedule.to_string()))

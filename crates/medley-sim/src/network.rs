@@ -6,7 +6,8 @@
 //! ends, or a capacity changes, the flows of the affected connected component get new max-min
 //! fair rates by progressive filling (Bertsekas & Gallager, "Data Networks", §6.5.2); each
 //! re-rated flow gets a new version, so drain events computed from its old rate are recognised as
-//! stale. Rates are bytes per nanosecond (numerically GB/s).
+//! stale. Versions come from one counter for the whole network: a slot reused by a later flow
+//! never shares a version with its earlier occupant's pending drain events. Rates are bytes per nanosecond (numerically GB/s).
 
 use std::collections::BTreeSet;
 
@@ -41,11 +42,12 @@ pub(crate) struct Network<P> {
     resources: Vec<Resource>,
     flows: Vec<Option<Flow<P>>>,
     free_slots: Vec<FlowId>,
+    last_version: u64,
 }
 
 impl<P> Network<P> {
     pub(crate) fn new() -> Self {
-        Network { resources: Vec::new(), flows: Vec::new(), free_slots: Vec::new() }
+        Network { resources: Vec::new(), flows: Vec::new(), free_slots: Vec::new(), last_version: 0 }
     }
 
     /// A resource of `capacity` bytes per ns at full bandwidth.
@@ -64,7 +66,8 @@ impl<P> Network<P> {
         payload: P,
         drains: &mut Vec<DrainAt>,
     ) -> FlowId {
-        let flow = Flow { path, cap, remaining: bytes, rate: 0.0, updated_ns: now_ns, version: 0, payload };
+        let version = self.next_version();
+        let flow = Flow { path, cap, remaining: bytes, rate: 0.0, updated_ns: now_ns, version, payload };
         let id = match self.free_slots.pop() {
             Some(id) => {
                 self.flows[id] = Some(flow);
@@ -82,9 +85,19 @@ impl<P> Network<P> {
         self.rerate(now_ns, &path, drains);
         if path.is_empty() {
             // Nothing to share: the flow drains at once.
-            drains.push(DrainAt { flow: id, version: 0, at_ns: now_ns });
+            drains.push(DrainAt { flow: id, version, at_ns: now_ns });
         }
         id
+    }
+
+    fn next_version(&mut self) -> u64 {
+        self.last_version += 1;
+        self.last_version
+    }
+
+    /// Flows still on the wire.
+    pub(crate) fn n_flows(&self) -> usize {
+        self.flows.len() - self.free_slots.len()
     }
 
     /// Whether `version` is still `flow`'s current one.
@@ -131,9 +144,10 @@ impl<P> Network<P> {
         }
         let rates = self.max_min_rates(&flows, &resources);
         for (&id, rate) in flows.iter().zip(rates) {
+            let version = self.next_version();
             let flow = self.flow_mut(id);
             flow.rate = rate;
-            flow.version += 1;
+            flow.version = version;
             if rate > 0.0 || flow.remaining == 0.0 {
                 let wait_ns = if flow.remaining == 0.0 { 0 } else { (flow.remaining / rate).ceil() as u64 };
                 drains.push(DrainAt { flow: id, version: flow.version, at_ns: now_ns.saturating_add(wait_ns) });
@@ -233,29 +247,54 @@ mod tests {
         assert_eq!(rates(&network), [2.0, 2.0, 7.0, 1.0]);
     }
 
+    /// The drain time of `flow` in `drains`, if it got a current one.
+    fn drain_of(network: &Network<()>, drains: &[DrainAt], flow: FlowId) -> Option<u64> {
+        drains.iter().rev().find(|d| d.flow == flow && network.is_current(flow, d.version)).map(|d| d.at_ns)
+    }
+
     #[test]
     fn drain_times_follow_rate_changes() {
         let mut network = Network::new();
         let link = network.add_resource(2.0);
         let mut drains = Vec::new();
         let first = network.start(0, vec![link], f64::INFINITY, 100.0, (), &mut drains);
-        assert_eq!(drains.last(), Some(&DrainAt { flow: first, version: 1, at_ns: 50 }));
+        assert_eq!(drain_of(&network, &drains, first), Some(50));
+        let stale = drains.clone();
         // At 10 ns a second flow halves the first's rate: 80 bytes left at 1 byte/ns.
         drains.clear();
         let second = network.start(10, vec![link], f64::INFINITY, 10.0, (), &mut drains);
-        assert!(!network.is_current(first, 1));
-        assert!(drains.contains(&DrainAt { flow: first, version: 2, at_ns: 90 }));
-        assert!(drains.contains(&DrainAt { flow: second, version: 1, at_ns: 20 }));
+        assert!(stale.iter().all(|d| !network.is_current(d.flow, d.version)));
+        assert_eq!(drain_of(&network, &drains, first), Some(90));
+        assert_eq!(drain_of(&network, &drains, second), Some(20));
         // The link drops to a quarter for the rest: 70 bytes left on the first at 0.5 byte/ns.
         drains.clear();
         network.finish(20, second, &mut drains);
         network.set_fraction(20, link, 0.25, &mut drains);
-        assert_eq!(drains.last(), Some(&DrainAt { flow: first, version: 4, at_ns: 160 }));
+        assert_eq!(drain_of(&network, &drains, first), Some(160));
         // A link at zero stalls its flows: no drain is scheduled until it comes back.
         drains.clear();
         network.set_fraction(30, link, 0.0, &mut drains);
         assert!(drains.is_empty());
         network.set_fraction(40, link, 1.0, &mut drains);
-        assert_eq!(drains.last(), Some(&DrainAt { flow: first, version: 6, at_ns: 40 + 33 }));
+        assert_eq!(drain_of(&network, &drains, first), Some(40 + 33));
+    }
+
+    #[test]
+    fn a_stale_drain_never_finishes_the_next_flow_in_its_slot() {
+        let mut network = Network::new();
+        let link = network.add_resource(2.0);
+        let mut drains = Vec::new();
+        let slow = network.start(0, vec![link], f64::INFINITY, 100.0, (), &mut drains);
+        let quick = network.start(0, vec![link], f64::INFINITY, 10.0, (), &mut drains);
+        // Both at 1 byte/ns: the slow flow's drain at 100 ns goes stale when the quick one ends.
+        let stale: Vec<DrainAt> = drains.iter().copied().filter(|d| d.flow == slow).collect();
+        drains.clear();
+        network.finish(10, quick, &mut drains);
+        network.finish(55, slow, &mut drains);
+        // A new flow takes the slow one's slot; the stale drain must not be current for it.
+        let next = network.start(60, vec![link], f64::INFINITY, 1000.0, (), &mut drains);
+        assert_eq!(next, slow, "the slot is reused");
+        assert!(stale.iter().all(|d| !network.is_current(d.flow, d.version)), "{stale:?}");
+        assert_eq!(drain_of(&network, &drains, next), Some(560));
     }
 }

@@ -23,6 +23,9 @@ pub struct StepReport {
     /// Share of the step the average rank spends blocked on data in flight: what the network
     /// costs beyond the pipeline's own bubbles.
     pub comm_wait_fraction: f64,
+    /// The part of `comm_wait_fraction` spent on pipeline transfers (what kFkB's k can hide;
+    /// the adaptive policy reads this).
+    pub pipeline_wait_fraction: f64,
     /// The highest peak of any device, GiB.
     pub peak_memory_gib: f64,
     pub peak_memory_by_device_gib: BTreeMap<String, f64>,
@@ -83,13 +86,16 @@ impl StepReport {
             capacity_gib.insert(setup.device_name.clone(), setup.capacity_bytes / GIB);
             fits &= state.peak_memory_bytes <= setup.capacity_bytes;
         }
-        let wait_ns: u64 = run.ranks.iter().map(|state| state.transfer_wait_ns).sum();
+        let rank_steps_ns = step_ns as f64 * run.ranks.len() as f64;
+        let share =
+            |wait: fn(&crate::engine::RankState) -> u64| run.ranks.iter().map(wait).sum::<u64>() as f64 / rank_steps_ns;
         StepReport {
             schedule,
             step_time_s,
             utilisation: Utilisation::of(plan, step_time_s),
             bubble_fraction: bubble_fraction(run),
-            comm_wait_fraction: wait_ns as f64 / (step_ns as f64 * run.ranks.len() as f64),
+            comm_wait_fraction: share(|state| state.transfer_wait_ns),
+            pipeline_wait_fraction: share(|state| state.pipeline_wait_ns),
             peak_memory_gib: peak_memory_by_device_gib.values().copied().fold(0.0, f64::max),
             peak_memory_by_device_gib,
             capacity_gib,

@@ -291,7 +291,7 @@ fn the_timeline_is_well_formed_and_tracks_never_overlap() {
 // Errors
 
 #[test]
-fn programs_that_deadlock_are_reported_with_the_stuck_ranks() {
+fn broken_programs_are_refused_before_they_run() {
     let plan = uniform_pipeline(2, 2);
     let mut programs = generate(&plan, ScheduleKind::OneFOneB).unwrap();
     // The last stage waits for a micro-batch the first stage never sends.
@@ -299,9 +299,31 @@ fn programs_that_deadlock_are_reported_with_the_stuck_ranks() {
     let calibration = Calibration::default();
     let mut simulation = Simulation::new(&plan, &calibration, &SimConfig::default(), None).unwrap();
     let err = simulation.step(&programs).unwrap_err();
-    assert!(matches!(err, SimError::Deadlock { .. }), "{err}");
+    assert!(matches!(err, SimError::Schedule(_)), "{err}");
     let message = err.to_string();
     assert!(message.contains("r0s1") && message.contains("recv-activation mb1"), "{message}");
+}
+
+#[test]
+fn a_network_that_never_comes_back_is_reported_not_waited_for() {
+    let plan = megatron(Layout {
+        cluster: "32xh100",
+        model: uniform_model(16),
+        seq_len: 4096,
+        global_batch: 8,
+        degrees: Degrees::new(8, 4, 1),
+        recompute: Recompute::Full,
+    });
+    let calibration = Calibration::default();
+    // Zero from the start, and zero for good after a millisecond of full bandwidth.
+    let traces =
+        [BandwidthTrace::Constant { fraction: 0.0 }, BandwidthTrace::from_csv("0,1\n0.001,0\n", "t.csv").unwrap()];
+    for trace in traces {
+        let config = SimConfig { network_trace: Some(trace.clone()) };
+        let err = simulate(&plan, ScheduleKind::OneFOneB, &calibration, &config, None).unwrap_err();
+        assert!(matches!(err, SimError::Stalled { .. }), "{trace}: {err}");
+        assert!(err.to_string().contains("r0s1"), "{err}");
+    }
 }
 
 #[test]
