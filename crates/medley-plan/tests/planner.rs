@@ -49,6 +49,12 @@ fn job(seq_len: u32, global_batch: u32, micro_batch: Option<u32>, recompute: Opt
     JobSpec::new(JobParts { seq_len, global_batch, micro_batch, recompute, ..JobParts::default() }, "test").unwrap()
 }
 
+/// A GPipe job: its plans hold one chunk per rank, as hand edits of stage devices assume.
+fn gpipe_job(seq_len: u32, global_batch: u32) -> JobSpec {
+    let parts = JobParts { seq_len, global_batch, schedule: Schedule::Gpipe, ..JobParts::default() };
+    JobSpec::new(parts, "test").unwrap()
+}
+
 fn search_with(
     cluster: &Cluster,
     model: &ModelSpec,
@@ -345,6 +351,7 @@ fn hand_plan() -> Plan {
     let stage = |device, start, end| Stage { devices: vec![device], layers: LayerRange { start, end } };
     let bridge = Route::Bridge { mode: BridgeMode::DeviceDirect };
     plan.tp = 1;
+    (plan.schedule, plan.virtual_stages) = (Schedule::OneFOneB, 1);
     plan.replicas = [(0, 2), (1, 3)]
         .map(|(first, second)| Replica {
             n_micro_batches: 4,
@@ -408,7 +415,7 @@ fn validate_names_what_a_hand_edit_broke() {
 
 #[test]
 fn validate_rejects_hand_edits_of_a_searched_plan() {
-    let plan = best(&cluster("8xh100,8xa100"), &model("llama3-8b"), &job(4096, 64, None, None)).plan;
+    let plan = best(&cluster("8xh100,8xa100"), &model("llama3-8b"), &gpipe_job(4096, 64)).plan;
     let n_gpus = plan.cluster.n_gpus();
     let n_stages: usize = plan.replicas.iter().map(|replica| replica.stages.len()).sum();
     assert!(n_stages >= 2, "the cases below need two stages: {:?}", plan.replica_shapes());

@@ -131,8 +131,17 @@ fn fixed_layouts_interleave_with_vpp() {
     let gpipe = ["plan", "--cluster", "16xh100", "--model", "llama3-8b", "--fix", "pp=4,vpp=2", "--schedule", "gpipe"];
     check(&gpipe, 2, "schedule gpipe does not run plans with 2 virtual stage(s)");
     check(&["plan", "--cluster", "16xh100", "--model", "llama3-8b", "--fix", "pp=2,vpp=0"], 2, "positive integer");
-    // The search lays out one chunk per rank.
-    check(&["plan", "--cluster", "16xh100", "--model", "llama3-8b", "--schedule", "interleaved"], 2, "vpp=2");
+    // The search can interleave every layout it finds.
+    let searched = check(
+        &["plan", "--cluster", "16xh100", "--model", "llama3-8b", "--schedule", "interleaved", "--json"],
+        0,
+        "plan",
+    );
+    let searched: serde_json::Value = serde_json::from_str(&stdout(&searched)).unwrap();
+    assert_eq!(
+        (&searched["plan"]["schedule"], &searched["plan"]["virtual_stages"]),
+        (&"interleaved".into(), &2.into())
+    );
     check(&["plan", "--schedule", "2f2b"], 2, "unknown schedule `2f2b`");
 }
 

@@ -79,6 +79,9 @@ const CONFIGS_PER_BLOCK: usize = 6;
 /// Layouts per setting that become explicit plans.
 const FINALISTS_PER_SETTING: usize = 6;
 
+/// Chunks per rank of the interleaved variant the search tries of each finalist.
+const INTERLEAVED_CHUNKS: u32 = 2;
+
 /// Searches the plan space and returns the best plans that fit, fastest first.
 pub fn search(
     cluster: &Cluster,
@@ -87,10 +90,6 @@ pub fn search(
     calibration: &Calibration,
     options: &SearchOptions,
 ) -> Result<SearchOutcome, PlanError> {
-    // The search lays out one chunk per rank; interleaving is a fixed layout's (`vpp`).
-    if job.schedule() == Schedule::Interleaved {
-        return Err(PlanError::ScheduleMismatch { schedule: job.schedule(), virtual_stages: 1 });
-    }
     let cost = CostModel::new(model, job.seq_len(), calibration);
     let allowed: Vec<usize> = options.groups.clone().unwrap_or_else(|| (0..cluster.groups().len()).collect());
     if allowed.len() > MAX_GROUPS {
@@ -111,10 +110,17 @@ pub fn search(
         .collect();
     let layouts_priced = per_setting.iter().map(|(_, priced)| priced).sum();
     let finalists: Vec<Layout> = per_setting.into_iter().flat_map(|(layouts, _)| layouts).collect();
+    // 1F1B lets every finalist also run interleaved, when that is faster (fewer micro-batches
+    // than the pipeline is deep make the fill and drain dominate; Narayanan et al. 2021).
+    let chunk_counts: &[u32] = match job.schedule() {
+        Schedule::OneFOneB => &[1, INTERLEAVED_CHUNKS],
+        Schedule::Interleaved => &[INTERLEAVED_CHUNKS],
+        _ => &[1],
+    };
     let mut candidates: Vec<Candidate> = finalists
         .par_iter()
-        .map(|layout| {
-            let plan = space.assemble(layout);
+        .flat_map_iter(|layout| chunk_counts.iter().filter_map(|&chunks| space.assemble(layout, chunks)))
+        .map(|plan| {
             let prediction = evaluate(&plan, calibration);
             Candidate { plan, prediction }
         })
@@ -308,7 +314,9 @@ impl Space<'_> {
     }
 
     /// The explicit plan of a layout.
-    fn assemble(&self, layout: &Layout) -> Plan {
+    /// The plan of `layout` with `chunks` model chunks per rank, if every rank has a layer for
+    /// each chunk and every replica's micro-batch count suits the interleaved order.
+    fn assemble(&self, layout: &Layout, chunks: u32) -> Option<Plan> {
         let tp = layout.setting.tp;
         let mut replicas = Vec::new();
         for (block, shares) in layout.blocks.iter().zip(&layout.shares) {
@@ -325,12 +333,37 @@ impl Space<'_> {
                         })
                     })
                     .collect();
-                replicas
-                    .push(ReplicaLayout { n_micro_batches, stages: stages_from_counts(device_groups, &block.layers) });
+                let (device_groups, counts) = interleave(device_groups, &block.layers, chunks, n_micro_batches)?;
+                replicas.push(ReplicaLayout { n_micro_batches, stages: stages_from_counts(device_groups, &counts) });
             }
         }
-        assemble(self.cluster, &self.cost, self.job, layout.setting, self.job.schedule(), 1, replicas)
+        let schedule = if chunks > 1 { Schedule::Interleaved } else { self.job.schedule() };
+        Some(assemble(self.cluster, &self.cost, self.job, layout.setting, schedule, chunks, replicas))
     }
+}
+
+/// Rank i's `layers[i]` split into `chunks` virtual stages in Megatron's order (rank i holds
+/// virtual stages i, i + p, ...): the devices and layer counts of every virtual stage. `None`
+/// when a rank has fewer layers than chunks, the pipeline has one rank, or the micro-batch
+/// count is above the ranks and not a multiple of them (the interleaved order deadlocks there).
+fn interleave(
+    device_groups: Vec<Vec<u32>>,
+    layers: &[u32],
+    chunks: u32,
+    n_micro_batches: u32,
+) -> Option<(Vec<Vec<u32>>, Vec<u32>)> {
+    if chunks == 1 {
+        return Some((device_groups, layers.to_vec()));
+    }
+    let n_ranks = layers.len() as u32;
+    let order_works = n_micro_batches < n_ranks || n_micro_batches.is_multiple_of(n_ranks);
+    if n_ranks < 2 || !order_works || layers.iter().any(|&count| count < chunks) {
+        return None;
+    }
+    let counts = (0..chunks)
+        .flat_map(|chunk| layers.iter().map(move |&count| count / chunks + u32::from(chunk < count % chunks)));
+    let devices = (0..chunks).flat_map(|_| device_groups.iter().cloned());
+    Some((devices.collect(), counts.collect()))
 }
 
 /// Says what would make the job fit when nothing does.
