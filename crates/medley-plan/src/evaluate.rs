@@ -154,7 +154,7 @@ impl MemoryPeaks {
             let n_ranks = plan.n_ranks(replica);
             for (rank, (stage, shape)) in replica.stages.iter().zip(rank_shapes(plan, replica)).enumerate() {
                 let device = &plan.stage_group(stage).device;
-                let in_flight = micro_batches_in_flight(plan, rank, n_ranks, replica.n_micro_batches);
+                let in_flight = micro_batches_in_flight(plan, replica, rank, n_ranks);
                 let used_gib = cost.stage_memory(shape, setting, in_flight, optimizer_shards(plan)).total_gib();
                 let peak = peaks.peak_gib.entry(device.name.clone()).or_insert(0.0);
                 *peak = peak.max(used_gib);
@@ -170,10 +170,13 @@ impl MemoryPeaks {
 }
 
 /// Micro-batches' worth of rank `rank`'s layers' activations it holds at its peak: the schedule's
-/// chunk-micro-batches in flight, each holding 1/v of the rank's layers (v chunks per rank).
-fn micro_batches_in_flight(plan: &Plan, rank: usize, n_ranks: usize, m: u32) -> f64 {
-    let chunks = plan.schedule.in_flight(rank, n_ranks, plan.virtual_stages, m);
-    f64::from(chunks) / f64::from(plan.virtual_stages)
+/// chunk-micro-batches in flight, each priced at the rank's largest chunk (an uneven split makes
+/// chunks differ by a layer, and the warm-up fills the first chunks first).
+fn micro_batches_in_flight(plan: &Plan, replica: &Replica, rank: usize, n_ranks: usize) -> f64 {
+    let chunks = plan.schedule.in_flight(rank, n_ranks, plan.virtual_stages, replica.n_micro_batches);
+    let chunk_layers = replica.stages.iter().skip(rank).step_by(n_ranks).map(|stage| stage.layers.len());
+    let (largest, total) = chunk_layers.fold((0, 0), |(largest, total), layers| (largest.max(layers), total + layers));
+    f64::from(chunks) * f64::from(largest) / f64::from(total.max(1))
 }
 
 /// What each (virtual) stage of a replica holds: the embedding on the first, the head on the last.

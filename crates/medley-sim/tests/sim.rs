@@ -363,7 +363,12 @@ proptest::proptest! {
         let calibration = Calibration::default();
         for plan in searched_plans(8 * h100, other, global_batch) {
             let predicted = medley_plan::evaluate(&plan, &calibration);
-            for schedule in [ScheduleKind::Gpipe, ScheduleKind::OneFOneB, kfkb(2), ScheduleKind::ZbH1] {
+            let schedules = if plan.virtual_stages > 1 {
+                vec![ScheduleKind::Interleaved]
+            } else {
+                vec![ScheduleKind::Gpipe, ScheduleKind::OneFOneB, kfkb(2), ScheduleKind::ZbH1]
+            };
+            for schedule in schedules {
                 let report = run(&plan, schedule);
                 for rank in &report.ranks {
                     let busy_s = rank.compute_s + rank.comm_wait_s + rank.peer_wait_s;
@@ -371,11 +376,14 @@ proptest::proptest! {
                     proptest::prop_assert!(rank.idle_s >= 0.0);
                 }
                 proptest::prop_assert!(report.bubble_fraction >= 0.0);
-                if matches!(schedule, ScheduleKind::Gpipe | ScheduleKind::OneFOneB) && plan.schedule == schedule.into() {
+                if plan.schedule == schedule.into() {
                     for (device, peak) in &report.peak_memory_by_device_gib {
                         let promised = predicted.peak_memory_gib[device];
-                        // The schedule reaches its promise: the simulated peak is the priced one.
-                        proptest::prop_assert!((peak / promised - 1.0).abs() < 1e-6, "{schedule} {device}: {peak} vs {promised}");
+                        // The schedule reaches its promise: the simulated peak is the priced one
+                        // (interleaved prices every chunk at the largest, so there it is a bound).
+                        let tight = schedule != ScheduleKind::Interleaved;
+                        proptest::prop_assert!(*peak <= promised * (1.0 + 1e-9), "{schedule} {device}: {peak} > {promised}");
+                        proptest::prop_assert!(!tight || peak / promised > 1.0 - 1e-6, "{schedule} {device}: {peak} < {promised}");
                     }
                 }
             }
