@@ -27,11 +27,14 @@ pub enum BenchCommand {
         #[arg(long)]
         json: bool,
     },
+    /// Communicator bandwidth and latency, nccl-tests style, over real worker processes.
+    Comm(crate::bench_comm::CommArgs),
 }
 
 pub fn run(which: &BenchCommand) -> Result<()> {
     match which {
         BenchCommand::Plan { json } => bench_plan(*json),
+        BenchCommand::Comm(args) => crate::bench_comm::run(args),
     }
 }
 

@@ -1,6 +1,7 @@
 //! The `medley` command line: glue between the spec, cost and plan libraries and a person.
 
 mod bench;
+mod bench_comm;
 mod inputs;
 mod plan_cmd;
 mod render;
@@ -26,6 +27,9 @@ enum Command {
         #[command(subcommand)]
         which: bench::BenchCommand,
     },
+    /// One rank of `medley bench comm` (started by it).
+    #[command(hide = true)]
+    BenchCommWorker(bench_comm::WorkerArgs),
 }
 
 fn main() -> ExitCode {
@@ -33,6 +37,7 @@ fn main() -> ExitCode {
     let result = match cli.command {
         Command::Plan(args) => plan_cmd::run(&args),
         Command::Bench { which } => bench::run(&which).map(|()| ExitCode::SUCCESS),
+        Command::BenchCommWorker(args) => bench_comm::worker(&args).map(|()| ExitCode::SUCCESS),
     };
     result.unwrap_or_else(|err| {
         eprintln!("error: {err:#}");
