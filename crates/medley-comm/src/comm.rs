@@ -5,10 +5,10 @@ use std::net::IpAddr;
 use std::num::NonZeroUsize;
 use std::sync::Arc;
 
-use medley_collective::{Algorithm, Chunking, Counts, Group, Op, ReduceOp, choose, plan_steps};
+use medley_collective::{Algorithm, Chunking, Counts, Group, Op, RankSteps, ReduceOp, choose, plan_steps};
 
 use crate::CommError;
-use crate::dtype::Element;
+use crate::dtype::{DType, Element};
 use crate::env::{Config, LaunchEnv};
 use crate::exec::{Call, execute};
 use crate::mesh;
@@ -44,7 +44,26 @@ pub struct Communicator {
     n_splits: u64,
     /// The working buffer for operations whose result is a part of it (reduce-scatter).
     scratch: Vec<u64>,
+    /// This rank's recent plans: a training loop repeats the same few collectives.
+    plans: Vec<(PlanKey, Arc<CachedPlan>)>,
 }
+
+/// What a plan depends on.
+#[derive(Clone, Debug, PartialEq, Eq)]
+struct PlanKey {
+    op: Op,
+    counts: Counts,
+    algorithm: Algorithm,
+    dtype: DType,
+}
+
+struct CachedPlan {
+    steps: RankSteps,
+    fingerprint: u64,
+}
+
+/// Plans kept per communicator.
+const PLAN_CACHE: usize = 16;
 
 impl Communicator {
     /// Joins the job described by `env`: rank 0 starts the store, everyone connects to it with the
@@ -86,6 +105,7 @@ impl Communicator {
             n_received: vec![0; n],
             n_splits: 0,
             scratch: Vec::new(),
+            plans: Vec::new(),
         })
     }
 
@@ -176,9 +196,8 @@ impl Communicator {
         self.session.abort.check()?;
         let size = size_of::<T>();
         let algorithm = algorithm.unwrap_or_else(|| choose(op, &self.group, size_of_val(input)));
-        let chunking = self.chunking(counts, size);
-        let mut plans = plan_steps(op, &self.group, counts, algorithm, chunking)?;
-        let plan = plans.swap_remove(self.rank);
+        let cached = self.plan(PlanKey { op, counts: counts.clone(), algorithm, dtype: T::DTYPE })?;
+        let plan = &cached.steps;
         if input.len() != plan.input_len {
             return Err(CommError::BufferLength { what: "input", expected: plan.input_len, got: input.len() });
         }
@@ -186,12 +205,7 @@ impl Communicator {
         if !direct && output.len() != plan.result.len() {
             return Err(CommError::BufferLength { what: "output", expected: plan.result.len(), got: output.len() });
         }
-        let call = Call {
-            plan: &plan,
-            dtype: T::DTYPE,
-            fingerprint: fingerprint(&format!("{op:?}|{:?}|{counts:?}|{algorithm:?}|{chunking:?}", T::DTYPE)),
-            seq: self.n_collectives,
-        };
+        let call = Call { plan, dtype: T::DTYPE, fingerprint: cached.fingerprint, seq: self.n_collectives };
         self.n_collectives += 1;
         let input = bytemuck::cast_slice(input);
         let result = if direct {
@@ -213,6 +227,25 @@ impl Communicator {
         let err = self.session.fail(err);
         self.links.close();
         err
+    }
+
+    /// This rank's steps and the call's fingerprint, planned once per key.
+    fn plan(&mut self, key: PlanKey) -> Result<Arc<CachedPlan>, CommError> {
+        if let Some(at) = self.plans.iter().position(|(cached, _)| *cached == key) {
+            let entry = self.plans.remove(at);
+            self.plans.push(entry);
+        } else {
+            let chunking = self.chunking(&key.counts, key.dtype.size_bytes());
+            let mut plans = plan_steps(key.op, &self.group, &key.counts, key.algorithm, chunking)?;
+            let PlanKey { op, counts, algorithm, dtype } = &key;
+            let description = format!("{op:?}|{dtype:?}|{counts:?}|{algorithm:?}|{chunking:?}");
+            let plan = CachedPlan { steps: plans.swap_remove(self.rank), fingerprint: fingerprint(&description) };
+            if self.plans.len() == PLAN_CACHE {
+                self.plans.remove(0);
+            }
+            self.plans.push((key, Arc::new(plan)));
+        }
+        Ok(Arc::clone(&self.plans.last().expect("just pushed").1))
     }
 
     /// Chunks of at most [`Config::chunk_bytes`], but few enough per message stream that a

@@ -54,6 +54,20 @@ impl DType {
         }
     }
 
+    /// `into[i] = base[i] ∘ from[i]`: a reduce whose left operand is still in the input buffer,
+    /// saving the copy into the output first. `base` is aligned; `from` may not be.
+    pub(crate) fn combine_from_bytes(self, into: &mut [u8], base: &[u8], from: &[u8], how: Combine) {
+        match self {
+            DType::F32 => combine_from_typed::<f32>(into, base, from, how),
+            DType::F64 => combine_from_typed::<f64>(into, base, from, how),
+            DType::F16 => combine_from_typed::<f16>(into, base, from, how),
+            DType::BF16 => combine_from_typed::<bf16>(into, base, from, how),
+            DType::I32 => combine_from_typed::<i32>(into, base, from, how),
+            DType::I64 => combine_from_typed::<i64>(into, base, from, how),
+            DType::U8 => combine_from_typed::<u8>(into, base, from, how),
+        }
+    }
+
     /// Divides every element of `bytes` (aligned, whole elements) by `divisor`.
     pub(crate) fn divide_bytes(self, bytes: &mut [u8], divisor: usize) {
         match self {
@@ -87,20 +101,47 @@ fn combine_typed<T: Element>(into: &mut [u8], from: &[u8], how: Combine) {
     }
 }
 
-/// One match per slice, not per element, so the loops vectorise.
-fn combine_slices<T: Element>(into: &mut [T], from: &[T], how: Combine) {
-    macro_rules! each {
-        ($how:expr) => {
-            for (a, &b) in into.iter_mut().zip(from) {
-                *a = a.combine(b, $how);
+/// Expands `$body` once per combine, with `$how` a constant, so the loops vectorise.
+macro_rules! per_combine {
+    ($how:ident, $body:expr) => {
+        match $how {
+            Combine::Sum => {
+                let $how = Combine::Sum;
+                $body
             }
-        };
-    }
-    match how {
-        Combine::Sum => each!(Combine::Sum),
-        Combine::Prod => each!(Combine::Prod),
-        Combine::Max => each!(Combine::Max),
-        Combine::Min => each!(Combine::Min),
+            Combine::Prod => {
+                let $how = Combine::Prod;
+                $body
+            }
+            Combine::Max => {
+                let $how = Combine::Max;
+                $body
+            }
+            Combine::Min => {
+                let $how = Combine::Min;
+                $body
+            }
+        }
+    };
+}
+
+fn combine_slices<T: Element>(into: &mut [T], from: &[T], how: Combine) {
+    per_combine!(how, into.iter_mut().zip(from).for_each(|(a, &b)| *a = a.combine(b, how)))
+}
+
+fn combine_from_typed<T: Element>(into: &mut [u8], base: &[u8], from: &[u8], how: Combine) {
+    let into: &mut [T] = bytemuck::cast_slice_mut(into);
+    let base: &[T] = bytemuck::cast_slice(base);
+    match bytemuck::try_cast_slice::<u8, T>(from) {
+        Ok(from) => per_combine!(
+            how,
+            into.iter_mut().zip(base.iter().zip(from)).for_each(|(out, (&a, &b))| *out = a.combine(b, how))
+        ),
+        Err(_) => {
+            for ((out, &a), bytes) in into.iter_mut().zip(base).zip(from.chunks_exact(size_of::<T>())) {
+                *out = a.combine(bytemuck::pod_read_unaligned(bytes), how);
+            }
+        }
     }
 }
 
@@ -184,6 +225,14 @@ mod tests {
         shifted[1..].copy_from_slice(bytemuck::cast_slice(&from));
         DType::F32.combine_bytes(bytemuck::cast_slice_mut(&mut into), &shifted[1..], Combine::Sum);
         assert_eq!(into, [11.0, 22.0, 33.0]);
+        let mut out = [0f32; 3];
+        DType::F32.combine_from_bytes(
+            bytemuck::cast_slice_mut(&mut out),
+            bytemuck::cast_slice(&into),
+            &shifted[1..],
+            Combine::Max,
+        );
+        assert_eq!(out, [11.0, 22.0, 33.0]);
     }
 
     #[test]

@@ -1,6 +1,11 @@
-//! Executes one rank's step list ([`medley_collective::step`]) over its links, zero-copy: a send
-//! hands the transport the address of its range, so before any step writes a range the executor
-//! waits for the unfinished sends that still read it, and before returning for all of them.
+//! Executes one rank's step list ([`medley_collective::step`]) over its links, zero-copy.
+//!
+//! A send hands the transport the address of its range, so before any step writes a range the
+//! executor waits for the unfinished sends that still read it, and before returning for all of
+//! them. Copies from the input are deferred: until a step needs the bytes in the output, a send
+//! of a copied range reads the input instead, a reducing receive combines input and message
+//! straight into the output, and a plain receive overwrites it uncopied. On one host that
+//! saves a whole pass over the buffer, the largest memory cost of a ring all-reduce.
 
 use std::ops::Range;
 
@@ -27,6 +32,52 @@ struct InFlight {
     bytes: Range<usize>,
 }
 
+/// Output bytes that hold, by a deferred copy, the input bytes from `input_start` on.
+#[derive(Clone, Debug, PartialEq, Eq)]
+struct Deferred {
+    output: Range<usize>,
+    input_start: usize,
+}
+
+impl Deferred {
+    fn input(&self) -> Range<usize> {
+        self.input_start..self.input_start + self.output.len()
+    }
+}
+
+/// Removes from `deferred` the parts that overlap `span` and returns them.
+fn take_overlap(deferred: &mut Vec<Deferred>, span: &Range<usize>) -> Vec<Deferred> {
+    let mut taken = Vec::new();
+    let mut kept = Vec::with_capacity(deferred.len());
+    for copy in deferred.drain(..) {
+        let (start, end) = (copy.output.start.max(span.start), copy.output.end.min(span.end));
+        if start >= end {
+            kept.push(copy);
+            continue;
+        }
+        let part = |from: usize, to: usize| Deferred {
+            output: from..to,
+            input_start: copy.input_start + (from - copy.output.start),
+        };
+        if copy.output.start < start {
+            kept.push(part(copy.output.start, start));
+        }
+        if end < copy.output.end {
+            kept.push(part(end, copy.output.end));
+        }
+        taken.push(part(start, end));
+    }
+    *deferred = kept;
+    taken
+}
+
+/// Performs the deferred copies that overlap `span`.
+fn materialize(deferred: &mut Vec<Deferred>, span: &Range<usize>, input: &[u8], output: &mut [u8]) {
+    for copy in take_overlap(deferred, span) {
+        output[copy.output.clone()].copy_from_slice(&input[copy.input()]);
+    }
+}
+
 /// Runs `call` over `input` and `output` (bytes, `plan.input_len` and `plan.output_len` elements).
 /// On error the caller must close the links before the buffers' borrow ends, so no send still
 /// reads them.
@@ -44,49 +95,80 @@ pub(crate) fn execute(
         seq: call.seq,
         len: (range.len() * size) as u64,
     };
-    // Output sends still in flight, and the last ticket per peer (input sends included).
     let mut in_flight: Vec<InFlight> = Vec::new();
+    let mut deferred: Vec<Deferred> = Vec::new();
+    // The last ticket per peer, input sends included: all are waited for at the end.
     let mut last_ticket: Vec<Option<Ticket>> = vec![None; n_peers_named(call.plan)];
     for step in &call.plan.steps {
         match step {
             Step::Copy { from, to } => {
                 let to = bytes(to);
-                wait_for_writers(links, waiter, &mut in_flight, &to)?;
-                output[to].copy_from_slice(&input[bytes(from)]);
+                wait_for_senders(links, waiter, &mut in_flight, &to)?;
+                take_overlap(&mut deferred, &to);
+                deferred.push(Deferred { output: to, input_start: from.start * size });
             }
             Step::Send { to, buf, range } => {
                 let span = bytes(range);
-                let data = match buf {
-                    Buf::Input => input[span.clone()].as_ptr(),
-                    Buf::Output => output[span.clone()].as_ptr(),
+                let whole_copy = match take_overlap(&mut deferred, &span).as_slice() {
+                    [copy] if copy.output == span => Some(copy.clone()),
+                    parts => {
+                        for copy in parts {
+                            output[copy.output.clone()].copy_from_slice(&input[copy.input()]);
+                        }
+                        None
+                    }
                 };
+                let (data, reads_output) = match (buf, &whole_copy) {
+                    (Buf::Input, _) => (input[span.clone()].as_ptr(), false),
+                    (Buf::Output, Some(copy)) => (input[copy.input()].as_ptr(), false),
+                    (Buf::Output, None) => (output[span.clone()].as_ptr(), true),
+                };
+                if let Some(copy) = whole_copy {
+                    deferred.push(copy);
+                }
                 // SAFETY: the bytes are the caller's buffers, which outlive this call; output
-                // sends are recorded and waited for before any step writes their range, and
-                // every send is waited for (or the links closed) before this function returns.
+                // sends are recorded and waited for before any step writes their range, input
+                // is never written, and every send is waited for (or the links closed by the
+                // caller) before the buffers' borrow ends.
                 let ticket = unsafe { links.to(*to).send(*to, header(range), data, span.len(), waiter)? };
-                if *buf == Buf::Output {
+                if reads_output {
                     in_flight.push(InFlight { peer: *to, ticket, bytes: span });
                 }
                 last_ticket[*to] = Some(ticket);
             }
             Step::Recv { from, range, reduce } => {
                 let span = bytes(range);
-                wait_for_writers(links, waiter, &mut in_flight, &span)?;
-                let into = &mut output[span];
-                let sink = if *reduce {
-                    Sink::Reduce { into, dtype: call.dtype, how: call.plan.combine }
-                } else {
-                    Sink::Copy(into)
+                wait_for_senders(links, waiter, &mut in_flight, &span)?;
+                let overlap = take_overlap(&mut deferred, &span);
+                let into = &mut output[span.clone()];
+                let sink = match (reduce, overlap.as_slice()) {
+                    (false, _) => Sink::Copy(into),
+                    (true, [copy]) if copy.output == span => Sink::Reduce {
+                        into,
+                        base: Some(&input[copy.input()]),
+                        dtype: call.dtype,
+                        how: call.plan.combine,
+                    },
+                    (true, parts) => {
+                        for copy in parts {
+                            let at = copy.output.start - span.start..copy.output.end - span.start;
+                            into[at].copy_from_slice(&input[copy.input()]);
+                        }
+                        Sink::Reduce { into, base: None, dtype: call.dtype, how: call.plan.combine }
+                    }
                 };
                 links.to(*from).recv(*from, header(range), sink, waiter)?;
             }
             Step::DivideBy { range, divisor } => {
                 let span = bytes(range);
-                wait_for_writers(links, waiter, &mut in_flight, &span)?;
+                wait_for_senders(links, waiter, &mut in_flight, &span)?;
+                materialize(&mut deferred, &span, input, output);
                 call.dtype.divide_bytes(&mut output[span], *divisor);
             }
         }
     }
+    // Only the result must hold its bytes; the rest of the output is scratch.
+    materialize(&mut deferred, &bytes(&call.plan.result), input, output);
     for (peer, ticket) in last_ticket.into_iter().enumerate() {
         if let Some(ticket) = ticket {
             links.to(peer).wait_sent(peer, ticket, waiter)?;
@@ -108,7 +190,7 @@ fn n_peers_named(plan: &RankSteps) -> usize {
 }
 
 /// Waits for every in-flight send that reads bytes in `span`, and forgets it.
-fn wait_for_writers(
+fn wait_for_senders(
     links: &mut Links,
     waiter: &Waiter,
     in_flight: &mut Vec<InFlight>,
@@ -123,4 +205,21 @@ fn wait_for_writers(
     }
     in_flight.retain(|sent| !overlaps(sent));
     Ok(())
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn overlaps_are_cut_out_of_deferred_copies() {
+        let mut deferred =
+            vec![Deferred { output: 10..20, input_start: 0 }, Deferred { output: 30..40, input_start: 50 }];
+        let taken = take_overlap(&mut deferred, &(15..35));
+        assert_eq!(taken, [Deferred { output: 15..20, input_start: 5 }, Deferred { output: 30..35, input_start: 50 }]);
+        assert_eq!(
+            deferred,
+            [Deferred { output: 10..15, input_start: 0 }, Deferred { output: 35..40, input_start: 55 }]
+        );
+    }
 }

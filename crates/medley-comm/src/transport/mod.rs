@@ -17,11 +17,12 @@ use crate::dtype::DType;
 use crate::wait::Waiter;
 use crate::wire::FrameHeader;
 
-/// Where a received payload goes: copied over the destination, or combined into it element by
-/// element.
+/// Where a received payload goes: copied over the destination, or combined element by element
+/// with what the destination holds (or, given a `base`, with that, the result overwriting the
+/// destination).
 pub enum Sink<'a> {
     Copy(&'a mut [u8]),
-    Reduce { into: &'a mut [u8], dtype: DType, how: Combine },
+    Reduce { into: &'a mut [u8], base: Option<&'a [u8]>, dtype: DType, how: Combine },
 }
 
 impl Sink<'_> {
@@ -36,8 +37,12 @@ impl Sink<'_> {
     pub fn deliver(&mut self, offset: usize, bytes: &[u8]) {
         match self {
             Sink::Copy(into) => into[offset..offset + bytes.len()].copy_from_slice(bytes),
-            Sink::Reduce { into, dtype, how } => {
+            Sink::Reduce { into, base: None, dtype, how } => {
                 dtype.combine_bytes(&mut into[offset..offset + bytes.len()], bytes, *how)
+            }
+            Sink::Reduce { into, base: Some(base), dtype, how } => {
+                let span = offset..offset + bytes.len();
+                dtype.combine_from_bytes(&mut into[span.clone()], &base[span], bytes, *how)
             }
         }
     }
