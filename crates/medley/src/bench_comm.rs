@@ -295,7 +295,7 @@ fn run_workers(args: &CommArgs, setup: Setup, n_ranks: usize) -> Result<Vec<Row>
 
 /// Timed iterations aim at this much time per size (at least one, at most [`MAX_ITERS`]).
 const TIME_PER_SIZE: Duration = Duration::from_millis(300);
-const MAX_ITERS: usize = 20;
+const MAX_ITERS: usize = 1000;
 
 /// A worker: joins the job from the environment and measures every operation and size.
 pub fn worker(args: &WorkerArgs) -> Result<()> {

@@ -2,9 +2,13 @@
 //! of its bytes in the receiver's inbox (a small file in `/dev/shm` every local rank maps), and
 //! the receiver copies them straight out of the sender's memory with `process_vm_readv`, into
 //! the destination (a plain receive) or through a cache-sized piece (a reducing one). The sender
-//! learns that its bytes are free when the receiver counts the message consumed. Both sides wait
-//! spin-then-futex on the counters; no thread runs for a collective.
+//! learns that its bytes are free when the receiver counts the message consumed. Small messages
+//! go eagerly instead (as MPI's do): copied into the mailbox, so the sender is done at once and
+//! the receiver needs no system call. Both sides wait spin-then-futex on the counters; no thread
+//! runs for a collective.
 
+use std::cell::UnsafeCell;
+use std::collections::VecDeque;
 use std::fs::{File, OpenOptions};
 use std::path::{Path, PathBuf};
 use std::sync::atomic::{AtomicU32, AtomicU64, Ordering};
@@ -21,14 +25,23 @@ use crate::wire::FrameHeader;
 pub(crate) const MAILBOX_SLOTS: usize = 1024;
 /// Bytes read from a peer before a reduce combines them: fits in L2 next to the destination.
 const REDUCE_PIECE_BYTES: usize = 128 << 10;
+/// Messages up to this size are copied into the mailbox: below it a copy costs less than the
+/// `process_vm_readv` call and the sender's wait for the receiver.
+const EAGER_BYTES: usize = 8 << 10;
+/// Eager buffers per mailbox: message k uses buffer k mod this, so a sender sends eagerly only
+/// while fewer than this many of its messages are unconsumed.
+const EAGER_SLOTS: usize = 16;
 
 #[repr(C)]
 struct Slot {
     fingerprint: AtomicU64,
     seq: AtomicU64,
     len: AtomicU64,
+    /// The sender's address of the bytes, or `EAGER` when they are in the mailbox.
     addr: AtomicU64,
 }
+
+const EAGER: u64 = u64::MAX;
 
 /// One sender's mailbox in a receiver's inbox. The counters sit on their own cache lines: the
 /// sender writes `posted`, the receiver `consumed`.
@@ -42,6 +55,15 @@ struct Mailbox {
     sender_sleeping: AtomicU32,
     _pad1: [u8; 56],
     slots: [Slot; MAILBOX_SLOTS],
+    eager: UnsafeCell<[[u8; EAGER_BYTES]; EAGER_SLOTS]>,
+}
+
+impl Mailbox {
+    /// Eager buffer `idx`; only the sender writes it, and only while its last message is consumed.
+    fn eager_buffer(&self, idx: usize) -> *mut u8 {
+        // SAFETY (of the pointer arithmetic): `idx` is reduced modulo the buffer count.
+        unsafe { self.eager.get().cast::<u8>().add((idx % EAGER_SLOTS) * EAGER_BYTES) }
+    }
 }
 
 /// A rank's inbox: one mailbox per possible sender, in a file every local rank maps.
@@ -103,6 +125,8 @@ struct Peer {
     /// The peer's inbox: this rank's mailbox in it carries this rank's sends.
     their_inbox: Inbox,
     next_ticket: u64,
+    /// Tickets of zero-copy messages (the ones that read this rank's memory) not yet seen consumed.
+    zero_copy: VecDeque<u64>,
 }
 
 /// Shared-memory links to the peers on this host.
@@ -124,6 +148,7 @@ impl ShmTransport {
                     pid: pid as libc::pid_t,
                     their_inbox,
                     next_ticket: 0,
+                    zero_copy: VecDeque::new(),
                 })
             })
             .collect();
@@ -197,7 +222,7 @@ impl Transport for ShmTransport {
         peer: usize,
         header: FrameHeader,
         data: *const u8,
-        _len: usize,
+        len: usize,
         waiter: &Waiter,
     ) -> Result<Ticket, CommError> {
         let rank = self.rank;
@@ -219,24 +244,40 @@ impl Transport for ShmTransport {
                 )
             },
         )?;
+        let unconsumed = posted.wrapping_sub(mailbox.consumed.load(Ordering::Acquire)) as usize;
+        let ticket = Ticket(peer.next_ticket);
+        peer.next_ticket += 1;
+        let addr = if len <= EAGER_BYTES && unconsumed < EAGER_SLOTS {
+            // SAFETY: the buffer holds EAGER_BYTES; the message that used it last is consumed
+            // (fewer than EAGER_SLOTS are outstanding), so the receiver no longer reads it.
+            unsafe { std::ptr::copy_nonoverlapping(data, mailbox.eager_buffer(posted as usize), len) };
+            EAGER
+        } else {
+            peer.zero_copy.push_back(ticket.0);
+            data as u64
+        };
         let slot = &mailbox.slots[posted as usize % MAILBOX_SLOTS];
         slot.fingerprint.store(header.fingerprint, Ordering::Relaxed);
         slot.seq.store(header.seq, Ordering::Relaxed);
         slot.len.store(header.len, Ordering::Relaxed);
-        slot.addr.store(data as u64, Ordering::Relaxed);
+        slot.addr.store(addr, Ordering::Relaxed);
         bump_and_wake(&mailbox.posted, &mailbox.receiver_sleeping);
-        let ticket = Ticket(peer.next_ticket);
-        peer.next_ticket += 1;
         Ok(ticket)
     }
 
+    /// Eager messages never need the sender's memory: only the last zero-copy one up to `ticket`
+    /// is waited for.
     fn wait_sent(&mut self, peer: usize, ticket: Ticket, waiter: &Waiter) -> Result<(), CommError> {
-        let peer = self.peer(peer);
-        let mailbox = peer.their_inbox.mailbox(self.rank);
-        let target = (ticket.0 + 1) as u32;
+        let rank = self.rank;
+        let peer = self.peers[peer].as_mut().expect("routed to a peer with shared memory");
+        let Some(last) = peer.zero_copy.iter().rev().find(|&&t| t <= ticket.0).copied() else { return Ok(()) };
+        let mailbox = peer.their_inbox.mailbox(rank);
+        let target = (last + 1) as u32;
         wait_on(waiter, peer.job_rank, "a shared-memory send", &mailbox.consumed, &mailbox.sender_sleeping, || {
             reached(mailbox.consumed.load(Ordering::Acquire), target)
-        })
+        })?;
+        peer.zero_copy.retain(|&t| t > last);
+        Ok(())
     }
 
     fn recv(&mut self, peer: usize, header: FrameHeader, mut sink: Sink<'_>, waiter: &Waiter) -> Result<(), CommError> {
@@ -257,6 +298,18 @@ impl Transport for ShmTransport {
         };
         header.matches(job_rank, got)?;
         let addr = slot.addr.load(Ordering::Relaxed);
+        if addr == EAGER {
+            let len = sink.len();
+            if len > EAGER_BYTES {
+                return Err(CommError::Malformed { rank: job_rank, reason: format!("eager message of {len} bytes") });
+            }
+            // SAFETY: the sender wrote `len` bytes there before posting, and leaves the buffer
+            // alone until this message is counted consumed.
+            let bytes = unsafe { std::slice::from_raw_parts(mailbox.eager_buffer(consumed as usize), len) };
+            sink.deliver(0, bytes);
+            bump_and_wake(&mailbox.consumed, &mailbox.sender_sleeping);
+            return Ok(());
+        }
         match &mut sink {
             Sink::Copy(into) => read_from(pid, addr, into, job_rank)?,
             Sink::Reduce { into, .. } => {
