@@ -2,14 +2,17 @@
 # All-reduce (float32 sum) side by side in one run: medley's communicator over shared memory,
 # OpenMPI's MPI_Allreduce, and torch.distributed's Gloo when torch is installed. Same sizes,
 # same method for all (one warm-up call, then as many timed calls as fit in ~0.3 s, at most 1000;
-# the slowest rank's mean; busbw = algbw * 2(n-1)/n as nccl-tests), and the ratios.
+# the slowest rank's mean; busbw = algbw * 2(n-1)/n as nccl-tests), and the ratios. The
+# libraries take turns for ROUNDS rounds (default 3) and each figure is the median over rounds,
+# so a burst of other work on the machine does not land on one library only.
 # Also medley's hierarchical two-domain all-reduce against the flat ring on the same ranks, with
 # a bridge as fast as the domains.
 #
-# Usage: bench/comm_vs_mpi.sh [MAX_BYTES]   (default 64M; installs OpenMPI with apt-get if needed)
+# Usage: [ROUNDS=3] bench/comm_vs_mpi.sh [MAX_BYTES]   (default 64M; installs OpenMPI if needed)
 set -euo pipefail
 cd "$(dirname "$0")/.."
 max_bytes=${1:-64M}
+rounds=${ROUNDS:-3}
 work=$(mktemp -d)
 trap 'rm -rf "$work"' EXIT
 
@@ -93,38 +96,45 @@ if __name__ == "__main__":
     mp.spawn(worker, args=(n, sizes, port, out), nprocs=n)
 PY
 
-: > "$work/mpi"; : > "$work/gloo"
+: > "$work/mpi"; : > "$work/gloo"; : > "$work/medley.jsonl"
 mapfile -t sizes < "$work/sizes"
-for n in 2 4; do
-    echo "OpenMPI, $n ranks ..." >&2
-    mpirun --allow-run-as-root --oversubscribe -np "$n" "$work/allreduce" "${sizes[@]}" >> "$work/mpi"
-    if python3 -c "import torch" 2>/dev/null; then
-        echo "Gloo, $n ranks ..." >&2
-        python3 "$work/gloo.py" "$n" $((29600 + n)) "$work/gloo" "${sizes[@]}"
-    fi
+for round in $(seq "$rounds"); do
+    for n in 2 4; do
+        echo "round $round: OpenMPI, $n ranks ..." >&2
+        mpirun --allow-run-as-root --oversubscribe -np "$n" "$work/allreduce" "${sizes[@]}" >> "$work/mpi"
+        if python3 -c "import torch" 2>/dev/null; then
+            echo "round $round: Gloo, $n ranks ..." >&2
+            python3 "$work/gloo.py" "$n" $((29600 + n)) "$work/gloo" "${sizes[@]}"
+        fi
+    done
+    echo "round $round: medley ..." >&2
+    ./target/release/medley bench comm --json --ops all-reduce --ranks 2,4 --setups shm,two-domain-shm-bridge \
+        --min-bytes 4K --max-bytes "$max_bytes" | python3 -c 'import json, sys; [print(json.dumps(r)) for r in json.load(sys.stdin)]' \
+        >> "$work/medley.jsonl"
 done
-echo "medley ..." >&2
-./target/release/medley bench comm --json --ops all-reduce --ranks 2,4 --setups shm,two-domain-shm-bridge \
-    --min-bytes 4K --max-bytes "$max_bytes" > "$work/medley.json"
 
-python3 - "$work" <<'PY'
-import json, sys
-work = sys.argv[1]
+python3 - "$work" "$rounds" <<'PY'
+import json, statistics, sys
+work, rounds = sys.argv[1], sys.argv[2]
+def medians(samples):
+    return {key: statistics.median(values) for key, values in samples.items()}
 def table(name):
     rows = {}
     for line in open(f"{work}/{name}"):
         n, size, seconds = line.split()
-        rows[(int(n), int(size))] = float(seconds)
-    return rows
+        rows.setdefault((int(n), int(size)), []).append(float(seconds))
+    return medians(rows)
 mpi, gloo = table("mpi"), table("gloo")
-medley = {}
-for row in json.load(open(f"{work}/medley.json")):
+samples = {}
+for line in open(f"{work}/medley.jsonl"):
+    row = json.loads(line)
     key = (row["transport"], row["algorithm"] if row["transport"] != "shm" else "auto")
-    medley.setdefault(key, {})[(row["ranks"], row["bytes"])] = row["time_us"] / 1e6
+    samples.setdefault(key, {}).setdefault((row["ranks"], row["bytes"]), []).append(row["time_us"] / 1e6)
+medley = {key: medians(rows) for key, rows in samples.items()}
 flat = medley[("shm", "auto")]
 def busbw(n, size, seconds):
     return size / seconds / 1e9 * 2 * (n - 1) / n
-print("all-reduce float32 sum: time (us) and busbw (GB/s); ratios > 1 mean medley is faster")
+print(f"all-reduce float32 sum, median of {rounds} rounds: time (us), busbw (GB/s); ratio > 1: medley is faster")
 header = f"{'ranks':>5} {'bytes':>10} | {'medley us':>10} {'GB/s':>6} | {'OpenMPI us':>10} {'GB/s':>6} {'ratio':>6}"
 header += f" | {'Gloo us':>10} {'GB/s':>6} {'ratio':>6}" if gloo else " | Gloo: torch not installed"
 print(header)

@@ -300,6 +300,37 @@ impl Drop for TcpTransport {
 #[cfg(test)]
 mod tests {
     use super::*;
+    use crate::wait::Abort;
+    use std::net::TcpListener;
+
+    /// A transport whose only peer (rank 1, one stream) is the returned raw socket.
+    fn transport_and_raw_peer() -> (TcpTransport, TcpStream) {
+        let listener = TcpListener::bind("127.0.0.1:0").unwrap();
+        let raw = TcpStream::connect(listener.local_addr().unwrap()).unwrap();
+        let (ours, _) = listener.accept().unwrap();
+        (TcpTransport::new(vec![None, Some(vec![ours])], &[0, 1]).unwrap(), raw)
+    }
+
+    #[test]
+    fn oversized_and_malformed_frames_are_errors_not_allocations() {
+        let waiter = Waiter { timeout: Duration::from_secs(5), abort: Arc::new(Abort::default()), blame: None };
+        let expected = FrameHeader { fingerprint: 9, seq: 0, len: 16 };
+        let (mut transport, mut raw) = transport_and_raw_peer();
+        raw.write_all(&FrameHeader { len: 1 << 40, ..expected }.encode()).unwrap();
+        let mut into = [0u8; 16];
+        let err = transport.recv(1, expected, Sink::Copy(&mut into), &waiter).unwrap_err();
+        assert!(matches!(err, CommError::Mismatch { rank: 1, got_bytes, .. } if got_bytes == 1 << 40), "{err}");
+
+        let (mut transport, mut raw) = transport_and_raw_peer();
+        raw.write_all(&[0xab; FrameHeader::BYTES]).unwrap();
+        let err = transport.recv(1, expected, Sink::Copy(&mut into), &waiter).unwrap_err();
+        assert!(matches!(err, CommError::Malformed { rank: 1, .. }), "{err}");
+
+        let (mut transport, raw) = transport_and_raw_peer();
+        drop(raw);
+        let err = transport.recv(1, expected, Sink::Copy(&mut into), &waiter).unwrap_err();
+        assert!(matches!(err, CommError::PeerGone { rank: 1, .. }), "{err}");
+    }
 
     #[test]
     fn stripes_cover_the_message_on_aligned_boundaries() {
