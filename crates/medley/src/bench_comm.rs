@@ -79,8 +79,9 @@ impl BenchOp {
         }
     }
 
-    /// The operation on `count` f32 elements in all (nccl-tests' "size"; split evenly between
-    /// ranks where the operation splits), with its counts and each rank's input and output lengths.
+    /// The operation on `count` f32 elements in all (nccl-tests' "size": the whole buffer, split
+    /// evenly between ranks where the operation splits; all-to-all sends `count / n` to each
+    /// rank), with its counts and each rank's input and output lengths.
     fn shape(self, count: usize, n: usize) -> (Op, Counts, usize, usize) {
         let per = count / n;
         match self {
@@ -91,7 +92,7 @@ impl BenchOp {
             BenchOp::AllGather => (Op::AllGather, Counts::PerRank(vec![per; n]), per, per * n),
             BenchOp::Broadcast => (Op::Broadcast { root: 0 }, Counts::Same(count), count, count),
             BenchOp::Reduce => (Op::Reduce { op: ReduceOp::Sum, root: 0 }, Counts::Same(count), count, count),
-            BenchOp::AllToAll => (Op::AllToAll, Counts::PerPair(vec![vec![per / n; n]; n]), per / n * n, per / n * n),
+            BenchOp::AllToAll => (Op::AllToAll, Counts::PerPair(vec![vec![per; n]; n]), per * n, per * n),
         }
     }
 
@@ -99,8 +100,7 @@ impl BenchOp {
     fn bytes(self, count: usize, n: usize) -> usize {
         let elems = match self {
             BenchOp::AllReduce | BenchOp::Broadcast | BenchOp::Reduce => count,
-            BenchOp::ReduceScatter | BenchOp::AllGather => count / n * n,
-            BenchOp::AllToAll => count / n / n * n,
+            BenchOp::ReduceScatter | BenchOp::AllGather | BenchOp::AllToAll => count / n * n,
         };
         elems * size_of::<f32>()
     }
@@ -369,6 +369,15 @@ mod tests {
         assert_eq!(parse_bytes("4K"), Ok(4096));
         assert_eq!(parse_bytes("256m"), Ok(256 << 20));
         assert!(parse_bytes("lots").is_err());
+    }
+
+    #[test]
+    fn every_op_reports_the_size_it_was_asked_for() {
+        for op in [BenchOp::AllReduce, BenchOp::ReduceScatter, BenchOp::AllGather, BenchOp::AllToAll] {
+            assert_eq!(op.bytes(1024, 4), 4096, "{op:?}");
+            let (_, _, input, output) = op.shape(1024, 4);
+            assert_eq!(input.max(output) * size_of::<f32>(), 4096, "{op:?}");
+        }
     }
 
     #[test]
