@@ -135,14 +135,18 @@ fn case<T: Small>(op: Op, counts: &Counts, n: usize, seed: u64) -> Case<T> {
     Case { inputs, output_len, expected }
 }
 
-/// Runs one collective with `T` on this rank and compares with the reference.
-fn check<T: Small>(
-    comm: &mut Communicator,
+/// One collective call with the seed of its inputs.
+#[derive(Clone, Copy)]
+struct Call<'a> {
     op: Op,
-    counts: &Counts,
+    counts: &'a Counts,
     algorithm: Algorithm,
     seed: u64,
-) -> Result<(), String> {
+}
+
+/// Runs `call` with `T` on this rank and compares with the reference.
+fn check<T: Small>(comm: &mut Communicator, call: Call<'_>) -> Result<(), String> {
+    let Call { op, counts, algorithm, seed } = call;
     let Case { inputs, output_len, expected } = case::<T>(op, counts, comm.n_ranks(), seed);
     let r = comm.rank();
     let mut output = vec![T::small(0); output_len[r]];
@@ -157,20 +161,14 @@ fn check<T: Small>(
     }
 }
 
-fn check_every_type(
-    comm: &mut Communicator,
-    op: Op,
-    counts: &Counts,
-    algorithm: Algorithm,
-    seed: u64,
-) -> Result<(), String> {
-    check::<f32>(comm, op, counts, algorithm, seed)?;
-    check::<f64>(comm, op, counts, algorithm, seed)?;
-    check::<f16>(comm, op, counts, algorithm, seed)?;
-    check::<bf16>(comm, op, counts, algorithm, seed)?;
-    check::<i32>(comm, op, counts, algorithm, seed)?;
-    check::<i64>(comm, op, counts, algorithm, seed)?;
-    check::<u8>(comm, op, counts, algorithm, seed)
+fn check_every_type(comm: &mut Communicator, call: Call<'_>) -> Result<(), String> {
+    check::<f32>(comm, call)?;
+    check::<f64>(comm, call)?;
+    check::<f16>(comm, call)?;
+    check::<bf16>(comm, call)?;
+    check::<i32>(comm, call)?;
+    check::<i64>(comm, call)?;
+    check::<u8>(comm, call)
 }
 
 const REDUCE_OPS: [ReduceOp; 5] = [ReduceOp::Sum, ReduceOp::Avg, ReduceOp::Max, ReduceOp::Min, ReduceOp::Prod];
@@ -256,7 +254,7 @@ proptest! {
         let results = job(&case.domains, &config, |comm| -> Result<(), String> {
             for (op, counts) in &ops {
                 for algorithm in Algorithm::ALL.into_iter().filter(|a| a.supports(*op)) {
-                    check_every_type(comm, *op, counts, algorithm, case.seed)?;
+                    check_every_type(comm, Call { op: *op, counts, algorithm, seed: case.seed })?;
                 }
             }
             Ok(())
@@ -284,7 +282,7 @@ fn large_messages_stripe_and_pipeline() {
             ];
             for (op, counts) in &ops {
                 for algorithm in Algorithm::ALL.into_iter().filter(|a| a.supports(*op)) {
-                    check::<f32>(comm, *op, counts, algorithm, 5)?;
+                    check::<f32>(comm, Call { op: *op, counts, algorithm, seed: 5 })?;
                 }
             }
             Ok(())
