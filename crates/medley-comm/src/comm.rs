@@ -319,3 +319,9 @@ impl Communicator {
             .map(Some)
     }
 }
+
+/// A communicator can move to the thread that uses it.
+const _: fn() = || {
+    fn movable<T: Send>() {}
+    movable::<Communicator>();
+};
