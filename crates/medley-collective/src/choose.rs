@@ -20,7 +20,8 @@ pub fn choose(op: Op, group: &Group, bytes: usize) -> Algorithm {
         {
             Algorithm::Hierarchical
         }
-        _ if bytes < SMALL_BYTES => Algorithm::Tree,
+        // Two ranks' tree is a round trip through the root; their ring exchanges both ways at once.
+        _ if bytes < SMALL_BYTES && group.n_ranks() > 2 => Algorithm::Tree,
         // The domain-ordered chain is as long as the flat one and never changes domain more often.
         Op::Broadcast { .. } | Op::Reduce { .. } if group.n_domains() > 1 => Algorithm::Hierarchical,
         _ => Algorithm::Ring,
@@ -49,6 +50,7 @@ mod tests {
         assert_eq!(choose(Op::Broadcast { root: 0 }, &two, 64 << 20), Algorithm::Hierarchical);
         assert_eq!(choose(Op::Reduce { op: ReduceOp::Sum, root: 0 }, &one, 64 << 20), Algorithm::Ring);
         assert_eq!(choose(Op::Reduce { op: ReduceOp::Sum, root: 0 }, &two, 1 << 10), Algorithm::Tree);
+        assert_eq!(choose(all_reduce, &Group::single_domain(2).unwrap(), 4 << 10), Algorithm::Ring);
     }
 
     #[test]

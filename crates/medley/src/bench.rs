@@ -39,6 +39,8 @@ pub enum BenchCommand {
         #[arg(long)]
         json: bool,
     },
+    /// Communicator bandwidth and latency, nccl-tests style, over real worker processes.
+    Comm(crate::bench_comm::CommArgs),
 }
 
 pub fn run(which: &BenchCommand) -> Result<()> {
@@ -46,6 +48,7 @@ pub fn run(which: &BenchCommand) -> Result<()> {
         BenchCommand::Plan { json } => bench_plan(*json),
         BenchCommand::Calibration { json } => crate::bench_calibration::bench_calibration(*json),
         BenchCommand::Schedules { json } => crate::bench_schedules::bench_schedules(*json),
+        BenchCommand::Comm(args) => crate::bench_comm::run(args),
     }
 }
 

@@ -2,6 +2,7 @@
 
 mod bench;
 mod bench_calibration;
+mod bench_comm;
 mod bench_schedules;
 mod inputs;
 mod plan_cmd;
@@ -31,6 +32,9 @@ enum Command {
         #[command(subcommand)]
         which: bench::BenchCommand,
     },
+    /// One rank of `medley bench comm` (started by it).
+    #[command(hide = true)]
+    BenchCommWorker(bench_comm::WorkerArgs),
 }
 
 fn main() -> ExitCode {
@@ -39,6 +43,7 @@ fn main() -> ExitCode {
         Command::Plan(args) => plan_cmd::run(&args),
         Command::Simulate(args) => simulate_cmd::run(&args),
         Command::Bench { which } => bench::run(&which).map(|()| ExitCode::SUCCESS),
+        Command::BenchCommWorker(args) => bench_comm::worker(&args).map(|()| ExitCode::SUCCESS),
     };
     result.unwrap_or_else(|err| {
         eprintln!("error: {err:#}");

@@ -253,3 +253,24 @@ fn simulate_a_layout_that_does_not_fit_exits_one() {
     let args = ["simulate", "--cluster", "8xh100", "--model", "llama3-70b", "--global-batch", "8", "--tp", "8"];
     check(&args, 1, "does not fit");
 }
+
+#[test]
+fn bench_comm_measures_every_setup_with_real_workers() {
+    let args = ["bench", "comm", "--json", "--min-bytes", "4K", "--max-bytes", "16K", "--ranks", "2,3"];
+    let output = check(&[&args[..], &["--ops", "all-reduce,all-to-all", "--timeout-s", "20"]].concat(), 0, "");
+    let rows: Vec<serde_json::Value> = serde_json::from_str(&stdout(&output)).unwrap();
+    // Per setup and rank count: two sizes × (all-to-all + all-reduce, which the two-domain setup
+    // runs both hierarchical and flat).
+    assert_eq!(rows.len(), 2 * (2 + 2 + 3) * 2, "{rows:#?}");
+    for row in &rows {
+        for key in ["op", "bytes", "ranks", "transport", "algorithm", "time_us", "algbw_gbps", "busbw_gbps"] {
+            assert!(row.get(key).is_some(), "{key} missing from {row}");
+        }
+        assert!(row["time_us"].as_f64().unwrap() > 0.0, "{row}");
+    }
+    let two_domain_all_reduce = |algorithm: &str| {
+        rows.iter().any(|r| r["transport"] == "two-domain" && r["op"] == "all-reduce" && r["algorithm"] == algorithm)
+    };
+    assert!(two_domain_all_reduce("hierarchical") && two_domain_all_reduce("ring"));
+    check(&["bench", "comm", "--min-bytes", "64K", "--max-bytes", "4K"], 2, "--min-bytes");
+}

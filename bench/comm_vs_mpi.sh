@@ -1,0 +1,154 @@
+#!/usr/bin/env bash
+# All-reduce (float32 sum) side by side in one run: medley's communicator over shared memory,
+# OpenMPI's MPI_Allreduce, and torch.distributed's Gloo when torch is installed. Same sizes,
+# same method for all (one warm-up call, then as many timed calls as fit in ~0.3 s, at most 1000;
+# the slowest rank's mean; busbw = algbw * 2(n-1)/n as nccl-tests), and the ratios. The
+# libraries take turns for ROUNDS rounds (default 3) and each figure is the median over rounds,
+# so a burst of other work on the machine does not land on one library only.
+# Also medley's hierarchical two-domain all-reduce against the flat ring on the same ranks, with
+# a bridge as fast as the domains.
+#
+# Usage: [ROUNDS=3] bench/comm_vs_mpi.sh [MAX_BYTES]   (default 64M; installs OpenMPI if needed)
+set -euo pipefail
+cd "$(dirname "$0")/.."
+max_bytes=${1:-64M}
+rounds=${ROUNDS:-3}
+work=$(mktemp -d)
+trap 'rm -rf "$work"' EXIT
+
+if ! command -v mpicc >/dev/null || ! command -v mpirun >/dev/null; then
+    echo "installing OpenMPI (apt-get) ..." >&2
+    apt-get update -qq >/dev/null && apt-get install -y -qq openmpi-bin libopenmpi-dev >/dev/null
+fi
+cargo build --release -q -p medley
+
+python3 - "$max_bytes" > "$work/sizes" <<'PY'
+import sys
+text = sys.argv[1].upper()
+shift = {"K": 10, "M": 20, "G": 30}.get(text[-1:], 0)
+top = int(text.rstrip("KMG")) << shift
+size = 4096
+while size <= top:
+    print(size)
+    size *= 4
+PY
+
+cat > "$work/allreduce.c" <<'C'
+#include <mpi.h>
+#include <stdio.h>
+#include <stdlib.h>
+/* MPI_Allreduce of float sums, one line per size: bytes and the slowest rank's mean seconds. */
+int main(int argc, char **argv) {
+    MPI_Init(&argc, &argv);
+    int rank;
+    MPI_Comm_rank(MPI_COMM_WORLD, &rank);
+    for (int a = 1; a < argc; a++) {
+        long bytes = atol(argv[a]);
+        long count = bytes / 4;
+        float *in = malloc(count * sizeof(float)), *out = malloc(count * sizeof(float));
+        for (long i = 0; i < count; i++) in[i] = 1.0f;
+        double t = MPI_Wtime(), first, slowest;
+        MPI_Allreduce(in, out, count, MPI_FLOAT, MPI_SUM, MPI_COMM_WORLD);
+        first = MPI_Wtime() - t;
+        MPI_Allreduce(&first, &slowest, 1, MPI_DOUBLE, MPI_MAX, MPI_COMM_WORLD);
+        int iters = (int)(0.3 / (slowest > 1e-9 ? slowest : 1e-9));
+        iters = iters < 1 ? 1 : iters > 1000 ? 1000 : iters;
+        MPI_Barrier(MPI_COMM_WORLD);
+        t = MPI_Wtime();
+        for (int i = 0; i < iters; i++) MPI_Allreduce(in, out, count, MPI_FLOAT, MPI_SUM, MPI_COMM_WORLD);
+        double mean = (MPI_Wtime() - t) / iters;
+        MPI_Allreduce(&mean, &slowest, 1, MPI_DOUBLE, MPI_MAX, MPI_COMM_WORLD);
+        int n;
+        MPI_Comm_size(MPI_COMM_WORLD, &n);
+        if (rank == 0) printf("%d %ld %.9f\n", n, bytes, slowest);
+        free(in);
+        free(out);
+    }
+    MPI_Finalize();
+    return 0;
+}
+C
+mpicc -O2 -o "$work/allreduce" "$work/allreduce.c"
+
+cat > "$work/gloo.py" <<'PY'
+import os, sys, time
+import torch, torch.distributed as dist
+import torch.multiprocessing as mp
+def worker(rank, n, sizes, port, out):
+    os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port))
+    torch.set_num_threads(1)
+    dist.init_process_group("gloo", rank=rank, world_size=n)
+    for size in sizes:
+        t = torch.ones(size // 4)
+        start = time.perf_counter(); dist.all_reduce(t); first = torch.tensor([time.perf_counter() - start], dtype=torch.float64)
+        dist.all_reduce(first, op=dist.ReduceOp.MAX)
+        iters = max(1, min(1000, int(0.3 / max(first.item(), 1e-9))))
+        dist.barrier(); start = time.perf_counter()
+        for _ in range(iters): dist.all_reduce(t)
+        mean = torch.tensor([(time.perf_counter() - start) / iters], dtype=torch.float64)
+        dist.all_reduce(mean, op=dist.ReduceOp.MAX)
+        if rank == 0:
+            with open(out, "a") as f: f.write(f"{n} {size} {mean.item():.9f}\n")
+    dist.destroy_process_group()
+if __name__ == "__main__":
+    n, port, out = int(sys.argv[1]), int(sys.argv[2]), sys.argv[3]
+    sizes = [int(s) for s in sys.argv[4:]]
+    mp.spawn(worker, args=(n, sizes, port, out), nprocs=n)
+PY
+
+: > "$work/mpi"; : > "$work/gloo"; : > "$work/medley.jsonl"
+mapfile -t sizes < "$work/sizes"
+for round in $(seq "$rounds"); do
+    for n in 2 4; do
+        echo "round $round: OpenMPI, $n ranks ..." >&2
+        mpirun --allow-run-as-root --oversubscribe -np "$n" "$work/allreduce" "${sizes[@]}" >> "$work/mpi"
+        if python3 -c "import torch" 2>/dev/null; then
+            echo "round $round: Gloo, $n ranks ..." >&2
+            python3 "$work/gloo.py" "$n" $((29600 + n)) "$work/gloo" "${sizes[@]}"
+        fi
+    done
+    echo "round $round: medley ..." >&2
+    ./target/release/medley bench comm --json --ops all-reduce --ranks 2,4 --setups shm,two-domain-shm-bridge \
+        --min-bytes 4K --max-bytes "$max_bytes" | python3 -c 'import json, sys; [print(json.dumps(r)) for r in json.load(sys.stdin)]' \
+        >> "$work/medley.jsonl"
+done
+
+python3 - "$work" "$rounds" <<'PY'
+import json, statistics, sys
+work, rounds = sys.argv[1], sys.argv[2]
+def medians(samples):
+    return {key: statistics.median(values) for key, values in samples.items()}
+def table(name):
+    rows = {}
+    for line in open(f"{work}/{name}"):
+        n, size, seconds = line.split()
+        rows.setdefault((int(n), int(size)), []).append(float(seconds))
+    return medians(rows)
+mpi, gloo = table("mpi"), table("gloo")
+samples = {}
+for line in open(f"{work}/medley.jsonl"):
+    row = json.loads(line)
+    key = (row["transport"], row["algorithm"] if row["transport"] != "shm" else "auto")
+    samples.setdefault(key, {}).setdefault((row["ranks"], row["bytes"]), []).append(row["time_us"] / 1e6)
+medley = {key: medians(rows) for key, rows in samples.items()}
+flat = medley[("shm", "auto")]
+def busbw(n, size, seconds):
+    return size / seconds / 1e9 * 2 * (n - 1) / n
+print(f"all-reduce float32 sum, median of {rounds} rounds: time (us), busbw (GB/s); ratio > 1: medley is faster")
+header = f"{'ranks':>5} {'bytes':>10} | {'medley us':>10} {'GB/s':>6} | {'OpenMPI us':>10} {'GB/s':>6} {'ratio':>6}"
+header += f" | {'Gloo us':>10} {'GB/s':>6} {'ratio':>6}" if gloo else " | Gloo: torch not installed"
+print(header)
+for (n, size), seconds in sorted(flat.items()):
+    line = f"{n:>5} {size:>10} | {seconds*1e6:>10.1f} {busbw(n, size, seconds):>6.2f}"
+    for other in (mpi, gloo):
+        if (n, size) in other:
+            theirs = other[(n, size)]
+            line += f" | {theirs*1e6:>10.1f} {busbw(n, size, theirs):>6.2f} {theirs/seconds:>6.2f}"
+    print(line)
+hier, ring = medley.get(("two-domain-shm-bridge", "hierarchical"), {}), medley.get(("two-domain-shm-bridge", "ring"), {})
+print("\nmedley two-domain all-reduce (bridge as fast as the domains): hierarchical vs flat ring")
+print(f"{'ranks':>5} {'bytes':>10} | {'hier us':>10} {'flat us':>10} {'hier/flat speed':>15}")
+for key in sorted(hier):
+    if key in ring:
+        print(f"{key[0]:>5} {key[1]:>10} | {hier[key]*1e6:>10.1f} {ring[key]*1e6:>10.1f} {ring[key]/hier[key]:>15.2f}")
+PY

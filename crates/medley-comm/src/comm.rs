@@ -1,0 +1,327 @@
+//! The communicator: plans a collective with medley-collective, runs this rank's steps over its
+//! links, and turns any failure into the job's abort.
+
+use std::net::IpAddr;
+use std::num::NonZeroUsize;
+use std::sync::Arc;
+
+use medley_collective::{Algorithm, Chunking, Counts, Group, Op, RankSteps, ReduceOp, choose, plan_steps};
+
+use crate::CommError;
+use crate::dtype::{DType, Element};
+use crate::env::{Config, LaunchEnv};
+use crate::exec::{Call, execute};
+use crate::mesh;
+use crate::session::Session;
+use crate::transport::shm::MAILBOX_SLOTS;
+use crate::transport::{Links, Sink};
+use crate::wait::{Blame, Waiter};
+use crate::wire::{FrameHeader, fingerprint};
+
+/// A group of ranks that run collectives together. Every rank of the group must call the same
+/// operations in the same order with matching arguments; a mismatch is reported, not hung on.
+///
+/// After any failure of a peer (death, silence past [`Config::timeout`], a mismatched or
+/// malformed frame) this and every later operation on every communicator of the job fails with
+/// an error naming the rank to blame.
+pub struct Communicator {
+    // Dropped first: closes the links before the session says goodbye.
+    links: Links,
+    session: Arc<Session>,
+    config: Config,
+    waiter: Waiter,
+    ns: String,
+    rank: usize,
+    members: Vec<usize>,
+    group: Group,
+    domain_names: Vec<String>,
+    listen_ip: IpAddr,
+    /// Collectives called so far (the sequence number frames carry).
+    n_collectives: u64,
+    /// Point-to-point messages sent to and received from each peer.
+    n_sent: Vec<u64>,
+    n_received: Vec<u64>,
+    n_splits: u64,
+    /// The working buffer for operations whose result is a part of it (reduce-scatter).
+    scratch: Vec<u64>,
+    /// This rank's recent plans: a training loop repeats the same few collectives.
+    plans: Vec<(PlanKey, Arc<CachedPlan>)>,
+}
+
+/// What a plan depends on.
+#[derive(Clone, Debug, PartialEq, Eq)]
+struct PlanKey {
+    op: Op,
+    counts: Counts,
+    algorithm: Algorithm,
+    dtype: DType,
+}
+
+struct CachedPlan {
+    steps: RankSteps,
+    fingerprint: u64,
+}
+
+/// Plans kept per communicator.
+const PLAN_CACHE: usize = 16;
+
+impl Communicator {
+    /// Joins the job described by `env`: rank 0 starts the store, everyone connects to it with the
+    /// job token and then to each other.
+    pub fn init(env: &LaunchEnv, config: Config) -> Result<Communicator, CommError> {
+        let session = Arc::new(Session::join(env, &config)?);
+        let listen_ip = session.store.local_ip()?;
+        let members: Vec<usize> = (0..env.world_size).collect();
+        Communicator::connect(session, "world".into(), members, env.rank, listen_ip, config)
+    }
+
+    fn connect(
+        session: Arc<Session>,
+        ns: String,
+        members: Vec<usize>,
+        rank: usize,
+        listen_ip: IpAddr,
+        config: Config,
+    ) -> Result<Communicator, CommError> {
+        let mesh = mesh::connect(&session, &ns, &members, rank, listen_ip, &config).map_err(|err| session.fail(err))?;
+        let n = members.len();
+        Ok(Communicator {
+            links: mesh.links,
+            waiter: Waiter {
+                timeout: config.timeout,
+                abort: Arc::clone(&session.abort),
+                blame: Some(Arc::clone(&session) as Arc<dyn Blame>),
+            },
+            session,
+            config,
+            ns,
+            rank,
+            members,
+            group: mesh.group,
+            domain_names: mesh.domain_names,
+            listen_ip,
+            n_collectives: 0,
+            n_sent: vec![0; n],
+            n_received: vec![0; n],
+            n_splits: 0,
+            scratch: Vec::new(),
+            plans: Vec::new(),
+        })
+    }
+
+    pub fn rank(&self) -> usize {
+        self.rank
+    }
+
+    pub fn n_ranks(&self) -> usize {
+        self.members.len()
+    }
+
+    /// The job rank of each rank of this communicator.
+    pub fn job_ranks(&self) -> &[usize] {
+        &self.members
+    }
+
+    /// The ranks' vendor domains, as the algorithms see them.
+    pub fn group(&self) -> &Group {
+        &self.group
+    }
+
+    /// The domain names, indexed by [`medley_collective::DomainId`].
+    pub fn domain_names(&self) -> &[String] {
+        &self.domain_names
+    }
+
+    pub fn all_reduce<T: Element>(&mut self, input: &[T], output: &mut [T], op: ReduceOp) -> Result<(), CommError> {
+        self.collective(Op::AllReduce { op }, &Counts::Same(input.len()), None, input, output)
+    }
+
+    /// `counts[r]` elements of the reduction end on rank r; `output` holds this rank's block.
+    pub fn reduce_scatter<T: Element>(
+        &mut self,
+        input: &[T],
+        output: &mut [T],
+        counts: &[usize],
+        op: ReduceOp,
+    ) -> Result<(), CommError> {
+        self.collective(Op::ReduceScatter { op }, &Counts::PerRank(counts.to_vec()), None, input, output)
+    }
+
+    /// Rank r contributes `counts[r]` elements; `output` holds all of them in rank order.
+    pub fn all_gather<T: Element>(&mut self, input: &[T], output: &mut [T], counts: &[usize]) -> Result<(), CommError> {
+        self.collective(Op::AllGather, &Counts::PerRank(counts.to_vec()), None, input, output)
+    }
+
+    /// Every `output` ends with `root`'s `input` (other ranks' inputs are not read).
+    pub fn broadcast<T: Element>(&mut self, input: &[T], output: &mut [T], root: usize) -> Result<(), CommError> {
+        self.collective(Op::Broadcast { root }, &Counts::Same(input.len()), None, input, output)
+    }
+
+    /// `root`'s `output` ends with the reduction; other ranks' outputs are scratch.
+    pub fn reduce<T: Element>(
+        &mut self,
+        input: &[T],
+        output: &mut [T],
+        op: ReduceOp,
+        root: usize,
+    ) -> Result<(), CommError> {
+        self.collective(Op::Reduce { op, root }, &Counts::Same(input.len()), None, input, output)
+    }
+
+    /// Rank i sends `counts[i][j]` elements to rank j: inputs hold the messages to each rank in
+    /// rank order, outputs those from each rank.
+    pub fn all_to_all<T: Element>(
+        &mut self,
+        input: &[T],
+        output: &mut [T],
+        counts: &[Vec<usize>],
+    ) -> Result<(), CommError> {
+        self.collective(Op::AllToAll, &Counts::PerPair(counts.to_vec()), None, input, output)
+    }
+
+    pub fn barrier(&mut self) -> Result<(), CommError> {
+        self.collective::<u8>(Op::Barrier, &Counts::Same(0), None, &[], &mut [])
+    }
+
+    /// Runs `op` with `algorithm` (or [`choose`]'s). `output` is either the whole working buffer
+    /// of the plan or just this rank's result.
+    pub fn collective<T: Element>(
+        &mut self,
+        op: Op,
+        counts: &Counts,
+        algorithm: Option<Algorithm>,
+        input: &[T],
+        output: &mut [T],
+    ) -> Result<(), CommError> {
+        self.session.abort.check()?;
+        let size = size_of::<T>();
+        let algorithm = algorithm.unwrap_or_else(|| choose(op, &self.group, size_of_val(input)));
+        let cached = self.plan(PlanKey { op, counts: counts.clone(), algorithm, dtype: T::DTYPE })?;
+        let plan = &cached.steps;
+        if input.len() != plan.input_len {
+            return Err(CommError::BufferLength { what: "input", expected: plan.input_len, got: input.len() });
+        }
+        let direct = output.len() == plan.output_len;
+        if !direct && output.len() != plan.result.len() {
+            return Err(CommError::BufferLength { what: "output", expected: plan.result.len(), got: output.len() });
+        }
+        let call = Call { plan, dtype: T::DTYPE, fingerprint: cached.fingerprint, seq: self.n_collectives };
+        self.n_collectives += 1;
+        let input = bytemuck::cast_slice(input);
+        let result = if direct {
+            execute(&mut self.links, &self.waiter, &call, input, bytemuck::cast_slice_mut(output))
+        } else {
+            let bytes = plan.output_len * size;
+            self.scratch.resize(bytes.div_ceil(8), 0);
+            let scratch = &mut bytemuck::cast_slice_mut::<u64, u8>(&mut self.scratch)[..bytes];
+            let done = execute(&mut self.links, &self.waiter, &call, input, scratch);
+            let result = plan.result.start * size..plan.result.end * size;
+            bytemuck::cast_slice_mut::<T, u8>(output).copy_from_slice(&scratch[result]);
+            done
+        };
+        result.map_err(|err| self.fail(err))
+    }
+
+    /// Reports a failure to the job, then closes the links so no send reads the caller's buffers.
+    fn fail(&mut self, err: CommError) -> CommError {
+        let err = self.session.fail(err);
+        self.links.close();
+        err
+    }
+
+    /// This rank's steps and the call's fingerprint, planned once per key.
+    fn plan(&mut self, key: PlanKey) -> Result<Arc<CachedPlan>, CommError> {
+        if let Some(at) = self.plans.iter().position(|(cached, _)| *cached == key) {
+            let entry = self.plans.remove(at);
+            self.plans.push(entry);
+        } else {
+            let chunking = self.chunking(&key.counts, key.dtype.size_bytes());
+            let mut plans = plan_steps(key.op, &self.group, &key.counts, key.algorithm, chunking)?;
+            let PlanKey { op, counts, algorithm, dtype } = &key;
+            let description = format!("{op:?}|{dtype:?}|{counts:?}|{algorithm:?}|{chunking:?}");
+            let plan = CachedPlan { steps: plans.swap_remove(self.rank), fingerprint: fingerprint(&description) };
+            if self.plans.len() == PLAN_CACHE {
+                self.plans.remove(0);
+            }
+            self.plans.push((key, Arc::new(plan)));
+        }
+        Ok(Arc::clone(&self.plans.last().expect("just pushed").1))
+    }
+
+    /// Chunks of at most [`Config::chunk_bytes`], but few enough per message stream that a
+    /// shared-memory mailbox never fills with one plan's sends.
+    fn chunking(&self, counts: &Counts, elem_bytes: usize) -> Chunking {
+        let total = match counts {
+            Counts::Same(len) => *len,
+            Counts::PerRank(sizes) => sizes.iter().sum(),
+            Counts::PerPair(matrix) => matrix.iter().flatten().sum(),
+        };
+        let elems = (self.config.chunk_bytes / elem_bytes).max(total.div_ceil(MAILBOX_SLOTS / 4)).max(1);
+        Chunking::MaxElems(NonZeroUsize::new(elems).expect("at least one"))
+    }
+
+    fn p2p_header<T: Element>(&self, len: usize, seq: u64) -> FrameHeader {
+        FrameHeader {
+            fingerprint: fingerprint(&format!("p2p|{:?}|{len}", T::DTYPE)),
+            seq,
+            len: (len * size_of::<T>()) as u64,
+        }
+    }
+
+    fn check_peer(&self, peer: usize) -> Result<(), CommError> {
+        if peer >= self.n_ranks() || peer == self.rank {
+            return Err(CommError::NoSuchRank { peer, n_ranks: self.n_ranks() });
+        }
+        self.session.abort.check()
+    }
+
+    /// Sends `data` to `peer` and returns once it no longer needs `data` (over shared memory, once
+    /// the peer has received it: pair every send with the peer's receive).
+    pub fn send<T: Element>(&mut self, data: &[T], peer: usize) -> Result<(), CommError> {
+        self.check_peer(peer)?;
+        let header = self.p2p_header::<T>(data.len(), self.n_sent[peer]);
+        self.n_sent[peer] += 1;
+        let bytes: &[u8] = bytemuck::cast_slice(data);
+        let link = self.links.to(peer);
+        // SAFETY: `data` is borrowed until this function returns, after `wait_sent` (or `close`).
+        let sent = unsafe { link.send(peer, header, bytes.as_ptr(), bytes.len(), &self.waiter) }
+            .and_then(|ticket| link.wait_sent(peer, ticket, &self.waiter));
+        sent.map_err(|err| self.fail(err))
+    }
+
+    /// Receives the next message from `peer`, which must hold exactly `data.len()` elements.
+    pub fn recv<T: Element>(&mut self, data: &mut [T], peer: usize) -> Result<(), CommError> {
+        self.check_peer(peer)?;
+        let header = self.p2p_header::<T>(data.len(), self.n_received[peer]);
+        self.n_received[peer] += 1;
+        let sink = Sink::Copy(bytemuck::cast_slice_mut(data));
+        let received = self.links.to(peer).recv(peer, header, sink, &self.waiter);
+        received.map_err(|err| self.fail(err))
+    }
+
+    /// Splits the ranks into new communicators, like `MPI_Comm_split`/`ncclCommSplit`: ranks that
+    /// pass the same `color` form one, ordered by `key` and then by rank here; `None` takes part
+    /// in the split but joins none. Every rank must call it.
+    pub fn split(&mut self, color: Option<u32>, key: i64) -> Result<Option<Communicator>, CommError> {
+        const NO_COLOR: i64 = -1;
+        let n = self.n_ranks();
+        let mine = [color.map_or(NO_COLOR, i64::from), key];
+        let mut all = vec![0i64; 2 * n];
+        self.all_gather(&mine, &mut all, &vec![2; n])?;
+        self.n_splits += 1;
+        let Some(color) = color else { return Ok(None) };
+        let mut ranks: Vec<usize> = (0..n).filter(|&r| all[2 * r] == i64::from(color)).collect();
+        ranks.sort_by_key(|&r| (all[2 * r + 1], r));
+        let rank = ranks.iter().position(|&r| r == self.rank).expect("this rank has its color");
+        let members = ranks.iter().map(|&r| self.members[r]).collect();
+        let ns = format!("{}/split{}/color{color}", self.ns, self.n_splits);
+        Communicator::connect(Arc::clone(&self.session), ns, members, rank, self.listen_ip, self.config.clone())
+            .map(Some)
+    }
+}
+
+/// A communicator can move to the thread that uses it.
+const _: fn() = || {
+    fn movable<T: Send>() {}
+    movable::<Communicator>();
+};

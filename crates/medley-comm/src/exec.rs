@@ -1,0 +1,225 @@
+//! Executes one rank's step list ([`medley_collective::step`]) over its links, zero-copy.
+//!
+//! A send hands the transport the address of its range, so before any step writes a range the
+//! executor waits for the unfinished sends that still read it, and before returning for all of
+//! them. Copies from the input are deferred: until a step needs the bytes in the output, a send
+//! of a copied range reads the input instead, a reducing receive combines input and message
+//! straight into the output, and a plain receive overwrites it uncopied. On one host that
+//! saves a whole pass over the buffer, the largest memory cost of a ring all-reduce.
+
+use std::ops::Range;
+
+use medley_collective::{Buf, RankSteps, Step};
+
+use crate::CommError;
+use crate::dtype::DType;
+use crate::transport::{Links, Sink, Ticket};
+use crate::wait::Waiter;
+use crate::wire::FrameHeader;
+
+/// One call of a collective as this rank runs it.
+pub(crate) struct Call<'a> {
+    pub plan: &'a RankSteps,
+    pub dtype: DType,
+    pub fingerprint: u64,
+    pub seq: u64,
+}
+
+/// A send of output bytes the executor has not yet seen finish.
+struct InFlight {
+    peer: usize,
+    ticket: Ticket,
+    bytes: Range<usize>,
+}
+
+/// Output bytes that hold, by a deferred copy, the input bytes from `input_start` on.
+#[derive(Clone, Debug, PartialEq, Eq)]
+struct Deferred {
+    output: Range<usize>,
+    input_start: usize,
+}
+
+impl Deferred {
+    fn input(&self) -> Range<usize> {
+        self.input_start..self.input_start + self.output.len()
+    }
+}
+
+/// Removes from `deferred` the parts that overlap `span` and returns them.
+fn take_overlap(deferred: &mut Vec<Deferred>, span: &Range<usize>) -> Vec<Deferred> {
+    let mut taken = Vec::new();
+    let mut kept = Vec::with_capacity(deferred.len());
+    for copy in deferred.drain(..) {
+        let (start, end) = (copy.output.start.max(span.start), copy.output.end.min(span.end));
+        if start >= end {
+            kept.push(copy);
+            continue;
+        }
+        let part = |from: usize, to: usize| Deferred {
+            output: from..to,
+            input_start: copy.input_start + (from - copy.output.start),
+        };
+        if copy.output.start < start {
+            kept.push(part(copy.output.start, start));
+        }
+        if end < copy.output.end {
+            kept.push(part(end, copy.output.end));
+        }
+        taken.push(part(start, end));
+    }
+    *deferred = kept;
+    taken
+}
+
+/// Performs the deferred copies that overlap `span`.
+fn materialize(deferred: &mut Vec<Deferred>, span: &Range<usize>, input: &[u8], output: &mut [u8]) {
+    for copy in take_overlap(deferred, span) {
+        output[copy.output.clone()].copy_from_slice(&input[copy.input()]);
+    }
+}
+
+/// Runs `call` over `input` and `output` (bytes, `plan.input_len` and `plan.output_len` elements).
+/// On error the caller must close the links before the buffers' borrow ends, so no send still
+/// reads them.
+pub(crate) fn execute(
+    links: &mut Links,
+    waiter: &Waiter,
+    call: &Call<'_>,
+    input: &[u8],
+    output: &mut [u8],
+) -> Result<(), CommError> {
+    let size = call.dtype.size_bytes();
+    let bytes = |range: &Range<usize>| range.start * size..range.end * size;
+    let header = |range: &Range<usize>| FrameHeader {
+        fingerprint: call.fingerprint,
+        seq: call.seq,
+        len: (range.len() * size) as u64,
+    };
+    let mut in_flight: Vec<InFlight> = Vec::new();
+    let mut deferred: Vec<Deferred> = Vec::new();
+    // The last ticket per peer, input sends included: all are waited for at the end.
+    let mut last_ticket: Vec<Option<Ticket>> = vec![None; n_peers_named(call.plan)];
+    for step in &call.plan.steps {
+        match step {
+            Step::Copy { from, to } => {
+                let to = bytes(to);
+                wait_for_senders(links, waiter, &mut in_flight, &to)?;
+                take_overlap(&mut deferred, &to);
+                deferred.push(Deferred { output: to, input_start: from.start * size });
+            }
+            Step::Send { to, buf, range } => {
+                let span = bytes(range);
+                let whole_copy = match take_overlap(&mut deferred, &span).as_slice() {
+                    [copy] if copy.output == span => Some(copy.clone()),
+                    parts => {
+                        for copy in parts {
+                            output[copy.output.clone()].copy_from_slice(&input[copy.input()]);
+                        }
+                        None
+                    }
+                };
+                let (data, reads_output) = match (buf, &whole_copy) {
+                    (Buf::Input, _) => (input[span.clone()].as_ptr(), false),
+                    (Buf::Output, Some(copy)) => (input[copy.input()].as_ptr(), false),
+                    (Buf::Output, None) => (output[span.clone()].as_ptr(), true),
+                };
+                if let Some(copy) = whole_copy {
+                    deferred.push(copy);
+                }
+                // SAFETY: the bytes are the caller's buffers, which outlive this call; output
+                // sends are recorded and waited for before any step writes their range, input
+                // is never written, and every send is waited for (or the links closed by the
+                // caller) before the buffers' borrow ends.
+                let ticket = unsafe { links.to(*to).send(*to, header(range), data, span.len(), waiter)? };
+                if reads_output {
+                    in_flight.push(InFlight { peer: *to, ticket, bytes: span });
+                }
+                last_ticket[*to] = Some(ticket);
+            }
+            Step::Recv { from, range, reduce } => {
+                let span = bytes(range);
+                wait_for_senders(links, waiter, &mut in_flight, &span)?;
+                let overlap = take_overlap(&mut deferred, &span);
+                let into = &mut output[span.clone()];
+                let sink = match (reduce, overlap.as_slice()) {
+                    (false, _) => Sink::Copy(into),
+                    (true, [copy]) if copy.output == span => Sink::Reduce {
+                        into,
+                        base: Some(&input[copy.input()]),
+                        dtype: call.dtype,
+                        how: call.plan.combine,
+                    },
+                    (true, parts) => {
+                        for copy in parts {
+                            let at = copy.output.start - span.start..copy.output.end - span.start;
+                            into[at].copy_from_slice(&input[copy.input()]);
+                        }
+                        Sink::Reduce { into, base: None, dtype: call.dtype, how: call.plan.combine }
+                    }
+                };
+                links.to(*from).recv(*from, header(range), sink, waiter)?;
+            }
+            Step::DivideBy { range, divisor } => {
+                let span = bytes(range);
+                wait_for_senders(links, waiter, &mut in_flight, &span)?;
+                materialize(&mut deferred, &span, input, output);
+                call.dtype.divide_bytes(&mut output[span], *divisor);
+            }
+        }
+    }
+    // Only the result must hold its bytes; the rest of the output is scratch.
+    materialize(&mut deferred, &bytes(&call.plan.result), input, output);
+    for (peer, ticket) in last_ticket.into_iter().enumerate() {
+        if let Some(ticket) = ticket {
+            links.to(peer).wait_sent(peer, ticket, waiter)?;
+        }
+    }
+    Ok(())
+}
+
+/// The number of peers a plan may name: one past the largest.
+fn n_peers_named(plan: &RankSteps) -> usize {
+    plan.steps
+        .iter()
+        .filter_map(|step| match step {
+            Step::Send { to: peer, .. } | Step::Recv { from: peer, .. } => Some(peer + 1),
+            _ => None,
+        })
+        .max()
+        .unwrap_or(0)
+}
+
+/// Waits for every in-flight send that reads bytes in `span`, and forgets it.
+fn wait_for_senders(
+    links: &mut Links,
+    waiter: &Waiter,
+    in_flight: &mut Vec<InFlight>,
+    span: &Range<usize>,
+) -> Result<(), CommError> {
+    let overlaps = |sent: &InFlight| sent.bytes.start < span.end && span.start < sent.bytes.end;
+    if !in_flight.iter().any(overlaps) {
+        return Ok(());
+    }
+    for sent in in_flight.iter().filter(|sent| overlaps(sent)) {
+        links.to(sent.peer).wait_sent(sent.peer, sent.ticket, waiter)?;
+    }
+    in_flight.retain(|sent| !overlaps(sent));
+    Ok(())
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn overlaps_are_cut_out_of_deferred_copies() {
+        let mut deferred =
+            vec![Deferred { output: 10..20, input_start: 0 }, Deferred { output: 30..40, input_start: 50 }];
+        let taken = take_overlap(&mut deferred, &(15..35));
+        assert_eq!(taken, [Deferred { output: 15..20, input_start: 5 }, Deferred { output: 30..35, input_start: 50 }]);
+        assert_eq!(
+            deferred,
+            [Deferred { output: 10..15, input_start: 0 }, Deferred { output: 35..40, input_start: 55 }]
+        );
+    }
+}

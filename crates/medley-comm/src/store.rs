@@ -1,0 +1,423 @@
+//! The rendezvous store: a key-value server at MASTER_ADDR:MASTER_PORT, hosted by rank 0 (as
+//! torchrun's TCPStore is), that every connection must greet with the job token. Besides keys it
+//! carries the job's failures: each rank keeps a monitor connection open, and when one closes
+//! without a goodbye (the process died) or a rank reports a failure, the store tells every
+//! monitor at once.
+
+use std::collections::{BTreeMap, BTreeSet};
+use std::io::{Read, Write};
+use std::net::{Shutdown, SocketAddr, TcpListener, TcpStream, ToSocketAddrs};
+use std::sync::atomic::{AtomicBool, Ordering};
+use std::sync::{Arc, Condvar, Mutex};
+use std::thread::JoinHandle;
+use std::time::{Duration, Instant};
+
+use crate::CommError;
+use crate::wait::Abort;
+use crate::wire::{Hello, read_u64, same_token};
+
+const SET: u8 = 1;
+const GET: u8 = 2;
+const ABORT: u8 = 3;
+const BYE: u8 = 4;
+const TRY_GET: u8 = 5;
+const ACCEPTED: u8 = 0;
+const REFUSED: u8 = 1;
+const ABSENT: u8 = 2;
+/// The largest key or value the store accepts: more is a malformed request, not an allocation.
+const MAX_FIELD_BYTES: usize = 1 << 20;
+const STORE: &str = "store";
+const MONITOR: &str = "monitor";
+
+fn write_field(out: &mut impl Write, bytes: &[u8]) -> std::io::Result<()> {
+    out.write_all(&(bytes.len() as u64).to_le_bytes())?;
+    out.write_all(bytes)
+}
+
+fn read_field(input: &mut impl Read) -> Result<Vec<u8>, String> {
+    let len = read_u64(input)? as usize;
+    if len > MAX_FIELD_BYTES {
+        return Err(format!("field of {len} bytes exceeds {MAX_FIELD_BYTES}"));
+    }
+    let mut bytes = vec![0u8; len];
+    input.read_exact(&mut bytes).map_err(|e| e.to_string())?;
+    Ok(bytes)
+}
+
+#[derive(Default)]
+struct State {
+    keys: BTreeMap<String, Vec<u8>>,
+    /// Ranks that said goodbye: their monitor closing is no failure.
+    finished: BTreeSet<u64>,
+    monitors: Vec<TcpStream>,
+    /// Every connection, to shut down when the store stops.
+    connections: Vec<TcpStream>,
+    /// The first failure reported, sent to monitors that connect later too.
+    failure: Option<(u64, String)>,
+}
+
+struct Shared {
+    token: String,
+    state: Mutex<State>,
+    changed: Condvar,
+    stopping: AtomicBool,
+}
+
+impl Shared {
+    fn broadcast_failure(&self, rank: u64, reason: String) {
+        let mut state = self.state.lock().expect("store lock");
+        if state.failure.is_some() || self.stopping.load(Ordering::Acquire) {
+            return;
+        }
+        let mut notice = rank.to_le_bytes().to_vec();
+        write_field(&mut notice, reason.as_bytes()).expect("writing to a Vec");
+        for monitor in &mut state.monitors {
+            monitor.write_all(&notice).ok();
+        }
+        state.failure = Some((rank, reason));
+        self.changed.notify_all();
+    }
+}
+
+/// The store server, running until dropped.
+pub(crate) struct StoreServer {
+    addr: SocketAddr,
+    shared: Arc<Shared>,
+    listener: Option<JoinHandle<()>>,
+}
+
+impl StoreServer {
+    pub fn bind(addr: &str, token: &str) -> Result<StoreServer, CommError> {
+        let listener =
+            TcpListener::bind(addr).map_err(|err| CommError::io(format!("binding the store at {addr}"), &err))?;
+        let addr = listener.local_addr().map_err(|err| CommError::io("the store's address", &err))?;
+        let shared = Arc::new(Shared {
+            token: token.to_string(),
+            state: Mutex::default(),
+            changed: Condvar::new(),
+            stopping: AtomicBool::new(false),
+        });
+        let accepting = Arc::clone(&shared);
+        let listener = std::thread::Builder::new()
+            .name("medley-store".into())
+            .spawn(move || {
+                for stream in listener.incoming() {
+                    if accepting.stopping.load(Ordering::Acquire) {
+                        break;
+                    }
+                    let Ok(stream) = stream else { continue };
+                    let shared = Arc::clone(&accepting);
+                    std::thread::spawn(move || serve(stream, &shared));
+                }
+            })
+            .map_err(|err| CommError::io("starting the store", &err))?;
+        Ok(StoreServer { addr, shared, listener: Some(listener) })
+    }
+
+    /// Waits until every one of `n_ranks` ranks said goodbye, a failure was reported, or `timeout`.
+    pub fn wait_finished(&self, n_ranks: usize, timeout: Duration) {
+        let deadline = Instant::now() + timeout;
+        let mut state = self.shared.state.lock().expect("store lock");
+        while state.finished.len() < n_ranks && state.failure.is_none() && Instant::now() < deadline {
+            state = self.shared.changed.wait_timeout(state, Duration::from_millis(10)).expect("store lock").0;
+        }
+    }
+}
+
+impl Drop for StoreServer {
+    fn drop(&mut self) {
+        self.shared.stopping.store(true, Ordering::Release);
+        self.shared.changed.notify_all();
+        for stream in &self.shared.state.lock().expect("store lock").connections {
+            stream.shutdown(Shutdown::Both).ok();
+        }
+        // Wakes the accept loop so it sees `stopping`.
+        TcpStream::connect_timeout(&self.addr, Duration::from_secs(1)).ok();
+        if let Some(listener) = self.listener.take() {
+            listener.join().ok();
+        }
+    }
+}
+
+fn serve(mut stream: TcpStream, shared: &Shared) {
+    stream.set_nodelay(true).ok();
+    let Ok(clone) = stream.try_clone() else { return };
+    shared.state.lock().expect("store lock").connections.push(clone);
+    let hello = match Hello::read(&mut stream) {
+        Ok(hello) => hello,
+        Err(reason) => return refuse(&mut stream, &reason),
+    };
+    if !same_token(&hello.token, &shared.token) {
+        return refuse(&mut stream, "wrong job token (MEDLEY_TOKEN)");
+    }
+    if stream.write_all(&[ACCEPTED]).is_err() {
+        return;
+    }
+    match hello.purpose.as_str() {
+        MONITOR => monitor(stream, hello.rank, shared),
+        STORE => while handle_request(&mut stream, hello.rank, shared).is_ok() {},
+        other => refuse(&mut stream, &format!("unknown purpose {other:?}")),
+    }
+}
+
+fn refuse(stream: &mut TcpStream, reason: &str) {
+    stream.write_all(&[REFUSED]).ok();
+    write_field(stream, reason.as_bytes()).ok();
+}
+
+/// Holds a rank's monitor connection; when it closes before the rank said goodbye, the rank died.
+fn monitor(mut stream: TcpStream, rank: u64, shared: &Shared) {
+    {
+        let mut state = shared.state.lock().expect("store lock");
+        if let Some((blamed, reason)) = &state.failure {
+            stream.write_all(&blamed.to_le_bytes()).ok();
+            write_field(&mut stream, reason.as_bytes()).ok();
+        }
+        if let Ok(clone) = stream.try_clone() {
+            state.monitors.push(clone);
+        }
+    }
+    let mut byte = [0u8; 1];
+    while matches!(stream.read(&mut byte), Ok(1)) {}
+    let finished = shared.state.lock().expect("store lock").finished.contains(&rank);
+    if !finished {
+        shared.broadcast_failure(rank, format!("rank {rank} exited or lost its connection without closing"));
+    }
+}
+
+fn handle_request(stream: &mut TcpStream, rank: u64, shared: &Shared) -> Result<(), String> {
+    let mut op = [0u8; 1];
+    stream.read_exact(&mut op).map_err(|e| e.to_string())?;
+    let key = String::from_utf8(read_field(stream)?).map_err(|_| "key is not UTF-8".to_string())?;
+    let value = read_field(stream)?;
+    let mut status = ACCEPTED;
+    let reply = match op[0] {
+        TRY_GET => match shared.state.lock().expect("store lock").keys.get(&key) {
+            Some(value) => value.clone(),
+            None => {
+                status = ABSENT;
+                Vec::new()
+            }
+        },
+        SET => {
+            shared.state.lock().expect("store lock").keys.insert(key, value);
+            shared.changed.notify_all();
+            Vec::new()
+        }
+        GET => {
+            let mut state = shared.state.lock().expect("store lock");
+            loop {
+                if let Some(value) = state.keys.get(&key) {
+                    break value.clone();
+                }
+                if shared.stopping.load(Ordering::Acquire) {
+                    return Err("store stopping".into());
+                }
+                state = shared.changed.wait_timeout(state, Duration::from_millis(50)).expect("store lock").0;
+            }
+        }
+        ABORT => {
+            let blamed = value.get(..8).map_or(rank, |b| u64::from_le_bytes(b.try_into().expect("8 bytes")));
+            shared.broadcast_failure(blamed, String::from_utf8_lossy(value.get(8..).unwrap_or_default()).into_owned());
+            Vec::new()
+        }
+        BYE => {
+            shared.state.lock().expect("store lock").finished.insert(rank);
+            shared.changed.notify_all();
+            Vec::new()
+        }
+        other => return Err(format!("unknown request {other}")),
+    };
+    stream.write_all(&[status]).map_err(|e| e.to_string())?;
+    write_field(stream, &reply).map_err(|e| e.to_string())
+}
+
+/// Connects to the store and greets it, retrying while it is not up yet (rank 0 may start last).
+fn connect(addr: &str, token: &str, rank: usize, purpose: &str, timeout: Duration) -> Result<TcpStream, CommError> {
+    let deadline = Instant::now() + timeout;
+    let mut stream = loop {
+        let attempt = addr
+            .to_socket_addrs()
+            .map_err(|err| CommError::io(format!("resolving the store address {addr}"), &err))?
+            .find_map(|sock| TcpStream::connect_timeout(&sock, Duration::from_secs(1)).ok());
+        match attempt {
+            Some(stream) => break stream,
+            None if Instant::now() < deadline => std::thread::sleep(Duration::from_millis(20)),
+            None => {
+                return Err(CommError::Store(format!("no store answered at {addr} within {timeout:?}")));
+            }
+        }
+    };
+    stream.set_nodelay(true).ok();
+    let io = |err: std::io::Error| CommError::io(format!("greeting the store at {addr}"), &err);
+    stream.set_read_timeout(Some(timeout)).map_err(io)?;
+    Hello { token: token.into(), purpose: purpose.into(), rank: rank as u64, stream: 0 }
+        .write(&mut stream)
+        .map_err(io)?;
+    let mut status = [0u8; 1];
+    stream.read_exact(&mut status).map_err(io)?;
+    if status[0] != ACCEPTED {
+        let reason = read_field(&mut stream).map(|r| String::from_utf8_lossy(&r).into_owned()).unwrap_or_default();
+        return Err(CommError::Refused { addr: addr.into(), reason });
+    }
+    Ok(stream)
+}
+
+/// A rank's connection to the store.
+pub(crate) struct StoreClient {
+    addr: String,
+    stream: Mutex<TcpStream>,
+}
+
+impl StoreClient {
+    pub fn connect(addr: &str, token: &str, rank: usize, timeout: Duration) -> Result<StoreClient, CommError> {
+        Ok(StoreClient { addr: addr.into(), stream: Mutex::new(connect(addr, token, rank, STORE, timeout)?) })
+    }
+
+    /// The address this rank reaches the store from: the interface its peers can reach it on.
+    pub fn local_ip(&self) -> Result<std::net::IpAddr, CommError> {
+        let stream = self.stream.lock().expect("store client lock");
+        stream.local_addr().map(|addr| addr.ip()).map_err(|err| CommError::io("the store connection's address", &err))
+    }
+
+    /// The reply's status and bytes.
+    fn exchange(&self, op: u8, key: &str, value: &[u8]) -> Result<(u8, Vec<u8>), CommError> {
+        let mut stream = self.stream.lock().expect("store client lock");
+        let io =
+            |err: std::io::Error| CommError::io(format!("talking to the store at {} about {key:?}", self.addr), &err);
+        let mut request = vec![op];
+        write_field(&mut request, key.as_bytes()).map_err(io)?;
+        write_field(&mut request, value).map_err(io)?;
+        stream.write_all(&request).map_err(io)?;
+        let mut status = [0u8; 1];
+        stream.read_exact(&mut status).map_err(io)?;
+        let reply = read_field(&mut *stream).map_err(CommError::Store)?;
+        Ok((status[0], reply))
+    }
+
+    fn request(&self, op: u8, key: &str, value: &[u8]) -> Result<Vec<u8>, CommError> {
+        match self.exchange(op, key, value)? {
+            (ACCEPTED, reply) => Ok(reply),
+            (_, reply) => Err(CommError::Store(String::from_utf8_lossy(&reply).into_owned())),
+        }
+    }
+
+    /// The value of `key` if some rank has set it, without waiting.
+    pub fn try_get(&self, key: &str) -> Result<Option<Vec<u8>>, CommError> {
+        match self.exchange(TRY_GET, key, &[])? {
+            (ACCEPTED, reply) => Ok(Some(reply)),
+            (ABSENT, _) => Ok(None),
+            (_, reply) => Err(CommError::Store(String::from_utf8_lossy(&reply).into_owned())),
+        }
+    }
+
+    pub fn set(&self, key: &str, value: &[u8]) -> Result<(), CommError> {
+        self.request(SET, key, value).map(drop)
+    }
+
+    /// The value of `key`, waiting (up to the connection's timeout) until some rank sets it.
+    pub fn get(&self, key: &str) -> Result<Vec<u8>, CommError> {
+        self.request(GET, key, &[])
+    }
+
+    /// Tells every rank that `blamed` failed.
+    pub fn report_failure(&self, blamed: usize, reason: &str) -> Result<(), CommError> {
+        let mut value = (blamed as u64).to_le_bytes().to_vec();
+        value.extend(reason.as_bytes());
+        self.request(ABORT, "", &value).map(drop)
+    }
+
+    pub fn goodbye(&self) -> Result<(), CommError> {
+        self.request(BYE, "", &[]).map(drop)
+    }
+}
+
+/// The thread that turns the store's failure notices into this rank's abort.
+pub(crate) struct Monitor {
+    stream: TcpStream,
+    closing: Arc<AtomicBool>,
+    thread: Option<JoinHandle<()>>,
+}
+
+impl Monitor {
+    pub fn start(
+        addr: &str,
+        token: &str,
+        rank: usize,
+        timeout: Duration,
+        abort: Arc<Abort>,
+    ) -> Result<Monitor, CommError> {
+        let stream = connect(addr, token, rank, MONITOR, timeout)?;
+        let io = |err: std::io::Error| CommError::io("starting the failure monitor", &err);
+        stream.set_read_timeout(None).map_err(io)?;
+        let mut reading = stream.try_clone().map_err(io)?;
+        let closing = Arc::new(AtomicBool::new(false));
+        let closing_seen = Arc::clone(&closing);
+        let addr = addr.to_string();
+        let thread = std::thread::Builder::new()
+            .name("medley-monitor".into())
+            .spawn(move || {
+                let notice = read_u64(&mut reading).and_then(|rank| Ok((rank, read_field(&mut reading)?)));
+                if closing_seen.load(Ordering::Acquire) {
+                    return;
+                }
+                abort.raise(match notice {
+                    Ok((rank, reason)) => CommError::Aborted {
+                        rank: rank as usize,
+                        reason: String::from_utf8_lossy(&reason).into_owned(),
+                    },
+                    Err(_) => CommError::Aborted {
+                        rank: 0,
+                        reason: format!("the store at {addr} (hosted by rank 0) went away"),
+                    },
+                });
+            })
+            .map_err(io)?;
+        Ok(Monitor { stream, closing, thread: Some(thread) })
+    }
+}
+
+impl Drop for Monitor {
+    fn drop(&mut self) {
+        self.closing.store(true, Ordering::Release);
+        self.stream.shutdown(Shutdown::Both).ok();
+        if let Some(thread) = self.thread.take() {
+            thread.join().ok();
+        }
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn keys_wait_for_their_setter_and_wrong_tokens_are_refused() {
+        let server = StoreServer::bind("127.0.0.1:0", "secret").unwrap();
+        let addr = server.addr.to_string();
+        let timeout = Duration::from_secs(5);
+        let reader = StoreClient::connect(&addr, "secret", 1, timeout).unwrap();
+        let writer = StoreClient::connect(&addr, "secret", 0, timeout).unwrap();
+        let waiting = std::thread::spawn(move || reader.get("k").unwrap());
+        writer.set("k", b"v").unwrap();
+        assert_eq!(waiting.join().unwrap(), b"v");
+        let err = StoreClient::connect(&addr, "guess", 2, timeout).err().unwrap();
+        assert!(matches!(&err, CommError::Refused { reason, .. } if reason.contains("token")), "{err}");
+    }
+
+    #[test]
+    fn a_monitor_that_closes_without_goodbye_aborts_the_others() {
+        let server = StoreServer::bind("127.0.0.1:0", "t").unwrap();
+        let addr = server.addr.to_string();
+        let timeout = Duration::from_secs(5);
+        let abort = Arc::new(Abort::default());
+        let _watching = Monitor::start(&addr, "t", 0, timeout, Arc::clone(&abort)).unwrap();
+        let dying = connect(&addr, "t", 3, MONITOR, timeout).unwrap();
+        drop(dying);
+        let deadline = Instant::now() + timeout;
+        while abort.check().is_ok() && Instant::now() < deadline {
+            std::thread::sleep(Duration::from_millis(5));
+        }
+        assert_eq!(abort.check().unwrap_err().blamed_rank(), Some(3));
+    }
+}

@@ -1,0 +1,331 @@
+//! Shared memory between ranks on one host, single-copy: a sender posts the address and length
+//! of its bytes in the receiver's inbox (a small file in `/dev/shm` every local rank maps), and
+//! the receiver copies them straight out of the sender's memory with `process_vm_readv`, into
+//! the destination (a plain receive) or through a cache-sized piece (a reducing one). The sender
+//! learns that its bytes are free when the receiver counts the message consumed. Small messages
+//! go eagerly instead (as MPI's do): copied into the mailbox, so the sender is done at once and
+//! the receiver needs no system call. Both sides wait spin-then-futex on the counters; no thread
+//! runs for a collective.
+
+use std::cell::UnsafeCell;
+use std::collections::VecDeque;
+use std::fs::{File, OpenOptions};
+use std::path::{Path, PathBuf};
+use std::sync::atomic::{AtomicU32, AtomicU64, Ordering};
+
+use memmap2::MmapMut;
+
+use super::{Sink, Ticket, Transport};
+use crate::CommError;
+use crate::wait::{Waiter, futex_wait, futex_wake};
+use crate::wire::FrameHeader;
+
+/// Messages a sender may post before the receiver consumes one. Plans issue at most one block's
+/// chunks ahead of a receive, and the communicator sizes chunks so that stays well below this.
+pub(crate) const MAILBOX_SLOTS: usize = 1024;
+/// Bytes read from a peer before a reduce combines them: fits in L2 next to the destination.
+const REDUCE_PIECE_BYTES: usize = 128 << 10;
+/// Messages up to this size are copied into the mailbox: below it a copy costs less than the
+/// `process_vm_readv` call and the sender's wait for the receiver.
+const EAGER_BYTES: usize = 8 << 10;
+/// Eager buffers per mailbox: message k uses buffer k mod this, so a sender sends eagerly only
+/// while fewer than this many of its messages are unconsumed.
+const EAGER_SLOTS: usize = 16;
+
+#[repr(C)]
+struct Slot {
+    fingerprint: AtomicU64,
+    seq: AtomicU64,
+    len: AtomicU64,
+    /// The sender's address of the bytes, or `EAGER` when they are in the mailbox.
+    addr: AtomicU64,
+}
+
+const EAGER: u64 = u64::MAX;
+
+/// One sender's mailbox in a receiver's inbox. The counters sit on their own cache lines: the
+/// sender writes `posted`, the receiver `consumed`.
+#[repr(C, align(64))]
+struct Mailbox {
+    posted: AtomicU32,
+    /// Set by the receiver while it sleeps on `posted`, so the sender knows to wake it.
+    receiver_sleeping: AtomicU32,
+    _pad0: [u8; 56],
+    consumed: AtomicU32,
+    sender_sleeping: AtomicU32,
+    _pad1: [u8; 56],
+    slots: [Slot; MAILBOX_SLOTS],
+    eager: UnsafeCell<[[u8; EAGER_BYTES]; EAGER_SLOTS]>,
+}
+
+impl Mailbox {
+    /// Eager buffer `idx`; only the sender writes it, and only while its last message is consumed.
+    fn eager_buffer(&self, idx: usize) -> *mut u8 {
+        // SAFETY (of the pointer arithmetic): `idx` is reduced modulo the buffer count.
+        unsafe { self.eager.get().cast::<u8>().add((idx % EAGER_SLOTS) * EAGER_BYTES) }
+    }
+}
+
+/// A rank's inbox: one mailbox per possible sender, in a file every local rank maps.
+pub(crate) struct Inbox {
+    map: MmapMut,
+    n_ranks: usize,
+}
+
+impl Inbox {
+    fn bytes(n_ranks: usize) -> usize {
+        n_ranks * size_of::<Mailbox>()
+    }
+
+    /// Creates (or replaces a stale) inbox file for `n_ranks` senders.
+    pub fn create(path: &Path, n_ranks: usize) -> Result<Inbox, CommError> {
+        let io = |err: std::io::Error| CommError::io(format!("creating {}", path.display()), &err);
+        let file = OpenOptions::new().read(true).write(true).create(true).truncate(true).open(path).map_err(io)?;
+        file.set_len(Inbox::bytes(n_ranks) as u64).map_err(io)?;
+        Inbox::map(&file, path, n_ranks)
+    }
+
+    /// Maps a peer's inbox file, which must be of the expected size.
+    pub fn open(path: &Path, n_ranks: usize) -> Result<Inbox, CommError> {
+        let io = |err: std::io::Error| CommError::io(format!("opening {}", path.display()), &err);
+        let file = OpenOptions::new().read(true).write(true).open(path).map_err(io)?;
+        let len = file.metadata().map_err(io)?.len();
+        if len != Inbox::bytes(n_ranks) as u64 {
+            return Err(CommError::Io {
+                context: format!("opening {}", path.display()),
+                message: format!("{len} bytes, expected {}", Inbox::bytes(n_ranks)),
+            });
+        }
+        Inbox::map(&file, path, n_ranks)
+    }
+
+    fn map(file: &File, path: &Path, n_ranks: usize) -> Result<Inbox, CommError> {
+        // SAFETY: the file is only ever accessed through this mapping's atomics, by ranks of one job.
+        let map = unsafe { MmapMut::map_mut(file) }
+            .map_err(|err| CommError::io(format!("mapping {}", path.display()), &err))?;
+        Ok(Inbox { map, n_ranks })
+    }
+
+    fn mailbox(&self, sender: usize) -> &Mailbox {
+        assert!(sender < self.n_ranks, "sender {sender} outside the inbox");
+        // SAFETY: the mapping is page-aligned and holds `n_ranks` mailboxes, zero-initialised by
+        // `set_len` (all-zero atomics are valid); it lives as long as `self`.
+        unsafe { &*(self.map.as_ptr() as *const Mailbox).add(sender) }
+    }
+}
+
+/// Where a rank's inbox lives.
+pub(crate) fn inbox_path(job: &str, rank: usize) -> PathBuf {
+    PathBuf::from("/dev/shm").join(format!("medley-{job}-{rank}"))
+}
+
+struct Peer {
+    job_rank: usize,
+    pid: libc::pid_t,
+    /// The peer's inbox: this rank's mailbox in it carries this rank's sends.
+    their_inbox: Inbox,
+    next_ticket: u64,
+    /// Tickets of zero-copy messages (the ones that read this rank's memory) not yet seen consumed.
+    zero_copy: VecDeque<u64>,
+}
+
+/// Shared-memory links to the peers on this host.
+pub(crate) struct ShmTransport {
+    rank: usize,
+    inbox: Inbox,
+    peers: Vec<Option<Peer>>,
+    scratch: Vec<u8>,
+}
+
+impl ShmTransport {
+    /// `peers[p]`: the job rank, process id and inbox of peer `p`, `None` for peers not served.
+    pub fn new(rank: usize, inbox: Inbox, peers: Vec<Option<(usize, u32, Inbox)>>) -> ShmTransport {
+        let peers = peers
+            .into_iter()
+            .map(|peer| {
+                peer.map(|(job_rank, pid, their_inbox)| Peer {
+                    job_rank,
+                    pid: pid as libc::pid_t,
+                    their_inbox,
+                    next_ticket: 0,
+                    zero_copy: VecDeque::new(),
+                })
+            })
+            .collect();
+        ShmTransport { rank, inbox, peers, scratch: Vec::new() }
+    }
+
+    fn peer(&self, peer: usize) -> &Peer {
+        self.peers[peer].as_ref().expect("routed to a peer with shared memory")
+    }
+}
+
+/// Waits until `ready()` holds, sleeping on `word` (flagging `sleeping` so the other side wakes it).
+fn wait_on(
+    waiter: &Waiter,
+    rank: usize,
+    what: &'static str,
+    word: &AtomicU32,
+    sleeping: &AtomicU32,
+    ready: impl Fn() -> bool,
+) -> Result<(), CommError> {
+    let result = waiter.wait(rank, what, |slice| {
+        if ready() {
+            return Ok(Some(()));
+        }
+        if let Some(slice) = slice {
+            let seen = word.load(Ordering::SeqCst);
+            sleeping.store(1, Ordering::SeqCst);
+            if !ready() {
+                futex_wait(word, seen, slice);
+            }
+        }
+        Ok(ready().then_some(()))
+    });
+    sleeping.store(0, Ordering::SeqCst);
+    result
+}
+
+fn bump_and_wake(word: &AtomicU32, sleeping: &AtomicU32) {
+    word.fetch_add(1, Ordering::SeqCst);
+    if sleeping.load(Ordering::SeqCst) != 0 {
+        futex_wake(word);
+    }
+}
+
+/// Whether counter `value` has reached `target` (both wrapping u32 counts).
+fn reached(value: u32, target: u32) -> bool {
+    (value.wrapping_sub(target) as i32) >= 0
+}
+
+/// Copies `into.len()` bytes at `addr` in process `pid` into `into`.
+fn read_from(pid: libc::pid_t, addr: u64, into: &mut [u8], rank: usize) -> Result<(), CommError> {
+    let mut done = 0;
+    while done < into.len() {
+        let local = libc::iovec { iov_base: into[done..].as_mut_ptr().cast(), iov_len: into.len() - done };
+        let remote = libc::iovec { iov_base: (addr as usize + done) as *mut libc::c_void, iov_len: into.len() - done };
+        // SAFETY: `local` is a live, writable slice; the kernel checks `remote` against the peer's
+        // address space and fails rather than touching anything else.
+        let n = unsafe { libc::process_vm_readv(pid, &local, 1, &remote, 1, 0) };
+        if n <= 0 {
+            let err = std::io::Error::last_os_error();
+            return Err(CommError::PeerGone { rank, what: format!("reading its memory failed: {err}") });
+        }
+        done += n as usize;
+    }
+    Ok(())
+}
+
+impl Transport for ShmTransport {
+    unsafe fn send(
+        &mut self,
+        peer: usize,
+        header: FrameHeader,
+        data: *const u8,
+        len: usize,
+        waiter: &Waiter,
+    ) -> Result<Ticket, CommError> {
+        let rank = self.rank;
+        let peer = self.peers[peer].as_mut().expect("routed to a peer with shared memory");
+        let mailbox = peer.their_inbox.mailbox(rank);
+        let posted = mailbox.posted.load(Ordering::Relaxed);
+        // The communicator's chunking keeps plans well below the mailbox size, so this wait for a
+        // free slot only blocks while the receiver is behind, never for a message of its own.
+        wait_on(
+            waiter,
+            peer.job_rank,
+            "a free shared-memory slot",
+            &mailbox.consumed,
+            &mailbox.sender_sleeping,
+            || {
+                reached(
+                    mailbox.consumed.load(Ordering::Acquire).wrapping_add(MAILBOX_SLOTS as u32),
+                    posted.wrapping_add(1),
+                )
+            },
+        )?;
+        let unconsumed = posted.wrapping_sub(mailbox.consumed.load(Ordering::Acquire)) as usize;
+        let ticket = Ticket(peer.next_ticket);
+        peer.next_ticket += 1;
+        let addr = if len <= EAGER_BYTES && unconsumed < EAGER_SLOTS {
+            // SAFETY: the buffer holds EAGER_BYTES; the message that used it last is consumed
+            // (fewer than EAGER_SLOTS are outstanding), so the receiver no longer reads it.
+            unsafe { std::ptr::copy_nonoverlapping(data, mailbox.eager_buffer(posted as usize), len) };
+            EAGER
+        } else {
+            peer.zero_copy.push_back(ticket.0);
+            data as u64
+        };
+        let slot = &mailbox.slots[posted as usize % MAILBOX_SLOTS];
+        slot.fingerprint.store(header.fingerprint, Ordering::Relaxed);
+        slot.seq.store(header.seq, Ordering::Relaxed);
+        slot.len.store(header.len, Ordering::Relaxed);
+        slot.addr.store(addr, Ordering::Relaxed);
+        bump_and_wake(&mailbox.posted, &mailbox.receiver_sleeping);
+        Ok(ticket)
+    }
+
+    /// Eager messages never need the sender's memory: only the last zero-copy one up to `ticket`
+    /// is waited for.
+    fn wait_sent(&mut self, peer: usize, ticket: Ticket, waiter: &Waiter) -> Result<(), CommError> {
+        let rank = self.rank;
+        let peer = self.peers[peer].as_mut().expect("routed to a peer with shared memory");
+        let Some(last) = peer.zero_copy.iter().rev().find(|&&t| t <= ticket.0).copied() else { return Ok(()) };
+        let mailbox = peer.their_inbox.mailbox(rank);
+        let target = (last + 1) as u32;
+        wait_on(waiter, peer.job_rank, "a shared-memory send", &mailbox.consumed, &mailbox.sender_sleeping, || {
+            reached(mailbox.consumed.load(Ordering::Acquire), target)
+        })?;
+        peer.zero_copy.retain(|&t| t > last);
+        Ok(())
+    }
+
+    fn recv(&mut self, peer: usize, header: FrameHeader, mut sink: Sink<'_>, waiter: &Waiter) -> Result<(), CommError> {
+        let mailbox = self.inbox.mailbox(peer);
+        let (job_rank, pid) = {
+            let peer = self.peer(peer);
+            (peer.job_rank, peer.pid)
+        };
+        let consumed = mailbox.consumed.load(Ordering::Relaxed);
+        wait_on(waiter, job_rank, "a shared-memory receive", &mailbox.posted, &mailbox.receiver_sleeping, || {
+            mailbox.posted.load(Ordering::Acquire) != consumed
+        })?;
+        let slot = &mailbox.slots[consumed as usize % MAILBOX_SLOTS];
+        let got = FrameHeader {
+            fingerprint: slot.fingerprint.load(Ordering::Relaxed),
+            seq: slot.seq.load(Ordering::Relaxed),
+            len: slot.len.load(Ordering::Relaxed),
+        };
+        header.matches(job_rank, got)?;
+        let addr = slot.addr.load(Ordering::Relaxed);
+        if addr == EAGER {
+            let len = sink.len();
+            if len > EAGER_BYTES {
+                return Err(CommError::Malformed { rank: job_rank, reason: format!("eager message of {len} bytes") });
+            }
+            // SAFETY: the sender wrote `len` bytes there before posting, and leaves the buffer
+            // alone until this message is counted consumed.
+            let bytes = unsafe { std::slice::from_raw_parts(mailbox.eager_buffer(consumed as usize), len) };
+            sink.deliver(0, bytes);
+            bump_and_wake(&mailbox.consumed, &mailbox.sender_sleeping);
+            return Ok(());
+        }
+        match &mut sink {
+            Sink::Copy(into) => read_from(pid, addr, into, job_rank)?,
+            Sink::Reduce { into, .. } => {
+                let len = into.len();
+                self.scratch.resize(REDUCE_PIECE_BYTES.min(len), 0);
+                for start in (0..len).step_by(REDUCE_PIECE_BYTES) {
+                    let piece = &mut self.scratch[..REDUCE_PIECE_BYTES.min(len - start)];
+                    read_from(pid, addr + start as u64, piece, job_rank)?;
+                    sink.deliver(start, piece);
+                }
+            }
+        }
+        bump_and_wake(&mailbox.consumed, &mailbox.sender_sleeping);
+        Ok(())
+    }
+
+    /// Posted messages point into this process, which only peers read: nothing here to stop.
+    fn close(&mut self) {}
+}

@@ -1,0 +1,149 @@
+//! Waiting without hanging: spin, then yield, then block in short slices, checking the job's
+//! abort flag and the timeout between slices. Every blocking wait in the crate goes through here.
+
+use std::sync::atomic::{AtomicBool, AtomicU32, Ordering};
+use std::sync::{Arc, OnceLock};
+use std::time::{Duration, Instant};
+
+use crate::CommError;
+
+/// How long one blocking slice lasts: the longest an abort goes unnoticed by a waiting rank.
+const SLICE: Duration = Duration::from_millis(2);
+/// Polls before yielding: a shared-memory round trip takes well under a microsecond when the peer
+/// is running, so a short spin catches it without a system call.
+const SPINS: u32 = 200;
+/// How long to keep yielding before blocking: the peer may be waiting for this core.
+const YIELD_FOR: Duration = Duration::from_micros(50);
+
+/// The first failure anyone in the job reported, shared by every communicator of one rank.
+#[derive(Debug, Default)]
+pub(crate) struct Abort {
+    raised: AtomicBool,
+    cause: OnceLock<CommError>,
+}
+
+impl Abort {
+    /// Records `cause` unless a failure was already recorded; returns the recorded one.
+    pub fn raise(&self, cause: CommError) -> CommError {
+        let kept = self.cause.get_or_init(|| cause).clone();
+        self.raised.store(true, Ordering::Release);
+        kept
+    }
+
+    pub fn check(&self) -> Result<(), CommError> {
+        if self.raised.load(Ordering::Acquire) {
+            return Err(self.cause.get().expect("raised after set").clone());
+        }
+        Ok(())
+    }
+}
+
+/// Finds whom to blame when a wait times out: the peer waited on may itself be waiting on
+/// another rank, and the rank at the end of that chain is the one that stopped answering.
+pub(crate) trait Blame: Send + Sync {
+    /// Records that this rank has been waiting long on job rank `peer` (`None`: no longer).
+    fn waiting_on(&self, peer: Option<usize>);
+    /// The end of the chain of long waits that starts at job rank `peer`.
+    fn culprit(&self, peer: usize) -> usize;
+}
+
+/// What every wait needs: the timeout without progress, the job's abort flag and, in a job, the
+/// chain of waits to blame the right rank.
+#[derive(Clone)]
+pub(crate) struct Waiter {
+    pub timeout: Duration,
+    pub abort: Arc<Abort>,
+    pub blame: Option<Arc<dyn Blame>>,
+}
+
+impl Waiter {
+    /// Calls `poll` until it yields a value. `poll(None)` must not block; `poll(Some(slice))` may
+    /// block up to `slice`. Fails with the job's abort cause, or with a timeout blaming `rank` once
+    /// `timeout` passes.
+    pub fn wait<T>(
+        &self,
+        rank: usize,
+        what: &'static str,
+        mut poll: impl FnMut(Option<Duration>) -> Result<Option<T>, CommError>,
+    ) -> Result<T, CommError> {
+        let start = Instant::now();
+        let mut spins = 0;
+        loop {
+            if let Some(value) = poll(None)? {
+                return Ok(value);
+            }
+            self.abort.check()?;
+            if spins < SPINS {
+                spins += 1;
+                std::hint::spin_loop();
+            } else if start.elapsed() < YIELD_FOR {
+                std::thread::yield_now();
+            } else {
+                break;
+            }
+        }
+        let mut posted = false;
+        let result = loop {
+            match poll(Some(SLICE)) {
+                Ok(Some(value)) => break Ok(value),
+                Err(err) => break Err(err),
+                Ok(None) => {}
+            }
+            if let Err(err) = self.abort.check() {
+                break Err(err);
+            }
+            let waited = start.elapsed();
+            // Posted early enough that every rank along a chain of waits has posted by the time
+            // the first of them times out.
+            if let (Some(blame), false) = (&self.blame, posted)
+                && waited >= self.timeout / 4
+            {
+                blame.waiting_on(Some(rank));
+                posted = true;
+            }
+            if waited >= self.timeout {
+                let rank = self.blame.as_ref().map_or(rank, |blame| blame.culprit(rank));
+                break Err(CommError::Timeout { rank, waited, what });
+            }
+        };
+        // After a failure the entry stays: ranks still waiting along the chain read it.
+        if let (Some(blame), true, true) = (&self.blame, posted, result.is_ok()) {
+            blame.waiting_on(None);
+        }
+        result
+    }
+}
+
+/// Blocks while `*word == expected`, at most `timeout`. The word may be in memory shared between
+/// processes, so the futex is not private.
+pub(crate) fn futex_wait(word: &AtomicU32, expected: u32, timeout: Duration) {
+    let spec = libc::timespec { tv_sec: timeout.as_secs() as libc::time_t, tv_nsec: timeout.subsec_nanos() as _ };
+    // SAFETY: `word` is a live, aligned u32; the kernel only reads it and the timespec.
+    unsafe {
+        libc::syscall(libc::SYS_futex, word.as_ptr(), libc::FUTEX_WAIT, expected, &spec as *const libc::timespec);
+    }
+}
+
+/// Wakes every waiter blocked on `word`.
+pub(crate) fn futex_wake(word: &AtomicU32) {
+    // SAFETY: `word` is a live, aligned u32; FUTEX_WAKE does not access memory through it.
+    unsafe {
+        libc::syscall(libc::SYS_futex, word.as_ptr(), libc::FUTEX_WAKE, i32::MAX);
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn a_wait_ends_with_a_timeout_naming_the_rank_or_with_the_abort() {
+        let waiter = Waiter { timeout: Duration::from_millis(20), abort: Arc::default(), blame: None };
+        let err = waiter.wait(3, "a test", |_| Ok(None::<()>)).unwrap_err();
+        assert!(matches!(err, CommError::Timeout { rank: 3, .. }), "{err}");
+        waiter.abort.raise(CommError::PeerGone { rank: 5, what: "gone".into() });
+        waiter.abort.raise(CommError::PeerGone { rank: 6, what: "later".into() });
+        let err = waiter.wait(3, "a test", |_| Ok(None::<()>)).unwrap_err();
+        assert_eq!(err.blamed_rank(), Some(5));
+    }
+}

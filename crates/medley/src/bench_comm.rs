@@ -1,0 +1,389 @@
+//! `medley bench comm`: nccl-tests-style bandwidth tables for the medley communicator.
+//!
+//! The parent starts one real process per rank (`medley bench-comm-worker`, hidden) for each
+//! setup and rank count, with the torchrun-style environment the communicator reads; rank 0
+//! prints one JSON row per measurement and the parent prints them as a table or as JSON. Sizes
+//! and bus-bandwidth factors follow nccl-tests (its PERFORMANCE.md): all-reduce 2(n−1)/n,
+//! reduce-scatter, all-gather and all-to-all (n−1)/n, broadcast and reduce 1. Elements are f32,
+//! reductions sums; time is the slowest rank's mean over the timed iterations.
+
+use std::io::{BufRead, BufReader, Read};
+use std::net::TcpListener;
+use std::process::{Child, Command, Stdio};
+use std::time::{Duration, Instant};
+
+use anyhow::{Context, Result, bail};
+use clap::{Args, ValueEnum};
+use comfy_table::Cell;
+use medley_collective::{Algorithm, Counts, Op, ReduceOp, choose};
+use medley_comm::{Communicator, Config, LaunchEnv, Route};
+use serde::{Deserialize, Serialize};
+
+use crate::render::{right, table};
+
+/// Which links the ranks use.
+#[derive(ValueEnum, Clone, Copy, Debug, PartialEq, Eq, Serialize, Deserialize)]
+#[serde(rename_all = "kebab-case")]
+pub enum Setup {
+    /// One domain, single-copy shared memory.
+    Shm,
+    /// One domain, TCP over loopback.
+    Tcp,
+    /// Two vendor domains (half the ranks each): shared memory inside, TCP across the bridge.
+    TwoDomain,
+    /// Two domains whose bridge is shared memory too, as fast as the domains.
+    TwoDomainShmBridge,
+}
+
+impl Setup {
+    fn config(self, timeout: Duration) -> Config {
+        let (intra_domain, bridge) = match self {
+            Setup::Shm | Setup::TwoDomainShmBridge => (Route::Shm, Route::Shm),
+            Setup::Tcp => (Route::Tcp, Route::Tcp),
+            Setup::TwoDomain => (Route::Shm, Route::Tcp),
+        };
+        Config { timeout, intra_domain, bridge, ..Config::default() }
+    }
+
+    fn domain(self, rank: usize, n_ranks: usize) -> &'static str {
+        match self {
+            Setup::TwoDomain | Setup::TwoDomainShmBridge if rank >= n_ranks / 2 => "amd",
+            _ => "nvidia",
+        }
+    }
+
+    fn two_domains(self) -> bool {
+        matches!(self, Setup::TwoDomain | Setup::TwoDomainShmBridge)
+    }
+}
+
+#[derive(ValueEnum, Clone, Copy, Debug, PartialEq, Eq, Serialize, Deserialize)]
+#[serde(rename_all = "kebab-case")]
+pub enum BenchOp {
+    AllReduce,
+    ReduceScatter,
+    AllGather,
+    Broadcast,
+    Reduce,
+    AllToAll,
+}
+
+impl BenchOp {
+    /// nccl-tests' bus bandwidth factor over n ranks.
+    fn bus_factor(self, n: usize) -> f64 {
+        let n = n as f64;
+        match self {
+            BenchOp::AllReduce => 2.0 * (n - 1.0) / n,
+            BenchOp::ReduceScatter | BenchOp::AllGather | BenchOp::AllToAll => (n - 1.0) / n,
+            BenchOp::Broadcast | BenchOp::Reduce => 1.0,
+        }
+    }
+
+    /// The operation on `count` f32 elements in all (nccl-tests' "size": the whole buffer, split
+    /// evenly between ranks where the operation splits; all-to-all sends `count / n` to each
+    /// rank), with its counts and each rank's input and output lengths.
+    fn shape(self, count: usize, n: usize) -> (Op, Counts, usize, usize) {
+        let per = count / n;
+        match self {
+            BenchOp::AllReduce => (Op::AllReduce { op: ReduceOp::Sum }, Counts::Same(count), count, count),
+            BenchOp::ReduceScatter => {
+                (Op::ReduceScatter { op: ReduceOp::Sum }, Counts::PerRank(vec![per; n]), per * n, per)
+            }
+            BenchOp::AllGather => (Op::AllGather, Counts::PerRank(vec![per; n]), per, per * n),
+            BenchOp::Broadcast => (Op::Broadcast { root: 0 }, Counts::Same(count), count, count),
+            BenchOp::Reduce => (Op::Reduce { op: ReduceOp::Sum, root: 0 }, Counts::Same(count), count, count),
+            BenchOp::AllToAll => (Op::AllToAll, Counts::PerPair(vec![vec![per; n]; n]), per * n, per * n),
+        }
+    }
+
+    /// Bytes the row reports: what nccl-tests calls the size for this operation.
+    fn bytes(self, count: usize, n: usize) -> usize {
+        let elems = match self {
+            BenchOp::AllReduce | BenchOp::Broadcast | BenchOp::Reduce => count,
+            BenchOp::ReduceScatter | BenchOp::AllGather | BenchOp::AllToAll => count / n * n,
+        };
+        elems * size_of::<f32>()
+    }
+
+    fn redop(self) -> &'static str {
+        match self {
+            BenchOp::AllReduce | BenchOp::ReduceScatter | BenchOp::Reduce => "sum",
+            _ => "none",
+        }
+    }
+}
+
+/// A byte count: plain, or with a K, M or G suffix (binary).
+fn parse_bytes(text: &str) -> Result<usize, String> {
+    let text = text.trim();
+    let (digits, shift) = match text.chars().last().map(|c| c.to_ascii_uppercase()) {
+        Some('K') => (&text[..text.len() - 1], 10),
+        Some('M') => (&text[..text.len() - 1], 20),
+        Some('G') => (&text[..text.len() - 1], 30),
+        _ => (text, 0),
+    };
+    digits
+        .parse::<usize>()
+        .map(|n| n << shift)
+        .map_err(|_| format!("{text:?} is not a byte count like 4096, 4K or 256M"))
+}
+
+#[derive(Args, Debug)]
+pub struct CommArgs {
+    /// Print the rows as a JSON array instead of tables.
+    #[arg(long)]
+    json: bool,
+    /// Rank counts to run.
+    #[arg(long, value_delimiter = ',', default_value = "2,4")]
+    ranks: Vec<usize>,
+    /// Setups to run.
+    #[arg(long, value_enum, value_delimiter = ',', default_value = "shm,tcp,two-domain")]
+    setups: Vec<Setup>,
+    /// Operations to run.
+    #[arg(
+        long,
+        value_enum,
+        value_delimiter = ',',
+        default_value = "all-reduce,reduce-scatter,all-gather,broadcast,reduce,all-to-all"
+    )]
+    ops: Vec<BenchOp>,
+    /// Smallest size (bytes, or with K/M/G); sizes grow ×4 from here.
+    #[arg(long, value_parser = parse_bytes, default_value = "4K")]
+    min_bytes: usize,
+    /// Largest size.
+    #[arg(long, value_parser = parse_bytes, default_value = "256M")]
+    max_bytes: usize,
+    /// Seconds a rank waits on a peer before failing the run.
+    #[arg(long, default_value_t = 60)]
+    timeout_s: u64,
+}
+
+/// One rank of a benchmark run (started by `medley bench comm`, never by hand).
+#[derive(Args, Debug)]
+pub struct WorkerArgs {
+    #[arg(long, value_enum)]
+    setup: Setup,
+    #[arg(long, value_enum, value_delimiter = ',')]
+    ops: Vec<BenchOp>,
+    #[arg(long)]
+    min_bytes: usize,
+    #[arg(long)]
+    max_bytes: usize,
+    #[arg(long)]
+    timeout_s: u64,
+}
+
+/// One measurement, as rank 0 prints it and `--json` reports it.
+#[derive(Serialize, Deserialize, Debug)]
+struct Row {
+    op: BenchOp,
+    bytes: usize,
+    count: usize,
+    #[serde(rename = "type")]
+    dtype: String,
+    redop: String,
+    ranks: usize,
+    transport: Setup,
+    algorithm: Algorithm,
+    time_us: f64,
+    algbw_gbps: f64,
+    busbw_gbps: f64,
+}
+
+pub fn run(args: &CommArgs) -> Result<()> {
+    if args.min_bytes == 0 || args.min_bytes > args.max_bytes {
+        bail!("--min-bytes {} must be positive and at most --max-bytes {}", args.min_bytes, args.max_bytes);
+    }
+    if let Some(n) = args.ranks.iter().find(|&&n| n == 0) {
+        bail!("--ranks {n}: a run needs at least one rank");
+    }
+    let mut rows = Vec::new();
+    for &setup in &args.setups {
+        for &n_ranks in &args.ranks {
+            let run = run_workers(args, setup, n_ranks).with_context(|| format!("{setup:?} with {n_ranks} ranks"))?;
+            if !args.json {
+                println!("{}", render(&run));
+            }
+            rows.extend(run);
+        }
+    }
+    if args.json {
+        println!("{}", serde_json::to_string_pretty(&rows)?);
+    }
+    Ok(())
+}
+
+fn render(rows: &[Row]) -> String {
+    let Some(first) = rows.first() else { return String::new() };
+    let mut out =
+        table(&["size (B)", "count", "type", "redop", "op", "algorithm", "time (us)", "algbw (GB/s)", "busbw (GB/s)"]);
+    for row in rows {
+        out.add_row(vec![
+            right(row.bytes),
+            right(row.count),
+            Cell::new(&row.dtype),
+            Cell::new(&row.redop),
+            Cell::new(format!("{:?}", row.op)),
+            Cell::new(format!("{:?}", row.algorithm).to_lowercase()),
+            right(format!("{:.1}", row.time_us)),
+            right(format!("{:.2}", row.algbw_gbps)),
+            right(format!("{:.2}", row.busbw_gbps)),
+        ]);
+    }
+    format!("# {:?}, {} ranks\n{out}\n", first.transport, first.ranks)
+}
+
+fn free_port() -> Result<u16> {
+    Ok(TcpListener::bind("127.0.0.1:0")?.local_addr()?.port())
+}
+
+/// Starts `n_ranks` workers, collects rank 0's rows, and fails with a worker's stderr if any fails.
+fn run_workers(args: &CommArgs, setup: Setup, n_ranks: usize) -> Result<Vec<Row>> {
+    let exe = std::env::current_exe().context("finding the medley binary to start workers")?;
+    let port = free_port()?;
+    let token = format!("{:x}{:x}", std::process::id(), Instant::now().elapsed().as_nanos() ^ u128::from(port));
+    let ops: Vec<String> =
+        args.ops.iter().map(|op| op.to_possible_value().expect("not skipped").get_name().to_string()).collect();
+    let setup_name = setup.to_possible_value().expect("not skipped").get_name().to_string();
+    let mut children: Vec<Child> = (0..n_ranks)
+        .map(|rank| {
+            Command::new(&exe)
+                .args(["bench-comm-worker", "--setup", &setup_name, "--ops", &ops.join(",")])
+                .args(["--min-bytes", &args.min_bytes.to_string(), "--max-bytes", &args.max_bytes.to_string()])
+                .args(["--timeout-s", &args.timeout_s.to_string()])
+                .env("RANK", rank.to_string())
+                .env("WORLD_SIZE", n_ranks.to_string())
+                .env("LOCAL_RANK", rank.to_string())
+                .env("LOCAL_WORLD_SIZE", n_ranks.to_string())
+                .env("MASTER_ADDR", "127.0.0.1")
+                .env("MASTER_PORT", port.to_string())
+                .env("MEDLEY_DOMAIN", setup.domain(rank, n_ranks))
+                .env("MEDLEY_TOKEN", &token)
+                .stdout(if rank == 0 { Stdio::piped() } else { Stdio::null() })
+                .stderr(Stdio::piped())
+                .spawn()
+                .context("starting a worker")
+        })
+        .collect::<Result<_>>()?;
+    let stdout = children[0].stdout.take().expect("piped");
+    let rows: Vec<Row> = BufReader::new(stdout)
+        .lines()
+        .map_while(Result::ok)
+        .map(|line| serde_json::from_str(&line).with_context(|| format!("a worker printed {line:?}")))
+        .collect::<Result<_>>()?;
+    // Rank 0 closed its output: every rank is at most one timeout from done.
+    let deadline = Instant::now() + Duration::from_secs(args.timeout_s + 10);
+    for (rank, mut child) in children.into_iter().enumerate() {
+        let status = loop {
+            if let Some(status) = child.try_wait()? {
+                break status;
+            }
+            if Instant::now() > deadline {
+                child.kill().ok();
+                bail!("worker {rank} did not finish");
+            }
+            std::thread::sleep(Duration::from_millis(10));
+        };
+        if !status.success() {
+            let mut stderr = String::new();
+            child.stderr.take().expect("piped").read_to_string(&mut stderr).ok();
+            bail!("worker {rank} failed ({status}): {}", stderr.trim());
+        }
+    }
+    Ok(rows)
+}
+
+/// Timed iterations aim at this much time per size (at least one, at most [`MAX_ITERS`]).
+const TIME_PER_SIZE: Duration = Duration::from_millis(300);
+const MAX_ITERS: usize = 1000;
+
+/// A worker: joins the job from the environment and measures every operation and size.
+pub fn worker(args: &WorkerArgs) -> Result<()> {
+    let env = LaunchEnv::from_vars(std::env::vars())?;
+    let mut comm = Communicator::init(&env, args.setup.config(Duration::from_secs(args.timeout_s)))?;
+    let n = comm.n_ranks();
+    let sizes = std::iter::successors(Some(args.min_bytes), |&b| b.checked_mul(4)).take_while(|&b| b <= args.max_bytes);
+    for bytes in sizes {
+        let count = bytes / size_of::<f32>();
+        for &op in &args.ops {
+            let (coll, counts, input_len, output_len) = op.shape(count, n);
+            let input = vec![1f32; input_len];
+            let mut output = vec![0f32; output_len];
+            let forced = args.setup.two_domains()
+                && matches!(op, BenchOp::AllReduce | BenchOp::ReduceScatter | BenchOp::AllGather);
+            let algorithms = if forced {
+                vec![Algorithm::Hierarchical, Algorithm::Ring]
+            } else {
+                vec![choose(coll, comm.group(), size_of_val(input.as_slice()))]
+            };
+            for algorithm in algorithms {
+                let mut once = || comm.collective(coll, &counts, Some(algorithm), &input, &mut output);
+                let warm = Instant::now();
+                once()?;
+                let first_s = slowest(&mut comm, warm.elapsed().as_secs_f64())?;
+                let iters = ((TIME_PER_SIZE.as_secs_f64() / first_s.max(1e-9)) as usize).clamp(1, MAX_ITERS);
+                comm.barrier()?;
+                let start = Instant::now();
+                for _ in 0..iters {
+                    comm.collective(coll, &counts, Some(algorithm), &input, &mut output)?;
+                }
+                let time_s = slowest(&mut comm, start.elapsed().as_secs_f64())? / iters as f64;
+                if comm.rank() == 0 {
+                    let bytes = op.bytes(count, n);
+                    let algbw_gbps = bytes as f64 / time_s / 1e9;
+                    let row = Row {
+                        op,
+                        bytes,
+                        count: bytes / size_of::<f32>(),
+                        dtype: "float".into(),
+                        redop: op.redop().into(),
+                        ranks: n,
+                        transport: args.setup,
+                        algorithm,
+                        time_us: time_s * 1e6,
+                        algbw_gbps,
+                        busbw_gbps: algbw_gbps * op.bus_factor(n),
+                    };
+                    println!("{}", serde_json::to_string(&row)?);
+                }
+            }
+        }
+    }
+    Ok(())
+}
+
+/// The largest of every rank's `seconds`.
+fn slowest(comm: &mut Communicator, seconds: f64) -> Result<f64> {
+    let mut max = [0f64];
+    comm.all_reduce(&[seconds], &mut max, ReduceOp::Max)?;
+    Ok(max[0])
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn sizes_parse_with_binary_suffixes() {
+        assert_eq!(parse_bytes("4096"), Ok(4096));
+        assert_eq!(parse_bytes("4K"), Ok(4096));
+        assert_eq!(parse_bytes("256m"), Ok(256 << 20));
+        assert!(parse_bytes("lots").is_err());
+    }
+
+    #[test]
+    fn every_op_reports_the_size_it_was_asked_for() {
+        for op in [BenchOp::AllReduce, BenchOp::ReduceScatter, BenchOp::AllGather, BenchOp::AllToAll] {
+            assert_eq!(op.bytes(1024, 4), 4096, "{op:?}");
+            let (_, _, input, output) = op.shape(1024, 4);
+            assert_eq!(input.max(output) * size_of::<f32>(), 4096, "{op:?}");
+        }
+    }
+
+    #[test]
+    fn bus_factors_are_nccl_tests_ones() {
+        assert_eq!(BenchOp::AllReduce.bus_factor(4), 1.5);
+        assert_eq!(BenchOp::AllGather.bus_factor(4), 0.75);
+        assert_eq!(BenchOp::Broadcast.bus_factor(4), 1.0);
+    }
+}
