@@ -40,8 +40,14 @@ enum Command {
 fn main() -> ExitCode {
     let cli = Cli::parse();
     let result = match cli.command {
-        Command::Plan(args) => plan_cmd::run(&args),
-        Command::Simulate(args) => simulate_cmd::run(&args),
+        Command::Plan(args) => {
+            exit_quietly_on_closed_pipe();
+            plan_cmd::run(&args)
+        }
+        Command::Simulate(args) => {
+            exit_quietly_on_closed_pipe();
+            simulate_cmd::run(&args)
+        }
         Command::Bench { which } => bench::run(&which).map(|()| ExitCode::SUCCESS),
         Command::BenchCommWorker(args) => bench_comm::worker(&args).map(|()| ExitCode::SUCCESS),
     };
@@ -49,4 +55,16 @@ fn main() -> ExitCode {
         eprintln!("error: {err:#}");
         ExitCode::from(2)
     })
+}
+
+/// `medley plan | head` should end quietly, as Unix tools do, not panic in `println!`: restore
+/// the default SIGPIPE action that Rust's runtime replaces with "ignore". Only for commands that
+/// just print; ranks talking to peers keep getting write errors they can report.
+fn exit_quietly_on_closed_pipe() {
+    // SAFETY: `signal` with a valid signal number and `SIG_DFL` has no preconditions, and no other
+    // thread exists yet to race with the change.
+    #[cfg(unix)]
+    unsafe {
+        libc::signal(libc::SIGPIPE, libc::SIG_DFL);
+    }
 }
