@@ -62,14 +62,14 @@ impl<'w> Timeline<'w> {
         }));
     }
 
-    /// A flow arrow from the slice on `from` that encloses `from_ns` to the one on `to` that
-    /// encloses `to_ns`.
+    /// A flow arrow from the slice on `from` that encloses `from_ns` to the next slice on `to`
+    /// that starts at or after `to_ns` (the pass that consumes the message).
     pub(crate) fn arrow(&mut self, name: &str, from: (u32, u32), from_ns: u64, to: (u32, u32), to_ns: u64) {
         let id = self.next_flow_id;
         self.next_flow_id += 1;
         self.event(json!({"ph": "s", "name": name, "cat": "transfer", "id": id, "pid": from.0, "tid": from.1, "ts": micros(from_ns)}));
         self.event(json!({
-            "ph": "f", "bp": "e", "name": name, "cat": "transfer", "id": id,
+            "ph": "f", "name": name, "cat": "transfer", "id": id,
             "pid": to.0, "tid": to.1, "ts": micros(to_ns),
         }));
     }
