@@ -4,7 +4,7 @@
 //! the destination (a plain receive) or through a cache-sized piece (a reducing one). The sender
 //! learns that its bytes are free when the receiver counts the message consumed. Small messages
 //! go eagerly instead (as MPI's do): copied into the mailbox, so the sender is done at once and
-//! the receiver needs no system call. Both sides wait spin-then-futex on the counters; no thread
+//! the receiver needs no system call. Both sides wait poll-yield-futex on the counters; no thread
 //! runs for a collective.
 
 use std::cell::UnsafeCell;
