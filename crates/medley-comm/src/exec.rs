@@ -47,6 +47,10 @@ impl Deferred {
 
 /// Removes from `deferred` the parts that overlap `span` and returns them.
 fn take_overlap(deferred: &mut Vec<Deferred>, span: &Range<usize>) -> Vec<Deferred> {
+    // The common case, and allocation-free: small collectives run this several times per call.
+    if !deferred.iter().any(|copy| copy.output.start < span.end && span.start < copy.output.end) {
+        return Vec::new();
+    }
     let mut taken = Vec::new();
     let mut kept = Vec::with_capacity(deferred.len());
     for copy in deferred.drain(..) {

@@ -71,6 +71,10 @@ impl Waiter {
         what: &'static str,
         mut poll: impl FnMut(Option<Duration>) -> Result<Option<T>, CommError>,
     ) -> Result<T, CommError> {
+        // A wait that is over at once (the usual one in a small collective) reads no clock.
+        if let Some(value) = poll(None)? {
+            return Ok(value);
+        }
         let start = Instant::now();
         let mut spins = 0;
         loop {

@@ -169,6 +169,7 @@ fn wait_on(
     sleeping: &AtomicU32,
     ready: impl Fn() -> bool,
 ) -> Result<(), CommError> {
+    let mut flagged = false;
     let result = waiter.wait(rank, what, |slice| {
         if ready() {
             return Ok(Some(()));
@@ -176,13 +177,18 @@ fn wait_on(
         if let Some(slice) = slice {
             let seen = word.load(Ordering::SeqCst);
             sleeping.store(1, Ordering::SeqCst);
+            flagged = true;
             if !ready() {
                 futex_wait(word, seen, slice);
             }
         }
         Ok(ready().then_some(()))
     });
-    sleeping.store(0, Ordering::SeqCst);
+    // Only a wait that slept clears the flag: the flag shares a cache line with the counter the
+    // other side bumps, and a store on every message would pull the line back and forth.
+    if flagged {
+        sleeping.store(0, Ordering::SeqCst);
+    }
     result
 }
 
