@@ -20,6 +20,9 @@ pub fn choose(op: Op, group: &Group, bytes: usize) -> Algorithm {
         {
             Algorithm::Hierarchical
         }
+        // log₂ n dependent exchanges, where the tree takes 2·log₂ n and the ring 2(n−1): two
+        // ranks exchange once.
+        Op::AllReduce { .. } if bytes < SMALL_BYTES => Algorithm::RecursiveDoubling,
         // Two ranks' tree is a round trip through the root; their ring exchanges both ways at once.
         _ if bytes < SMALL_BYTES && group.n_ranks() > 2 => Algorithm::Tree,
         // The domain-ordered chain is as long as the flat one and never changes domain more often.
@@ -39,9 +42,9 @@ mod tests {
         let two = Group::new([0, 0, 0, 0, 1, 1, 1, 1].map(DomainId).to_vec()).unwrap();
         let all_reduce = Op::AllReduce { op: ReduceOp::Sum };
         let check = |group: &Group, bytes, expected| assert_eq!(choose(all_reduce, group, bytes), expected, "{bytes}");
-        check(&one, 4 << 10, Algorithm::Tree);
+        check(&one, 4 << 10, Algorithm::RecursiveDoubling);
         check(&one, 64 << 20, Algorithm::Ring);
-        check(&two, 4 << 10, Algorithm::Tree);
+        check(&two, 4 << 10, Algorithm::RecursiveDoubling);
         check(&two, 256 << 10, Algorithm::Ring);
         check(&two, 64 << 20, Algorithm::Hierarchical);
         assert_eq!(choose(Op::Barrier, &two, 0), Algorithm::Pairwise);
@@ -50,7 +53,9 @@ mod tests {
         assert_eq!(choose(Op::Broadcast { root: 0 }, &two, 64 << 20), Algorithm::Hierarchical);
         assert_eq!(choose(Op::Reduce { op: ReduceOp::Sum, root: 0 }, &one, 64 << 20), Algorithm::Ring);
         assert_eq!(choose(Op::Reduce { op: ReduceOp::Sum, root: 0 }, &two, 1 << 10), Algorithm::Tree);
-        assert_eq!(choose(all_reduce, &Group::single_domain(2).unwrap(), 4 << 10), Algorithm::Ring);
+        assert_eq!(choose(all_reduce, &Group::single_domain(2).unwrap(), 4 << 10), Algorithm::RecursiveDoubling);
+        assert_eq!(choose(all_reduce, &Group::single_domain(2).unwrap(), 1 << 20), Algorithm::Ring);
+        assert_eq!(choose(Op::AllGather, &one, 4 << 10), Algorithm::Tree);
     }
 
     #[test]

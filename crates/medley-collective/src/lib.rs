@@ -7,6 +7,7 @@
 //! The format, its buffers and its FIFO matching rule are documented in [`step`].
 
 mod choose;
+mod doubling;
 mod error;
 mod group;
 mod hierarchical;
@@ -94,20 +95,24 @@ pub enum Algorithm {
     /// Direct exchanges between pairs: all-to-all's rounds (r → r+k), the barrier's
     /// dissemination rounds (r → r+2^k).
     Pairwise,
+    /// All-reduce in log₂ n rounds of whole-buffer exchanges between partners r and r xor 2^k
+    /// (odd groups fold their extra ranks in first and out last): the fewest dependent messages,
+    /// for small messages. Two ranks exchange once.
+    RecursiveDoubling,
 }
 
 impl Algorithm {
-    pub const ALL: [Algorithm; 4] = [Algorithm::Ring, Algorithm::Tree, Algorithm::Hierarchical, Algorithm::Pairwise];
+    pub const ALL: [Algorithm; 5] =
+        [Algorithm::Ring, Algorithm::Tree, Algorithm::Hierarchical, Algorithm::Pairwise, Algorithm::RecursiveDoubling];
 
     /// Whether [`plan_steps`] implements this algorithm for `op`.
     pub fn supports(self, op: Op) -> bool {
         use Algorithm::*;
         match op {
-            Op::AllReduce { .. }
-            | Op::ReduceScatter { .. }
-            | Op::AllGather
-            | Op::Broadcast { .. }
-            | Op::Reduce { .. } => matches!(self, Ring | Tree | Hierarchical),
+            Op::AllReduce { .. } => matches!(self, Ring | Tree | Hierarchical | RecursiveDoubling),
+            Op::ReduceScatter { .. } | Op::AllGather | Op::Broadcast { .. } | Op::Reduce { .. } => {
+                matches!(self, Ring | Tree | Hierarchical)
+            }
             Op::AllToAll => self == Pairwise,
             Op::Barrier => matches!(self, Tree | Pairwise),
         }
@@ -162,6 +167,7 @@ pub fn plan_steps(
             match algorithm {
                 Algorithm::Ring => ring::all_reduce(&mut b, len),
                 Algorithm::Tree => tree::all_reduce(&mut b, len),
+                Algorithm::RecursiveDoubling => doubling::all_reduce(&mut b, len),
                 _ => hierarchical::all_reduce(&mut b, group, len),
             }
             b.divide_if_avg(op, |_| 0..len);

@@ -275,12 +275,13 @@ proptest! {
     fn all_reduce_results_are_bitwise_identical_on_every_rank(
         domains in prop::collection::vec(0u32..2, 1..=8),
         len in 0..30usize,
-        algorithm_idx in 0..3usize,
+        algorithm_idx in 0..4usize,
         sum in any::<bool>(),
         max in 0..4usize,
         values in prop::collection::vec(-1e6f64..1e6, 8 * 30),
     ) {
-        let algorithm = [Algorithm::Ring, Algorithm::Tree, Algorithm::Hierarchical][algorithm_idx];
+        let algorithm =
+            [Algorithm::Ring, Algorithm::Tree, Algorithm::Hierarchical, Algorithm::RecursiveDoubling][algorithm_idx];
         let op = if sum { ReduceOp::Sum } else { ReduceOp::Avg };
         let group = group(&domains);
         all_ranks_agree_bitwise(&group, &values[..len * domains.len()], algorithm, op, chunks(max));

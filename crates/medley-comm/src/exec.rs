@@ -47,6 +47,10 @@ impl Deferred {
 
 /// Removes from `deferred` the parts that overlap `span` and returns them.
 fn take_overlap(deferred: &mut Vec<Deferred>, span: &Range<usize>) -> Vec<Deferred> {
+    // The common case, and allocation-free: small collectives run this several times per call.
+    if !deferred.iter().any(|copy| copy.output.start < span.end && span.start < copy.output.end) {
+        return Vec::new();
+    }
     let mut taken = Vec::new();
     let mut kept = Vec::with_capacity(deferred.len());
     for copy in deferred.drain(..) {
@@ -138,7 +142,25 @@ pub(crate) fn execute(
             }
             Step::Recv { from, range, reduce } => {
                 let span = bytes(range);
-                wait_for_senders(links, waiter, &mut in_flight, &span)?;
+                if in_flight.iter().any(|sent| overlaps(sent, &span)) {
+                    // An exchange (both partners send a range, then receive into it): waiting for
+                    // the partner to take this rank's bytes first would wait on a partner doing
+                    // the same. Receive into a staged copy, then wait, then write the range.
+                    let mut staged = output[span.clone()].to_vec();
+                    for copy in take_overlap(&mut deferred, &span) {
+                        let at = copy.output.start - span.start..copy.output.end - span.start;
+                        staged[at].copy_from_slice(&input[copy.input()]);
+                    }
+                    let sink = if *reduce {
+                        Sink::Reduce { into: &mut staged, base: None, dtype: call.dtype, how: call.plan.combine }
+                    } else {
+                        Sink::Copy(&mut staged)
+                    };
+                    links.to(*from).recv(*from, header(range), sink, waiter)?;
+                    wait_for_senders(links, waiter, &mut in_flight, &span)?;
+                    output[span].copy_from_slice(&staged);
+                    continue;
+                }
                 let overlap = take_overlap(&mut deferred, &span);
                 let into = &mut output[span.clone()];
                 let sink = match (reduce, overlap.as_slice()) {
@@ -196,15 +218,19 @@ fn wait_for_senders(
     in_flight: &mut Vec<InFlight>,
     span: &Range<usize>,
 ) -> Result<(), CommError> {
-    let overlaps = |sent: &InFlight| sent.bytes.start < span.end && span.start < sent.bytes.end;
-    if !in_flight.iter().any(overlaps) {
+    if !in_flight.iter().any(|sent| overlaps(sent, span)) {
         return Ok(());
     }
-    for sent in in_flight.iter().filter(|sent| overlaps(sent)) {
+    for sent in in_flight.iter().filter(|sent| overlaps(sent, span)) {
         links.to(sent.peer).wait_sent(sent.peer, sent.ticket, waiter)?;
     }
-    in_flight.retain(|sent| !overlaps(sent));
+    in_flight.retain(|sent| !overlaps(sent, span));
     Ok(())
+}
+
+/// Whether `sent` reads bytes in `span`.
+fn overlaps(sent: &InFlight, span: &Range<usize>) -> bool {
+    sent.bytes.start < span.end && span.start < sent.bytes.end
 }
 
 #[cfg(test)]

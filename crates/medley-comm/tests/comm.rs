@@ -291,6 +291,24 @@ fn large_messages_stripe_and_pipeline() {
     }
 }
 
+/// Recursive doubling over 4 ranks: in the second round both partners send a buffer they then
+/// receive into, zero-copy (far above the eager size): each must receive before its own send is
+/// taken, or both wait on each other until the timeout.
+#[test]
+fn large_exchanges_do_not_wait_on_each_other() {
+    for intra_domain in [Route::Shm, Route::Tcp] {
+        let config = Config { intra_domain, chunk_bytes: 64 << 10, ..quick_config() };
+        let results = job(&["nvidia"; 4], &config, |comm| -> Result<(), String> {
+            for len in [1, 3_000, 200_001] {
+                let (op, counts) = (Op::AllReduce { op: ReduceOp::Sum }, Counts::Same(len));
+                check::<f32>(comm, Call { op, counts: &counts, algorithm: Algorithm::RecursiveDoubling, seed: 3 })?;
+            }
+            Ok(())
+        });
+        assert!(results.iter().all(Result::is_ok), "{intra_domain:?}: {results:?}");
+    }
+}
+
 #[test]
 fn point_to_point_and_split() {
     let results = job(&["nvidia", "nvidia", "amd", "amd", "nvidia"], &quick_config(), |comm| {
