@@ -256,8 +256,10 @@ fn entry(
 use MlpKind::{Gelu, SwiGlu};
 
 /// Shapes from each model's published `config.json` (HuggingFace model cards) or paper.
-fn catalog() -> [ModelParts; 8] {
+fn catalog() -> [ModelParts; 9] {
     [
+        // medley's own: what the runtime trains on a CPU in minutes (byte-level vocabulary).
+        entry("tiny", 8, 128, 4, 2, 352, 256, SwiGlu, None, false),
         entry("gpt2", 12, 768, 12, 12, 3072, 50257, Gelu, None, true),
         entry("llama3.2-1b", 16, 2048, 32, 8, 8192, 128256, SwiGlu, None, true),
         entry("llama3-8b", 32, 4096, 32, 8, 14336, 128256, SwiGlu, None, false),

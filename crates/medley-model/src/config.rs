@@ -1,0 +1,59 @@
+use medley_spec::{MlpKind, ModelSpec};
+use serde::{Deserialize, Serialize};
+
+use crate::ModelError;
+
+/// The shape the runtime trains: a Llama-style decoder with untied input and output embeddings.
+#[derive(Clone, Debug, PartialEq, Serialize, Deserialize)]
+pub struct ModelConfig {
+    pub n_layers: usize,
+    pub hidden: usize,
+    pub n_heads: usize,
+    pub n_kv_heads: usize,
+    pub ffn_hidden: usize,
+    pub vocab: usize,
+    pub seq_len: usize,
+    pub rope_theta: f32,
+    pub norm_eps: f32,
+}
+
+impl ModelConfig {
+    /// The trainable config of a model spec, refusing shapes this runtime's decoder does not have.
+    pub fn from_spec(model: &ModelSpec, seq_len: u32) -> Result<Self, ModelError> {
+        let unsupported = |reason: &str| ModelError::Unsupported { model: model.name().into(), reason: reason.into() };
+        if model.mlp() != MlpKind::SwiGlu {
+            return Err(unsupported("its MLP is not SwiGLU; the runtime's decoder is Llama-style"));
+        }
+        if model.experts().is_some() {
+            return Err(unsupported("mixture-of-experts layers are not implemented in the runtime"));
+        }
+        if model.tie_embeddings() {
+            return Err(unsupported("tied embeddings are not implemented; pipeline stages hold them apart"));
+        }
+        if model.head_dim() % 2 != 0 {
+            return Err(unsupported("rotary embeddings need an even head dimension"));
+        }
+        if seq_len == 0 {
+            return Err(unsupported("the sequence length is 0"));
+        }
+        Ok(ModelConfig {
+            n_layers: model.n_layers() as usize,
+            hidden: model.hidden() as usize,
+            n_heads: model.n_heads() as usize,
+            n_kv_heads: model.n_kv_heads() as usize,
+            ffn_hidden: model.ffn_hidden() as usize,
+            vocab: model.vocab() as usize,
+            seq_len: seq_len as usize,
+            rope_theta: 10_000.0,
+            norm_eps: 1e-5,
+        })
+    }
+
+    pub fn head_dim(&self) -> usize {
+        self.hidden / self.n_heads
+    }
+
+    pub fn kv_dim(&self) -> usize {
+        self.n_kv_heads * self.head_dim()
+    }
+}

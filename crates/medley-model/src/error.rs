@@ -1,0 +1,18 @@
+use std::path::PathBuf;
+
+/// What can go wrong building, running or checkpointing a stage.
+#[derive(Debug, thiserror::Error)]
+pub enum ModelError {
+    #[error("model `{model}` cannot be trained by medley's runtime: {reason}")]
+    Unsupported { model: String, reason: String },
+    #[error("{what}: expected shape {expected:?}, got {got:?}")]
+    Shape { what: String, expected: Vec<usize>, got: Vec<usize> },
+    #[error("micro-batch {micro_batch}: {reason}")]
+    MicroBatch { micro_batch: u32, reason: String },
+    #[error("tensor library: {0}")]
+    Compute(String),
+    #[error("{}: {reason}", path.display())]
+    Checkpoint { path: PathBuf, reason: String },
+    #[error("{}: {source}", path.display())]
+    Io { path: PathBuf, source: std::io::Error },
+}

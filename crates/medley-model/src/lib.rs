@@ -1,0 +1,35 @@
+//! The model medley trains: a Llama-style decoder (RMSNorm, RoPE, SwiGLU, grouped-query
+//! attention) cut into pipeline stages, with everything a worker needs around it.
+//!
+//! - [`ModelConfig`]: the trainable shape, from the same [`medley_spec::ModelSpec`] the planner
+//!   prices, plus the sequence length.
+//! - [`params`]: every parameter's name and shape per layer range, and its seeded initial value,
+//!   which depends only on the seed and the name, so any plan starts from the same weights.
+//! - [`StageCompute`]: the thin trait a tensor library implements (forward, backward with an
+//!   external upstream gradient, accumulated parameter gradients, loading parameters).
+//!   [`BurnStage`] implements it with burn's CPU backend; a GPU library slots in behind the same
+//!   trait.
+//! - [`Stage`]: one rank's parameters, gradients and AdamW state on the host, with safetensors
+//!   checkpoints, driving a `StageCompute`.
+//! - [`data`]: the byte-level tokenizer, the shipped corpus and deterministic sample indexing.
+//!
+//! Parameters live on the host as `f32` between steps: gradients are all-reduced and the optimizer
+//! runs there, so the compute library only ever sees one step's tensors.
+
+mod burn_stage;
+mod checkpoint;
+mod compute;
+mod config;
+pub mod data;
+mod error;
+mod optim;
+pub mod params;
+mod stage;
+
+pub use burn_stage::BurnStage;
+pub use checkpoint::{NamedTensors, load_tensors, save_tensors};
+pub use compute::{HostTensor, MicroBatch, StageCompute, StageOutput};
+pub use config::ModelConfig;
+pub use error::ModelError;
+pub use optim::{AdamW, AdamWState};
+pub use stage::Stage;

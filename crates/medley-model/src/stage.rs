@@ -1,0 +1,129 @@
+//! One rank's share of the model on the host: parameters, accumulated gradients and optimizer
+//! state, driving a [`StageCompute`].
+
+use std::ops::Range;
+
+use crate::params::{ParamGroup, ParamSpec, stage_params};
+use crate::{
+    AdamW, AdamWState, HostTensor, MicroBatch, ModelConfig, ModelError, NamedTensors, StageCompute, StageOutput,
+};
+
+/// Checkpoint names of the optimizer moments: `adamw.m.<param>` and `adamw.v.<param>`.
+const MOMENT_PREFIXES: [&str; 2] = ["adamw.m.", "adamw.v."];
+
+pub struct Stage {
+    layers: Range<usize>,
+    specs: Vec<ParamSpec>,
+    params: Vec<HostTensor>,
+    grads: Vec<HostTensor>,
+    optimizer: AdamWState,
+    compute: Box<dyn StageCompute>,
+}
+
+impl Stage {
+    /// The stage holding `layers`, at its seeded initial weights.
+    pub fn new(
+        config: &ModelConfig,
+        layers: Range<usize>,
+        seed: u64,
+        mut compute: Box<dyn StageCompute>,
+    ) -> Result<Self, ModelError> {
+        let specs = stage_params(config, layers.clone());
+        let params: Vec<HostTensor> = specs.iter().map(|spec| spec.initial_value(seed)).collect();
+        compute.load_parameters(&params)?;
+        let grads = params.iter().map(|p| HostTensor::zeros(p.shape.clone())).collect();
+        let optimizer = AdamWState::zeros_like(&params);
+        Ok(Stage { layers, specs, params, grads, optimizer, compute })
+    }
+
+    pub fn layers(&self) -> Range<usize> {
+        self.layers.clone()
+    }
+
+    pub fn specs(&self) -> &[ParamSpec] {
+        &self.specs
+    }
+
+    pub fn params(&self) -> &[HostTensor] {
+        &self.params
+    }
+
+    /// Gradients summed over the micro-batches since the last optimizer step.
+    pub fn grads(&self) -> &[HostTensor] {
+        &self.grads
+    }
+
+    pub fn optimizer_step_count(&self) -> u64 {
+        self.optimizer.step
+    }
+
+    pub fn forward(
+        &mut self,
+        micro_batch: u32,
+        batch: &MicroBatch,
+        input: Option<HostTensor>,
+    ) -> Result<StageOutput, ModelError> {
+        self.compute.forward(micro_batch, batch, input)
+    }
+
+    pub fn backward(
+        &mut self,
+        micro_batch: u32,
+        upstream: Option<HostTensor>,
+    ) -> Result<Option<HostTensor>, ModelError> {
+        self.compute.backward(micro_batch, upstream, &mut self.grads)
+    }
+
+    /// The gradients of the parameters in `groups`, for a data-parallel all-reduce.
+    pub fn grads_of_mut(&mut self, select: impl Fn(ParamGroup) -> bool) -> impl Iterator<Item = &mut HostTensor> {
+        self.specs.iter().zip(self.grads.iter_mut()).filter(move |(spec, _)| select(spec.group)).map(|(_, grad)| grad)
+    }
+
+    /// Applies AdamW to the accumulated gradients, zeroes them and hands the new weights to the
+    /// compute library.
+    pub fn optimizer_step(&mut self, adamw: &AdamW) -> Result<(), ModelError> {
+        let decays: Vec<bool> = self.specs.iter().map(ParamSpec::decays).collect();
+        adamw.update(&mut self.optimizer, &mut self.params, &self.grads, &decays);
+        self.grads.iter_mut().for_each(|grad| grad.data.fill(0.0));
+        self.compute.load_parameters(&self.params)
+    }
+
+    /// Every tensor a checkpoint of this stage holds: parameters under their names, then the
+    /// optimizer moments.
+    pub fn checkpoint_tensors(&self) -> Vec<(String, &HostTensor)> {
+        let params = self.specs.iter().zip(&self.params).map(|(spec, p)| (spec.name.clone(), p));
+        let moments =
+            MOMENT_PREFIXES.iter().zip([&self.optimizer.m, &self.optimizer.v]).flat_map(|(prefix, moments)| {
+                self.specs.iter().zip(moments.iter()).map(move |(spec, m)| (format!("{prefix}{}", spec.name), m))
+            });
+        params.chain(moments).collect()
+    }
+
+    /// Restores this stage's parameters and optimizer state from checkpoint tensors by name, from
+    /// however many stage files they came: a checkpoint taken under another plan re-shards here.
+    pub fn restore(&mut self, tensors: &NamedTensors, optimizer_steps: u64) -> Result<(), ModelError> {
+        let find = |name: String, spec: &ParamSpec| -> Result<HostTensor, ModelError> {
+            let tensor = tensors.get(&name).ok_or_else(|| ModelError::Checkpoint {
+                path: "checkpoint".into(),
+                reason: format!(
+                    "tensor `{name}` is missing; the checkpoint does not hold layer group {:?}",
+                    spec.group
+                ),
+            })?;
+            tensor.expect_shape(&name, &spec.shape)?;
+            Ok(tensor.clone())
+        };
+        let mut state = AdamWState { step: optimizer_steps, m: Vec::new(), v: Vec::new() };
+        let mut params = Vec::new();
+        for spec in &self.specs {
+            params.push(find(spec.name.clone(), spec)?);
+            state.m.push(find(format!("{}{}", MOMENT_PREFIXES[0], spec.name), spec)?);
+            state.v.push(find(format!("{}{}", MOMENT_PREFIXES[1], spec.name), spec)?);
+        }
+        self.compute.load_parameters(&params)?;
+        self.params = params;
+        self.optimizer = state;
+        self.grads.iter_mut().for_each(|grad| grad.data.fill(0.0));
+        Ok(())
+    }
+}
