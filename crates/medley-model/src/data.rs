@@ -69,6 +69,33 @@ impl Dataset {
     }
 }
 
+/// Where each micro-batch of a step starts: replica r's micro-batch j holds samples
+/// `layout[r][j]..layout[r][j] + micro_batch`. Replicas take consecutive slices of the step's
+/// global batch in replica order, `micro_batches[r] * micro_batch` samples each, so any plan
+/// over the same global batch trains on the same samples.
+pub fn step_layout(micro_batches: &[u32], micro_batch: u32, step: u64) -> Vec<Vec<u64>> {
+    let global_batch: u64 = micro_batches.iter().map(|&n| u64::from(n) * u64::from(micro_batch)).sum();
+    let mut next = step * global_batch;
+    micro_batches
+        .iter()
+        .map(|&n| {
+            (0..n)
+                .map(|_| {
+                    let first = next;
+                    next += u64::from(micro_batch);
+                    first
+                })
+                .collect()
+        })
+        .collect()
+}
+
+/// The loss scale that makes summed micro-batch losses the mean over the global batch's tokens,
+/// whatever the replicas' shares: gradients summed across replicas are then sample-weighted.
+pub fn loss_scale(global_batch: u64, seq_len: usize) -> f32 {
+    (1.0 / (global_batch as f64 * seq_len as f64)) as f32
+}
+
 /// A bijective 64-bit mixer (Steele et al.'s SplitMix64 finaliser).
 fn splitmix64(x: u64) -> u64 {
     let mut z = x.wrapping_add(0x9e37_79b9_7f4a_7c15);
@@ -91,6 +118,29 @@ mod tests {
         }
         assert_ne!(data.sample(0), data.sample(1));
         assert_eq!(decode(&encode("To be, or not")), "To be, or not");
+    }
+
+    proptest::proptest! {
+        #[test]
+        fn any_split_tiles_the_step_global_batch(
+            micro_batches in proptest::collection::vec(1u32..6, 1..6),
+            micro_batch in 1u32..5,
+            step in 0u64..100,
+        ) {
+            let layout = step_layout(&micro_batches, micro_batch, step);
+            let global: u64 = micro_batches.iter().map(|&n| u64::from(n * micro_batch)).sum();
+            let mut samples: Vec<u64> = layout
+                .iter()
+                .flatten()
+                .flat_map(|&first| first..first + u64::from(micro_batch))
+                .collect();
+            samples.sort_unstable();
+            let expected: Vec<u64> = (step * global..(step + 1) * global).collect();
+            proptest::prop_assert_eq!(samples, expected);
+            for (replica, &n) in layout.iter().zip(&micro_batches) {
+                proptest::prop_assert_eq!(replica.len(), n as usize);
+            }
+        }
     }
 
     #[test]

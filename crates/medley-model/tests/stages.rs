@@ -74,6 +74,31 @@ fn stage_wise_backward_is_bitwise_equal_to_whole_model_backward() {
     }
 }
 
+/// Uneven data-parallel shares: a replica with 3 samples and one with 1, each scaling its loss by
+/// the global batch, sum to the gradients of the 4-sample batch. Only the summation order of each
+/// reduction differs, so they agree to f32 rounding (relative 1e-5 of the largest gradient).
+#[test]
+fn uneven_shares_sum_to_the_whole_batch_gradient() {
+    let config = small_config();
+    let data = Dataset::shakespeare(config.seq_len, 7).unwrap();
+    let scale = medley_model::data::loss_scale(4, config.seq_len);
+    let mut whole = vec![stage(&config, 0..config.n_layers)];
+    let whole_loss = train_micro_batch(&mut whole, 0, &data.micro_batch(0, 4, scale));
+    let layout = medley_model::data::step_layout(&[1, 1], 3, 0);
+    assert_eq!(layout, vec![vec![0], vec![3]]);
+    let mut big = vec![stage(&config, 0..config.n_layers)];
+    let mut small = vec![stage(&config, 0..config.n_layers)];
+    let loss = train_micro_batch(&mut big, 0, &data.micro_batch(0, 3, scale))
+        + train_micro_batch(&mut small, 0, &data.micro_batch(3, 1, scale));
+    assert!((loss - whole_loss).abs() < 1e-5 * whole_loss, "{loss} vs {whole_loss}");
+    let largest = all_grads(&whole).iter().flat_map(|g| g.data.clone()).fold(0f32, |m, g| m.max(g.abs()));
+    for ((w, b), s) in all_grads(&whole).iter().zip(all_grads(&big)).zip(all_grads(&small)) {
+        for ((w, b), s) in w.data.iter().zip(&b.data).zip(&s.data) {
+            assert!((w - (b + s)).abs() <= 1e-5 * largest, "{w} vs {b} + {s}");
+        }
+    }
+}
+
 #[test]
 fn gradients_match_finite_differences() {
     let config = small_config();
