@@ -7,7 +7,7 @@ use std::ops::Range;
 use burn::tensor::activation::{log_softmax, silu, softmax};
 use burn::tensor::{Bool, Device, Int, Tensor, TensorData};
 
-use crate::params::{LAYER_TENSORS, stage_params};
+use crate::params::{LAYER_TENSORS, ParamSpec, stage_params};
 use crate::{HostTensor, MicroBatch, ModelConfig, ModelError, StageCompute, StageOutput};
 
 /// A parameter on the device: norm gains are vectors, everything else matrices.
@@ -30,6 +30,8 @@ enum PendingOutput {
 pub struct BurnStage {
     config: ModelConfig,
     layers: Range<usize>,
+    /// The stage's parameters, by name and shape, in the order `load_parameters` takes them.
+    specs: Vec<ParamSpec>,
     device: Device,
     params: Vec<DeviceParam>,
     pending: HashMap<u32, Pending>,
@@ -48,6 +50,7 @@ impl BurnStage {
         let causal_mask = Tensor::<2, Bool>::tril_mask([config.seq_len, config.seq_len], 0, &device);
         BurnStage {
             config: config.clone(),
+            specs: stage_params(config, layers.clone()),
             layers,
             device,
             params: Vec::new(),
@@ -179,15 +182,15 @@ fn rope_tables(config: &ModelConfig, device: &Device) -> (Tensor<2>, Tensor<2>) 
 
 impl StageCompute for BurnStage {
     fn load_parameters(&mut self, params: &[HostTensor]) -> Result<(), ModelError> {
-        let specs = stage_params(&self.config, self.layers.clone());
-        if specs.len() != params.len() {
+        if self.specs.len() != params.len() {
             return Err(ModelError::Shape {
                 what: "the stage's parameter list".into(),
-                expected: vec![specs.len()],
+                expected: vec![self.specs.len()],
                 got: vec![params.len()],
             });
         }
-        self.params = specs
+        self.params = self
+            .specs
             .iter()
             .zip(params)
             .map(|(spec, param)| {

@@ -52,7 +52,7 @@ pub fn load_tensors(path: &Path) -> Result<(NamedTensors, HashMap<String, String
     Ok((tensors, metadata))
 }
 
-pub(crate) fn write_atomically(path: &Path, bytes: &[u8]) -> Result<(), ModelError> {
+fn write_atomically(path: &Path, bytes: &[u8]) -> Result<(), ModelError> {
     let io = |source| ModelError::Io { path: path.into(), source };
     let tmp = temporary_path(path);
     let mut file = File::create(&tmp).map_err(io)?;

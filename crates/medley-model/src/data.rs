@@ -6,9 +6,6 @@ use crate::{MicroBatch, ModelError};
 /// *Hamlet* and *Macbeth*, public domain; see `data/SOURCE.md`.
 pub const SHAKESPEARE: &[u8] = include_bytes!("../data/shakespeare.txt");
 
-/// Byte-level tokens: token i is byte i, so the vocabulary is 256 and nothing is out of range.
-pub const BYTE_VOCAB: usize = 256;
-
 pub fn encode(text: &str) -> Vec<u32> {
     text.bytes().map(u32::from).collect()
 }
@@ -31,10 +28,7 @@ pub struct Dataset {
 impl Dataset {
     pub fn new(tokens: Vec<u32>, seq_len: usize, seed: u64) -> Result<Self, ModelError> {
         if tokens.len() <= seq_len + 1 {
-            return Err(ModelError::Unsupported {
-                model: "dataset".into(),
-                reason: format!("{} tokens cannot fill one sample of {} + 1", tokens.len(), seq_len),
-            });
+            return Err(ModelError::Data(format!("{} tokens cannot fill one sample of {} + 1", tokens.len(), seq_len)));
         }
         Ok(Dataset { tokens, seq_len, seed })
     }
@@ -42,10 +36,6 @@ impl Dataset {
     /// The shipped corpus, byte-tokenized.
     pub fn shakespeare(seq_len: usize, seed: u64) -> Result<Self, ModelError> {
         Dataset::new(SHAKESPEARE.iter().map(|&b| u32::from(b)).collect(), seq_len, seed)
-    }
-
-    pub fn seq_len(&self) -> usize {
-        self.seq_len
     }
 
     /// Sample `index`: `seq_len` input tokens and the `seq_len` tokens that follow each.
@@ -74,18 +64,15 @@ impl Dataset {
 /// global batch in replica order, `micro_batches[r] * micro_batch` samples each, so any plan
 /// over the same global batch trains on the same samples.
 pub fn step_layout(micro_batches: &[u32], micro_batch: u32, step: u64) -> Vec<Vec<u64>> {
-    let global_batch: u64 = micro_batches.iter().map(|&n| u64::from(n) * u64::from(micro_batch)).sum();
-    let mut next = step * global_batch;
+    let micro_batch = u64::from(micro_batch);
+    let global_batch: u64 = micro_batches.iter().map(|&n| u64::from(n) * micro_batch).sum();
+    let mut replica_start = step * global_batch;
     micro_batches
         .iter()
         .map(|&n| {
-            (0..n)
-                .map(|_| {
-                    let first = next;
-                    next += u64::from(micro_batch);
-                    first
-                })
-                .collect()
+            let starts = (0..u64::from(n)).map(|j| replica_start + j * micro_batch).collect();
+            replica_start += u64::from(n) * micro_batch;
+            starts
         })
         .collect()
 }

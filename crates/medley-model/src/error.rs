@@ -7,6 +7,10 @@ pub enum ModelError {
     Unsupported { model: String, reason: String },
     #[error("{what}: expected shape {expected:?}, got {got:?}")]
     Shape { what: String, expected: Vec<usize>, got: Vec<usize> },
+    #[error("data: {0}")]
+    Data(String),
+    #[error("the checkpoint has no tensor `{name}`: it was taken from another model")]
+    MissingTensor { name: String },
     #[error("micro-batch {micro_batch}: {reason}")]
     MicroBatch { micro_batch: u32, reason: String },
     #[error("tensor library: {0}")]

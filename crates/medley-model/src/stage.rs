@@ -103,13 +103,7 @@ impl Stage {
     /// however many stage files they came: a checkpoint taken under another plan re-shards here.
     pub fn restore(&mut self, tensors: &NamedTensors, optimizer_steps: u64) -> Result<(), ModelError> {
         let find = |name: String, spec: &ParamSpec| -> Result<HostTensor, ModelError> {
-            let tensor = tensors.get(&name).ok_or_else(|| ModelError::Checkpoint {
-                path: "checkpoint".into(),
-                reason: format!(
-                    "tensor `{name}` is missing; the checkpoint does not hold layer group {:?}",
-                    spec.group
-                ),
-            })?;
+            let tensor = tensors.get(&name).ok_or_else(|| ModelError::MissingTensor { name: name.clone() })?;
             tensor.expect_shape(&name, &spec.shape)?;
             Ok(tensor.clone())
         };
