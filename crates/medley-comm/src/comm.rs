@@ -14,7 +14,7 @@ use crate::exec::{Call, execute};
 use crate::mesh;
 use crate::session::Session;
 use crate::transport::shm::MAILBOX_SLOTS;
-use crate::transport::{Links, Sink};
+use crate::transport::{Links, Sink, Ticket};
 use crate::wait::{Blame, Waiter};
 use crate::wire::{FrameHeader, fingerprint};
 
@@ -25,8 +25,11 @@ use crate::wire::{FrameHeader, fingerprint};
 /// malformed frame) this and every later operation on every communicator of the job fails with
 /// an error naming the rank to blame.
 pub struct Communicator {
-    // Dropped first: closes the links before the session says goodbye.
+    // Dropped first: closes the links before the session says goodbye and before the buffers of
+    // pending sends are freed.
     links: Links,
+    /// Buffers of [`Communicator::isend`]s not yet known to be delivered, with their tickets.
+    outbox: Vec<PendingSend>,
     session: Arc<Session>,
     config: Config,
     waiter: Waiter,
@@ -46,6 +49,13 @@ pub struct Communicator {
     scratch: Vec<u64>,
     /// This rank's recent plans: a training loop repeats the same few collectives.
     plans: Vec<(PlanKey, Arc<CachedPlan>)>,
+}
+
+/// An asynchronous send's buffer, kept alive until its ticket is waited for.
+struct PendingSend {
+    peer: usize,
+    ticket: Ticket,
+    _buffer: Box<dyn std::any::Any + Send>,
 }
 
 /// What a plan depends on.
@@ -104,6 +114,7 @@ impl Communicator {
             n_sent: vec![0; n],
             n_received: vec![0; n],
             n_splits: 0,
+            outbox: Vec::new(),
             scratch: Vec::new(),
             plans: Vec::new(),
         })
@@ -287,6 +298,34 @@ impl Communicator {
         let sent = unsafe { link.send(peer, header, bytes.as_ptr(), bytes.len(), &self.waiter) }
             .and_then(|ticket| link.wait_sent(peer, ticket, &self.waiter));
         sent.map_err(|err| self.fail(err))
+    }
+
+    /// Starts sending `data` to `peer` and returns without waiting for the peer to receive it:
+    /// pipeline neighbours send to each other at the same time, and a blocking send would
+    /// deadlock them. The communicator keeps `data` until [`Communicator::wait_sends`].
+    pub fn isend<T: Element + 'static>(&mut self, data: Vec<T>, peer: usize) -> Result<(), CommError> {
+        self.check_peer(peer)?;
+        let header = self.p2p_header::<T>(data.len(), self.n_sent[peer]);
+        self.n_sent[peer] += 1;
+        let bytes: &[u8] = bytemuck::cast_slice(&data);
+        let (ptr, len) = (bytes.as_ptr(), bytes.len());
+        // SAFETY: the heap buffer behind `ptr` moves into `outbox` unchanged and is freed only after
+        // `wait_sent` for this ticket or later, or after the links close (`links` drops first).
+        let ticket = unsafe { self.links.to(peer).send(peer, header, ptr, len, &self.waiter) };
+        let ticket = ticket.map_err(|err| self.fail(err))?;
+        self.outbox.push(PendingSend { peer, ticket, _buffer: Box::new(data) });
+        Ok(())
+    }
+
+    /// Waits until every [`Communicator::isend`] so far has been delivered, and frees the buffers.
+    pub fn wait_sends(&mut self) -> Result<(), CommError> {
+        while let Some(pending) = self.outbox.last() {
+            let (peer, ticket) = (pending.peer, pending.ticket);
+            // The last ticket to a peer covers the earlier ones to it.
+            self.links.to(peer).wait_sent(peer, ticket, &self.waiter).map_err(|err| self.fail(err))?;
+            self.outbox.retain(|pending| pending.peer != peer);
+        }
+        Ok(())
     }
 
     /// Receives the next message from `peer`, which must hold exactly `data.len()` elements.

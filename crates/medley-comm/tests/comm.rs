@@ -310,6 +310,39 @@ fn large_exchanges_do_not_wait_on_each_other() {
 }
 
 #[test]
+fn asynchronous_sends_let_every_rank_send_before_it_receives() {
+    // Messages above the eager size go single-copy, where a blocking send would wait for the
+    // receiver: with every rank sending first, only asynchronous sends finish.
+    const LEN: usize = 50_000;
+    for intra_domain in [Route::Shm, Route::Tcp] {
+        let config = Config { intra_domain, ..quick_config() };
+        let results = job(&["nvidia", "nvidia", "amd"], &config, |comm| {
+            let (rank, n) = (comm.rank(), comm.n_ranks());
+            let (next, prev) = ((rank + 1) % n, (rank + n - 1) % n);
+            for round in 0..3 {
+                comm.isend(vec![(10 * rank + round) as f32; LEN], next)?;
+                comm.isend(vec![-((10 * rank + round) as f32); LEN], prev)?;
+            }
+            let mut sums = Vec::new();
+            for _ in 0..3 {
+                let (mut from_prev, mut from_next) = (vec![0f32; LEN], vec![0f32; LEN]);
+                comm.recv(&mut from_prev, prev)?;
+                comm.recv(&mut from_next, next)?;
+                sums.push((from_prev[LEN - 1], from_next[0]));
+            }
+            comm.wait_sends()?;
+            Ok::<_, CommError>(sums)
+        });
+        for (rank, sums) in results.into_iter().enumerate() {
+            let (prev, next) = ((rank + 2) % 3, (rank + 1) % 3);
+            let expected: Vec<_> =
+                (0..3).map(|round| ((10 * prev + round) as f32, -((10 * next + round) as f32))).collect();
+            assert_eq!(sums, Ok(expected), "{intra_domain:?} rank {rank}");
+        }
+    }
+}
+
+#[test]
 fn point_to_point_and_split() {
     let results = job(&["nvidia", "nvidia", "amd", "amd", "nvidia"], &quick_config(), |comm| {
         let (rank, n) = (comm.rank(), comm.n_ranks());
