@@ -52,7 +52,9 @@ pub fn load_tensors(path: &Path) -> Result<(NamedTensors, HashMap<String, String
     Ok((tensors, metadata))
 }
 
-fn write_atomically(path: &Path, bytes: &[u8]) -> Result<(), ModelError> {
+/// Writes `bytes` to `path` atomically: a temporary file beside it, fsynced, renamed over, the
+/// directory fsynced.
+pub fn write_atomically(path: &Path, bytes: &[u8]) -> Result<(), ModelError> {
     let io = |source| ModelError::Io { path: path.into(), source };
     let tmp = temporary_path(path);
     let mut file = File::create(&tmp).map_err(io)?;

@@ -30,7 +30,7 @@ impl ModelConfig {
         if model.tie_embeddings() {
             return Err(unsupported("tied embeddings are not implemented; pipeline stages hold them apart"));
         }
-        if model.head_dim() % 2 != 0 {
+        if !model.head_dim().is_multiple_of(2) {
             return Err(unsupported("rotary embeddings need an even head dimension"));
         }
         if seq_len == 0 {

@@ -13,6 +13,7 @@ mod partition;
 mod plan;
 mod search;
 
+pub use assemble::{ReplicaLayout, assemble, stages_from_counts};
 pub use error::PlanError;
 pub use evaluate::{PipelineTiming, Prediction, Utilisation, evaluate};
 pub use partition::{ClassShare, ReplicaClass, StageLoad, min_max_layers, split_micro_batches};

@@ -24,7 +24,7 @@ mod engine;
 mod network;
 mod report;
 mod setup;
-mod timeline;
+pub mod timeline;
 
 use std::io::Write;
 
@@ -40,7 +40,7 @@ use bandwidth::TraceCursor;
 use engine::{StepRun, Transfer};
 use network::Network;
 use setup::Setup;
-use timeline::Timeline;
+pub use timeline::Timeline;
 
 /// Why a simulation could not run.
 #[derive(Debug, thiserror::Error)]

@@ -1,6 +1,9 @@
 //! A Chrome/Perfetto trace (the JSON "Trace Event Format"), written event by event as the
 //! simulation runs so that a long run never holds its timeline in memory.
 //!
+//! The runtime writes its real runs with this same writer, so a simulated and a measured step
+//! open side by side.
+//!
 //! Layout: one process per pipeline rank (a tensor-parallel group, whose devices run in lock
 //! step), one thread per stream: compute (with the waits that stall it), collectives, and one
 //! lane per concurrent outgoing transfer, so slices on a track never overlap. Point-to-point
@@ -12,8 +15,8 @@ use std::io::{self, Write};
 use serde_json::{Value, json};
 
 /// Thread ids: fixed streams first, transfer lanes after.
-pub(crate) const COMPUTE_TID: u32 = 1;
-pub(crate) const COLLECTIVE_TID: u32 = 2;
+pub const COMPUTE_TID: u32 = 1;
+pub const COLLECTIVE_TID: u32 = 2;
 const FIRST_LANE_TID: u32 = 10;
 
 pub(crate) fn lane_tid(lane: u32) -> u32 {
@@ -22,7 +25,7 @@ pub(crate) fn lane_tid(lane: u32) -> u32 {
 
 /// Writes trace events to `out`; the first I/O error is kept and reported by [`Timeline::finish`]
 /// so the simulation loop need not handle it at every event.
-pub(crate) struct Timeline<'w> {
+pub struct Timeline<'w> {
     out: &'w mut dyn Write,
     wrote_event: bool,
     error: Option<io::Error>,
@@ -30,14 +33,14 @@ pub(crate) struct Timeline<'w> {
 }
 
 impl<'w> Timeline<'w> {
-    pub(crate) fn new(out: &'w mut dyn Write) -> Self {
+    pub fn new(out: &'w mut dyn Write) -> Self {
         let mut timeline = Timeline { out, wrote_event: false, error: None, next_flow_id: 0 };
         timeline.raw(br#"{"displayTimeUnit":"ns","traceEvents":["#);
         timeline
     }
 
     /// Names a rank's process and its fixed threads; `sort` orders processes in the viewer.
-    pub(crate) fn process(&mut self, pid: u32, name: &str, sort: u32) {
+    pub fn process(&mut self, pid: u32, name: &str, sort: u32) {
         self.event(json!({"ph": "M", "name": "process_name", "pid": pid, "args": {"name": name}}));
         self.event(json!({"ph": "M", "name": "process_sort_index", "pid": pid, "args": {"sort_index": sort}}));
         self.thread(pid, COMPUTE_TID, "compute");
@@ -45,7 +48,7 @@ impl<'w> Timeline<'w> {
     }
 
     /// Names a thread; threads sort by id.
-    pub(crate) fn thread(&mut self, pid: u32, tid: u32, name: &str) {
+    pub fn thread(&mut self, pid: u32, tid: u32, name: &str) {
         self.event(json!({"ph": "M", "name": "thread_name", "pid": pid, "tid": tid, "args": {"name": name}}));
         self.event(
             json!({"ph": "M", "name": "thread_sort_index", "pid": pid, "tid": tid, "args": {"sort_index": tid}}),
@@ -53,7 +56,7 @@ impl<'w> Timeline<'w> {
     }
 
     /// A complete slice from `start_ns` to `end_ns`.
-    pub(crate) fn slice(&mut self, track: (u32, u32), name: &str, category: &str, span_ns: (u64, u64), args: Value) {
+    pub fn slice(&mut self, track: (u32, u32), name: &str, category: &str, span_ns: (u64, u64), args: Value) {
         let (pid, tid) = track;
         let (start_ns, end_ns) = span_ns;
         self.event(json!({
@@ -64,7 +67,7 @@ impl<'w> Timeline<'w> {
 
     /// A flow arrow from the slice on `from` that encloses `from_ns` to the next slice on `to`
     /// that starts at or after `to_ns` (the pass that consumes the message).
-    pub(crate) fn arrow(&mut self, name: &str, from: (u32, u32), from_ns: u64, to: (u32, u32), to_ns: u64) {
+    pub fn arrow(&mut self, name: &str, from: (u32, u32), from_ns: u64, to: (u32, u32), to_ns: u64) {
         let id = self.next_flow_id;
         self.next_flow_id += 1;
         self.event(json!({"ph": "s", "name": name, "cat": "transfer", "id": id, "pid": from.0, "tid": from.1, "ts": micros(from_ns)}));
@@ -74,12 +77,12 @@ impl<'w> Timeline<'w> {
         }));
     }
 
-    pub(crate) fn counter(&mut self, pid: u32, name: &str, at_ns: u64, value: f64) {
+    pub fn counter(&mut self, pid: u32, name: &str, at_ns: u64, value: f64) {
         self.event(json!({"ph": "C", "name": name, "pid": pid, "ts": micros(at_ns), "args": {name: value}}));
     }
 
     /// Closes the JSON document; the first write error, if any.
-    pub(crate) fn finish(mut self) -> io::Result<()> {
+    pub fn finish(mut self) -> io::Result<()> {
         self.raw(b"]}\n");
         if self.error.is_none()
             && let Err(err) = self.out.flush()

@@ -239,6 +239,22 @@ impl Cluster {
         Cluster::new(groups, fabric, bridge, source)
     }
 
+    /// Parses a fleet of single-GPU nodes, `2xh100,2xmi300x`: what `medley train` emulates with
+    /// one worker process per GPU (so no tensor-parallel group spans two processes).
+    pub fn from_fleet(text: &str) -> Result<Self, SpecError> {
+        let source = "--fleet";
+        let groups = text
+            .split(',')
+            .map(str::trim)
+            .filter(|entry| !entry.is_empty())
+            .map(|entry| {
+                let (count, device) = count_and_device(source, entry)?;
+                Ok(NodeGroup::with_defaults(device, count, 1))
+            })
+            .collect::<Result<Vec<_>, SpecError>>()?;
+        Cluster::new(groups, Fabric::default(), Bridge::default(), source)
+    }
+
     /// Parses a cluster TOML file's text; `source` is its path, for error messages.
     pub fn from_toml(text: &str, source: &str) -> Result<Self, SpecError> {
         let file: ClusterFile = toml::from_str(text).map_err(|err| SpecError::from_toml(source, text, &err))?;
@@ -329,6 +345,22 @@ fn positive(source: &str, field: &str, value: f64) -> Result<(), SpecError> {
 }
 
 fn inline_group(source: &str, entry: &str) -> Result<NodeGroup, SpecError> {
+    let (count, device) = count_and_device(source, entry)?;
+    let gpus_per_node = count.min(DEFAULT_GPUS_PER_NODE);
+    if !count.is_multiple_of(gpus_per_node) {
+        return Err(SpecError::field(
+            source,
+            entry,
+            format!(
+                "{count} GPUs do not fill whole {gpus_per_node}-GPU nodes; use a multiple of {gpus_per_node} or a cluster TOML file"
+            ),
+        ));
+    }
+    Ok(NodeGroup::with_defaults(device, count / gpus_per_node, gpus_per_node))
+}
+
+/// One `COUNTxDEVICE` entry.
+fn count_and_device(source: &str, entry: &str) -> Result<(u32, DeviceSpec), SpecError> {
     let bad = |message: String| SpecError::field(source, entry, message);
     let (count, name) =
         entry.split_once(['x', 'X']).ok_or_else(|| bad("expected COUNTxDEVICE, e.g. 64xh100".to_string()))?;
@@ -339,14 +371,7 @@ fn inline_group(source: &str, entry: &str) -> Result<NodeGroup, SpecError> {
     if count == 0 {
         return Err(bad("the GPU count must be at least 1".to_string()));
     }
-    let device = catalog_device(name)?;
-    let gpus_per_node = count.min(DEFAULT_GPUS_PER_NODE);
-    if !count.is_multiple_of(gpus_per_node) {
-        return Err(bad(format!(
-            "{count} GPUs do not fill whole {gpus_per_node}-GPU nodes; use a multiple of {gpus_per_node} or a cluster TOML file"
-        )));
-    }
-    Ok(NodeGroup::with_defaults(device, count / gpus_per_node, gpus_per_node))
+    Ok((count, catalog_device(name)?))
 }
 
 #[derive(Deserialize)]
@@ -416,6 +441,15 @@ mod tests {
         assert_eq!(devices[64].node_idx, 8);
         assert_eq!(devices[64].group_idx, 1);
         assert_eq!(cluster.group_first_ids(), [0, 64]);
+    }
+
+    #[test]
+    fn fleet_form_has_one_gpu_per_node() {
+        let cluster = Cluster::from_fleet("2xh100, 3xmi300x").unwrap();
+        let shapes: Vec<_> = cluster.groups().iter().map(|g| (g.n_nodes, g.gpus_per_node)).collect();
+        assert_eq!(shapes, [(2, 1), (3, 1)]);
+        let err = Cluster::from_fleet("2xh1000").unwrap_err();
+        assert!(err.to_string().contains("did you mean"), "{err}");
     }
 
     #[test]

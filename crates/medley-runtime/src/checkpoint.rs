@@ -1,0 +1,159 @@
+//! Checkpoints: one safetensors file per rank plus a manifest, in a directory per step, and a
+//! `latest` pointer moved only once the whole checkpoint is on disk.
+//!
+//! Every file is written atomically (temporary file, fsync, rename, directory fsync). A worker
+//! killed while writing step N leaves `latest` naming step N − k, whose files it never touches.
+//! Tensors are stored under their global names, so a checkpoint restores into any plan of the
+//! same model: the stages of the new plan pick their names out of all the files.
+
+use std::collections::HashMap;
+use std::fs;
+use std::path::{Path, PathBuf};
+
+use medley_model::data::Dataset;
+use medley_model::{NamedTensors, load_tensors, save_tensors, write_atomically};
+use medley_plan::Plan;
+use serde::{Deserialize, Serialize};
+
+use crate::error::CommContext;
+use crate::{RuntimeError, Worker};
+
+/// The manifest format this build writes and reads.
+const MANIFEST_FORMAT: u32 = 1;
+/// The file in the checkpoint root that names the newest complete checkpoint.
+const LATEST: &str = "latest";
+
+/// What a checkpoint holds besides tensors.
+#[derive(Clone, Debug, PartialEq, Serialize, Deserialize)]
+#[serde(deny_unknown_fields)]
+pub struct Manifest {
+    pub format: u32,
+    /// Steps completed; training resumes with step `step + 1`.
+    pub step: u64,
+    /// Samples of the data consumed so far (the data position).
+    pub samples_seen: u64,
+    /// AdamW updates applied (equal to `step` unless the optimizer state was reset).
+    pub optimizer_steps: u64,
+    /// Seeds the data order.
+    pub seed: u64,
+    /// The plan the checkpoint was taken under.
+    pub plan: Plan,
+    /// The tensor files, relative to the manifest.
+    pub files: Vec<String>,
+}
+
+fn io_error(path: &Path) -> impl FnOnce(std::io::Error) -> RuntimeError + '_ {
+    move |source| RuntimeError::Io { path: path.to_path_buf(), source }
+}
+
+fn corrupt(path: &Path, reason: impl Into<String>) -> RuntimeError {
+    RuntimeError::Checkpoint { path: path.to_path_buf(), reason: reason.into() }
+}
+
+impl Worker {
+    /// Writes this rank's stages into `root/step-NNNNNNNN/`; rank 0 then writes the manifest,
+    /// moves `latest` to it and removes older checkpoints. Every rank must call it.
+    pub fn save_checkpoint(&mut self, root: &Path) -> Result<PathBuf, RuntimeError> {
+        let name = format!("step-{:08}", self.step);
+        let dir = root.join(&name);
+        fs::create_dir_all(&dir).map_err(io_error(&dir))?;
+        let files: Vec<String> = (0..self.world.n_ranks()).map(|rank| format!("rank-{rank}.safetensors")).collect();
+        let tensors: Vec<_> = self.stages.iter().flat_map(|stage| stage.checkpoint_tensors()).collect();
+        let metadata = HashMap::from([("step".to_string(), self.step.to_string())]);
+        save_tensors(&dir.join(&files[self.layout.job_rank]), &tensors, metadata)?;
+        self.world.barrier().during(|| format!("waiting for every rank to write {}", dir.display()))?;
+        if self.layout.job_rank == 0 {
+            let manifest = Manifest {
+                format: MANIFEST_FORMAT,
+                step: self.step,
+                samples_seen: self.step * u64::from(self.plan.global_batch),
+                optimizer_steps: self.stages[0].optimizer_step_count(),
+                seed: self.options.seed,
+                plan: self.plan.clone(),
+                files,
+            };
+            let path = dir.join("manifest.json");
+            let json = serde_json::to_string_pretty(&manifest).expect("a manifest serialises");
+            write_atomically(&path, json.as_bytes())?;
+            write_atomically(&root.join(LATEST), name.as_bytes())?;
+            remove_older(root, &name)?;
+        }
+        // Nobody resumes from a checkpoint whose `latest` is not yet written.
+        self.world.barrier().during(|| format!("waiting for {} to be published", dir.display()))?;
+        Ok(dir)
+    }
+
+    /// Continues from the newest checkpoint under `root`, taken under this plan or another one
+    /// of the same model, sequence length and global batch.
+    pub fn resume(&mut self, root: &Path) -> Result<Manifest, RuntimeError> {
+        let (dir, manifest) = read_latest(root)?;
+        let taken = &manifest.plan;
+        if taken.model != self.plan.model || taken.seq_len != self.plan.seq_len {
+            return Err(corrupt(
+                &dir,
+                format!(
+                    "it is of model `{}` at sequence length {}, this plan trains `{}` at {}",
+                    taken.model.name(),
+                    taken.seq_len,
+                    self.plan.model.name(),
+                    self.plan.seq_len
+                ),
+            ));
+        }
+        if taken.global_batch != self.plan.global_batch {
+            return Err(corrupt(
+                &dir,
+                format!(
+                    "it was trained with a global batch of {}, this plan has {}: the data position would not carry over",
+                    taken.global_batch, self.plan.global_batch
+                ),
+            ));
+        }
+        let mut tensors = NamedTensors::new();
+        for file in &manifest.files {
+            let (file_tensors, _) = load_tensors(&dir.join(file))?;
+            tensors.extend(file_tensors);
+        }
+        for stage in &mut self.stages {
+            stage.restore(&tensors, manifest.optimizer_steps)?;
+        }
+        if manifest.seed != self.options.seed {
+            self.options.seed = manifest.seed;
+            self.dataset = Dataset::shakespeare(self.plan.seq_len as usize, manifest.seed)?;
+        }
+        self.step = manifest.step;
+        Ok(manifest)
+    }
+}
+
+/// The newest complete checkpoint under `root` and its manifest.
+pub fn read_latest(root: &Path) -> Result<(PathBuf, Manifest), RuntimeError> {
+    let pointer = root.join(LATEST);
+    let name = fs::read_to_string(&pointer).map_err(io_error(&pointer))?;
+    let name = name.trim();
+    if name.is_empty() || name.contains(['/', '\\']) || name.starts_with('.') {
+        return Err(corrupt(&pointer, format!("`{name}` is not a checkpoint directory name")));
+    }
+    let dir = root.join(name);
+    let path = dir.join("manifest.json");
+    let text = fs::read_to_string(&path).map_err(io_error(&path))?;
+    let manifest: Manifest = serde_json::from_str(&text).map_err(|err| corrupt(&path, err.to_string()))?;
+    if manifest.format != MANIFEST_FORMAT {
+        return Err(corrupt(&path, format!("manifest format {} is not {MANIFEST_FORMAT}", manifest.format)));
+    }
+    manifest.plan.validate().map_err(|err| corrupt(&path, format!("its plan is invalid: {err}")))?;
+    Ok((dir, manifest))
+}
+
+/// Removes every `step-*` directory under `root` except `keep`.
+fn remove_older(root: &Path, keep: &str) -> Result<(), RuntimeError> {
+    for entry in fs::read_dir(root).map_err(io_error(root))? {
+        let entry = entry.map_err(io_error(root))?;
+        let name = entry.file_name();
+        let name = name.to_string_lossy();
+        if name.starts_with("step-") && name != keep && entry.path().is_dir() {
+            fs::remove_dir_all(entry.path()).map_err(io_error(&entry.path()))?;
+        }
+    }
+    Ok(())
+}

@@ -1,0 +1,48 @@
+use std::path::PathBuf;
+
+use medley_comm::CommError;
+use medley_model::ModelError;
+use medley_schedule::ScheduleError;
+
+/// Why a worker stopped. Failures caused by another worker carry its job rank through
+/// [`CommError::blamed_rank`].
+#[derive(Debug, thiserror::Error)]
+pub enum RuntimeError {
+    #[error("the runtime cannot run this plan: {0}")]
+    Unsupported(String),
+    #[error("launch: {0}")]
+    Launch(String),
+    #[error("schedule: {0}")]
+    Schedule(#[from] ScheduleError),
+    #[error("{during}: {source}")]
+    Comm { during: String, source: CommError },
+    #[error(transparent)]
+    Model(#[from] ModelError),
+    #[error("{}: {reason}", path.display())]
+    Checkpoint { path: PathBuf, reason: String },
+    #[error("{}: {source}", path.display())]
+    Io { path: PathBuf, source: std::io::Error },
+    #[error("program of {rank}: {reason}")]
+    Program { rank: String, reason: String },
+}
+
+impl RuntimeError {
+    /// The job rank of the worker that caused this failure, if another one did.
+    pub fn blamed_rank(&self) -> Option<usize> {
+        match self {
+            RuntimeError::Comm { source, .. } => source.blamed_rank(),
+            _ => None,
+        }
+    }
+}
+
+/// Adds what the worker was doing to a communicator error.
+pub(crate) trait CommContext<T> {
+    fn during(self, what: impl FnOnce() -> String) -> Result<T, RuntimeError>;
+}
+
+impl<T> CommContext<T> for Result<T, CommError> {
+    fn during(self, what: impl FnOnce() -> String) -> Result<T, RuntimeError> {
+        self.map_err(|source| RuntimeError::Comm { during: what(), source })
+    }
+}

@@ -1,0 +1,31 @@
+//! The runtime: trains for real by executing a plan's per-rank programs.
+//!
+//! One [`Worker`] per pipeline rank of a [`medley_plan::Plan`] (a process, or a thread in tests)
+//! joins the job through `medley-comm`, builds its model chunks as `medley-model` stages and runs
+//! the very [`medley_schedule::Programs`] the simulator executes: forward and backward passes per
+//! micro-batch, activations and gradients to and from neighbour stages as asynchronous sends and
+//! tagged receives, one gradient all-reduce per data-parallel group over a communicator split
+//! for it (in the plan's algorithm, hierarchical across vendor domains), the optimizer step.
+//! Replicas take consecutive slices of each step's global batch and every loss is scaled by the
+//! global batch's token count, so the summed gradients are the sample-weighted mean whatever the
+//! replicas' shares.
+//!
+//! Heterogeneity is emulated: every worker computes on this machine's CPU, stands in for the
+//! plan's device at its rank ([`EmulatedDevice`]), joins that device's vendor domain, and with
+//! [`WorkerOptions::emulate_speed`] stretches each pass by the device's cost-model slowdown
+//! relative to the plan's fastest device.
+
+mod checkpoint;
+mod error;
+mod layout;
+mod metrics;
+mod p2p;
+mod train;
+mod worker;
+
+pub use checkpoint::{Manifest, read_latest};
+pub use error::RuntimeError;
+pub use layout::{EmulatedDevice, RankLayout, check_runnable, rank_ids};
+pub use metrics::{RankMetrics, RankTimes, StepMetrics};
+pub use train::TrainOptions;
+pub use worker::{Worker, WorkerOptions};

@@ -1,0 +1,105 @@
+//! Pipeline messages between neighbouring stages over the world communicator.
+//!
+//! Every message between two workers has the same shape (one micro-batch's hidden states), so a
+//! trailer names what it is: activation or gradient, micro-batch, sending chunk, and when it was
+//! posted. Messages from one peer arrive in the order it sent them, which need not be the order
+//! this worker's program receives them in (with several chunks per rank, activations and
+//! gradients share a pair of ranks): a receive keeps messages it does not want yet in a stash.
+
+use std::collections::BTreeMap;
+
+use medley_comm::Communicator;
+
+use crate::RuntimeError;
+use crate::error::CommContext;
+
+#[derive(Clone, Copy, Debug, PartialEq, Eq, PartialOrd, Ord)]
+pub(crate) enum Kind {
+    Activation = 0,
+    Gradient = 1,
+}
+
+/// What a message carries.
+#[derive(Clone, Copy, Debug, PartialEq, Eq, PartialOrd, Ord)]
+pub(crate) struct Tag {
+    pub kind: Kind,
+    pub micro_batch: u32,
+    /// The sender's chunk.
+    pub chunk: u32,
+}
+
+/// A received message.
+pub(crate) struct Message {
+    pub data: Vec<f32>,
+    /// When the sender posted it, in microseconds of the job clock.
+    pub posted_us: u64,
+}
+
+/// Trailer words, each an `f32` bit pattern: kind, micro-batch, chunk, posted time (2 words).
+const TRAILER: usize = 5;
+
+pub(crate) struct Mailbox {
+    /// Elements of every message's payload.
+    numel: usize,
+    stash: BTreeMap<(usize, Tag), Message>,
+}
+
+impl Mailbox {
+    pub fn new(numel: usize) -> Mailbox {
+        Mailbox { numel, stash: BTreeMap::new() }
+    }
+
+    /// Posts `data` to `peer` (a job rank) without waiting for it to be received.
+    pub fn send(
+        &self,
+        comm: &mut Communicator,
+        peer: usize,
+        tag: Tag,
+        mut data: Vec<f32>,
+        now_us: u64,
+    ) -> Result<(), RuntimeError> {
+        debug_assert_eq!(data.len(), self.numel);
+        let words = [tag.kind as u32, tag.micro_batch, tag.chunk, now_us as u32, (now_us >> 32) as u32];
+        data.extend(words.map(f32::from_bits));
+        comm.isend(data, peer).during(|| format!("sending {tag:?} to rank {peer}"))
+    }
+
+    /// Receives the message `tag` from `peer`, stashing others from it that arrive first.
+    pub fn recv(&mut self, comm: &mut Communicator, peer: usize, tag: Tag) -> Result<Message, RuntimeError> {
+        if let Some(message) = self.stash.remove(&(peer, tag)) {
+            return Ok(message);
+        }
+        loop {
+            let mut data = vec![0f32; self.numel + TRAILER];
+            comm.recv(&mut data, peer).during(|| format!("receiving {tag:?} from rank {peer}"))?;
+            let words: Vec<u32> = data.split_off(self.numel).into_iter().map(f32::to_bits).collect();
+            let kind = match words[0] {
+                0 => Kind::Activation,
+                1 => Kind::Gradient,
+                other => return Err(protocol(peer, format!("unknown message kind {other}"))),
+            };
+            let got = Tag { kind, micro_batch: words[1], chunk: words[2] };
+            let message = Message { data, posted_us: u64::from(words[3]) | (u64::from(words[4]) << 32) };
+            if got == tag {
+                return Ok(message);
+            }
+            if self.stash.insert((peer, got), message).is_some() {
+                return Err(protocol(peer, format!("sent {got:?} twice in one step")));
+            }
+        }
+    }
+
+    /// Ends a step: every message received must have been used.
+    pub fn finish_step(&mut self) -> Result<(), RuntimeError> {
+        match self.stash.keys().next() {
+            None => Ok(()),
+            Some((peer, tag)) => {
+                Err(protocol(*peer, format!("sent {tag:?}, which this rank's program never receives")))
+            }
+        }
+    }
+}
+
+fn protocol(peer: usize, reason: String) -> RuntimeError {
+    RuntimeError::Program { rank: format!("rank {peer}"), reason }
+}

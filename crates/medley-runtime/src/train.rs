@@ -1,0 +1,63 @@
+//! The training loop around [`Worker::step`]: the schedule of each step (fixed, or adaptive kFkB
+//! from the same policy the simulator runs), checkpoints, and a callback per step.
+
+use std::num::NonZeroU32;
+use std::path::PathBuf;
+
+use medley_schedule::{AdaptiveK, ScheduleKind, StepObservation, generate};
+use medley_sim::{SchedulePolicy, Timeline, max_k_within_memory};
+
+use crate::{RuntimeError, StepMetrics, Worker};
+
+/// How long to train and what to keep.
+#[derive(Clone, Debug)]
+pub struct TrainOptions {
+    /// Train until this many steps are done (counting steps before a resume).
+    pub until_step: u64,
+    pub policy: SchedulePolicy,
+    /// Where checkpoints go; none keeps none.
+    pub checkpoint_dir: Option<PathBuf>,
+    /// Steps between checkpoints (0: only after the last step).
+    pub checkpoint_every: u64,
+}
+
+impl Worker {
+    /// Trains until `options.until_step`, calling `on_step` with every step's metrics (the same on
+    /// every rank). Every rank must call it with the same options.
+    pub fn train(
+        &mut self,
+        options: &TrainOptions,
+        mut timeline: Option<&mut Timeline>,
+        mut on_step: impl FnMut(&StepMetrics) -> Result<(), RuntimeError>,
+    ) -> Result<(), RuntimeError> {
+        if options.policy == SchedulePolicy::Fixed(ScheduleKind::ZbH1) {
+            return Err(RuntimeError::Unsupported(
+                "zb-h1 needs a split backward, which the runtime's stages do not have yet; use 1f1b, kfkb:K, gpipe or adaptive".into(),
+            ));
+        }
+        let mut adaptive = AdaptiveK::new(max_k_within_memory(&self.plan, &self.options.calibration));
+        while self.step < options.until_step {
+            let kind = match options.policy {
+                SchedulePolicy::Fixed(kind) => kind,
+                SchedulePolicy::Adaptive => ScheduleKind::Kfkb { k: NonZeroU32::new(adaptive.k()).expect("k ≥ 1") },
+            };
+            let programs = generate(&self.plan, kind)?;
+            let metrics = self.step(&programs, timeline.as_deref_mut())?;
+            if let ScheduleKind::Kfkb { k } = kind {
+                adaptive.observe(StepObservation {
+                    k: k.get(),
+                    step_time_s: metrics.step_time_s,
+                    comm_wait_fraction: metrics.pipeline_wait_fraction,
+                });
+            }
+            on_step(&metrics)?;
+            let due = options.checkpoint_every > 0 && self.step.is_multiple_of(options.checkpoint_every);
+            if let Some(dir) = &options.checkpoint_dir
+                && (due || self.step == options.until_step)
+            {
+                self.save_checkpoint(dir)?;
+            }
+        }
+        Ok(())
+    }
+}
