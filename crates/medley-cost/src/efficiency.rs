@@ -110,6 +110,25 @@ impl Calibration {
         self.by_device.keys().map(String::as_str)
     }
 
+    /// Sets a device type's efficiencies, as a measurement found them.
+    pub fn set(&mut self, device: &DeviceSpec, efficiency: Efficiency) {
+        self.by_device.insert(device.name.clone(), efficiency);
+    }
+
+    /// The profile as `from_toml` reads it.
+    pub fn to_toml(&self) -> String {
+        self.by_device
+            .iter()
+            .map(|(name, e)| {
+                format!(
+                    "[device.{name}]\nmatmul = {:e}\nattention = {:e}\nmemory = {:e}\n",
+                    e.matmul, e.attention, e.memory
+                )
+            })
+            .collect::<Vec<_>>()
+            .join("\n")
+    }
+
     pub fn efficiency(&self, device: &DeviceSpec) -> Efficiency {
         self.by_device
             .iter()
@@ -123,6 +142,15 @@ impl Calibration {
 mod tests {
     use super::*;
     use medley_spec::catalog_device;
+
+    #[test]
+    fn set_profile_round_trips_through_toml() {
+        let mut calibration = Calibration::default();
+        let h100 = catalog_device("h100").unwrap();
+        calibration.set(&h100, Efficiency { matmul: 1.5e-4, attention: 1e-4, memory: 0.25 });
+        let text = calibration.to_toml();
+        assert_eq!(Calibration::from_toml(&text, "x.toml").unwrap(), calibration, "{text}");
+    }
 
     #[test]
     fn profile_overrides_listed_devices_only() {

@@ -15,6 +15,7 @@
 //! [`WorkerOptions::emulate_speed`] stretches each pass by the device's cost-model slowdown
 //! relative to the plan's fastest device.
 
+mod calibrate;
 mod checkpoint;
 mod error;
 mod layout;
@@ -23,6 +24,7 @@ mod p2p;
 mod train;
 mod worker;
 
+pub use calibrate::{Measured, emulation_calibration, measure_model_pass};
 pub use checkpoint::{Manifest, read_latest};
 pub use error::RuntimeError;
 pub use layout::{EmulatedDevice, RankLayout, check_runnable, rank_ids};

@@ -8,6 +8,8 @@ mod inputs;
 mod plan_cmd;
 mod render;
 mod simulate_cmd;
+mod train_cmd;
+mod worker_cmd;
 
 use std::process::ExitCode;
 
@@ -27,6 +29,12 @@ enum Command {
     Plan(Box<plan_cmd::PlanArgs>),
     /// Simulate training steps of a plan (or a what-if Megatron layout) event by event.
     Simulate(Box<simulate_cmd::SimulateArgs>),
+    /// Train a model for real on an emulated fleet: plan it, start one worker process per
+    /// pipeline rank, show progress.
+    Train(Box<train_cmd::TrainArgs>),
+    /// Run one rank of a training job under an external launcher (torchrun, srun, mpirun
+    /// variables: RANK, WORLD_SIZE, MASTER_ADDR, MASTER_PORT; plus MEDLEY_TOKEN).
+    Worker(Box<worker_cmd::WorkerArgs>),
     /// Benchmarks that print tables.
     Bench {
         #[command(subcommand)]
@@ -48,6 +56,8 @@ fn main() -> ExitCode {
             exit_quietly_on_closed_pipe();
             simulate_cmd::run(&args)
         }
+        Command::Train(args) => train_cmd::run(&args),
+        Command::Worker(args) => worker_cmd::run(&args).map(|()| ExitCode::SUCCESS),
         Command::Bench { which } => bench::run(&which).map(|()| ExitCode::SUCCESS),
         Command::BenchCommWorker(args) => bench_comm::worker(&args).map(|()| ExitCode::SUCCESS),
     };

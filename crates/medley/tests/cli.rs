@@ -274,3 +274,131 @@ fn bench_comm_measures_every_setup_with_real_workers() {
     assert!(two_domain_all_reduce("hierarchical") && two_domain_all_reduce("ring"));
     check(&["bench", "comm", "--min-bytes", "64K", "--max-bytes", "4K"], 2, "--min-bytes");
 }
+
+/// A quick training job's flags: the tiny model on short sequences, real speed.
+const QUICK_TRAIN: [&str; 8] =
+    ["--seq-len", "32", "--global-batch", "4", "--micro-batch", "1", "--no-emulate", "--timeout-s"];
+
+fn train(out: &std::path::Path, extra: &[&str]) -> Output {
+    let out = out.to_string_lossy().into_owned();
+    let args: Vec<&str> = ["train", "--out", &out]
+        .iter()
+        .copied()
+        .chain(QUICK_TRAIN)
+        .chain(["10"])
+        .chain(extra.iter().copied())
+        .collect();
+    let output = medley(&args);
+    assert!(output.status.success(), "{args:?}:\n{}{}", stdout(&output), stderr(&output));
+    output
+}
+
+/// The losses `metrics.jsonl` recorded, by step.
+fn losses(out: &std::path::Path) -> Vec<(u64, f64)> {
+    let text = std::fs::read_to_string(out.join("metrics.jsonl")).unwrap();
+    text.lines()
+        .map(|line| {
+            let step: serde_json::Value = serde_json::from_str(line).unwrap();
+            (step["step"].as_u64().unwrap(), step["loss"].as_f64().unwrap())
+        })
+        .collect()
+}
+
+#[test]
+fn training_resumes_bit_for_bit_and_under_another_plan() {
+    let whole = scratch("train-whole");
+    train(&whole, &["--fleet", "2xh100,1xmi300x", "--steps", "4"]);
+    let reference = losses(&whole);
+    assert_eq!(reference.iter().map(|s| s.0).collect::<Vec<_>>(), [1, 2, 3, 4]);
+    assert!(whole.join("timeline.json").is_file());
+
+    let halves = scratch("train-halves");
+    train(&halves, &["--fleet", "2xh100,1xmi300x", "--steps", "2"]);
+    let resumed = train(&halves, &["--resume", &halves.to_string_lossy(), "--steps", "4"]);
+    assert!(stdout(&resumed).contains("2 → 4"), "{}", stdout(&resumed));
+    assert_eq!(losses(&halves), reference, "stopping and resuming changes nothing");
+
+    // The same checkpoint under a single process: the model re-shards, and only the order of
+    // the gradient sums changes.
+    let resharded = scratch("train-resharded");
+    train(&resharded, &["--fleet", "2xh100,1xmi300x", "--steps", "2"]);
+    train(&resharded, &["--resume", &resharded.to_string_lossy(), "--fleet", "1xh100", "--steps", "4"]);
+    for ((step, loss), (_, expected)) in losses(&resharded).into_iter().zip(reference) {
+        assert!((loss - expected).abs() <= 1e-6 * expected, "step {step}: {loss} vs {expected}");
+    }
+}
+
+/// The processes whose parent is `parent`, with their RANK variable.
+fn workers_of(parent: u32) -> Vec<(u32, String)> {
+    let mut found = Vec::new();
+    for entry in std::fs::read_dir("/proc").unwrap().flatten() {
+        let Ok(pid) = entry.file_name().to_string_lossy().parse::<u32>() else { continue };
+        let Ok(stat) = std::fs::read_to_string(format!("/proc/{pid}/stat")) else { continue };
+        // The parent pid is the second field after the parenthesised command name.
+        let after_name = stat.rsplit_once(')').map_or("", |(_, rest)| rest);
+        if after_name.split_whitespace().nth(1) != Some(parent.to_string().as_str()) {
+            continue;
+        }
+        let environ = std::fs::read(format!("/proc/{pid}/environ")).unwrap_or_default();
+        let rank = environ
+            .split(|&b| b == 0)
+            .find_map(|var| var.strip_prefix(b"RANK="))
+            .map(|rank| String::from_utf8_lossy(rank).into_owned());
+        if let Some(rank) = rank {
+            found.push((pid, rank));
+        }
+    }
+    found
+}
+
+#[test]
+fn killing_a_worker_stops_every_rank_and_keeps_the_last_checkpoint() {
+    let out = scratch("train-killed");
+    let out_text = out.to_string_lossy().into_owned();
+    let args: Vec<&str> = ["train", "--out", &out_text, "--fleet", "2xh100,2xmi300x", "--steps", "100000"]
+        .into_iter()
+        .chain(QUICK_TRAIN)
+        .chain(["5", "--checkpoint-every", "1"])
+        .collect();
+    let mut launcher = Command::new(env!("CARGO_BIN_EXE_medley"))
+        .args(&args)
+        .stdout(Stdio::piped())
+        .stderr(Stdio::piped())
+        .spawn()
+        .unwrap();
+    let deadline = Instant::now() + Duration::from_secs(60);
+    while !out.join("checkpoints").join("latest").exists() {
+        assert!(Instant::now() < deadline, "no checkpoint within a minute");
+        std::thread::sleep(Duration::from_millis(50));
+    }
+    // Checkpoints are written every step, so the kill often lands in the middle of one.
+    std::thread::sleep(Duration::from_millis(300));
+    let workers = workers_of(launcher.id());
+    let (pid, rank) = workers.iter().find(|(_, rank)| rank == "2").expect("worker 2 is running").clone();
+    // SAFETY: kill with a pid this test just read and a valid signal has no memory effects.
+    assert_eq!(unsafe { libc::kill(pid as i32, libc::SIGKILL) }, 0);
+    let stopped = Instant::now();
+    while launcher.try_wait().unwrap().is_none() {
+        assert!(stopped.elapsed() < Duration::from_secs(60), "the job did not stop within a minute of the kill");
+        std::thread::sleep(Duration::from_millis(50));
+    }
+    let output = launcher.wait_with_output().unwrap();
+    let text = stdout(&output) + &stderr(&output);
+    assert_eq!(output.status.code(), Some(1), "{text}");
+    assert!(text.contains(&format!("worker {rank} (")) && text.contains("killed by signal 9"), "{text}");
+    // Every other worker stopped on its own, with an error that names the dead one.
+    for other in ["0", "1", "3"] {
+        assert!(
+            text.contains(&format!("worker {other}: ")) && text.contains(&format!("(worker {rank} failed")),
+            "worker {other} did not name worker {rank}:\n{text}"
+        );
+    }
+    assert!(!text.contains("killed;"), "a worker had to be killed by the launcher:\n{text}");
+    assert!(text.contains("the last complete checkpoint is"), "{text}");
+    // The last checkpoint is intact: training resumes from it for one more step.
+    let latest = std::fs::read_to_string(out.join("checkpoints/latest")).unwrap();
+    let manifest = std::fs::read_to_string(out.join("checkpoints").join(latest.trim()).join("manifest.json")).unwrap();
+    let step = serde_json::from_str::<serde_json::Value>(&manifest).unwrap()["step"].as_u64().unwrap();
+    train(&out, &["--resume", &out_text, "--steps", &(step + 1).to_string()]);
+    assert_eq!(losses(&out).last().unwrap().0, step + 1);
+}

@@ -1,0 +1,408 @@
+//! `medley train`: plans a job on an emulated fleet (or takes a plan), starts one `medley worker`
+//! process per pipeline rank on this machine, shows progress and reports the outcome.
+
+use std::fs;
+use std::io::{BufRead, BufReader, Read};
+use std::net::TcpListener;
+use std::path::{Path, PathBuf};
+use std::process::{Child, ChildStderr, Command, ExitCode, Stdio};
+use std::sync::{Arc, Mutex};
+use std::time::{Duration, Instant};
+
+use anyhow::{Context, Result};
+use clap::Args;
+use indicatif::{ProgressBar, ProgressStyle};
+use medley_cost::Calibration;
+use medley_plan::{Plan, SearchOptions, search};
+use medley_runtime::{RankLayout, emulation_calibration, measure_model_pass, rank_ids, read_latest};
+use medley_spec::{Cluster, JobParts, JobSpec, ModelSpec, Schedule};
+use serde_json::Value;
+
+use crate::inputs::load_model;
+use crate::render::{right, table};
+use crate::worker_cmd::{CHECKPOINTS, METRICS, TIMELINES, WorkerArgs};
+
+/// Two fast NVIDIA GPUs and two slower AMD ones: the smallest fleet that shows every kind of
+/// heterogeneity the runtime handles (speed, vendor domain, bridge).
+pub const DEFAULT_FLEET: &str = "2xh100,2xmi250x";
+
+#[derive(Args, Debug)]
+pub struct TrainArgs {
+    /// A plan file to train (as `medley plan -o` writes it) instead of planning the fleet.
+    #[arg(long, conflicts_with = "fleet")]
+    pub plan: Option<String>,
+    /// The emulated fleet, one worker process per GPU: COUNTxDEVICE,... [default: 2xh100,2xmi250x,
+    /// or the checkpoint's plan with --resume].
+    #[arg(long)]
+    pub fleet: Option<String>,
+    /// Model: a catalog name or a HuggingFace config.json (Llama-style decoders only).
+    #[arg(long, default_value = "tiny")]
+    pub model: String,
+    /// Tokens per sequence.
+    #[arg(long, default_value_t = 128)]
+    pub seq_len: u32,
+    /// Sequences per optimizer step.
+    #[arg(long, default_value_t = 16)]
+    pub global_batch: u32,
+    /// Sequences per micro-batch.
+    #[arg(long, default_value_t = 2)]
+    pub micro_batch: u32,
+    /// An emulation profile from `medley calibrate` [default: measure this machine now].
+    #[arg(long)]
+    pub calibration: Option<String>,
+    /// Continue the run in this directory from its newest checkpoint; with --plan or --fleet,
+    /// under that plan (the model re-shards).
+    #[arg(long)]
+    pub resume: Option<PathBuf>,
+    /// The run directory [default: the --resume directory, else medley-run].
+    #[arg(long)]
+    pub out: Option<PathBuf>,
+    #[command(flatten)]
+    pub worker: SharedWorkerArgs,
+}
+
+/// Flags every worker gets as they are.
+#[derive(Args, Debug, Clone)]
+pub struct SharedWorkerArgs {
+    /// Train until this many steps are done.
+    #[arg(long, default_value_t = 100)]
+    pub steps: u64,
+    /// Steps between checkpoints (0: only after the last step).
+    #[arg(long, default_value_t = 10)]
+    pub checkpoint_every: u64,
+    /// Pipeline schedule: 1f1b, gpipe, kfkb:K, adaptive, interleaved [default: the plan's].
+    #[arg(long)]
+    pub schedule: Option<Schedule>,
+    /// Seeds the initial weights and the data order.
+    #[arg(long, default_value_t = 0)]
+    pub seed: u64,
+    /// AdamW learning rate.
+    #[arg(long, default_value_t = medley_model::AdamW::default().lr)]
+    pub lr: f32,
+    /// Compute at this machine's speed instead of stretching passes to each emulated device's.
+    #[arg(long)]
+    pub no_emulate: bool,
+    /// Seconds a worker waits for a silent peer before naming it and stopping.
+    #[arg(long, default_value_t = 30)]
+    pub timeout_s: u64,
+}
+
+pub fn run(args: &TrainArgs) -> Result<ExitCode> {
+    let out = args.out.clone().or_else(|| args.resume.clone()).unwrap_or_else(|| PathBuf::from("medley-run"));
+    let plan = choose_plan(args)?;
+    medley_runtime::check_runnable(&plan)?;
+    fs::create_dir_all(&out).with_context(|| format!("cannot create {}", out.display()))?;
+    let plan_path = out.join("plan.json");
+    fs::write(&plan_path, serde_json::to_string_pretty(&plan)? + "\n")
+        .with_context(|| format!("cannot write {}", plan_path.display()))?;
+    let layouts = (0..rank_ids(&plan).len())
+        .map(|rank| RankLayout::of(&plan, rank, &Calibration::default()))
+        .collect::<Result<Vec<_>, _>>()?;
+    println!("{}", crate::render::explain(&plan));
+    println!("{}", workers_table(&plan, &layouts, !args.worker.no_emulate));
+    let worker_args = WorkerArgs {
+        plan: plan_path.to_string_lossy().into_owned(),
+        out: out.clone(),
+        steps: args.worker.steps,
+        resume: args.resume.clone(),
+        checkpoint_every: args.worker.checkpoint_every,
+        schedule: args.worker.schedule,
+        seed: args.worker.seed,
+        lr: args.worker.lr,
+        no_emulate: args.worker.no_emulate,
+        timeout_s: args.worker.timeout_s,
+        print_metrics: true,
+    };
+    let started = Instant::now();
+    let outcome = launch_and_watch(&worker_args, &layouts)?;
+    report(&out, &outcome, &layouts, started.elapsed())
+}
+
+fn choose_plan(args: &TrainArgs) -> Result<Plan> {
+    if let Some(path) = &args.plan {
+        return crate::plan_cmd::load_plan(path);
+    }
+    if let (Some(dir), None) = (&args.resume, &args.fleet) {
+        let (_, manifest) = read_latest(&dir.join(CHECKPOINTS))?;
+        return Ok(manifest.plan);
+    }
+    let fleet = args.fleet.as_deref().unwrap_or(DEFAULT_FLEET);
+    let cluster = Cluster::from_fleet(fleet)?;
+    let model = load_model(&args.model)?;
+    let parts = JobParts {
+        seq_len: args.seq_len,
+        global_batch: args.global_batch,
+        micro_batch: Some(args.micro_batch),
+        schedule: args.worker.schedule.unwrap_or_default(),
+        ..JobParts::default()
+    };
+    let job = JobSpec::new(parts, "command line")?;
+    let calibration = match &args.calibration {
+        Some(path) => Calibration::from_toml(&crate::inputs::read(path)?, path)?,
+        None => calibrate_here(&cluster, &model, args.seq_len, args.micro_batch)?,
+    };
+    let options = SearchOptions { top: 1, ..SearchOptions::default() };
+    let outcome = search(&cluster, &model, &job, &calibration, &options)
+        .with_context(|| format!("planning {} on {fleet}", model.name()))?;
+    Ok(outcome.candidates.into_iter().next().expect("search returns at least one plan").plan)
+}
+
+/// Measures this machine and prices the fleet at its speed (see `medley calibrate`).
+pub fn calibrate_here(cluster: &Cluster, model: &ModelSpec, seq_len: u32, micro_batch: u32) -> Result<Calibration> {
+    let measured = measure_model_pass(model, seq_len, micro_batch, 3)?;
+    println!(
+        "calibrated: one micro-batch ({micro_batch}×{seq_len} tokens) through {} takes {:.1} ms forward and backward here; the fleet's fastest device is emulated at that speed",
+        model.name(),
+        measured.pass_s * 1e3
+    );
+    Ok(emulation_calibration(cluster, model, seq_len, measured))
+}
+
+fn workers_table(plan: &Plan, layouts: &[RankLayout], emulate: bool) -> String {
+    let mut rows = table(&["worker", "rank", "device (emulated)", "domain", "layers", "micro-batches", "slowdown"]);
+    for layout in layouts {
+        let layers: Vec<String> = layout.chunks.iter().map(|c| format!("{}..{}", c.start, c.end)).collect();
+        let slowdown = if emulate { format!("{:.2}×", layout.device.slowdown) } else { "off".into() };
+        rows.add_row(vec![
+            right(layout.job_rank),
+            right(layout.id),
+            right(&layout.device.name),
+            right(layout.device.vendor),
+            right(layers.join(" ")),
+            right(plan.replicas[layout.id.replica_idx as usize].n_micro_batches),
+            right(slowdown),
+        ]);
+    }
+    format!("Workers (processes on this machine; device speeds are emulated by stretching each pass):\n{rows}")
+}
+
+/// How the workers ended.
+struct Outcome {
+    /// Exit status per worker; `None` when it had to be killed.
+    statuses: Vec<Option<std::process::ExitStatus>>,
+    /// What each worker wrote to standard error.
+    errors: Vec<Vec<String>>,
+    steps: Vec<Value>,
+}
+
+fn launch_and_watch(args: &WorkerArgs, layouts: &[RankLayout]) -> Result<Outcome> {
+    let exe = std::env::current_exe().context("cannot find the medley executable to start workers")?;
+    let port = TcpListener::bind("127.0.0.1:0")?.local_addr()?.port();
+    let token = job_token();
+    let world = layouts.len();
+    let mut children = Vec::new();
+    for layout in layouts {
+        let rank = layout.job_rank;
+        let mut command = Command::new(&exe);
+        command.arg("worker").args(worker_flags(args)).stdin(Stdio::null()).stderr(Stdio::piped());
+        command.stdout(if rank == 0 { Stdio::piped() } else { Stdio::null() });
+        command.envs([
+            ("RANK", rank.to_string()),
+            ("WORLD_SIZE", world.to_string()),
+            ("LOCAL_RANK", rank.to_string()),
+            ("LOCAL_WORLD_SIZE", world.to_string()),
+            ("MASTER_ADDR", "127.0.0.1".into()),
+            ("MASTER_PORT", port.to_string()),
+            ("MEDLEY_DOMAIN", layout.device.vendor.to_string()),
+            ("MEDLEY_TOKEN", token.clone()),
+        ]);
+        children.push(command.spawn().with_context(|| format!("cannot start worker {rank}"))?);
+    }
+    let bar = progress_bar(args.steps);
+    let errors: Vec<_> =
+        children.iter_mut().map(|child| collect_lines(child.stderr.take().expect("piped"), bar.clone())).collect();
+    let mut steps = Vec::new();
+    let stdout = children[0].stdout.take().expect("piped");
+    for line in BufReader::new(stdout).lines().map_while(Result::ok) {
+        let Ok(step) = serde_json::from_str::<Value>(&line) else { continue };
+        bar.set_position(step["step"].as_u64().unwrap_or(0));
+        bar.set_message(format!(
+            "loss {:.3} · {:.0} tokens/s",
+            step["loss"].as_f64().unwrap_or(f64::NAN),
+            step["tokens_per_s"].as_f64().unwrap_or(0.0)
+        ));
+        steps.push(step);
+    }
+    let grace = Duration::from_secs(args.timeout_s + 15);
+    let statuses = wait_all(&mut children, grace);
+    bar.finish_and_clear();
+    let errors = errors.into_iter().map(|lines| lines.lock().map(|l| l.clone()).unwrap_or_default()).collect();
+    Ok(Outcome { statuses, errors, steps })
+}
+
+fn worker_flags(args: &WorkerArgs) -> Vec<String> {
+    let mut flags = vec![
+        "--plan".into(),
+        args.plan.clone(),
+        "--out".into(),
+        args.out.to_string_lossy().into_owned(),
+        "--steps".into(),
+        args.steps.to_string(),
+        "--checkpoint-every".into(),
+        args.checkpoint_every.to_string(),
+        "--seed".into(),
+        args.seed.to_string(),
+        "--lr".into(),
+        args.lr.to_string(),
+        "--timeout-s".into(),
+        args.timeout_s.to_string(),
+        "--print-metrics".into(),
+    ];
+    if let Some(dir) = &args.resume {
+        flags.extend(["--resume".into(), dir.to_string_lossy().into_owned()]);
+    }
+    if let Some(schedule) = args.schedule {
+        flags.extend(["--schedule".into(), schedule.to_string()]);
+    }
+    if args.no_emulate {
+        flags.push("--no-emulate".into());
+    }
+    flags
+}
+
+/// A fresh secret per job, so a stray process from another run cannot join this one.
+fn job_token() -> String {
+    let mut bytes = [0u8; 16];
+    let read = fs::File::open("/dev/urandom").and_then(|mut f| f.read_exact(&mut bytes));
+    if read.is_err() {
+        let nanos = std::time::SystemTime::now().duration_since(std::time::UNIX_EPOCH).unwrap_or_default();
+        bytes[..8].copy_from_slice(&(nanos.as_nanos() as u64 ^ u64::from(std::process::id())).to_le_bytes());
+    }
+    bytes.iter().map(|b| format!("{b:02x}")).collect()
+}
+
+fn progress_bar(steps: u64) -> ProgressBar {
+    let bar = ProgressBar::new(steps);
+    let style = ProgressStyle::with_template("step {pos}/{len} [{bar:30}] {msg} · ETA {eta}")
+        .expect("a valid template")
+        .progress_chars("=> ");
+    bar.set_style(style);
+    bar
+}
+
+/// Keeps a worker's standard error lines and shows them above the progress bar.
+fn collect_lines(stderr: ChildStderr, bar: ProgressBar) -> Arc<Mutex<Vec<String>>> {
+    let lines = Arc::new(Mutex::new(Vec::new()));
+    let kept = Arc::clone(&lines);
+    std::thread::spawn(move || {
+        for line in BufReader::new(stderr).lines().map_while(Result::ok) {
+            bar.println(&line);
+            if let Ok(mut kept) = kept.lock() {
+                kept.push(line);
+            }
+        }
+    });
+    lines
+}
+
+/// Waits for every worker; once one has failed, the others get `grace` to notice and report,
+/// then are killed.
+fn wait_all(children: &mut [Child], grace: Duration) -> Vec<Option<std::process::ExitStatus>> {
+    let mut statuses = vec![None; children.len()];
+    let mut failed_at: Option<Instant> = None;
+    loop {
+        for (child, status) in children.iter_mut().zip(statuses.iter_mut()) {
+            if status.is_none()
+                && let Ok(Some(exit)) = child.try_wait()
+            {
+                if !exit.success() && failed_at.is_none() {
+                    failed_at = Some(Instant::now());
+                }
+                *status = Some(exit);
+            }
+        }
+        if statuses.iter().all(Option::is_some) {
+            return statuses;
+        }
+        if failed_at.is_some_and(|at| at.elapsed() > grace) {
+            for (child, status) in children.iter_mut().zip(&statuses) {
+                if status.is_none() {
+                    child.kill().ok();
+                    child.wait().ok();
+                }
+            }
+            return statuses;
+        }
+        std::thread::sleep(Duration::from_millis(50));
+    }
+}
+
+fn report(out: &Path, outcome: &Outcome, layouts: &[RankLayout], wall: Duration) -> Result<ExitCode> {
+    let failed: Vec<usize> =
+        (0..layouts.len()).filter(|&r| !outcome.statuses[r].is_some_and(|status| status.success())).collect();
+    if failed.is_empty() {
+        merge_timelines(out, layouts.len())?;
+        print_summary(out, &outcome.steps, wall);
+        return Ok(ExitCode::SUCCESS);
+    }
+    eprintln!("training stopped:");
+    for &rank in &failed {
+        let layout = &layouts[rank];
+        let how = match outcome.statuses[rank] {
+            None => "did not stop after the others failed; killed".to_string(),
+            Some(status) => describe_exit(status),
+        };
+        eprintln!("  worker {rank} ({}, {}): {how}", layout.id, layout.device.name);
+        if let Some(last) = outcome.errors[rank].last() {
+            eprintln!("    {last}");
+        }
+    }
+    match read_latest(&out.join(CHECKPOINTS)) {
+        Ok((dir, manifest)) => eprintln!(
+            "the last complete checkpoint is {} (step {}); continue with `medley train --resume {}`",
+            dir.display(),
+            manifest.step,
+            out.display()
+        ),
+        Err(_) => eprintln!("no checkpoint was completed"),
+    }
+    Ok(ExitCode::from(1))
+}
+
+fn describe_exit(status: std::process::ExitStatus) -> String {
+    use std::os::unix::process::ExitStatusExt;
+    match (status.code(), status.signal()) {
+        (_, Some(signal)) => format!("killed by signal {signal}"),
+        (Some(code), _) => format!("exited with status {code}"),
+        _ => "ended".into(),
+    }
+}
+
+/// One Perfetto file of the whole job from the workers' per-rank files.
+fn merge_timelines(out: &Path, n_ranks: usize) -> Result<()> {
+    let mut events = Vec::new();
+    for rank in 0..n_ranks {
+        let path = out.join(TIMELINES).join(format!("rank-{rank}.json"));
+        let text = fs::read_to_string(&path).with_context(|| format!("cannot read {}", path.display()))?;
+        let trace: Value = serde_json::from_str(&text).with_context(|| format!("{} is not a trace", path.display()))?;
+        if let Some(Value::Array(rank_events)) = trace.get("traceEvents") {
+            events.extend(rank_events.iter().cloned());
+        }
+    }
+    let merged = serde_json::json!({"displayTimeUnit": "ns", "traceEvents": events});
+    let path = out.join("timeline.json");
+    fs::write(&path, serde_json::to_vec(&merged)?).with_context(|| format!("cannot write {}", path.display()))
+}
+
+fn print_summary(out: &Path, steps: &[Value], wall: Duration) {
+    let field = |step: &Value, name: &str| step[name].as_f64().unwrap_or(f64::NAN);
+    let (Some(first), Some(last)) = (steps.first(), steps.last()) else {
+        println!("nothing to train: the run is already at the requested step");
+        return;
+    };
+    // The first step includes the workers' start-up and first-touch costs.
+    let steady = if steps.len() > 1 { &steps[1..] } else { steps };
+    let mean_tokens_per_s = steady.iter().map(|s| field(s, "tokens_per_s")).sum::<f64>() / steady.len() as f64;
+    let mut rows = table(&["run", "summary"]);
+    rows.add_row(vec![right("steps"), right(format!("{} → {}", field(first, "step") - 1.0, field(last, "step")))]);
+    rows.add_row(vec![right("loss"), right(format!("{:.3} → {:.3}", field(first, "loss"), field(last, "loss")))]);
+    rows.add_row(vec![right("tokens/s (mean after step 1)"), right(format!("{mean_tokens_per_s:.0}"))]);
+    rows.add_row(vec![right("wall time"), right(format!("{:.1} s", wall.as_secs_f64()))]);
+    println!("{rows}");
+    println!(
+        "metrics: {}\ntimeline: {} (open in ui.perfetto.dev)\ncheckpoint: {}",
+        out.join(METRICS).display(),
+        out.join("timeline.json").display(),
+        out.join(CHECKPOINTS).display()
+    );
+}

@@ -1,0 +1,137 @@
+//! `medley worker`: one rank of a training job, under `medley train` or any launcher that sets
+//! torchrun's variables (RANK, WORLD_SIZE, MASTER_ADDR, MASTER_PORT; LOCAL_RANK and
+//! LOCAL_WORLD_SIZE optional) plus MEDLEY_TOKEN, the job's shared secret.
+
+use std::fs::{self, File, OpenOptions};
+use std::io::{BufWriter, Write};
+use std::path::{Path, PathBuf};
+use std::time::Duration;
+
+use anyhow::{Context, Result};
+use clap::Args;
+use medley_comm::{Config, LaunchEnv};
+use medley_cost::Calibration;
+use medley_model::AdamW;
+use medley_runtime::{RuntimeError, StepMetrics, TrainOptions, Worker, WorkerOptions};
+use medley_sim::{SchedulePolicy, Timeline};
+use medley_spec::Schedule;
+
+use crate::plan_cmd::load_plan;
+
+/// Where a run keeps its outputs, under its directory.
+pub const CHECKPOINTS: &str = "checkpoints";
+pub const METRICS: &str = "metrics.jsonl";
+pub const TIMELINES: &str = "timeline";
+
+#[derive(Args, Debug, Clone)]
+pub struct WorkerArgs {
+    /// The plan to train (as `medley plan -o` writes it); every rank must get the same one.
+    #[arg(long)]
+    pub plan: String,
+    /// The run directory: checkpoints, metrics.jsonl (rank 0), timeline/rank-R.json.
+    #[arg(long)]
+    pub out: PathBuf,
+    /// Train until this many steps are done.
+    #[arg(long, default_value_t = 100)]
+    pub steps: u64,
+    /// Continue from the newest checkpoint of this run directory (under this plan or another).
+    #[arg(long)]
+    pub resume: Option<PathBuf>,
+    /// Steps between checkpoints (0: only after the last step).
+    #[arg(long, default_value_t = 10)]
+    pub checkpoint_every: u64,
+    /// Pipeline schedule [default: the plan's].
+    #[arg(long)]
+    pub schedule: Option<Schedule>,
+    /// Seeds the initial weights and the data order.
+    #[arg(long, default_value_t = 0)]
+    pub seed: u64,
+    /// AdamW learning rate.
+    #[arg(long, default_value_t = AdamW::default().lr)]
+    pub lr: f32,
+    /// Compute at this machine's speed instead of stretching passes to the emulated device's.
+    #[arg(long)]
+    pub no_emulate: bool,
+    /// Seconds to wait for a silent peer before naming it and stopping.
+    #[arg(long, default_value_t = 30)]
+    pub timeout_s: u64,
+    /// Print each step's metrics as a JSON line on standard output (rank 0).
+    #[arg(long)]
+    pub print_metrics: bool,
+}
+
+pub fn run(args: &WorkerArgs) -> Result<()> {
+    let env = LaunchEnv::from_vars(std::env::vars())?;
+    let plan = load_plan(&args.plan)?;
+    let policy = SchedulePolicy::from(args.schedule.unwrap_or(plan.schedule));
+    let options = WorkerOptions {
+        seed: args.seed,
+        adamw: AdamW { lr: args.lr, ..AdamW::default() },
+        emulate_speed: !args.no_emulate,
+        comm: Config { timeout: Duration::from_secs(args.timeout_s), ..Config::default() },
+        calibration: Calibration::default(),
+    };
+    let rank = env.rank;
+    let mut worker = Worker::join(plan, env, options).map_err(|err| blame(err, rank))?;
+    if let Some(dir) = &args.resume {
+        worker.resume(&dir.join(CHECKPOINTS)).map_err(|err| blame(err, rank))?;
+    }
+    let train = TrainOptions {
+        until_step: args.steps,
+        policy,
+        checkpoint_dir: Some(args.out.join(CHECKPOINTS)),
+        checkpoint_every: args.checkpoint_every,
+    };
+    let timeline_dir = args.out.join(TIMELINES);
+    fs::create_dir_all(&timeline_dir).with_context(|| format!("cannot create {}", timeline_dir.display()))?;
+    let timeline_path = timeline_dir.join(format!("rank-{rank}.json"));
+    let mut timeline_file = BufWriter::new(
+        File::create(&timeline_path).with_context(|| format!("cannot create {}", timeline_path.display()))?,
+    );
+    let mut timeline = Timeline::new(&mut timeline_file);
+    let layout = worker.layout();
+    let label = format!("{} {} (rank {rank})", layout.id, layout.device.name);
+    timeline.process(rank as u32, &label, rank as u32);
+    let mut metrics = (rank == 0).then(|| open_metrics(&args.out, args.resume.is_some())).transpose()?;
+    let trained = worker.train(&train, Some(&mut timeline), |step| {
+        if let Some(file) = metrics.as_mut() {
+            record(file, step, args.print_metrics)
+                .map_err(|source| RuntimeError::Io { path: args.out.join(METRICS), source })?;
+        }
+        Ok(())
+    });
+    trained.map_err(|err| blame(err, rank))?;
+    timeline.finish().with_context(|| format!("cannot write {}", timeline_path.display()))?;
+    Ok(())
+}
+
+fn open_metrics(out: &Path, append: bool) -> Result<File> {
+    let path = out.join(METRICS);
+    let mut options = OpenOptions::new();
+    options.create(true);
+    if append {
+        options.append(true)
+    } else {
+        options.write(true).truncate(true)
+    };
+    options.open(&path).with_context(|| format!("cannot open {}", path.display()))
+}
+
+fn record(file: &mut File, step: &StepMetrics, print: bool) -> std::io::Result<()> {
+    let line = serde_json::to_string(step).expect("metrics serialise");
+    writeln!(file, "{line}")?;
+    if print {
+        let mut stdout = std::io::stdout().lock();
+        writeln!(stdout, "{line}")?;
+        stdout.flush()?;
+    }
+    Ok(())
+}
+
+/// Says which worker stopped, and which other one it blames.
+fn blame(err: RuntimeError, rank: usize) -> anyhow::Error {
+    match err.blamed_rank() {
+        Some(peer) => anyhow::anyhow!("worker {rank}: {err} (worker {peer} failed or stopped answering)"),
+        None => anyhow::anyhow!("worker {rank}: {err}"),
+    }
+}
