@@ -41,6 +41,9 @@ pub enum BenchCommand {
     },
     /// Communicator bandwidth and latency, nccl-tests style, over real worker processes.
     Comm(crate::bench_comm::CommArgs),
+    /// Real training on an emulated 2:1 mix: heterogeneity-aware vs uniform plan, measured and
+    /// simulated.
+    Train(crate::bench_train::TrainBenchArgs),
 }
 
 pub fn run(which: &BenchCommand) -> Result<()> {
@@ -49,6 +52,7 @@ pub fn run(which: &BenchCommand) -> Result<()> {
         BenchCommand::Calibration { json } => crate::bench_calibration::bench_calibration(*json),
         BenchCommand::Schedules { json } => crate::bench_schedules::bench_schedules(*json),
         BenchCommand::Comm(args) => crate::bench_comm::run(args),
+        BenchCommand::Train(args) => crate::bench_train::run(args),
     }
 }
 

@@ -4,6 +4,8 @@ mod bench;
 mod bench_calibration;
 mod bench_comm;
 mod bench_schedules;
+mod bench_train;
+mod calibrate_cmd;
 mod inputs;
 mod plan_cmd;
 mod render;
@@ -32,6 +34,8 @@ enum Command {
     /// Train a model for real on an emulated fleet: plan it, start one worker process per
     /// pipeline rank, show progress.
     Train(Box<train_cmd::TrainArgs>),
+    /// Measure this machine and write the profile that prices an emulated fleet at its speed.
+    Calibrate(calibrate_cmd::CalibrateArgs),
     /// Run one rank of a training job under an external launcher (torchrun, srun, mpirun
     /// variables: RANK, WORLD_SIZE, MASTER_ADDR, MASTER_PORT; plus MEDLEY_TOKEN).
     Worker(Box<worker_cmd::WorkerArgs>),
@@ -57,6 +61,7 @@ fn main() -> ExitCode {
             simulate_cmd::run(&args)
         }
         Command::Train(args) => train_cmd::run(&args),
+        Command::Calibrate(args) => calibrate_cmd::run(&args).map(|()| ExitCode::SUCCESS),
         Command::Worker(args) => worker_cmd::run(&args).map(|()| ExitCode::SUCCESS),
         Command::Bench { which } => bench::run(&which).map(|()| ExitCode::SUCCESS),
         Command::BenchCommWorker(args) => bench_comm::worker(&args).map(|()| ExitCode::SUCCESS),

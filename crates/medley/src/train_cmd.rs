@@ -89,19 +89,16 @@ pub struct SharedWorkerArgs {
 
 pub fn run(args: &TrainArgs) -> Result<ExitCode> {
     let out = args.out.clone().or_else(|| args.resume.clone()).unwrap_or_else(|| PathBuf::from("medley-run"));
-    let plan = choose_plan(args)?;
+    let (plan, calibration) = choose_plan(args)?;
     medley_runtime::check_runnable(&plan)?;
     fs::create_dir_all(&out).with_context(|| format!("cannot create {}", out.display()))?;
-    let plan_path = out.join("plan.json");
-    fs::write(&plan_path, serde_json::to_string_pretty(&plan)? + "\n")
-        .with_context(|| format!("cannot write {}", plan_path.display()))?;
-    let layouts = (0..rank_ids(&plan).len())
-        .map(|rank| RankLayout::of(&plan, rank, &Calibration::default()))
-        .collect::<Result<Vec<_>, _>>()?;
+    let (plan_path, calibration_path) = write_run_inputs(&out, &plan, &calibration)?;
+    let layouts = worker_layouts(&plan, &calibration)?;
     println!("{}", crate::render::explain(&plan));
     println!("{}", workers_table(&plan, &layouts, !args.worker.no_emulate));
     let worker_args = WorkerArgs {
         plan: plan_path.to_string_lossy().into_owned(),
+        calibration: Some(calibration_path.to_string_lossy().into_owned()),
         out: out.clone(),
         steps: args.worker.steps,
         resume: args.resume.clone(),
@@ -118,42 +115,71 @@ pub fn run(args: &TrainArgs) -> Result<ExitCode> {
     report(&out, &outcome, &layouts, started.elapsed())
 }
 
-fn choose_plan(args: &TrainArgs) -> Result<Plan> {
-    if let Some(path) = &args.plan {
-        return crate::plan_cmd::load_plan(path);
-    }
-    if let (Some(dir), None) = (&args.resume, &args.fleet) {
-        let (_, manifest) = read_latest(&dir.join(CHECKPOINTS))?;
-        return Ok(manifest.plan);
+/// The plan to train and the emulation profile that prices its fleet.
+fn choose_plan(args: &TrainArgs) -> Result<(Plan, Calibration)> {
+    let model = load_model(&args.model)?;
+    let given = match (&args.plan, &args.resume, &args.fleet) {
+        (Some(path), _, _) => Some(crate::plan_cmd::load_plan(path)?),
+        (None, Some(dir), None) => Some(read_latest(&dir.join(CHECKPOINTS))?.1.plan),
+        _ => None,
+    };
+    let calibration = |cluster: &Cluster, model: &ModelSpec, seq_len: u32, micro_batch: u32| match &args.calibration {
+        Some(path) => Ok(Calibration::from_toml(&crate::inputs::read(path)?, path)?),
+        None => calibrate_here(cluster, model, seq_len, micro_batch),
+    };
+    if let Some(plan) = given {
+        let calibration = calibration(&plan.cluster, &plan.model, plan.seq_len, plan.micro_batch)?;
+        return Ok((plan, calibration));
     }
     let fleet = args.fleet.as_deref().unwrap_or(DEFAULT_FLEET);
     let cluster = Cluster::from_fleet(fleet)?;
-    let model = load_model(&args.model)?;
-    let parts = JobParts {
-        seq_len: args.seq_len,
-        global_batch: args.global_batch,
-        micro_batch: Some(args.micro_batch),
-        schedule: args.worker.schedule.unwrap_or_default(),
-        ..JobParts::default()
-    };
-    let job = JobSpec::new(parts, "command line")?;
-    let calibration = match &args.calibration {
-        Some(path) => Calibration::from_toml(&crate::inputs::read(path)?, path)?,
-        None => calibrate_here(&cluster, &model, args.seq_len, args.micro_batch)?,
-    };
+    let job = runtime_job(args.seq_len, args.global_batch, args.micro_batch, args.worker.schedule)?;
+    let calibration = calibration(&cluster, &model, args.seq_len, args.micro_batch)?;
     let options = SearchOptions { top: 1, ..SearchOptions::default() };
     let outcome = search(&cluster, &model, &job, &calibration, &options)
         .with_context(|| format!("planning {} on {fleet}", model.name()))?;
-    Ok(outcome.candidates.into_iter().next().expect("search returns at least one plan").plan)
+    Ok((outcome.candidates.into_iter().next().expect("search returns at least one plan").plan, calibration))
+}
+
+/// A job as the runtime trains it: whole optimizer states on every replica (no ZeRO-1 sharding).
+pub fn runtime_job(seq_len: u32, global_batch: u32, micro_batch: u32, schedule: Option<Schedule>) -> Result<JobSpec> {
+    let parts = JobParts {
+        seq_len,
+        global_batch,
+        micro_batch: Some(micro_batch),
+        schedule: schedule.unwrap_or_default(),
+        zero1: false,
+        ..JobParts::default()
+    };
+    Ok(JobSpec::new(parts, "command line")?)
+}
+
+/// Writes the plan and the profile the workers read; returns their paths.
+pub fn write_run_inputs(out: &Path, plan: &Plan, calibration: &Calibration) -> Result<(PathBuf, PathBuf)> {
+    let plan_path = out.join("plan.json");
+    fs::write(&plan_path, serde_json::to_string_pretty(plan)? + "\n")
+        .with_context(|| format!("cannot write {}", plan_path.display()))?;
+    let calibration_path = out.join("calibration.toml");
+    fs::write(&calibration_path, calibration.to_toml())
+        .with_context(|| format!("cannot write {}", calibration_path.display()))?;
+    Ok((plan_path, calibration_path))
+}
+
+pub fn worker_layouts(plan: &Plan, calibration: &Calibration) -> Result<Vec<RankLayout>> {
+    Ok((0..rank_ids(plan).len()).map(|rank| RankLayout::of(plan, rank, calibration)).collect::<Result<Vec<_>, _>>()?)
 }
 
 /// Measures this machine and prices the fleet at its speed (see `medley calibrate`).
 pub fn calibrate_here(cluster: &Cluster, model: &ModelSpec, seq_len: u32, micro_batch: u32) -> Result<Calibration> {
-    let measured = measure_model_pass(model, seq_len, micro_batch, 3)?;
+    // As many passes at once as the workers will run on this machine's cores.
+    let cores = std::thread::available_parallelism().map_or(1, usize::from);
+    let concurrency = (cluster.n_gpus() as usize).min(cores);
+    let measured = measure_model_pass(model, seq_len, micro_batch, 6, concurrency)?;
     println!(
-        "calibrated: one micro-batch ({micro_batch}×{seq_len} tokens) through {} takes {:.1} ms forward and backward here; the fleet's fastest device is emulated at that speed",
+        "calibrated: one micro-batch ({micro_batch}×{seq_len} tokens) through {} takes {:.1} ms forward and backward here with {concurrency} at once, an optimizer step {:.1} ms; the fleet's fastest device is emulated at that speed",
         model.name(),
-        measured.pass_s * 1e3
+        measured.pass_s * 1e3,
+        measured.optimizer_s * 1e3
     );
     Ok(emulation_calibration(cluster, model, seq_len, measured))
 }
@@ -177,15 +203,26 @@ fn workers_table(plan: &Plan, layouts: &[RankLayout], emulate: bool) -> String {
 }
 
 /// How the workers ended.
-struct Outcome {
+pub(crate) struct Outcome {
     /// Exit status per worker; `None` when it had to be killed.
     statuses: Vec<Option<std::process::ExitStatus>>,
     /// What each worker wrote to standard error.
     errors: Vec<Vec<String>>,
-    steps: Vec<Value>,
+    pub steps: Vec<Value>,
 }
 
-fn launch_and_watch(args: &WorkerArgs, layouts: &[RankLayout]) -> Result<Outcome> {
+impl Outcome {
+    pub(crate) fn succeeded(&self) -> bool {
+        self.statuses.iter().all(|status| status.is_some_and(|status| status.success()))
+    }
+
+    /// The last error line of the first worker that wrote one.
+    pub(crate) fn first_error(&self) -> String {
+        self.errors.iter().find_map(|lines| lines.last().cloned()).unwrap_or_else(|| "no error message".into())
+    }
+}
+
+pub(crate) fn launch_and_watch(args: &WorkerArgs, layouts: &[RankLayout]) -> Result<Outcome> {
     let exe = std::env::current_exe().context("cannot find the medley executable to start workers")?;
     let port = TcpListener::bind("127.0.0.1:0")?.local_addr()?.port();
     let token = job_token();
@@ -248,6 +285,9 @@ fn worker_flags(args: &WorkerArgs) -> Vec<String> {
         args.timeout_s.to_string(),
         "--print-metrics".into(),
     ];
+    if let Some(path) = &args.calibration {
+        flags.extend(["--calibration".into(), path.clone()]);
+    }
     if let Some(dir) = &args.resume {
         flags.extend(["--resume".into(), dir.to_string_lossy().into_owned()]);
     }

@@ -28,6 +28,10 @@ pub struct WorkerArgs {
     /// The plan to train (as `medley plan -o` writes it); every rank must get the same one.
     #[arg(long)]
     pub plan: String,
+    /// The emulation profile (from `medley calibrate`) that prices the devices against each
+    /// other for their slowdowns [default: the cost model's defaults].
+    #[arg(long)]
+    pub calibration: Option<String>,
     /// The run directory: checkpoints, metrics.jsonl (rank 0), timeline/rank-R.json.
     #[arg(long)]
     pub out: PathBuf,
@@ -69,7 +73,10 @@ pub fn run(args: &WorkerArgs) -> Result<()> {
         adamw: AdamW { lr: args.lr, ..AdamW::default() },
         emulate_speed: !args.no_emulate,
         comm: Config { timeout: Duration::from_secs(args.timeout_s), ..Config::default() },
-        calibration: Calibration::default(),
+        calibration: match &args.calibration {
+            Some(path) => Calibration::from_toml(&crate::inputs::read(path)?, path)?,
+            None => Calibration::default(),
+        },
     };
     let rank = env.rank;
     let mut worker = Worker::join(plan, env, options).map_err(|err| blame(err, rank))?;

@@ -1,0 +1,150 @@
+//! `medley bench train`: real training on an emulated mixed fleet, the heterogeneity-aware plan
+//! against the uniform (Megatron-style) one, each measured and predicted by the simulator under
+//! a calibration of this machine.
+
+use anyhow::{Context, Result, bail};
+use clap::Args;
+use medley_cost::Calibration;
+use medley_plan::{Plan, SearchOptions, baselines, search};
+use medley_sim::{SchedulePolicy, SimConfig, simulate_steps};
+use medley_spec::{Cluster, catalog_model};
+use serde::Serialize;
+use serde_json::Value;
+
+use crate::render::{percent, right, table, times};
+use crate::train_cmd::{calibrate_here, launch_and_watch, runtime_job, worker_layouts, write_run_inputs};
+use crate::worker_cmd::WorkerArgs;
+
+#[derive(Args, Debug)]
+pub struct TrainBenchArgs {
+    /// The emulated fleet: by default an H100-PCIe and an L40S, a 2.1:1 speed mix when the cost
+    /// model is calibrated to this machine (compute-bound).
+    #[arg(long, default_value = "1xh100-pcie,1xl40s")]
+    pub fleet: String,
+    /// Timed steps per plan (after two warm-up steps).
+    #[arg(long, default_value_t = 8)]
+    pub steps: u64,
+    #[arg(long, default_value_t = 128)]
+    pub seq_len: u32,
+    #[arg(long, default_value_t = 12)]
+    pub global_batch: u32,
+    #[arg(long, default_value_t = 1)]
+    pub micro_batch: u32,
+    /// Print the rows as JSON instead of a table.
+    #[arg(long)]
+    pub json: bool,
+}
+
+/// Steps left out of the measurement: start-up and first-touch costs.
+const WARM_UP_STEPS: u64 = 2;
+
+#[derive(Serialize)]
+struct Row {
+    plan: String,
+    layout: String,
+    predicted_step_s: f64,
+    measured_step_s: f64,
+    prediction_error: f64,
+    tokens_per_s: f64,
+    speedup_vs_uniform: f64,
+}
+
+pub fn run(args: &TrainBenchArgs) -> Result<()> {
+    let cluster = Cluster::from_fleet(&args.fleet)?;
+    let model = catalog_model("tiny")?;
+    let job = runtime_job(args.seq_len, args.global_batch, args.micro_batch, None)?;
+    let calibration = calibrate_here(&cluster, &model, args.seq_len, args.micro_batch)?;
+    let best = search(&cluster, &model, &job, &calibration, &SearchOptions { top: 1, ..SearchOptions::default() })?;
+    let aware = best.candidates.into_iter().next().expect("at least one plan").plan;
+    let Some(uniform) = baselines::uniform(&cluster, &model, &job, &calibration).map(|candidate| candidate.plan) else {
+        bail!("no uniform plan fits {} for this job", args.fleet)
+    };
+    let mut rows = Vec::new();
+    for (name, plan) in [("uniform", &uniform), ("heterogeneity-aware", &aware)] {
+        let policy = SchedulePolicy::from(plan.schedule);
+        let predicted = simulate_steps(plan, &calibration, &SimConfig::default(), policy, 1, None)
+            .with_context(|| format!("simulating the {name} plan"))?
+            .mean_step_time_s;
+        let measured = measure(plan, &calibration, name, args.steps)?;
+        rows.push(Row {
+            plan: name.into(),
+            layout: describe(plan),
+            predicted_step_s: predicted,
+            measured_step_s: measured,
+            prediction_error: predicted / measured - 1.0,
+            tokens_per_s: f64::from(plan.global_batch * plan.seq_len) / measured,
+            speedup_vs_uniform: 0.0,
+        });
+    }
+    let uniform_s = rows[0].measured_step_s;
+    rows.iter_mut().for_each(|row| row.speedup_vs_uniform = uniform_s / row.measured_step_s);
+    if args.json {
+        println!("{}", serde_json::to_string_pretty(&rows)?);
+        return Ok(());
+    }
+    let mut out = table(&["plan", "layout", "predicted step", "measured step", "error", "tokens/s", "vs uniform"]);
+    for row in &rows {
+        out.add_row(vec![
+            right(&row.plan),
+            right(&row.layout),
+            right(format!("{:.1} ms", row.predicted_step_s * 1e3)),
+            right(format!("{:.1} ms", row.measured_step_s * 1e3)),
+            right(percent(row.prediction_error)),
+            right(format!("{:.0}", row.tokens_per_s)),
+            right(times(row.speedup_vs_uniform)),
+        ]);
+    }
+    println!(
+        "Real training on {} (emulated: passes stretched to each device's catalog speed), {} timed steps after {WARM_UP_STEPS} warm-up, median:\n{out}",
+        args.fleet, args.steps
+    );
+    Ok(())
+}
+
+/// The median measured step time of `plan` over `steps` steps after the warm-up.
+fn measure(plan: &Plan, calibration: &Calibration, name: &str, steps: u64) -> Result<f64> {
+    let dir = std::env::temp_dir().join(format!("medley-bench-train-{}-{name}", std::process::id()));
+    std::fs::create_dir_all(&dir)?;
+    let (plan_path, calibration_path) = write_run_inputs(&dir, plan, calibration)?;
+    let layouts = worker_layouts(plan, calibration)?;
+    let args = WorkerArgs {
+        plan: plan_path.to_string_lossy().into_owned(),
+        calibration: Some(calibration_path.to_string_lossy().into_owned()),
+        out: dir.clone(),
+        steps: steps + WARM_UP_STEPS,
+        resume: None,
+        checkpoint_every: 0,
+        schedule: None,
+        seed: 0,
+        lr: medley_model::AdamW::default().lr,
+        no_emulate: false,
+        timeout_s: 30,
+        print_metrics: true,
+    };
+    let outcome = launch_and_watch(&args, &layouts)?;
+    std::fs::remove_dir_all(&dir).ok();
+    if !outcome.succeeded() {
+        bail!("the {name} plan's workers failed: {}", outcome.first_error());
+    }
+    let mut times: Vec<f64> = outcome.steps[WARM_UP_STEPS as usize..]
+        .iter()
+        .filter_map(|step: &Value| step["step_time_s"].as_f64())
+        .collect();
+    if times.is_empty() {
+        bail!("the {name} plan's run reported no steps");
+    }
+    times.sort_by(f64::total_cmp);
+    Ok(times[times.len() / 2])
+}
+
+/// Layers per stage and micro-batches per replica, e.g. `[5+3]×8 | [8]×4`.
+fn describe(plan: &Plan) -> String {
+    plan.replicas
+        .iter()
+        .map(|replica| {
+            let layers: Vec<String> = replica.stages.iter().map(|stage| stage.layers.len().to_string()).collect();
+            format!("[{}]×{}", layers.join("+"), replica.n_micro_batches)
+        })
+        .collect::<Vec<_>>()
+        .join(" | ")
+}
