@@ -38,7 +38,7 @@ pub fn measure_model_pass(
     concurrency: usize,
 ) -> Result<Measured, RuntimeError> {
     let config = ModelConfig::from_spec(model, seq_len)?;
-    let timings: Vec<Result<(Vec<f64>, Vec<f64>), RuntimeError>> = std::thread::scope(|scope| {
+    let timings: Vec<Result<Timings, RuntimeError>> = std::thread::scope(|scope| {
         let threads: Vec<_> =
             (0..concurrency.max(1)).map(|_| scope.spawn(|| time_passes(&config, micro_batch, repeats))).collect();
         threads.into_iter().map(|thread| thread.join().expect("a timing thread does not panic")).collect()
@@ -52,8 +52,10 @@ pub fn measure_model_pass(
     Ok(Measured { pass_s: median(passes), optimizer_s: median(updates), micro_batch })
 }
 
-/// One thread's pass and optimizer-step times.
-fn time_passes(config: &ModelConfig, micro_batch: u32, repeats: usize) -> Result<(Vec<f64>, Vec<f64>), RuntimeError> {
+/// One thread's pass times and optimizer-step times, seconds.
+type Timings = (Vec<f64>, Vec<f64>);
+
+fn time_passes(config: &ModelConfig, micro_batch: u32, repeats: usize) -> Result<Timings, RuntimeError> {
     let layers = 0..config.n_layers;
     let mut stage = Stage::new(config, layers.clone(), 0, Box::new(BurnStage::new(config, layers)))?;
     let dataset = Dataset::shakespeare(config.seq_len, 0)?;
