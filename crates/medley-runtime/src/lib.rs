@@ -30,4 +30,4 @@ pub use error::RuntimeError;
 pub use layout::{EmulatedDevice, RankLayout, check_runnable, rank_ids};
 pub use metrics::{RankMetrics, RankTimes, StepMetrics};
 pub use train::TrainOptions;
-pub use worker::{Worker, WorkerOptions};
+pub use worker::{LinkEmulation, Worker, WorkerOptions};

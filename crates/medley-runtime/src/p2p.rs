@@ -33,10 +33,13 @@ pub(crate) struct Message {
     pub data: Vec<f32>,
     /// When the sender posted it, in microseconds of the job clock.
     pub posted_us: u64,
+    /// When it arrives over an emulated link (see `crate::LinkEmulation`); `posted_us` otherwise.
+    pub arrival_us: u64,
 }
 
-/// Trailer words, each an `f32` bit pattern: kind, micro-batch, chunk, posted time (2 words).
-const TRAILER: usize = 5;
+/// Trailer words, each an `f32` bit pattern: kind, micro-batch, chunk, posted time and arrival
+/// time (2 words each).
+const TRAILER: usize = 7;
 
 pub(crate) struct Mailbox {
     /// Elements of every message's payload.
@@ -56,10 +59,18 @@ impl Mailbox {
         peer: usize,
         tag: Tag,
         mut data: Vec<f32>,
-        now_us: u64,
+        (posted_us, arrival_us): (u64, u64),
     ) -> Result<(), RuntimeError> {
         debug_assert_eq!(data.len(), self.numel);
-        let words = [tag.kind as u32, tag.micro_batch, tag.chunk, now_us as u32, (now_us >> 32) as u32];
+        let words = [
+            tag.kind as u32,
+            tag.micro_batch,
+            tag.chunk,
+            posted_us as u32,
+            (posted_us >> 32) as u32,
+            arrival_us as u32,
+            (arrival_us >> 32) as u32,
+        ];
         data.extend(words.map(f32::from_bits));
         comm.isend(data, peer).during(|| format!("sending {tag:?} to rank {peer}"))
     }
@@ -79,7 +90,8 @@ impl Mailbox {
                 other => return Err(protocol(peer, format!("unknown message kind {other}"))),
             };
             let got = Tag { kind, micro_batch: words[1], chunk: words[2] };
-            let message = Message { data, posted_us: u64::from(words[3]) | (u64::from(words[4]) << 32) };
+            let time = |at: usize| u64::from(words[at]) | (u64::from(words[at + 1]) << 32);
+            let message = Message { data, posted_us: time(3), arrival_us: time(5) };
             if got == tag {
                 return Ok(message);
             }

@@ -1,7 +1,7 @@
 //! A worker: one pipeline rank's model chunks, executing the rank's program of each step.
 
 use std::collections::BTreeMap;
-use std::time::{Instant, SystemTime, UNIX_EPOCH};
+use std::time::{Duration, Instant, SystemTime, UNIX_EPOCH};
 
 use medley_comm::{Algorithm, Communicator, Config, Counts, LaunchEnv, Op, ReduceOp};
 use medley_cost::Calibration;
@@ -10,8 +10,8 @@ use medley_model::params::ParamGroup;
 use medley_model::{AdamW, BurnStage, HostTensor, MicroBatch, ModelConfig, Stage, StageOutput};
 use medley_plan::{LayerRange, Plan};
 use medley_schedule::{Instruction, Programs, RankId};
-use medley_sim::Timeline;
 use medley_sim::timeline::{COLLECTIVE_TID, COMPUTE_TID};
+use medley_sim::{BandwidthTrace, Timeline, TraceWalker};
 use serde_json::json;
 
 use crate::error::CommContext;
@@ -30,6 +30,24 @@ pub struct WorkerOptions {
     pub comm: Config,
     /// Prices the emulated devices against each other.
     pub calibration: Calibration,
+    /// Throttles the pipeline links; none sends at this machine's speed.
+    pub link: Option<LinkEmulation>,
+}
+
+/// An emulated pipeline link: each message between two stages takes its size over
+/// `full_bytes_per_s` times the trace's fraction, one message at a time per direction, on top of
+/// the real transfer. The sender stamps the arrival time; the receiver waits for it.
+#[derive(Clone, Debug, PartialEq)]
+pub struct LinkEmulation {
+    pub full_bytes_per_s: f64,
+    pub trace: BandwidthTrace,
+}
+
+/// One direction of an emulated link.
+struct EmulatedLink {
+    walker: TraceWalker,
+    /// When the previous message has left the link, µs of the job clock.
+    free_us: u64,
 }
 
 /// One pipeline rank of a running job.
@@ -45,6 +63,8 @@ pub struct Worker {
     pub(crate) dataset: Dataset,
     pub(crate) options: WorkerOptions,
     mailbox: Mailbox,
+    /// Emulated links by destination job rank.
+    links: BTreeMap<usize, EmulatedLink>,
     clock: JobClock,
     /// Steps completed: the next step's index.
     pub(crate) step: u64,
@@ -128,6 +148,7 @@ impl Worker {
             dataset,
             options,
             mailbox,
+            links: BTreeMap::new(),
             clock: JobClock { origin_us: origin[0] as u64 },
             step: 0,
         })
@@ -221,13 +242,17 @@ impl Worker {
                 let kind = if matches!(instruction, Instruction::SendActivation { .. }) { Kind::Activation } else { Kind::Gradient };
                 let tensor = take(&mut state.to_send, (kind, micro_batch, chunk))?;
                 let tag = Tag { kind, micro_batch, chunk };
-                self.mailbox.send(&mut self.world, peer(to), tag, tensor.data, self.clock.now_us())?;
+                let peer = peer(to);
+                let times = self.stamp(peer, tensor.data.len() * size_of::<f32>());
+                self.mailbox.send(&mut self.world, peer, tag, tensor.data, times)?;
                 Ok("send")
             }
             Instruction::RecvActivation { micro_batch, chunk, from } | Instruction::RecvGradient { micro_batch, chunk, from } => {
                 let kind = if matches!(instruction, Instruction::RecvActivation { .. }) { Kind::Activation } else { Kind::Gradient };
                 let asked_us = self.clock.now_us();
                 let message = self.mailbox.recv(&mut self.world, peer(from), Tag { kind, micro_batch, chunk })?;
+                let wire_us = message.arrival_us.saturating_sub(self.clock.now_us());
+                std::thread::sleep(Duration::from_micros(wire_us));
                 let done_us = self.clock.now_us();
                 state.times.idle_s += (done_us - asked_us) as f64 * 1e-6;
                 // Waiting for a message already posted is a transfer stall; before that, a bubble.
@@ -253,6 +278,22 @@ impl Worker {
                 Ok("compute")
             }
         }
+    }
+
+    /// The posting time of a message of `bytes` to `peer`, and when it arrives over the emulated
+    /// link (the same time without one).
+    fn stamp(&mut self, peer: usize, bytes: usize) -> (u64, u64) {
+        let now_us = self.clock.now_us();
+        let Some(emulation) = &self.options.link else { return (now_us, now_us) };
+        let link_id = (self.layout.job_rank * self.layouts.len() + peer) as u64;
+        let link = self
+            .links
+            .entry(peer)
+            .or_insert_with(|| EmulatedLink { walker: TraceWalker::new(&emulation.trace, link_id), free_us: 0 });
+        let start_us = now_us.max(link.free_us);
+        let end_ns = link.walker.finish_ns(start_us * 1000, bytes as f64, emulation.full_bytes_per_s);
+        link.free_us = end_ns.div_ceil(1000);
+        (now_us, link.free_us)
     }
 
     /// This rank's micro-batches of the current step.

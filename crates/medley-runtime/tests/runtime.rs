@@ -8,9 +8,9 @@ use medley_comm::{Config, LaunchEnv};
 use medley_cost::{Calibration, CostModel, Setting};
 use medley_model::{AdamW, HostTensor};
 use medley_plan::{Plan, ReplicaLayout, assemble, stages_from_counts};
-use medley_runtime::{StepMetrics, TrainOptions, Worker, WorkerOptions};
+use medley_runtime::{LinkEmulation, StepMetrics, TrainOptions, Worker, WorkerOptions};
 use medley_schedule::ScheduleKind;
-use medley_sim::SchedulePolicy;
+use medley_sim::{BandwidthTrace, SchedulePolicy};
 use medley_spec::{Cluster, JobParts, JobSpec, Recompute, Schedule, catalog_model};
 
 const SEQ_LEN: u32 = 32;
@@ -46,6 +46,14 @@ fn plan(fleet: &str, replicas: &[(u32, &[u32])], chunks: u32) -> Plan {
 
 /// Losses per step and every rank's checkpoint tensors after `STEPS` steps of `plan`.
 fn train(plan: &Plan, policy: SchedulePolicy) -> (Vec<f64>, Vec<(String, HostTensor)>) {
+    train_over(plan, policy, None)
+}
+
+fn train_over(
+    plan: &Plan,
+    policy: SchedulePolicy,
+    link: Option<LinkEmulation>,
+) -> (Vec<f64>, Vec<(String, HostTensor)>) {
     let world = medley_runtime::rank_ids(plan).len();
     let port = TcpListener::bind("127.0.0.1:0").unwrap().local_addr().unwrap().port();
     let options = WorkerOptions {
@@ -54,6 +62,7 @@ fn train(plan: &Plan, policy: SchedulePolicy) -> (Vec<f64>, Vec<(String, HostTen
         emulate_speed: false,
         comm: Config { timeout: Duration::from_secs(20), ..Config::default() },
         calibration: Calibration::default(),
+        link,
     };
     let train = TrainOptions { until_step: STEPS, policy, checkpoint_dir: None, checkpoint_every: 0 };
     let results: Vec<_> = std::thread::scope(|scope| {
@@ -162,4 +171,18 @@ fn plans_train_like_one_process() {
             "{name}: loss differs by {loss:e}, weights by {weights:e} (relative); tolerances {loss_tolerance:e}, {weight_tolerance:e}"
         );
     }
+}
+
+#[test]
+fn a_throttled_link_slows_transfers_but_not_the_result() {
+    let plan = plan("2xh100", &[(4, &[4, 4])], 1);
+    let (fast_losses, fast_weights) = train(&plan, one_f_one_b());
+    // 16 KiB activations (sequence 32 × width 128 × 4 bytes) at 4 MB/s: 4 ms or more per message.
+    let trace = BandwidthTrace::OnOff { full_ns: 1_000_000, reduced_ns: 1_000_000, fraction: 0.5 };
+    let link = LinkEmulation { full_bytes_per_s: 4e6, trace };
+    let started = std::time::Instant::now();
+    let (losses, weights) = train_over(&plan, SchedulePolicy::Adaptive, Some(link));
+    // 3 steps of 4 activations and 4 gradients, each at least 4 ms over its link.
+    assert!(started.elapsed() >= Duration::from_millis(3 * 4 * 4), "{:?}", started.elapsed());
+    assert_eq!((losses, weights), (fast_losses, fast_weights));
 }

@@ -271,6 +271,47 @@ impl TraceCursor {
     }
 }
 
+/// One link's bandwidth over time, asked in time order: how the runtime throttles a real link
+/// with the same traces the simulator reads.
+pub struct TraceWalker {
+    fraction: f64,
+    next: Option<(u64, f64)>,
+    cursor: TraceCursor,
+}
+
+/// The least bandwidth fraction a transfer proceeds at: a trace at 0 would stall it forever.
+const MIN_FRACTION: f64 = 1e-6;
+
+impl TraceWalker {
+    /// The walk of link number `link` (links draw independent random periods) through `trace`.
+    pub fn new(trace: &BandwidthTrace, link: u64) -> Self {
+        let (fraction, mut cursor) = TraceCursor::new(trace, link);
+        let next = cursor.next_change();
+        TraceWalker { fraction, next, cursor }
+    }
+
+    /// When `bytes` that start at `start_ns` finish at `full_bytes_per_s` times the trace's
+    /// fraction, which may change on the way. Calls must not go back in time.
+    pub fn finish_ns(&mut self, start_ns: u64, bytes: f64, full_bytes_per_s: f64) -> u64 {
+        let (mut now_ns, mut left) = (start_ns, bytes);
+        loop {
+            while let Some((_, fraction)) = self.next.filter(|&(at_ns, _)| at_ns <= now_ns) {
+                self.fraction = fraction;
+                self.next = self.cursor.next_change();
+            }
+            let rate_per_ns = full_bytes_per_s * self.fraction.max(MIN_FRACTION) / 1e9;
+            let done_ns = now_ns as f64 + left / rate_per_ns;
+            match self.next {
+                Some((at_ns, _)) if (at_ns as f64) < done_ns => {
+                    left -= (at_ns - now_ns) as f64 * rate_per_ns;
+                    now_ns = at_ns;
+                }
+                _ => return done_ns.ceil() as u64,
+            }
+        }
+    }
+}
+
 /// An exponentially distributed duration with mean `mean_ns`, at least 1 ns so time advances.
 fn exponential_ns(rng: &mut ChaCha8Rng, mean_ns: f64) -> u64 {
     let uniform: f64 = rng.random();
@@ -284,6 +325,17 @@ mod tests {
     fn changes(trace: &BandwidthTrace, link: u64, n: usize) -> (f64, Vec<(u64, f64)>) {
         let (initial, mut cursor) = TraceCursor::new(trace, link);
         (initial, std::iter::from_fn(|| cursor.next_change()).take(n).collect())
+    }
+
+    #[test]
+    fn a_walker_integrates_the_rate_over_changes() {
+        // Full for 1 ms, a quarter for 1 ms, repeating; 1 GB/s full, so 1 byte per ns.
+        let trace = BandwidthTrace::OnOff { full_ns: 1_000_000, reduced_ns: 1_000_000, fraction: 0.25 };
+        let mut walker = TraceWalker::new(&trace, 0);
+        assert_eq!(walker.finish_ns(0, 500_000.0, 1e9), 500_000);
+        // 500 µs at full rate, then 1 ms at a quarter (250 000 bytes), then the rest at full.
+        assert_eq!(walker.finish_ns(500_000, 1_000_000.0, 1e9), 2_250_000);
+        assert_eq!(walker.finish_ns(3_000_000, 1000.0, 1e9), 3_004_000);
     }
 
     #[test]

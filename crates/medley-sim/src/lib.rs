@@ -33,7 +33,7 @@ use medley_plan::{Plan, PlanError};
 use medley_schedule::{Programs, ScheduleKind};
 
 pub use adaptive::{RunReport, SchedulePolicy, StepSummary, max_k_within_memory, simulate_steps};
-pub use bandwidth::BandwidthTrace;
+pub use bandwidth::{BandwidthTrace, TraceWalker};
 pub use report::{RankReport, StepReport};
 
 use bandwidth::TraceCursor;

@@ -44,6 +44,8 @@ pub enum BenchCommand {
     /// Real training on an emulated 2:1 mix: heterogeneity-aware vs uniform plan, measured and
     /// simulated.
     Train(crate::bench_train::TrainBenchArgs),
+    /// Real training under a throttled pipeline link: adaptive kFkB against 1F1B.
+    Kfkb(crate::bench_train::KfkbBenchArgs),
 }
 
 pub fn run(which: &BenchCommand) -> Result<()> {
@@ -53,6 +55,7 @@ pub fn run(which: &BenchCommand) -> Result<()> {
         BenchCommand::Schedules { json } => crate::bench_schedules::bench_schedules(*json),
         BenchCommand::Comm(args) => crate::bench_comm::run(args),
         BenchCommand::Train(args) => crate::bench_train::run(args),
+        BenchCommand::Kfkb(args) => crate::bench_train::run_kfkb(args),
     }
 }
 

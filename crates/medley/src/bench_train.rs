@@ -7,7 +7,7 @@ use clap::Args;
 use medley_cost::Calibration;
 use medley_plan::{Plan, SearchOptions, baselines, search};
 use medley_sim::{SchedulePolicy, SimConfig, simulate_steps};
-use medley_spec::{Cluster, catalog_model};
+use medley_spec::{Cluster, Schedule, catalog_model};
 use serde::Serialize;
 use serde_json::Value;
 
@@ -103,10 +103,27 @@ pub fn run(args: &TrainBenchArgs) -> Result<()> {
 
 /// The median measured step time of `plan` over `steps` steps after the warm-up.
 fn measure(plan: &Plan, calibration: &Calibration, name: &str, steps: u64) -> Result<f64> {
+    let mut times = step_times(plan, calibration, name, steps, RunTweaks::default())?;
+    times.sort_by(f64::total_cmp);
+    Ok(times[times.len() / 2])
+}
+
+/// What a benchmark run changes from the plan's defaults.
+#[derive(Default)]
+struct RunTweaks {
+    schedule: Option<Schedule>,
+    /// GB/s and bandwidth trace of throttled pipeline links.
+    link: Option<(f64, String)>,
+}
+
+/// Trains `plan` for `steps` steps after the warm-up in real worker processes and returns the
+/// measured step times after the warm-up.
+fn step_times(plan: &Plan, calibration: &Calibration, name: &str, steps: u64, tweaks: RunTweaks) -> Result<Vec<f64>> {
     let dir = std::env::temp_dir().join(format!("medley-bench-train-{}-{name}", std::process::id()));
     std::fs::create_dir_all(&dir)?;
     let (plan_path, calibration_path) = write_run_inputs(&dir, plan, calibration)?;
     let layouts = worker_layouts(plan, calibration)?;
+    let (link_gb_s, link_trace) = tweaks.link.map_or((None, None), |(gb_s, trace)| (Some(gb_s), Some(trace)));
     let args = WorkerArgs {
         plan: plan_path.to_string_lossy().into_owned(),
         calibration: Some(calibration_path.to_string_lossy().into_owned()),
@@ -114,27 +131,95 @@ fn measure(plan: &Plan, calibration: &Calibration, name: &str, steps: u64) -> Re
         steps: steps + WARM_UP_STEPS,
         resume: None,
         checkpoint_every: 0,
-        schedule: None,
+        schedule: tweaks.schedule,
         seed: 0,
         lr: medley_model::AdamW::default().lr,
         no_emulate: false,
         timeout_s: 30,
+        link_gb_s,
+        link_trace,
         print_metrics: true,
     };
     let outcome = launch_and_watch(&args, &layouts)?;
     std::fs::remove_dir_all(&dir).ok();
     if !outcome.succeeded() {
-        bail!("the {name} plan's workers failed: {}", outcome.first_error());
+        bail!("the {name} run's workers failed: {}", outcome.first_error());
     }
-    let mut times: Vec<f64> = outcome.steps[WARM_UP_STEPS as usize..]
+    let times: Vec<f64> = outcome.steps[WARM_UP_STEPS as usize..]
         .iter()
         .filter_map(|step: &Value| step["step_time_s"].as_f64())
         .collect();
     if times.is_empty() {
-        bail!("the {name} plan's run reported no steps");
+        bail!("the {name} run reported no steps");
     }
-    times.sort_by(f64::total_cmp);
-    Ok(times[times.len() / 2])
+    Ok(times)
+}
+
+#[derive(Args, Debug)]
+pub struct KfkbBenchArgs {
+    /// Timed steps per schedule (after two warm-up steps).
+    #[arg(long, default_value_t = 24)]
+    pub steps: u64,
+    /// The pipeline link's full bandwidth, GB/s (one micro-batch's activations are 64 KiB).
+    #[arg(long, default_value_t = 0.05)]
+    pub link_gb_s: f64,
+    /// How the link's bandwidth varies (other jobs taking it for periods).
+    #[arg(long, default_value = "on-off:full=2s,reduced=2s,fraction=0.1")]
+    pub link_trace: String,
+    /// Print the rows as JSON instead of a table.
+    #[arg(long)]
+    pub json: bool,
+}
+
+#[derive(Serialize)]
+struct KfkbRow {
+    schedule: String,
+    mean_step_s: f64,
+    tokens_per_s: f64,
+    speedup_vs_1f1b: f64,
+}
+
+/// Adaptive kFkB against 1F1B (and fixed group sizes) on a two-stage pipeline whose link is
+/// throttled for periods, measured in real worker processes.
+pub fn run_kfkb(args: &KfkbBenchArgs) -> Result<()> {
+    let cluster = Cluster::from_fleet("2xh100")?;
+    let model = catalog_model("tiny")?;
+    let job = runtime_job(128, 16, 1, None)?;
+    let calibration = Calibration::default();
+    let plan = baselines::fixed(&cluster, &model, &job, &calibration, baselines::Degrees::new(1, 2, 1))?.plan;
+    let link = (args.link_gb_s, args.link_trace.clone());
+    let mut rows: Vec<KfkbRow> = Vec::new();
+    for schedule in ["1f1b", "kfkb:2", "kfkb:4", "adaptive"] {
+        let schedule_kind: Schedule = schedule.parse().map_err(anyhow::Error::msg)?;
+        let tweaks = RunTweaks { schedule: Some(schedule_kind), link: Some(link.clone()) };
+        let times = step_times(&plan, &calibration, schedule, args.steps, tweaks)?;
+        let mean_step_s = times.iter().sum::<f64>() / times.len() as f64;
+        let baseline = rows.first().map_or(mean_step_s, |row| row.mean_step_s);
+        rows.push(KfkbRow {
+            schedule: schedule.into(),
+            mean_step_s,
+            tokens_per_s: f64::from(plan.global_batch * plan.seq_len) / mean_step_s,
+            speedup_vs_1f1b: baseline / mean_step_s,
+        });
+    }
+    if args.json {
+        println!("{}", serde_json::to_string_pretty(&rows)?);
+        return Ok(());
+    }
+    let mut out = table(&["schedule", "mean step", "tokens/s", "vs 1f1b"]);
+    for row in &rows {
+        out.add_row(vec![
+            right(&row.schedule),
+            right(format!("{:.1} ms", row.mean_step_s * 1e3)),
+            right(format!("{:.0}", row.tokens_per_s)),
+            right(times(row.speedup_vs_1f1b)),
+        ]);
+    }
+    println!(
+        "Real training, tiny model on a 2-stage pipeline (16 micro-batches a step), link {} GB/s varying as {}; mean of {} steps after {WARM_UP_STEPS} warm-up:\n{out}",
+        args.link_gb_s, args.link_trace, args.steps
+    );
+    Ok(())
 }
 
 /// Layers per stage and micro-batches per replica, e.g. `[5+3]×8 | [8]×4`.

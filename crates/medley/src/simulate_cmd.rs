@@ -129,7 +129,7 @@ fn what_if(args: &SimulateArgs) -> Result<(Specs, Plan)> {
     Ok((specs, plan))
 }
 
-fn network_trace(text: &str) -> Result<BandwidthTrace> {
+pub(crate) fn network_trace(text: &str) -> Result<BandwidthTrace> {
     if text.ends_with(".csv") || std::path::Path::new(text).is_file() {
         return Ok(BandwidthTrace::from_csv(&read(text)?, text)?);
     }

@@ -85,6 +85,13 @@ pub struct SharedWorkerArgs {
     /// Seconds a worker waits for a silent peer before naming it and stopping.
     #[arg(long, default_value_t = 30)]
     pub timeout_s: u64,
+    /// Throttle the pipeline links to this many GB/s (emulating a slow network between stages).
+    #[arg(long)]
+    pub link_gb_s: Option<f64>,
+    /// How the throttled links' bandwidth varies: constant:F, on-off:full=T,reduced=T,fraction=F,
+    /// random:seed=N,full=T,reduced=T,fraction=F, or a time_s,fraction CSV.
+    #[arg(long, requires = "link_gb_s")]
+    pub link_trace: Option<String>,
 }
 
 pub fn run(args: &TrainArgs) -> Result<ExitCode> {
@@ -108,6 +115,8 @@ pub fn run(args: &TrainArgs) -> Result<ExitCode> {
         lr: args.worker.lr,
         no_emulate: args.worker.no_emulate,
         timeout_s: args.worker.timeout_s,
+        link_gb_s: args.worker.link_gb_s,
+        link_trace: args.worker.link_trace.clone(),
         print_metrics: true,
     };
     let started = Instant::now();
@@ -296,6 +305,12 @@ fn worker_flags(args: &WorkerArgs) -> Vec<String> {
     }
     if args.no_emulate {
         flags.push("--no-emulate".into());
+    }
+    if let Some(gb_s) = args.link_gb_s {
+        flags.extend(["--link-gb-s".into(), gb_s.to_string()]);
+    }
+    if let Some(trace) = &args.link_trace {
+        flags.extend(["--link-trace".into(), trace.clone()]);
     }
     flags
 }

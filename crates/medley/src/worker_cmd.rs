@@ -12,8 +12,8 @@ use clap::Args;
 use medley_comm::{Config, LaunchEnv};
 use medley_cost::Calibration;
 use medley_model::AdamW;
-use medley_runtime::{RuntimeError, StepMetrics, TrainOptions, Worker, WorkerOptions};
-use medley_sim::{SchedulePolicy, Timeline};
+use medley_runtime::{LinkEmulation, RuntimeError, StepMetrics, TrainOptions, Worker, WorkerOptions};
+use medley_sim::{BandwidthTrace, SchedulePolicy, Timeline};
 use medley_spec::Schedule;
 
 use crate::plan_cmd::load_plan;
@@ -59,6 +59,14 @@ pub struct WorkerArgs {
     /// Seconds to wait for a silent peer before naming it and stopping.
     #[arg(long, default_value_t = 30)]
     pub timeout_s: u64,
+    /// Throttle the pipeline links to this many GB/s (emulating a slow network between stages).
+    #[arg(long)]
+    pub link_gb_s: Option<f64>,
+    /// How the throttled links' bandwidth varies (as `medley simulate --network-trace`):
+    /// constant:F, on-off:full=T,reduced=T,fraction=F, random:seed=N,full=T,reduced=T,fraction=F,
+    /// or a time_s,fraction CSV [default: constant:1].
+    #[arg(long, requires = "link_gb_s")]
+    pub link_trace: Option<String>,
     /// Print each step's metrics as a JSON line on standard output (rank 0).
     #[arg(long)]
     pub print_metrics: bool,
@@ -77,6 +85,16 @@ pub fn run(args: &WorkerArgs) -> Result<()> {
             Some(path) => Calibration::from_toml(&crate::inputs::read(path)?, path)?,
             None => Calibration::default(),
         },
+        link: args
+            .link_gb_s
+            .map(|gb_s| -> Result<LinkEmulation> {
+                let trace = match &args.link_trace {
+                    Some(text) => crate::simulate_cmd::network_trace(text)?,
+                    None => BandwidthTrace::Constant { fraction: 1.0 },
+                };
+                Ok(LinkEmulation { full_bytes_per_s: gb_s * 1e9, trace })
+            })
+            .transpose()?,
     };
     let rank = env.rank;
     let mut worker = Worker::join(plan, env, options).map_err(|err| blame(err, rank))?;
