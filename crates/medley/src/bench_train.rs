@@ -13,7 +13,7 @@ use serde_json::Value;
 
 use crate::render::{percent, right, table, times};
 use crate::train_cmd::{calibrate_here, launch_and_watch, runtime_job, worker_layouts, write_run_inputs};
-use crate::worker_cmd::WorkerArgs;
+use crate::worker_cmd::{RunFlags, WorkerArgs};
 
 #[derive(Args, Debug)]
 pub struct TrainBenchArgs {
@@ -128,16 +128,18 @@ fn step_times(plan: &Plan, calibration: &Calibration, name: &str, steps: u64, tw
         plan: plan_path.to_string_lossy().into_owned(),
         calibration: Some(calibration_path.to_string_lossy().into_owned()),
         out: dir.clone(),
-        steps: steps + WARM_UP_STEPS,
         resume: None,
-        checkpoint_every: 0,
-        schedule: tweaks.schedule,
-        seed: 0,
-        lr: medley_model::AdamW::default().lr,
-        no_emulate: false,
-        timeout_s: 30,
-        link_gb_s,
-        link_trace,
+        run: RunFlags {
+            steps: steps + WARM_UP_STEPS,
+            checkpoint_every: 0,
+            schedule: tweaks.schedule,
+            seed: 0,
+            lr: medley_model::AdamW::default().lr,
+            no_emulate: false,
+            timeout_s: 30,
+            link_gb_s,
+            link_trace,
+        },
         print_metrics: true,
     };
     let outcome = launch_and_watch(&args, &layouts)?;

@@ -20,7 +20,7 @@ use serde_json::Value;
 
 use crate::inputs::load_model;
 use crate::render::{right, table};
-use crate::worker_cmd::{CHECKPOINTS, METRICS, TIMELINES, WorkerArgs};
+use crate::worker_cmd::{CHECKPOINTS, METRICS, RunFlags, TIMELINES, WorkerArgs};
 
 /// Two fast NVIDIA GPUs and two slower AMD ones: the smallest fleet that shows every kind of
 /// heterogeneity the runtime handles (speed, vendor domain, bridge).
@@ -58,40 +58,7 @@ pub struct TrainArgs {
     #[arg(long)]
     pub out: Option<PathBuf>,
     #[command(flatten)]
-    pub worker: SharedWorkerArgs,
-}
-
-/// Flags every worker gets as they are.
-#[derive(Args, Debug, Clone)]
-pub struct SharedWorkerArgs {
-    /// Train until this many steps are done.
-    #[arg(long, default_value_t = 100)]
-    pub steps: u64,
-    /// Steps between checkpoints (0: only after the last step).
-    #[arg(long, default_value_t = 10)]
-    pub checkpoint_every: u64,
-    /// Pipeline schedule: 1f1b, gpipe, kfkb:K, adaptive, interleaved [default: the plan's].
-    #[arg(long)]
-    pub schedule: Option<Schedule>,
-    /// Seeds the initial weights and the data order.
-    #[arg(long, default_value_t = 0)]
-    pub seed: u64,
-    /// AdamW learning rate.
-    #[arg(long, default_value_t = medley_model::AdamW::default().lr)]
-    pub lr: f32,
-    /// Compute at this machine's speed instead of stretching passes to each emulated device's.
-    #[arg(long)]
-    pub no_emulate: bool,
-    /// Seconds a worker waits for a silent peer before naming it and stopping.
-    #[arg(long, default_value_t = 30)]
-    pub timeout_s: u64,
-    /// Throttle the pipeline links to this many GB/s (emulating a slow network between stages).
-    #[arg(long)]
-    pub link_gb_s: Option<f64>,
-    /// How the throttled links' bandwidth varies: constant:F, on-off:full=T,reduced=T,fraction=F,
-    /// random:seed=N,full=T,reduced=T,fraction=F, or a time_s,fraction CSV.
-    #[arg(long, requires = "link_gb_s")]
-    pub link_trace: Option<String>,
+    pub worker: RunFlags,
 }
 
 pub fn run(args: &TrainArgs) -> Result<ExitCode> {
@@ -107,16 +74,8 @@ pub fn run(args: &TrainArgs) -> Result<ExitCode> {
         plan: plan_path.to_string_lossy().into_owned(),
         calibration: Some(calibration_path.to_string_lossy().into_owned()),
         out: out.clone(),
-        steps: args.worker.steps,
         resume: args.resume.clone(),
-        checkpoint_every: args.worker.checkpoint_every,
-        schedule: args.worker.schedule,
-        seed: args.worker.seed,
-        lr: args.worker.lr,
-        no_emulate: args.worker.no_emulate,
-        timeout_s: args.worker.timeout_s,
-        link_gb_s: args.worker.link_gb_s,
-        link_trace: args.worker.link_trace.clone(),
+        run: args.worker.clone(),
         print_metrics: true,
     };
     let started = Instant::now();
@@ -254,7 +213,7 @@ pub(crate) fn launch_and_watch(args: &WorkerArgs, layouts: &[RankLayout]) -> Res
         ]);
         children.push(command.spawn().with_context(|| format!("cannot start worker {rank}"))?);
     }
-    let bar = progress_bar(args.steps);
+    let bar = progress_bar(args.run.steps);
     let errors: Vec<_> =
         children.iter_mut().map(|child| collect_lines(child.stderr.take().expect("piped"), bar.clone())).collect();
     let mut steps = Vec::new();
@@ -269,7 +228,7 @@ pub(crate) fn launch_and_watch(args: &WorkerArgs, layouts: &[RankLayout]) -> Res
         ));
         steps.push(step);
     }
-    let grace = Duration::from_secs(args.timeout_s + 15);
+    let grace = Duration::from_secs(args.run.timeout_s + 15);
     let statuses = wait_all(&mut children, grace);
     bar.finish_and_clear();
     let errors = errors.into_iter().map(|lines| lines.lock().map(|l| l.clone()).unwrap_or_default()).collect();
@@ -277,41 +236,11 @@ pub(crate) fn launch_and_watch(args: &WorkerArgs, layouts: &[RankLayout]) -> Res
 }
 
 fn worker_flags(args: &WorkerArgs) -> Vec<String> {
-    let mut flags = vec![
-        "--plan".into(),
-        args.plan.clone(),
-        "--out".into(),
-        args.out.to_string_lossy().into_owned(),
-        "--steps".into(),
-        args.steps.to_string(),
-        "--checkpoint-every".into(),
-        args.checkpoint_every.to_string(),
-        "--seed".into(),
-        args.seed.to_string(),
-        "--lr".into(),
-        args.lr.to_string(),
-        "--timeout-s".into(),
-        args.timeout_s.to_string(),
-        "--print-metrics".into(),
-    ];
-    if let Some(path) = &args.calibration {
-        flags.extend(["--calibration".into(), path.clone()]);
-    }
-    if let Some(dir) = &args.resume {
-        flags.extend(["--resume".into(), dir.to_string_lossy().into_owned()]);
-    }
-    if let Some(schedule) = args.schedule {
-        flags.extend(["--schedule".into(), schedule.to_string()]);
-    }
-    if args.no_emulate {
-        flags.push("--no-emulate".into());
-    }
-    if let Some(gb_s) = args.link_gb_s {
-        flags.extend(["--link-gb-s".into(), gb_s.to_string()]);
-    }
-    if let Some(trace) = &args.link_trace {
-        flags.extend(["--link-trace".into(), trace.clone()]);
-    }
+    let mut flags =
+        vec![format!("--plan={}", args.plan), format!("--out={}", args.out.display()), "--print-metrics".into()];
+    flags.extend(args.calibration.as_ref().map(|path| format!("--calibration={path}")));
+    flags.extend(args.resume.as_ref().map(|dir| format!("--resume={}", dir.display())));
+    flags.extend(args.run.to_args());
     flags
 }
 

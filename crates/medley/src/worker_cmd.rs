@@ -35,12 +35,22 @@ pub struct WorkerArgs {
     /// The run directory: checkpoints, metrics.jsonl (rank 0), timeline/rank-R.json.
     #[arg(long)]
     pub out: PathBuf,
-    /// Train until this many steps are done.
-    #[arg(long, default_value_t = 100)]
-    pub steps: u64,
     /// Continue from the newest checkpoint of this run directory (under this plan or another).
     #[arg(long)]
     pub resume: Option<PathBuf>,
+    #[command(flatten)]
+    pub run: RunFlags,
+    /// Print each step's metrics as a JSON line on standard output (rank 0).
+    #[arg(long)]
+    pub print_metrics: bool,
+}
+
+/// How every worker of a job trains: `medley train` passes them on as they are.
+#[derive(Args, Debug, Clone)]
+pub struct RunFlags {
+    /// Train until this many steps are done.
+    #[arg(long, default_value_t = 100)]
+    pub steps: u64,
     /// Steps between checkpoints (0: only after the last step).
     #[arg(long, default_value_t = 10)]
     pub checkpoint_every: u64,
@@ -67,28 +77,44 @@ pub struct WorkerArgs {
     /// or a time_s,fraction CSV [default: constant:1].
     #[arg(long, requires = "link_gb_s")]
     pub link_trace: Option<String>,
-    /// Print each step's metrics as a JSON line on standard output (rank 0).
-    #[arg(long)]
-    pub print_metrics: bool,
+}
+
+impl RunFlags {
+    /// The flags as `medley worker` takes them.
+    pub fn to_args(&self) -> Vec<String> {
+        let mut flags = vec![
+            format!("--steps={}", self.steps),
+            format!("--checkpoint-every={}", self.checkpoint_every),
+            format!("--seed={}", self.seed),
+            format!("--lr={}", self.lr),
+            format!("--timeout-s={}", self.timeout_s),
+        ];
+        flags.extend(self.schedule.map(|schedule| format!("--schedule={schedule}")));
+        flags.extend(self.no_emulate.then(|| "--no-emulate".to_string()));
+        flags.extend(self.link_gb_s.map(|gb_s| format!("--link-gb-s={gb_s}")));
+        flags.extend(self.link_trace.as_ref().map(|trace| format!("--link-trace={trace}")));
+        flags
+    }
 }
 
 pub fn run(args: &WorkerArgs) -> Result<()> {
     let env = LaunchEnv::from_vars(std::env::vars())?;
     let plan = load_plan(&args.plan)?;
-    let policy = SchedulePolicy::from(args.schedule.unwrap_or(plan.schedule));
+    let policy = SchedulePolicy::from(args.run.schedule.unwrap_or(plan.schedule));
     let options = WorkerOptions {
-        seed: args.seed,
-        adamw: AdamW { lr: args.lr, ..AdamW::default() },
-        emulate_speed: !args.no_emulate,
-        comm: Config { timeout: Duration::from_secs(args.timeout_s), ..Config::default() },
+        seed: args.run.seed,
+        adamw: AdamW { lr: args.run.lr, ..AdamW::default() },
+        emulate_speed: !args.run.no_emulate,
+        comm: Config { timeout: Duration::from_secs(args.run.timeout_s), ..Config::default() },
         calibration: match &args.calibration {
             Some(path) => Calibration::from_toml(&crate::inputs::read(path)?, path)?,
             None => Calibration::default(),
         },
         link: args
+            .run
             .link_gb_s
             .map(|gb_s| -> Result<LinkEmulation> {
-                let trace = match &args.link_trace {
+                let trace = match &args.run.link_trace {
                     Some(text) => crate::simulate_cmd::network_trace(text)?,
                     None => BandwidthTrace::Constant { fraction: 1.0 },
                 };
@@ -102,10 +128,10 @@ pub fn run(args: &WorkerArgs) -> Result<()> {
         worker.resume(&dir.join(CHECKPOINTS)).map_err(|err| blame(err, rank))?;
     }
     let train = TrainOptions {
-        until_step: args.steps,
+        until_step: args.run.steps,
         policy,
         checkpoint_dir: Some(args.out.join(CHECKPOINTS)),
-        checkpoint_every: args.checkpoint_every,
+        checkpoint_every: args.run.checkpoint_every,
     };
     let timeline_dir = args.out.join(TIMELINES);
     fs::create_dir_all(&timeline_dir).with_context(|| format!("cannot create {}", timeline_dir.display()))?;
