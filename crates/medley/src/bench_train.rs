@@ -21,9 +21,12 @@ pub struct TrainBenchArgs {
     /// model is calibrated to this machine (compute-bound).
     #[arg(long, default_value = "1xh100-pcie,1xl40s")]
     pub fleet: String,
-    /// Timed steps per plan (after two warm-up steps).
+    /// Timed steps per plan and round (after two warm-up steps).
     #[arg(long, default_value_t = 8)]
     pub steps: u64,
+    /// Rounds; each calibrates afresh and runs both plans (this machine's speed drifts).
+    #[arg(long, default_value_t = 3)]
+    pub rounds: usize,
     #[arg(long, default_value_t = 128)]
     pub seq_len: u32,
     #[arg(long, default_value_t = 12)]
@@ -44,6 +47,8 @@ struct Row {
     layout: String,
     predicted_step_s: f64,
     measured_step_s: f64,
+    /// Per round, predicted over measured minus one.
+    prediction_errors: Vec<f64>,
     prediction_error: f64,
     tokens_per_s: f64,
     speedup_vs_uniform: f64,
@@ -59,19 +64,31 @@ pub fn run(args: &TrainBenchArgs) -> Result<()> {
     let Some(uniform) = baselines::uniform(&cluster, &model, &job, &calibration).map(|candidate| candidate.plan) else {
         bail!("no uniform plan fits {} for this job", args.fleet)
     };
+    let plans = [("uniform", &uniform), ("heterogeneity-aware", &aware)];
+    // (predicted, measured) per plan and round.
+    let mut runs = vec![Vec::new(); plans.len()];
+    for _ in 0..args.rounds.max(1) {
+        for ((name, plan), runs) in plans.iter().zip(&mut runs) {
+            let calibration = calibrate_here(&cluster, &model, args.seq_len, args.micro_batch)?;
+            let policy = SchedulePolicy::from(plan.schedule);
+            let predicted = simulate_steps(plan, &calibration, &SimConfig::default(), policy, 1, None)
+                .with_context(|| format!("simulating the {name} plan"))?
+                .mean_step_time_s;
+            runs.push((predicted, measure(plan, &calibration, name, args.steps)?));
+        }
+    }
     let mut rows = Vec::new();
-    for (name, plan) in [("uniform", &uniform), ("heterogeneity-aware", &aware)] {
-        let policy = SchedulePolicy::from(plan.schedule);
-        let predicted = simulate_steps(plan, &calibration, &SimConfig::default(), policy, 1, None)
-            .with_context(|| format!("simulating the {name} plan"))?
-            .mean_step_time_s;
-        let measured = measure(plan, &calibration, name, args.steps)?;
+    for ((name, plan), runs) in plans.iter().zip(runs) {
+        let predicted = median(runs.iter().map(|run| run.0).collect());
+        let measured = median(runs.iter().map(|run| run.1).collect());
+        let prediction_errors: Vec<f64> = runs.iter().map(|(p, m)| p / m - 1.0).collect();
         rows.push(Row {
-            plan: name.into(),
+            plan: name.to_string(),
             layout: describe(plan),
             predicted_step_s: predicted,
             measured_step_s: measured,
-            prediction_error: predicted / measured - 1.0,
+            prediction_error: median(prediction_errors.clone()),
+            prediction_errors,
             tokens_per_s: f64::from(plan.global_batch * plan.seq_len) / measured,
             speedup_vs_uniform: 0.0,
         });
@@ -82,7 +99,8 @@ pub fn run(args: &TrainBenchArgs) -> Result<()> {
         println!("{}", serde_json::to_string_pretty(&rows)?);
         return Ok(());
     }
-    let mut out = table(&["plan", "layout", "predicted step", "measured step", "error", "tokens/s", "vs uniform"]);
+    let mut out =
+        table(&["plan", "layout", "predicted step", "measured step", "error", "error per round", "tokens/s", "vs uniform"]);
     for row in &rows {
         out.add_row(vec![
             right(&row.plan),
@@ -90,22 +108,26 @@ pub fn run(args: &TrainBenchArgs) -> Result<()> {
             right(format!("{:.1} ms", row.predicted_step_s * 1e3)),
             right(format!("{:.1} ms", row.measured_step_s * 1e3)),
             right(percent(row.prediction_error)),
+            right(row.prediction_errors.iter().map(|e| percent(*e)).collect::<Vec<_>>().join(" ")),
             right(format!("{:.0}", row.tokens_per_s)),
             right(times(row.speedup_vs_uniform)),
         ]);
     }
     println!(
-        "Real training on {} (emulated: passes stretched to each device's catalog speed), {} timed steps after {WARM_UP_STEPS} warm-up, median:\n{out}",
-        args.fleet, args.steps
+        "Real training on {} (emulated: passes stretched to each device's catalog speed); per round a fresh calibration, then {} timed steps after {WARM_UP_STEPS} warm-up per plan; medians over {} rounds:\n{out}",
+        args.fleet, args.steps, args.rounds
     );
     Ok(())
 }
 
 /// The median measured step time of `plan` over `steps` steps after the warm-up.
 fn measure(plan: &Plan, calibration: &Calibration, name: &str, steps: u64) -> Result<f64> {
-    let mut times = step_times(plan, calibration, name, steps, RunTweaks::default())?;
-    times.sort_by(f64::total_cmp);
-    Ok(times[times.len() / 2])
+    Ok(median(step_times(plan, calibration, name, steps, RunTweaks::default())?))
+}
+
+fn median(mut values: Vec<f64>) -> f64 {
+    values.sort_by(f64::total_cmp);
+    values[values.len() / 2]
 }
 
 /// What a benchmark run changes from the plan's defaults.
