@@ -99,8 +99,16 @@ pub fn run(args: &TrainBenchArgs) -> Result<()> {
         println!("{}", serde_json::to_string_pretty(&rows)?);
         return Ok(());
     }
-    let mut out =
-        table(&["plan", "layout", "predicted step", "measured step", "error", "error per round", "tokens/s", "vs uniform"]);
+    let mut out = table(&[
+        "plan",
+        "layout",
+        "predicted step",
+        "measured step",
+        "error",
+        "error per round",
+        "tokens/s",
+        "vs uniform",
+    ]);
     for row in &rows {
         out.add_row(vec![
             right(&row.plan),

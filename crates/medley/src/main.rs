@@ -36,8 +36,8 @@ enum Command {
     Train(Box<train_cmd::TrainArgs>),
     /// Measure this machine and write the profile that prices an emulated fleet at its speed.
     Calibrate(calibrate_cmd::CalibrateArgs),
-    /// Run one rank of a training job under an external launcher (torchrun, srun, mpirun
-    /// variables: RANK, WORLD_SIZE, MASTER_ADDR, MASTER_PORT; plus MEDLEY_TOKEN).
+    /// Run one rank of a training job under an external launcher (torchrun's RANK and
+    /// WORLD_SIZE, or srun's or mpirun's rank variables; MASTER_ADDR, MASTER_PORT, MEDLEY_TOKEN).
     Worker(Box<worker_cmd::WorkerArgs>),
     /// Benchmarks that print tables.
     Bench {

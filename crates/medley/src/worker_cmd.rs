@@ -1,7 +1,9 @@
-//! `medley worker`: one rank of a training job, under `medley train` or any launcher that sets
-//! torchrun's variables (RANK, WORLD_SIZE, MASTER_ADDR, MASTER_PORT; LOCAL_RANK and
-//! LOCAL_WORLD_SIZE optional) plus MEDLEY_TOKEN, the job's shared secret.
+//! `medley worker`: one rank of a training job, under `medley train` or any launcher: torchrun's
+//! variables (RANK, WORLD_SIZE, MASTER_ADDR, MASTER_PORT; LOCAL_RANK and LOCAL_WORLD_SIZE
+//! optional), or Slurm's and MPI launchers' rank variables with MASTER_ADDR and MASTER_PORT set
+//! by the job script; plus MEDLEY_TOKEN, the job's shared secret.
 
+use std::collections::BTreeMap;
 use std::fs::{self, File, OpenOptions};
 use std::io::{BufWriter, Write};
 use std::path::{Path, PathBuf};
@@ -97,8 +99,31 @@ impl RunFlags {
     }
 }
 
+/// Where launchers other than torchrun put a process's place in the job; torchrun's own
+/// variables win when both are set.
+const LAUNCHER_VARIABLES: [(&str, [&str; 3]); 4] = [
+    ("RANK", ["SLURM_PROCID", "OMPI_COMM_WORLD_RANK", "PMI_RANK"]),
+    ("WORLD_SIZE", ["SLURM_NTASKS", "OMPI_COMM_WORLD_SIZE", "PMI_SIZE"]),
+    ("LOCAL_RANK", ["SLURM_LOCALID", "OMPI_COMM_WORLD_LOCAL_RANK", "MPI_LOCALRANKID"]),
+    ("LOCAL_WORLD_SIZE", ["SLURM_NTASKS_PER_NODE", "OMPI_COMM_WORLD_LOCAL_SIZE", "MPI_LOCALNRANKS"]),
+];
+
+/// The launch variables with Slurm's (srun) and MPI launchers' (mpirun: OpenMPI, MPICH/PMI)
+/// names mapped onto torchrun's.
+fn launch_vars(vars: impl IntoIterator<Item = (String, String)>) -> BTreeMap<String, String> {
+    let mut vars: BTreeMap<String, String> = vars.into_iter().collect();
+    for (torchrun, others) in LAUNCHER_VARIABLES {
+        if !vars.contains_key(torchrun)
+            && let Some(value) = others.iter().find_map(|name| vars.get(*name).cloned())
+        {
+            vars.insert(torchrun.to_string(), value);
+        }
+    }
+    vars
+}
+
 pub fn run(args: &WorkerArgs) -> Result<()> {
-    let env = LaunchEnv::from_vars(std::env::vars())?;
+    let env = LaunchEnv::from_vars(launch_vars(std::env::vars()))?;
     let plan = load_plan(&args.plan)?;
     let policy = SchedulePolicy::from(args.run.schedule.unwrap_or(plan.schedule));
     let options = WorkerOptions {
@@ -184,5 +209,24 @@ fn blame(err: RuntimeError, rank: usize) -> anyhow::Error {
     match err.blamed_rank() {
         Some(peer) => anyhow::anyhow!("worker {rank}: {err} (worker {peer} failed or stopped answering)"),
         None => anyhow::anyhow!("worker {rank}: {err}"),
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    fn vars(pairs: &[(&str, &str)]) -> Vec<(String, String)> {
+        pairs.iter().map(|(k, v)| (k.to_string(), v.to_string())).collect()
+    }
+
+    #[test]
+    fn slurm_and_mpi_launchers_map_onto_torchrun_variables() {
+        let slurm = launch_vars(vars(&[("SLURM_PROCID", "3"), ("SLURM_NTASKS", "8"), ("SLURM_LOCALID", "1")]));
+        assert_eq!((&slurm["RANK"][..], &slurm["WORLD_SIZE"][..], &slurm["LOCAL_RANK"][..]), ("3", "8", "1"));
+        let mpi = launch_vars(vars(&[("OMPI_COMM_WORLD_RANK", "2"), ("OMPI_COMM_WORLD_SIZE", "4")]));
+        assert_eq!((&mpi["RANK"][..], &mpi["WORLD_SIZE"][..]), ("2", "4"));
+        let both = launch_vars(vars(&[("RANK", "0"), ("SLURM_PROCID", "5")]));
+        assert_eq!(both["RANK"], "0", "torchrun's variable wins");
     }
 }

@@ -402,3 +402,55 @@ fn killing_a_worker_stops_every_rank_and_keeps_the_last_checkpoint() {
     train(&out, &["--resume", &out_text, "--steps", &(step + 1).to_string()]);
     assert_eq!(losses(&out).last().unwrap().0, step + 1);
 }
+
+#[test]
+fn workers_start_under_an_mpi_launchers_variables() {
+    let plan = scratch("mpi-plan.json");
+    let plan_text = plan.to_string_lossy().into_owned();
+    let fix =
+        ["--cluster", "2xh100", "--model", "tiny", "--seq-len", "32", "--global-batch", "4", "--micro-batch", "1"];
+    let args: Vec<&str> =
+        ["plan"].into_iter().chain(fix).chain(["--fix", "tp=1,pp=2,dp=1", "-o", &plan_text]).collect();
+    check(&args, 0, "pipeline");
+    let out = scratch("mpi-run");
+    let port = std::net::TcpListener::bind("127.0.0.1:0").unwrap().local_addr().unwrap().port().to_string();
+    let workers: Vec<_> = (0..2)
+        .map(|rank| {
+            Command::new(env!("CARGO_BIN_EXE_medley"))
+                .args([
+                    "worker",
+                    "--plan",
+                    &plan_text,
+                    "--out",
+                    &out.to_string_lossy(),
+                    "--steps",
+                    "2",
+                    "--timeout-s",
+                    "10",
+                ])
+                .env_remove("RANK")
+                .env_remove("WORLD_SIZE")
+                .envs([
+                    ("OMPI_COMM_WORLD_RANK", rank.to_string()),
+                    ("OMPI_COMM_WORLD_SIZE", "2".into()),
+                    ("MASTER_ADDR", "127.0.0.1".into()),
+                    ("MASTER_PORT", port.clone()),
+                    ("MEDLEY_TOKEN", "cli-test".into()),
+                ])
+                .stdout(Stdio::piped())
+                .stderr(Stdio::piped())
+                .spawn()
+                .unwrap()
+        })
+        .collect();
+    let deadline = Instant::now() + Duration::from_secs(120);
+    for mut worker in workers {
+        while worker.try_wait().unwrap().is_none() {
+            assert!(Instant::now() < deadline, "a worker ran past two minutes");
+            std::thread::sleep(Duration::from_millis(20));
+        }
+        let output = worker.wait_with_output().unwrap();
+        assert!(output.status.success(), "{}", stderr(&output));
+    }
+    assert_eq!(losses(&out).iter().map(|s| s.0).collect::<Vec<_>>(), [1, 2]);
+}
