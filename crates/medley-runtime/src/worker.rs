@@ -158,6 +158,12 @@ impl Worker {
         &self.layout
     }
 
+    /// This rank's process in a Perfetto timeline: numbered as the simulator numbers its ranks,
+    /// so a simulated and a measured step line up.
+    pub fn timeline_pid(&self) -> u32 {
+        self.layout.job_rank as u32 + 1
+    }
+
     pub fn plan(&self) -> &Plan {
         &self.plan
     }
@@ -190,7 +196,7 @@ impl Worker {
             if let Some(timeline) = timeline.as_deref_mut() {
                 let tid = if category == "collective" { COLLECTIVE_TID } else { COMPUTE_TID };
                 let span = (begin_us * 1000, self.clock.now_us() * 1000);
-                let track = (self.layout.job_rank as u32, tid);
+                let track = (self.timeline_pid(), tid);
                 timeline.slice(track, &instruction.to_string(), category, span, json!({"step": self.step + 1}));
             }
         }

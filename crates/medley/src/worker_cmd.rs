@@ -166,8 +166,8 @@ pub fn run(args: &WorkerArgs) -> Result<()> {
     );
     let mut timeline = Timeline::new(&mut timeline_file);
     let layout = worker.layout();
-    let label = format!("{} {} (rank {rank})", layout.id, layout.device.name);
-    timeline.process(rank as u32, &label, rank as u32);
+    let label = format!("{} · {} (worker {rank}, emulated)", layout.id, layout.device.name);
+    timeline.process(worker.timeline_pid(), &label, rank as u32);
     let mut metrics = (rank == 0).then(|| open_metrics(&args.out, args.resume.is_some())).transpose()?;
     let trained = worker.train(&train, Some(&mut timeline), |step| {
         if let Some(file) = metrics.as_mut() {
