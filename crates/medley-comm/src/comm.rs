@@ -25,8 +25,7 @@ use crate::wire::{FrameHeader, fingerprint};
 /// malformed frame) this and every later operation on every communicator of the job fails with
 /// an error naming the rank to blame.
 pub struct Communicator {
-    // Dropped first: closes the links before the session says goodbye and before the buffers of
-    // pending sends are freed.
+    // Dropped first: closes the links before the session says goodbye.
     links: Links,
     /// Buffers of [`Communicator::isend`]s not yet known to be delivered, with their tickets.
     outbox: Vec<PendingSend>,
@@ -310,7 +309,7 @@ impl Communicator {
         let bytes: &[u8] = bytemuck::cast_slice(&data);
         let (ptr, len) = (bytes.as_ptr(), bytes.len());
         // SAFETY: the heap buffer behind `ptr` moves into `outbox` unchanged and is freed only after
-        // `wait_sent` for this ticket or later, or after the links close (`links` drops first).
+        // `wait_sent` for this ticket or later; a communicator dropped before that leaks it.
         let ticket = unsafe { self.links.to(peer).send(peer, header, ptr, len, &self.waiter) };
         let ticket = ticket.map_err(|err| self.fail(err))?;
         self.outbox.push(PendingSend { peer, ticket, _buffer: Box::new(data) });
@@ -338,6 +337,16 @@ impl Communicator {
         received.map_err(|err| self.fail(err))
     }
 
+    /// Tells the whole job that this rank is failing for a reason of its own (not a peer's), so
+    /// every other rank's pending and next operation fails at once naming it instead of
+    /// waiting out the timeout. This communicator is unusable afterwards.
+    pub fn abort(&mut self, reason: &str) {
+        let rank = self.session.env.rank;
+        self.session.abort.raise(CommError::Aborted { rank, reason: reason.to_string() });
+        self.session.store.report_failure(rank, reason).ok();
+        self.links.close();
+    }
+
     /// Splits the ranks into new communicators, like `MPI_Comm_split`/`ncclCommSplit`: ranks that
     /// pass the same `color` form one, ordered by `key` and then by rank here; `None` takes part
     /// in the split but joins none. Every rank must call it.
@@ -356,6 +365,15 @@ impl Communicator {
         let ns = format!("{}/split{}/color{color}", self.ns, self.n_splits);
         Communicator::connect(Arc::clone(&self.session), ns, members, rank, self.listen_ip, self.config.clone())
             .map(Some)
+    }
+}
+
+impl Drop for Communicator {
+    /// Sends still pending here (after a failure) may yet be read by a peer through shared
+    /// memory, which closing the links does not revoke: their buffers are leaked, not freed for
+    /// reuse under the peer's read.
+    fn drop(&mut self) {
+        std::mem::take(&mut self.outbox).into_iter().for_each(std::mem::forget);
     }
 }
 

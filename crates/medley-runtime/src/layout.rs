@@ -17,7 +17,8 @@ pub struct EmulatedDevice {
     /// The catalog device, e.g. `H100-SXM`.
     pub name: String,
     pub vendor: Vendor,
-    /// Pass time relative to the plan's fastest device type (1 for the fastest).
+    /// Pass time relative to the cluster's fastest device type, which an emulation profile
+    /// prices at this machine's speed (1 for the fastest).
     pub slowdown: f64,
 }
 
@@ -56,7 +57,7 @@ pub fn check_runnable(plan: &Plan) -> Result<(), RuntimeError> {
 
 impl RankLayout {
     /// The layout of job rank `job_rank` of `plan`, its device slowed down as the cost model
-    /// (with `calibration`) prices it against the plan's fastest device type.
+    /// (with `calibration`) prices it against the cluster's fastest device type.
     pub fn of(plan: &Plan, job_rank: usize, calibration: &Calibration) -> Result<RankLayout, RuntimeError> {
         check_runnable(plan)?;
         let ids = rank_ids(plan);
@@ -107,9 +108,5 @@ fn pass_time_s(plan: &Plan, group: &medley_spec::NodeGroup, calibration: &Calibr
 }
 
 fn fastest_pass_time_s(plan: &Plan, calibration: &Calibration) -> f64 {
-    plan.replicas
-        .iter()
-        .flat_map(|replica| &replica.stages)
-        .map(|stage| pass_time_s(plan, plan.stage_group(stage), calibration))
-        .fold(f64::INFINITY, f64::min)
+    plan.cluster.groups().iter().map(|group| pass_time_s(plan, group, calibration)).fold(f64::INFINITY, f64::min)
 }

@@ -13,7 +13,7 @@
 //! Heterogeneity is emulated: every worker computes on this machine's CPU, stands in for the
 //! plan's device at its rank ([`EmulatedDevice`]), joins that device's vendor domain, and with
 //! [`WorkerOptions::emulate_speed`] stretches each pass by the device's cost-model slowdown
-//! relative to the plan's fastest device.
+//! relative to the cluster's fastest device type.
 
 mod calibrate;
 mod checkpoint;

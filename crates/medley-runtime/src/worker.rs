@@ -158,6 +158,12 @@ impl Worker {
         &self.layout
     }
 
+    /// Tells every other worker that this one is failing for a reason of its own, so they stop
+    /// at once naming it instead of waiting out the timeout.
+    pub fn abort(&mut self, reason: &str) {
+        self.world.abort(reason);
+    }
+
     /// This rank's process in a Perfetto timeline: numbered as the simulator numbers its ranks,
     /// so a simulated and a measured step line up.
     pub fn timeline_pid(&self) -> u32 {
@@ -213,7 +219,7 @@ impl Worker {
         match instruction {
             Instruction::Forward { micro_batch, chunk } => {
                 let input = (!layout.is_first(chunk))
-                    .then(|| take(&mut state.received, (Kind::Activation, micro_batch, layout.input_sender_chunk(chunk))))
+                    .then(|| take(&mut state.received, (Kind::Activation, micro_batch, layout.input_sender_chunk(chunk)), layout.id))
                     .transpose()?;
                 let batch = &state.batches[micro_batch as usize];
                 let stage = &mut self.stages[chunk as usize];
@@ -230,7 +236,7 @@ impl Worker {
             }
             Instruction::Backward { micro_batch, chunk } => {
                 let upstream = (!layout.is_last(chunk))
-                    .then(|| take(&mut state.received, (Kind::Gradient, micro_batch, layout.gradient_sender_chunk(chunk))))
+                    .then(|| take(&mut state.received, (Kind::Gradient, micro_batch, layout.gradient_sender_chunk(chunk)), layout.id))
                     .transpose()?;
                 let stage = &mut self.stages[chunk as usize];
                 let input_grad = emulate(&mut state.times.compute_s, layout.device.slowdown, self.options.emulate_speed, || {
@@ -246,7 +252,7 @@ impl Worker {
             )),
             Instruction::SendActivation { micro_batch, chunk, to } | Instruction::SendGradient { micro_batch, chunk, to } => {
                 let kind = if matches!(instruction, Instruction::SendActivation { .. }) { Kind::Activation } else { Kind::Gradient };
-                let tensor = take(&mut state.to_send, (kind, micro_batch, chunk))?;
+                let tensor = take(&mut state.to_send, (kind, micro_batch, chunk), self.layout.id)?;
                 let tag = Tag { kind, micro_batch, chunk };
                 let peer = peer(to);
                 let times = self.stamp(peer, tensor.data.len() * size_of::<f32>());
@@ -260,7 +266,7 @@ impl Worker {
                 let wire_us = message.arrival_us.saturating_sub(self.clock.now_us());
                 std::thread::sleep(Duration::from_micros(wire_us));
                 let done_us = self.clock.now_us();
-                state.times.idle_s += (done_us - asked_us) as f64 * 1e-6;
+                state.times.idle_s += done_us.saturating_sub(asked_us) as f64 * 1e-6;
                 // Waiting for a message already posted is a transfer stall; before that, a bubble.
                 state.times.transfer_wait_s += done_us.saturating_sub(asked_us.max(message.posted_us)) as f64 * 1e-6;
                 let shape = vec![self.plan.micro_batch as usize, self.config.seq_len, self.config.hidden];
@@ -375,9 +381,13 @@ fn emulate<T>(total_s: &mut f64, slowdown: f64, emulate: bool, pass: impl FnOnce
     result
 }
 
-fn take(map: &mut BTreeMap<(Kind, u32, u32), HostTensor>, key: (Kind, u32, u32)) -> Result<HostTensor, RuntimeError> {
+fn take(
+    map: &mut BTreeMap<(Kind, u32, u32), HostTensor>,
+    key: (Kind, u32, u32),
+    rank: RankId,
+) -> Result<HostTensor, RuntimeError> {
     map.remove(&key).ok_or_else(|| RuntimeError::Program {
-        rank: "this rank".into(),
+        rank: rank.to_string(),
         reason: format!("{key:?} is used before it was received or computed"),
     })
 }

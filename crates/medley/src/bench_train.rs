@@ -11,6 +11,7 @@ use medley_spec::{Cluster, Schedule, catalog_model};
 use serde::Serialize;
 use serde_json::Value;
 
+use crate::bench::median;
 use crate::render::{percent, right, table, times};
 use crate::train_cmd::{calibrate_here, launch_and_watch, runtime_job, worker_layouts, write_run_inputs};
 use crate::worker_cmd::{RunFlags, WorkerArgs};
@@ -131,11 +132,6 @@ pub fn run(args: &TrainBenchArgs) -> Result<()> {
 /// The median measured step time of `plan` over `steps` steps after the warm-up.
 fn measure(plan: &Plan, calibration: &Calibration, name: &str, steps: u64) -> Result<f64> {
     Ok(median(step_times(plan, calibration, name, steps, RunTweaks::default())?))
-}
-
-fn median(mut values: Vec<f64>) -> f64 {
-    values.sort_by(f64::total_cmp);
-    values[values.len() / 2]
 }
 
 /// What a benchmark run changes from the plan's defaults.

@@ -6,7 +6,6 @@ use std::io::{BufRead, BufReader, Read};
 use std::net::TcpListener;
 use std::path::{Path, PathBuf};
 use std::process::{Child, ChildStderr, Command, ExitCode, Stdio};
-use std::sync::{Arc, Mutex};
 use std::time::{Duration, Instant};
 
 use anyhow::{Context, Result};
@@ -85,10 +84,13 @@ pub fn run(args: &TrainArgs) -> Result<ExitCode> {
 
 /// The plan to train and the emulation profile that prices its fleet.
 fn choose_plan(args: &TrainArgs) -> Result<(Plan, Calibration)> {
-    let model = load_model(&args.model)?;
-    let given = match (&args.plan, &args.resume, &args.fleet) {
+    let resumed = match (&args.plan, &args.resume) {
+        (None, Some(dir)) => Some(read_latest(&dir.join(CHECKPOINTS))?.1.plan),
+        _ => None,
+    };
+    let given = match (&args.plan, resumed.clone(), &args.fleet) {
         (Some(path), _, _) => Some(crate::plan_cmd::load_plan(path)?),
-        (None, Some(dir), None) => Some(read_latest(&dir.join(CHECKPOINTS))?.1.plan),
+        (None, Some(plan), None) => Some(plan),
         _ => None,
     };
     let calibration = |cluster: &Cluster, model: &ModelSpec, seq_len: u32, micro_batch: u32| match &args.calibration {
@@ -101,8 +103,13 @@ fn choose_plan(args: &TrainArgs) -> Result<(Plan, Calibration)> {
     }
     let fleet = args.fleet.as_deref().unwrap_or(DEFAULT_FLEET);
     let cluster = Cluster::from_fleet(fleet)?;
-    let job = runtime_job(args.seq_len, args.global_batch, args.micro_batch, args.worker.schedule)?;
-    let calibration = calibration(&cluster, &model, args.seq_len, args.micro_batch)?;
+    // Resuming on another fleet trains the checkpoint's model on its batches.
+    let (model, seq_len, global_batch, micro_batch) = match resumed {
+        Some(plan) => (plan.model, plan.seq_len, plan.global_batch, plan.micro_batch),
+        None => (load_model(&args.model)?, args.seq_len, args.global_batch, args.micro_batch),
+    };
+    let job = runtime_job(seq_len, global_batch, micro_batch, args.worker.schedule)?;
+    let calibration = calibration(&cluster, &model, seq_len, micro_batch)?;
     let options = SearchOptions { top: 1, ..SearchOptions::default() };
     let outcome = search(&cluster, &model, &job, &calibration, &options)
         .with_context(|| format!("planning {} on {fleet}", model.name()))?;
@@ -211,7 +218,16 @@ pub(crate) fn launch_and_watch(args: &WorkerArgs, layouts: &[RankLayout]) -> Res
             ("MEDLEY_DOMAIN", layout.device.vendor.to_string()),
             ("MEDLEY_TOKEN", token.clone()),
         ]);
-        children.push(command.spawn().with_context(|| format!("cannot start worker {rank}"))?);
+        match command.spawn() {
+            Ok(child) => children.push(child),
+            Err(err) => {
+                for child in &mut children {
+                    child.kill().ok();
+                    child.wait().ok();
+                }
+                return Err(err).with_context(|| format!("cannot start worker {rank}"));
+            }
+        }
     }
     let bar = progress_bar(args.run.steps);
     let errors: Vec<_> =
@@ -231,7 +247,8 @@ pub(crate) fn launch_and_watch(args: &WorkerArgs, layouts: &[RankLayout]) -> Res
     let grace = Duration::from_secs(args.run.timeout_s + 15);
     let statuses = wait_all(&mut children, grace);
     bar.finish_and_clear();
-    let errors = errors.into_iter().map(|lines| lines.lock().map(|l| l.clone()).unwrap_or_default()).collect();
+    // The pipes close when the workers exit: joining the readers gets every last line.
+    let errors = errors.into_iter().map(|reader| reader.join().unwrap_or_default()).collect();
     Ok(Outcome { statuses, errors, steps })
 }
 
@@ -264,19 +281,11 @@ fn progress_bar(steps: u64) -> ProgressBar {
     bar
 }
 
-/// Keeps a worker's standard error lines and shows them above the progress bar.
-fn collect_lines(stderr: ChildStderr, bar: ProgressBar) -> Arc<Mutex<Vec<String>>> {
-    let lines = Arc::new(Mutex::new(Vec::new()));
-    let kept = Arc::clone(&lines);
+/// Shows a worker's standard error lines above the progress bar and keeps them.
+fn collect_lines(stderr: ChildStderr, bar: ProgressBar) -> std::thread::JoinHandle<Vec<String>> {
     std::thread::spawn(move || {
-        for line in BufReader::new(stderr).lines().map_while(Result::ok) {
-            bar.println(&line);
-            if let Ok(mut kept) = kept.lock() {
-                kept.push(line);
-            }
-        }
-    });
-    lines
+        BufReader::new(stderr).lines().map_while(Result::ok).inspect(|line| bar.println(line)).collect()
+    })
 }
 
 /// Waits for every worker; once one has failed, the others get `grace` to notice and report,

@@ -149,9 +149,29 @@ pub fn run(args: &WorkerArgs) -> Result<()> {
     };
     let rank = env.rank;
     let mut worker = Worker::join(plan, env, options).map_err(|err| blame(err, rank))?;
-    if let Some(dir) = &args.resume {
-        worker.resume(&dir.join(CHECKPOINTS)).map_err(|err| blame(err, rank))?;
+    let result = train_joined(&mut worker, args, policy);
+    let Err(err) = result else { return Ok(()) };
+    let err = match err.downcast::<RuntimeError>() {
+        Ok(err) => err,
+        Err(err) => {
+            // This worker's own failure (a file it cannot write, say): the others stop now.
+            worker.abort(&format!("{err:#}"));
+            return Err(err.context(format!("worker {rank}")));
+        }
+    };
+    if err.blamed_rank().is_none_or(|blamed| blamed == rank) {
+        worker.abort(&err.to_string());
     }
+    Err(blame(err, rank))
+}
+
+/// Resumes if asked, trains, and writes the timeline and (rank 0) the metrics.
+fn train_joined(worker: &mut Worker, args: &WorkerArgs, policy: SchedulePolicy) -> Result<()> {
+    let rank = worker.layout().job_rank;
+    let resumed_at = match &args.resume {
+        Some(dir) => Some(worker.resume(&dir.join(CHECKPOINTS))?.step),
+        None => None,
+    };
     let train = TrainOptions {
         until_step: args.run.steps,
         policy,
@@ -168,29 +188,36 @@ pub fn run(args: &WorkerArgs) -> Result<()> {
     let layout = worker.layout();
     let label = format!("{} · {} (worker {rank}, emulated)", layout.id, layout.device.name);
     timeline.process(worker.timeline_pid(), &label, rank as u32);
-    let mut metrics = (rank == 0).then(|| open_metrics(&args.out, args.resume.is_some())).transpose()?;
-    let trained = worker.train(&train, Some(&mut timeline), |step| {
+    let mut metrics = (rank == 0).then(|| open_metrics(&args.out, resumed_at)).transpose()?;
+    worker.train(&train, Some(&mut timeline), |step| {
         if let Some(file) = metrics.as_mut() {
             record(file, step, args.print_metrics)
                 .map_err(|source| RuntimeError::Io { path: args.out.join(METRICS), source })?;
         }
         Ok(())
-    });
-    trained.map_err(|err| blame(err, rank))?;
+    })?;
     timeline.finish().with_context(|| format!("cannot write {}", timeline_path.display()))?;
     Ok(())
 }
 
-fn open_metrics(out: &Path, append: bool) -> Result<File> {
+/// The metrics file, fresh, or after a resume at `resumed_at` keeping only the steps up to it (a
+/// run that stopped after its last checkpoint recorded steps that are trained again now).
+fn open_metrics(out: &Path, resumed_at: Option<u64>) -> Result<File> {
     let path = out.join(METRICS);
-    let mut options = OpenOptions::new();
-    options.create(true);
-    if append {
-        options.append(true)
-    } else {
-        options.write(true).truncate(true)
+    let kept: Vec<String> = match resumed_at {
+        None => Vec::new(),
+        Some(step) => fs::read_to_string(&path)
+            .unwrap_or_default()
+            .lines()
+            .filter(|line| {
+                let recorded = serde_json::from_str::<serde_json::Value>(line).ok().and_then(|v| v["step"].as_u64());
+                recorded.is_some_and(|recorded| recorded <= step)
+            })
+            .map(|line| format!("{line}\n"))
+            .collect(),
     };
-    options.open(&path).with_context(|| format!("cannot open {}", path.display()))
+    medley_model::write_atomically(&path, kept.concat().as_bytes())?;
+    OpenOptions::new().append(true).open(&path).with_context(|| format!("cannot open {}", path.display()))
 }
 
 fn record(file: &mut File, step: &StepMetrics, print: bool) -> std::io::Result<()> {

@@ -454,3 +454,23 @@ fn workers_start_under_an_mpi_launchers_variables() {
     }
     assert_eq!(losses(&out).iter().map(|s| s.0).collect::<Vec<_>>(), [1, 2]);
 }
+
+#[test]
+fn a_worker_that_fails_on_its_own_stops_the_others_at_once() {
+    let out = scratch("train-own-failure");
+    // Worker 1 cannot write its first checkpoint: its file's path is taken by a directory.
+    std::fs::create_dir_all(out.join("checkpoints/step-00000001/rank-1.safetensors")).unwrap();
+    let out_text = out.to_string_lossy().into_owned();
+    let args: Vec<&str> = ["train", "--out", &out_text, "--fleet", "2xh100", "--steps", "3", "--checkpoint-every", "1"]
+        .into_iter()
+        .chain(QUICK_TRAIN)
+        .chain(["60"])
+        .collect();
+    let started = Instant::now();
+    let output = medley(&args);
+    let text = stdout(&output) + &stderr(&output);
+    assert_eq!(output.status.code(), Some(1), "{text}");
+    assert!(started.elapsed() < Duration::from_secs(30), "the others waited for the 60 s timeout:\n{text}");
+    assert!(text.contains("rank-1.safetensors"), "{text}");
+    assert!(text.contains("worker 0: ") && text.contains("rank 1 failed"), "worker 0 does not name worker 1:\n{text}");
+}
