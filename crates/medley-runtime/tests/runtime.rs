@@ -159,6 +159,12 @@ fn plans_train_like_one_process() {
             true,
         ),
         ("adaptive", plan("2xh100", &[(4, &[4, 4])], 1), SchedulePolicy::Adaptive, true),
+        (
+            "interleaved with data parallel",
+            plan("2xh100,2xmi300x", &[(2, &[1, 3, 2, 2]), (2, &[3, 1, 1, 3])], 2),
+            SchedulePolicy::Fixed(ScheduleKind::Interleaved),
+            false,
+        ),
     ];
     for (name, plan, policy, same_order) in cases {
         let (losses, tensors) = train(&plan, policy);
