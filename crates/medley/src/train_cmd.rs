@@ -14,6 +14,7 @@ use indicatif::{ProgressBar, ProgressStyle};
 use medley_cost::Calibration;
 use medley_plan::{Plan, SearchOptions, search};
 use medley_runtime::{RankLayout, emulation_calibration, measure_model_pass, rank_ids, read_latest};
+use medley_sim::{SchedulePolicy, SimConfig, simulate_steps};
 use medley_spec::{Cluster, JobParts, JobSpec, ModelSpec, Schedule};
 use serde_json::Value;
 
@@ -69,17 +70,39 @@ pub fn run(args: &TrainArgs) -> Result<ExitCode> {
     let layouts = worker_layouts(&plan, &calibration)?;
     println!("{}", crate::render::explain(&plan));
     println!("{}", workers_table(&plan, &layouts, !args.worker.no_emulate));
+    let mut run = args.worker.clone();
+    run.timeout_s = timeout_for(&plan, &calibration, &run)?;
     let worker_args = WorkerArgs {
         plan: plan_path.to_string_lossy().into_owned(),
         calibration: Some(calibration_path.to_string_lossy().into_owned()),
         out: out.clone(),
         resume: args.resume.clone(),
-        run: args.worker.clone(),
+        run,
         print_metrics: true,
     };
     let started = Instant::now();
     let outcome = launch_and_watch(&worker_args, &layouts)?;
     report(&out, &outcome, &layouts, started.elapsed())
+}
+
+/// Waits on a peer legitimately last up to a step (a pipeline's fill, a slow replica before the
+/// all-reduce): the timeout is at least this many predicted steps.
+const TIMEOUT_STEPS: f64 = 10.0;
+
+/// The workers' timeout: `--timeout-s`, raised to `TIMEOUT_STEPS` of the simulator's predicted
+/// step so that a big model's long waits are not taken for a dead peer.
+fn timeout_for(plan: &Plan, calibration: &Calibration, run: &RunFlags) -> Result<u64> {
+    let policy = SchedulePolicy::from(run.schedule.unwrap_or(plan.schedule));
+    let predicted = simulate_steps(plan, calibration, &SimConfig::default(), policy, 1, None)?.mean_step_time_s;
+    println!("the simulator predicts {:.3} s a step for this plan on this machine", predicted);
+    let needed = (TIMEOUT_STEPS * predicted).ceil() as u64;
+    if needed > run.timeout_s {
+        println!(
+            "a silent worker is given {needed} s (ten predicted steps) before it is named, not {} s",
+            run.timeout_s
+        );
+    }
+    Ok(run.timeout_s.max(needed))
 }
 
 /// The plan to train and the emulation profile that prices its fleet.
