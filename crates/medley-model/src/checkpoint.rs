@@ -37,7 +37,7 @@ pub fn save_tensors(
 
 /// Reads every tensor and the metadata of a safetensors file written by [`save_tensors`].
 pub fn load_tensors(path: &Path) -> Result<(NamedTensors, HashMap<String, String>), ModelError> {
-    let bytes = fs::read(path).map_err(|source| ModelError::Io { path: path.into(), source })?;
+    let bytes = fs::read(path).map_err(|error| ModelError::Io { path: path.into(), error })?;
     let (_, header) = SafeTensors::read_metadata(&bytes).map_err(|err| checkpoint_error(path, err))?;
     let metadata = header.metadata().clone().unwrap_or_default();
     let file = SafeTensors::deserialize(&bytes).map_err(|err| checkpoint_error(path, err))?;
@@ -55,7 +55,7 @@ pub fn load_tensors(path: &Path) -> Result<(NamedTensors, HashMap<String, String
 /// Writes `bytes` to `path` atomically: a temporary file beside it, fsynced, renamed over, the
 /// directory fsynced.
 pub fn write_atomically(path: &Path, bytes: &[u8]) -> Result<(), ModelError> {
-    let io = |source| ModelError::Io { path: path.into(), source };
+    let io = |error| ModelError::Io { path: path.into(), error };
     let tmp = temporary_path(path);
     let mut file = File::create(&tmp).map_err(io)?;
     file.write_all(bytes).map_err(io)?;

@@ -17,6 +17,6 @@ pub enum ModelError {
     Compute(String),
     #[error("{}: {reason}", path.display())]
     Checkpoint { path: PathBuf, reason: String },
-    #[error("{}: {source}", path.display())]
-    Io { path: PathBuf, source: std::io::Error },
+    #[error("{}: {error}", path.display())]
+    Io { path: PathBuf, error: std::io::Error },
 }

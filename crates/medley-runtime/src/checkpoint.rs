@@ -43,7 +43,7 @@ pub struct Manifest {
 }
 
 fn io_error(path: &Path) -> impl FnOnce(std::io::Error) -> RuntimeError + '_ {
-    move |source| RuntimeError::Io { path: path.to_path_buf(), source }
+    move |error| RuntimeError::Io { path: path.to_path_buf(), error }
 }
 
 fn corrupt(path: &Path, reason: impl Into<String>) -> RuntimeError {
@@ -129,6 +129,12 @@ impl Worker {
 /// The newest complete checkpoint under `root` and its manifest.
 pub fn read_latest(root: &Path) -> Result<(PathBuf, Manifest), RuntimeError> {
     let pointer = root.join(LATEST);
+    if !pointer.is_file() {
+        return Err(corrupt(
+            root,
+            "no complete checkpoint here (no `latest` file): resume from a run directory that training wrote a checkpoint into",
+        ));
+    }
     let name = fs::read_to_string(&pointer).map_err(io_error(&pointer))?;
     let name = name.trim();
     if name.is_empty() || name.contains(['/', '\\']) || name.starts_with('.') {

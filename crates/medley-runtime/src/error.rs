@@ -14,14 +14,14 @@ pub enum RuntimeError {
     Launch(String),
     #[error("schedule: {0}")]
     Schedule(#[from] ScheduleError),
-    #[error("{during}: {source}")]
-    Comm { during: String, source: CommError },
+    #[error("{during}: {error}")]
+    Comm { during: String, error: CommError },
     #[error(transparent)]
     Model(#[from] ModelError),
     #[error("{}: {reason}", path.display())]
     Checkpoint { path: PathBuf, reason: String },
-    #[error("{}: {source}", path.display())]
-    Io { path: PathBuf, source: std::io::Error },
+    #[error("{}: {error}", path.display())]
+    Io { path: PathBuf, error: std::io::Error },
     #[error("program of {rank}: {reason}")]
     Program { rank: String, reason: String },
 }
@@ -30,7 +30,7 @@ impl RuntimeError {
     /// The job rank of the worker that caused this failure, if another one did.
     pub fn blamed_rank(&self) -> Option<usize> {
         match self {
-            RuntimeError::Comm { source, .. } => source.blamed_rank(),
+            RuntimeError::Comm { error, .. } => error.blamed_rank(),
             _ => None,
         }
     }
@@ -43,6 +43,6 @@ pub(crate) trait CommContext<T> {
 
 impl<T> CommContext<T> for Result<T, CommError> {
     fn during(self, what: impl FnOnce() -> String) -> Result<T, RuntimeError> {
-        self.map_err(|source| RuntimeError::Comm { during: what(), source })
+        self.map_err(|error| RuntimeError::Comm { during: what(), error })
     }
 }

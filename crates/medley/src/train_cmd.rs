@@ -64,7 +64,6 @@ pub struct TrainArgs {
 pub fn run(args: &TrainArgs) -> Result<ExitCode> {
     let out = args.out.clone().or_else(|| args.resume.clone()).unwrap_or_else(|| PathBuf::from("medley-run"));
     let (plan, calibration) = choose_plan(args)?;
-    medley_runtime::check_runnable(&plan)?;
     fs::create_dir_all(&out).with_context(|| format!("cannot create {}", out.display()))?;
     let (plan_path, calibration_path) = write_run_inputs(&out, &plan, &calibration)?;
     let layouts = worker_layouts(&plan, &calibration)?;
@@ -121,6 +120,7 @@ fn choose_plan(args: &TrainArgs) -> Result<(Plan, Calibration)> {
         None => calibrate_here(cluster, model, seq_len, micro_batch),
     };
     if let Some(plan) = given {
+        medley_runtime::check_runnable(&plan)?;
         let calibration = calibration(&plan.cluster, &plan.model, plan.seq_len, plan.micro_batch)?;
         return Ok((plan, calibration));
     }

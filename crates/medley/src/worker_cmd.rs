@@ -192,7 +192,7 @@ fn train_joined(worker: &mut Worker, args: &WorkerArgs, policy: SchedulePolicy) 
     worker.train(&train, Some(&mut timeline), |step| {
         if let Some(file) = metrics.as_mut() {
             record(file, step, args.print_metrics)
-                .map_err(|source| RuntimeError::Io { path: args.out.join(METRICS), source })?;
+                .map_err(|error| RuntimeError::Io { path: args.out.join(METRICS), error })?;
         }
         Ok(())
     })?;
