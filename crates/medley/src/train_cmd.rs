@@ -19,7 +19,7 @@ use medley_spec::{Cluster, JobParts, JobSpec, ModelSpec, Schedule};
 use serde_json::Value;
 
 use crate::inputs::load_model;
-use crate::render::{right, table};
+use crate::render::{percent, right, table};
 use crate::worker_cmd::{CHECKPOINTS, METRICS, RunFlags, TIMELINES, WorkerArgs};
 
 /// Two fast NVIDIA GPUs and two slower AMD ones: the smallest fleet that shows every kind of
@@ -70,7 +70,8 @@ pub fn run(args: &TrainArgs) -> Result<ExitCode> {
     println!("{}", crate::render::explain(&plan));
     println!("{}", workers_table(&plan, &layouts, !args.worker.no_emulate));
     let mut run = args.worker.clone();
-    run.timeout_s = timeout_for(&plan, &calibration, &run)?;
+    let predicted_step_s = predict_step_s(&plan, &calibration, &run)?;
+    run.timeout_s = timeout_for(predicted_step_s, &run);
     let worker_args = WorkerArgs {
         plan: plan_path.to_string_lossy().into_owned(),
         calibration: Some(calibration_path.to_string_lossy().into_owned()),
@@ -81,27 +82,32 @@ pub fn run(args: &TrainArgs) -> Result<ExitCode> {
     };
     let started = Instant::now();
     let outcome = launch_and_watch(&worker_args, &layouts)?;
-    report(&out, &outcome, &layouts, started.elapsed())
+    report(&out, &outcome, &layouts, (started.elapsed(), predicted_step_s))
 }
 
 /// Waits on a peer legitimately last up to a step (a pipeline's fill, a slow replica before the
 /// all-reduce): the timeout is at least this many predicted steps.
 const TIMEOUT_STEPS: f64 = 10.0;
 
-/// The workers' timeout: `--timeout-s`, raised to `TIMEOUT_STEPS` of the simulator's predicted
-/// step so that a big model's long waits are not taken for a dead peer.
-fn timeout_for(plan: &Plan, calibration: &Calibration, run: &RunFlags) -> Result<u64> {
+/// The simulator's step time for `plan` under the run's emulation profile.
+fn predict_step_s(plan: &Plan, calibration: &Calibration, run: &RunFlags) -> Result<f64> {
     let policy = SchedulePolicy::from(run.schedule.unwrap_or(plan.schedule));
     let predicted = simulate_steps(plan, calibration, &SimConfig::default(), policy, 1, None)?.mean_step_time_s;
-    println!("the simulator predicts {:.3} s a step for this plan on this machine", predicted);
-    let needed = (TIMEOUT_STEPS * predicted).ceil() as u64;
+    println!("the simulator predicts {predicted:.3} s a step for this plan on this machine");
+    Ok(predicted)
+}
+
+/// The workers' timeout: `--timeout-s`, raised to `TIMEOUT_STEPS` predicted steps so that a big
+/// model's long waits are not taken for a dead peer.
+fn timeout_for(predicted_step_s: f64, run: &RunFlags) -> u64 {
+    let needed = (TIMEOUT_STEPS * predicted_step_s).ceil() as u64;
     if needed > run.timeout_s {
         println!(
             "a silent worker is given {needed} s (ten predicted steps) before it is named, not {} s",
             run.timeout_s
         );
     }
-    Ok(run.timeout_s.max(needed))
+    run.timeout_s.max(needed)
 }
 
 /// The plan to train and the emulation profile that prices its fleet.
@@ -343,12 +349,15 @@ fn wait_all(children: &mut [Child], grace: Duration) -> Vec<Option<std::process:
     }
 }
 
-fn report(out: &Path, outcome: &Outcome, layouts: &[RankLayout], wall: Duration) -> Result<ExitCode> {
+/// The run's wall time and the simulator's predicted step time.
+type Timing = (Duration, f64);
+
+fn report(out: &Path, outcome: &Outcome, layouts: &[RankLayout], timing: Timing) -> Result<ExitCode> {
     let failed: Vec<usize> =
         (0..layouts.len()).filter(|&r| !outcome.statuses[r].is_some_and(|status| status.success())).collect();
     if failed.is_empty() {
         merge_timelines(out, layouts.len())?;
-        print_summary(out, &outcome.steps, wall);
+        print_summary(out, &outcome.steps, timing);
         return Ok(ExitCode::SUCCESS);
     }
     eprintln!("training stopped:");
@@ -400,7 +409,7 @@ fn merge_timelines(out: &Path, n_ranks: usize) -> Result<()> {
     fs::write(&path, serde_json::to_vec(&merged)?).with_context(|| format!("cannot write {}", path.display()))
 }
 
-fn print_summary(out: &Path, steps: &[Value], wall: Duration) {
+fn print_summary(out: &Path, steps: &[Value], (wall, predicted_step_s): Timing) {
     let field = |step: &Value, name: &str| step[name].as_f64().unwrap_or(f64::NAN);
     let (Some(first), Some(last)) = (steps.first(), steps.last()) else {
         println!("nothing to train: the run is already at the requested step");
@@ -413,6 +422,14 @@ fn print_summary(out: &Path, steps: &[Value], wall: Duration) {
     rows.add_row(vec![right("steps"), right(format!("{} → {}", field(first, "step") - 1.0, field(last, "step")))]);
     rows.add_row(vec![right("loss"), right(format!("{:.3} → {:.3}", field(first, "loss"), field(last, "loss")))]);
     rows.add_row(vec![right("tokens/s (mean after step 1)"), right(format!("{mean_tokens_per_s:.0}"))]);
+    let measured = crate::bench::median(steady.iter().map(|s| field(s, "step_time_s")).collect());
+    rows.add_row(vec![
+        right("step time (median after step 1)"),
+        right(format!(
+            "{measured:.3} s, simulated {predicted_step_s:.3} s ({})",
+            percent(predicted_step_s / measured - 1.0)
+        )),
+    ]);
     rows.add_row(vec![right("wall time"), right(format!("{:.1} s", wall.as_secs_f64()))]);
     println!("{rows}");
     println!(
