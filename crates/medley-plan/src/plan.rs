@@ -135,6 +135,17 @@ pub enum Algorithm {
     Hierarchical,
 }
 
+impl From<Algorithm> for medley_collective::Algorithm {
+    /// The collective algorithm that runs a gradient group: the simulator lowers it, the
+    /// runtime's communicator executes it.
+    fn from(algorithm: Algorithm) -> Self {
+        match algorithm {
+            Algorithm::Ring => medley_collective::Algorithm::Ring,
+            Algorithm::Hierarchical => medley_collective::Algorithm::Hierarchical,
+        }
+    }
+}
+
 /// A data-parallel gradient group: every replica's stage that holds `layers`, one member per
 /// replica (times `tp` parallel groups, one per TP rank).
 #[derive(Clone, Copy, Debug, PartialEq, Serialize, Deserialize)]

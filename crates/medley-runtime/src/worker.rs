@@ -3,7 +3,7 @@
 use std::collections::BTreeMap;
 use std::time::{Duration, Instant, SystemTime, UNIX_EPOCH};
 
-use medley_comm::{Algorithm, Communicator, Config, Counts, LaunchEnv, Op, ReduceOp};
+use medley_comm::{Communicator, Config, Counts, LaunchEnv, Op, ReduceOp};
 use medley_cost::Calibration;
 use medley_model::data::{Dataset, loss_scale, step_layout};
 use medley_model::params::ParamGroup;
@@ -334,10 +334,7 @@ impl Worker {
             stage.grads_of_mut(select).for_each(|grad| flat.extend_from_slice(&grad.data));
         }
         let mut summed = vec![0f32; flat.len()];
-        let algorithm = match self.plan.dp_groups[dp_group].algorithm {
-            medley_plan::Algorithm::Ring => Algorithm::Ring,
-            medley_plan::Algorithm::Hierarchical => Algorithm::Hierarchical,
-        };
+        let algorithm = self.plan.dp_groups[dp_group].algorithm.into();
         let op = Op::AllReduce { op: ReduceOp::Sum };
         comm.collective(op, &Counts::Same(flat.len()), Some(algorithm), &flat, &mut summed)
             .during(|| format!("all-reducing the gradients of layers {layers}"))?;

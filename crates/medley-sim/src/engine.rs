@@ -12,7 +12,6 @@ use std::cmp::Reverse;
 use std::collections::{BinaryHeap, HashMap, HashSet, VecDeque};
 
 use medley_collective::{self as collective, Chunking, Counts, DomainId, Group, Op, RankSteps, ReduceOp, Step};
-use medley_plan::Algorithm;
 use medley_schedule::{Instruction, Program, RankId};
 use serde_json::json;
 
@@ -623,10 +622,7 @@ impl<'s, 'p, 'w> StepRun<'s, 'p, 'w> {
         let collective = &mut self.collectives[group_idx];
         let domains = collective.members.iter().map(|&m| DomainId(setup.ranks[m].vendor as u32)).collect();
         let group = Group::new(domains)?;
-        let algorithm = match dp_group.algorithm {
-            Algorithm::Ring => collective::Algorithm::Ring,
-            Algorithm::Hierarchical => collective::Algorithm::Hierarchical,
-        };
+        let algorithm = dp_group.algorithm.into();
         let n_elements = (setup.dp_bytes[group_idx] / ELEMENT_BYTES).round() as usize;
         let op = Op::AllReduce { op: ReduceOp::Sum };
         collective.steps =
