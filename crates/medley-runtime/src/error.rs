@@ -27,6 +27,13 @@ pub enum RuntimeError {
 }
 
 impl RuntimeError {
+    /// Zero-bubble schedules split the backward pass, which the runtime's stages cannot yet.
+    pub(crate) fn zero_bubble() -> RuntimeError {
+        RuntimeError::Unsupported(
+            "zero-bubble schedules (zb-h1) need a split backward, which the runtime's stages do not have yet; use 1f1b, kfkb:K, gpipe or adaptive".into(),
+        )
+    }
+
     /// The job rank of the worker that caused this failure, if another one did.
     pub fn blamed_rank(&self) -> Option<usize> {
         match self {

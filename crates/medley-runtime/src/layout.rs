@@ -56,28 +56,27 @@ pub fn check_runnable(plan: &Plan) -> Result<(), RuntimeError> {
 }
 
 impl RankLayout {
-    /// The layout of job rank `job_rank` of `plan`, its device slowed down as the cost model
-    /// (with `calibration`) prices it against the cluster's fastest device type.
-    pub fn of(plan: &Plan, job_rank: usize, calibration: &Calibration) -> Result<RankLayout, RuntimeError> {
+    /// Every worker's layout, in job-rank order, each device slowed down as the cost model (with
+    /// `calibration`) prices it against the cluster's fastest device type.
+    pub fn all(plan: &Plan, calibration: &Calibration) -> Result<Vec<RankLayout>, RuntimeError> {
         check_runnable(plan)?;
-        let ids = rank_ids(plan);
-        let id = *ids.get(job_rank).ok_or_else(|| {
-            RuntimeError::Launch(format!("RANK={job_rank}, but the plan has {} pipeline ranks", ids.len()))
-        })?;
-        let replica = &plan.replicas[id.replica_idx as usize];
-        let p = plan.n_ranks(replica);
-        let chunks: Vec<Range<usize>> = (id.stage_idx as usize..replica.stages.len())
-            .step_by(p)
-            .map(|virtual_stage| {
-                let layers = replica.stages[virtual_stage].layers;
-                layers.start as usize..layers.end as usize
-            })
-            .collect();
-        let stage = &replica.stages[id.stage_idx as usize];
-        let group = plan.stage_group(stage);
-        let slowdown = pass_time_s(plan, group, calibration) / fastest_pass_time_s(plan, calibration);
-        let device = EmulatedDevice { name: group.device.name.clone(), vendor: group.device.vendor, slowdown };
-        Ok(RankLayout { id, job_rank, n_pipeline_ranks: p, chunks, device })
+        let fastest_s = fastest_pass_time_s(plan, calibration);
+        let layouts = rank_ids(plan).into_iter().enumerate().map(|(job_rank, id)| {
+            let replica = &plan.replicas[id.replica_idx as usize];
+            let p = plan.n_ranks(replica);
+            let chunks: Vec<Range<usize>> = (id.stage_idx as usize..replica.stages.len())
+                .step_by(p)
+                .map(|virtual_stage| {
+                    let layers = replica.stages[virtual_stage].layers;
+                    layers.start as usize..layers.end as usize
+                })
+                .collect();
+            let group = plan.stage_group(&replica.stages[id.stage_idx as usize]);
+            let slowdown = pass_time_s(plan, group, calibration) / fastest_s;
+            let device = EmulatedDevice { name: group.device.name.clone(), vendor: group.device.vendor, slowdown };
+            RankLayout { id, job_rank, n_pipeline_ranks: p, chunks, device }
+        });
+        Ok(layouts.collect())
     }
 
     /// Whether chunk `chunk` is the replica's first virtual stage (it embeds tokens).

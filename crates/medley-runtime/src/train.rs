@@ -1,10 +1,9 @@
 //! The training loop around [`Worker::step`]: the schedule of each step (fixed, or adaptive kFkB
 //! from the same policy the simulator runs), checkpoints, and a callback per step.
 
-use std::num::NonZeroU32;
 use std::path::PathBuf;
 
-use medley_schedule::{AdaptiveK, ScheduleKind, StepObservation, generate};
+use medley_schedule::{ScheduleKind, StepSchedules, generate};
 use medley_sim::{SchedulePolicy, Timeline, max_k_within_memory};
 
 use crate::{RuntimeError, StepMetrics, Worker};
@@ -31,25 +30,15 @@ impl Worker {
         mut on_step: impl FnMut(&StepMetrics) -> Result<(), RuntimeError>,
     ) -> Result<(), RuntimeError> {
         if options.policy == SchedulePolicy::Fixed(ScheduleKind::ZbH1) {
-            return Err(RuntimeError::Unsupported(
-                "zb-h1 needs a split backward, which the runtime's stages do not have yet; use 1f1b, kfkb:K, gpipe or adaptive".into(),
-            ));
+            return Err(RuntimeError::zero_bubble());
         }
-        let mut adaptive = AdaptiveK::new(max_k_within_memory(&self.plan, &self.options.calibration));
+        let k_max = max_k_within_memory(&self.plan, &self.options.calibration);
+        let mut schedules = StepSchedules::new(options.policy, k_max);
         while self.step < options.until_step {
-            let kind = match options.policy {
-                SchedulePolicy::Fixed(kind) => kind,
-                SchedulePolicy::Adaptive => ScheduleKind::Kfkb { k: NonZeroU32::new(adaptive.k()).expect("k ≥ 1") },
-            };
+            let kind = schedules.next();
             let programs = generate(&self.plan, kind)?;
             let metrics = self.step(&programs, timeline.as_deref_mut())?;
-            if let ScheduleKind::Kfkb { k } = kind {
-                adaptive.observe(StepObservation {
-                    k: k.get(),
-                    step_time_s: metrics.step_time_s,
-                    comm_wait_fraction: metrics.pipeline_wait_fraction,
-                });
-            }
+            schedules.observe(kind, metrics.step_time_s, metrics.pipeline_wait_fraction);
             on_step(&metrics)?;
             let due = options.checkpoint_every > 0 && self.step.is_multiple_of(options.checkpoint_every);
             if let Some(dir) = &options.checkpoint_dir

@@ -17,7 +17,7 @@ use serde_json::json;
 use crate::error::CommContext;
 use crate::metrics::{RankMetrics, RankTimes, StepMetrics};
 use crate::p2p::{Kind, Mailbox, Tag};
-use crate::{RankLayout, RuntimeError, rank_ids};
+use crate::{RankLayout, RuntimeError};
 
 /// How a worker trains.
 #[derive(Clone, Debug)]
@@ -101,9 +101,7 @@ struct StepState {
 impl Worker {
     /// Joins the job as `env`'s rank and builds this rank's stages at their initial weights.
     pub fn join(plan: Plan, mut env: LaunchEnv, options: WorkerOptions) -> Result<Worker, RuntimeError> {
-        let layouts = (0..rank_ids(&plan).len())
-            .map(|job_rank| RankLayout::of(&plan, job_rank, &options.calibration))
-            .collect::<Result<Vec<_>, _>>()?;
+        let layouts = RankLayout::all(&plan, &options.calibration)?;
         if env.world_size != layouts.len() {
             return Err(RuntimeError::Launch(format!(
                 "WORLD_SIZE={} but the plan has {} pipeline ranks: start one worker per rank",
@@ -170,15 +168,6 @@ impl Worker {
         self.layout.job_rank as u32 + 1
     }
 
-    pub fn plan(&self) -> &Plan {
-        &self.plan
-    }
-
-    /// Steps completed so far (including those before a resume).
-    pub fn steps_done(&self) -> u64 {
-        self.step
-    }
-
     /// This rank's stages, one per model chunk.
     pub fn stages(&self) -> &[Stage] {
         &self.stages
@@ -215,17 +204,22 @@ impl Worker {
     /// Executes one instruction; returns its timeline category.
     fn execute(&mut self, instruction: Instruction, state: &mut StepState) -> Result<&'static str, RuntimeError> {
         let layout = &self.layout;
+        let stretch = if self.options.emulate_speed { layout.device.slowdown } else { 1.0 };
         let peer = |rank: RankId| self.layouts.iter().position(|l| l.id == rank).expect("rank of the plan");
         match instruction {
             Instruction::Forward { micro_batch, chunk } => {
                 let input = (!layout.is_first(chunk))
-                    .then(|| take(&mut state.received, (Kind::Activation, micro_batch, layout.input_sender_chunk(chunk)), layout.id))
+                    .then(|| {
+                        take(
+                            &mut state.received,
+                            (Kind::Activation, micro_batch, layout.input_sender_chunk(chunk)),
+                            layout.id,
+                        )
+                    })
                     .transpose()?;
                 let batch = &state.batches[micro_batch as usize];
                 let stage = &mut self.stages[chunk as usize];
-                let output = emulate(&mut state.times.compute_s, layout.device.slowdown, self.options.emulate_speed, || {
-                    stage.forward(micro_batch, batch, input)
-                })?;
+                let output = timed(&mut state.times.compute_s, stretch, || stage.forward(micro_batch, batch, input))?;
                 match output {
                     StageOutput::Activations(out) => {
                         state.to_send.insert((Kind::Activation, micro_batch, chunk), out);
@@ -236,22 +230,29 @@ impl Worker {
             }
             Instruction::Backward { micro_batch, chunk } => {
                 let upstream = (!layout.is_last(chunk))
-                    .then(|| take(&mut state.received, (Kind::Gradient, micro_batch, layout.gradient_sender_chunk(chunk)), layout.id))
+                    .then(|| {
+                        take(
+                            &mut state.received,
+                            (Kind::Gradient, micro_batch, layout.gradient_sender_chunk(chunk)),
+                            layout.id,
+                        )
+                    })
                     .transpose()?;
                 let stage = &mut self.stages[chunk as usize];
-                let input_grad = emulate(&mut state.times.compute_s, layout.device.slowdown, self.options.emulate_speed, || {
-                    stage.backward(micro_batch, upstream)
-                })?;
+                let input_grad = timed(&mut state.times.compute_s, stretch, || stage.backward(micro_batch, upstream))?;
                 if let Some(grad) = input_grad {
                     state.to_send.insert((Kind::Gradient, micro_batch, chunk), grad);
                 }
                 Ok("compute")
             }
-            Instruction::BackwardInput { .. } | Instruction::BackwardWeight { .. } => Err(RuntimeError::Unsupported(
-                "zero-bubble schedules need a split backward, which the runtime's stages do not have yet; use 1f1b or kfkb".into(),
-            )),
-            Instruction::SendActivation { micro_batch, chunk, to } | Instruction::SendGradient { micro_batch, chunk, to } => {
-                let kind = if matches!(instruction, Instruction::SendActivation { .. }) { Kind::Activation } else { Kind::Gradient };
+            Instruction::BackwardInput { .. } | Instruction::BackwardWeight { .. } => Err(RuntimeError::zero_bubble()),
+            Instruction::SendActivation { micro_batch, chunk, to }
+            | Instruction::SendGradient { micro_batch, chunk, to } => {
+                let kind = if matches!(instruction, Instruction::SendActivation { .. }) {
+                    Kind::Activation
+                } else {
+                    Kind::Gradient
+                };
                 let tensor = take(&mut state.to_send, (kind, micro_batch, chunk), self.layout.id)?;
                 let tag = Tag { kind, micro_batch, chunk };
                 let peer = peer(to);
@@ -259,8 +260,13 @@ impl Worker {
                 self.mailbox.send(&mut self.world, peer, tag, tensor.data, times)?;
                 Ok("send")
             }
-            Instruction::RecvActivation { micro_batch, chunk, from } | Instruction::RecvGradient { micro_batch, chunk, from } => {
-                let kind = if matches!(instruction, Instruction::RecvActivation { .. }) { Kind::Activation } else { Kind::Gradient };
+            Instruction::RecvActivation { micro_batch, chunk, from }
+            | Instruction::RecvGradient { micro_batch, chunk, from } => {
+                let kind = if matches!(instruction, Instruction::RecvActivation { .. }) {
+                    Kind::Activation
+                } else {
+                    Kind::Gradient
+                };
                 let asked_us = self.clock.now_us();
                 let message = self.mailbox.recv(&mut self.world, peer(from), Tag { kind, micro_batch, chunk })?;
                 let wire_us = message.arrival_us.saturating_sub(self.clock.now_us());
@@ -284,7 +290,7 @@ impl Worker {
                 self.world.wait_sends().during(|| "finishing the step's sends".into())?;
                 state.times.comm_s += started.elapsed().as_secs_f64();
                 let adamw = self.options.adamw;
-                emulate(&mut state.times.compute_s, 1.0, false, || {
+                timed(&mut state.times.compute_s, 1.0, || {
                     self.stages.iter_mut().try_for_each(|stage| stage.optimizer_step(&adamw))
                 })?;
                 Ok("compute")
@@ -366,13 +372,13 @@ impl Worker {
     }
 }
 
-/// Runs a pass, adds its (emulated) time to `total_s`: with `emulate`, the pass is stretched to
-/// `slowdown` times what it took here by sleeping, so a slower device's pass really takes longer.
-fn emulate<T>(total_s: &mut f64, slowdown: f64, emulate: bool, pass: impl FnOnce() -> T) -> T {
+/// Runs a pass and adds its time to `total_s`, stretched to `stretch` times what it took here by
+/// sleeping, so a slower emulated device's pass really takes longer.
+fn timed<T>(total_s: &mut f64, stretch: f64, pass: impl FnOnce() -> T) -> T {
     let started = Instant::now();
     let result = pass();
-    if emulate && slowdown > 1.0 {
-        std::thread::sleep(started.elapsed().mul_f64(slowdown - 1.0));
+    if stretch > 1.0 {
+        std::thread::sleep(started.elapsed().mul_f64(stretch - 1.0));
     }
     *total_s += started.elapsed().as_secs_f64();
     result

@@ -10,6 +10,59 @@
 //! memory check. The simulator and the runtime run this same code between steps.
 
 use std::collections::BTreeMap;
+use std::num::NonZeroU32;
+
+use medley_spec::Schedule;
+
+use crate::ScheduleKind;
+
+/// How each step's schedule is chosen.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub enum SchedulePolicy {
+    Fixed(ScheduleKind),
+    /// kFkB with k chosen between steps by [`AdaptiveK`], within memory.
+    Adaptive,
+}
+
+impl From<Schedule> for SchedulePolicy {
+    fn from(schedule: Schedule) -> Self {
+        match ScheduleKind::try_from(schedule) {
+            Ok(kind) => SchedulePolicy::Fixed(kind),
+            // The one schedule name that is not a concrete order.
+            Err(_) => SchedulePolicy::Adaptive,
+        }
+    }
+}
+
+/// The schedule of each step of a run under a policy: the loop the simulator and the runtime
+/// share. Ask [`StepSchedules::next`] before a step, tell [`StepSchedules::observe`] after it.
+#[derive(Clone, Debug, PartialEq)]
+pub struct StepSchedules {
+    policy: SchedulePolicy,
+    adaptive: AdaptiveK,
+}
+
+impl StepSchedules {
+    /// Steps under `policy`; adaptive kFkB never exceeds `k_max` (the caller's memory check).
+    pub fn new(policy: SchedulePolicy, k_max: u32) -> Self {
+        StepSchedules { policy, adaptive: AdaptiveK::new(k_max) }
+    }
+
+    /// The next step's schedule.
+    pub fn next(&self) -> ScheduleKind {
+        match self.policy {
+            SchedulePolicy::Fixed(kind) => kind,
+            SchedulePolicy::Adaptive => ScheduleKind::Kfkb { k: NonZeroU32::new(self.adaptive.k()).expect("k ≥ 1") },
+        }
+    }
+
+    /// Books what a step run under `kind` showed; kFkB steps teach the adaptive policy.
+    pub fn observe(&mut self, kind: ScheduleKind, step_time_s: f64, comm_wait_fraction: f64) {
+        if let ScheduleKind::Kfkb { k } = kind {
+            self.adaptive.observe(StepObservation { k: k.get(), step_time_s, comm_wait_fraction });
+        }
+    }
+}
 
 /// What one step showed.
 #[derive(Clone, Copy, Debug, PartialEq)]

@@ -57,7 +57,7 @@ mod generate;
 mod program;
 mod schedules;
 
-pub use adaptive::{AdaptiveK, StepObservation};
+pub use adaptive::{AdaptiveK, SchedulePolicy, StepObservation, StepSchedules};
 pub use check::{ScheduleError, check};
 pub use generate::generate;
 pub use program::{Instruction, Program, Programs, RankId};

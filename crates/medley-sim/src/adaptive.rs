@@ -1,37 +1,18 @@
 //! Several steps in a row under a fixed schedule or adaptive kFkB: the network's bandwidth trace
-//! runs on across steps, and the adaptive policy ([`medley_schedule::AdaptiveK`], the same code the
-//! runtime runs) picks each step's k from the steps before it.
+//! runs on across steps, and [`medley_schedule::StepSchedules`] (the same code the runtime runs)
+//! picks each step's schedule, adaptive kFkB's k from the steps before it.
 
 use std::io::Write;
 use std::num::NonZeroU32;
 
 use medley_cost::Calibration;
 use medley_plan::Plan;
-use medley_schedule::{AdaptiveK, ScheduleKind, StepObservation};
-use medley_spec::Schedule;
+use medley_schedule::{ScheduleKind, SchedulePolicy, StepSchedules};
 use serde::Serialize;
 
 use crate::network::Network;
 use crate::setup::Setup;
 use crate::{SimConfig, SimError, Simulation, StepReport};
-
-/// How each step's schedule is chosen.
-#[derive(Clone, Copy, Debug, PartialEq, Eq)]
-pub enum SchedulePolicy {
-    Fixed(ScheduleKind),
-    /// kFkB with k chosen between steps by [`AdaptiveK`], within memory.
-    Adaptive,
-}
-
-impl From<Schedule> for SchedulePolicy {
-    fn from(schedule: Schedule) -> Self {
-        match ScheduleKind::try_from(schedule) {
-            Ok(kind) => SchedulePolicy::Fixed(kind),
-            // The one schedule name that is not a concrete order.
-            Err(_) => SchedulePolicy::Adaptive,
-        }
-    }
-}
 
 /// One step of a run, in brief.
 #[derive(Clone, Debug, PartialEq, Serialize)]
@@ -85,22 +66,13 @@ pub fn simulate_steps(
     timeline: Option<&mut dyn Write>,
 ) -> Result<RunReport, SimError> {
     let mut simulation = Simulation::new(plan, calibration, config, timeline)?;
-    let mut adaptive = AdaptiveK::new(max_k_within_memory(plan, calibration));
+    let mut schedules = StepSchedules::new(policy, max_k_within_memory(plan, calibration));
     let mut steps = Vec::new();
     let mut last_step = None;
     for step in 0..n_steps.max(1) {
-        let kind = match policy {
-            SchedulePolicy::Fixed(kind) => kind,
-            SchedulePolicy::Adaptive => ScheduleKind::Kfkb { k: NonZeroU32::new(adaptive.k()).expect("k ≥ 1") },
-        };
+        let kind = schedules.next();
         let report = simulation.step(&medley_schedule::generate(plan, kind)?)?;
-        if let ScheduleKind::Kfkb { k } = kind {
-            adaptive.observe(StepObservation {
-                k: k.get(),
-                step_time_s: report.step_time_s,
-                comm_wait_fraction: report.pipeline_wait_fraction,
-            });
-        }
+        schedules.observe(kind, report.step_time_s, report.pipeline_wait_fraction);
         steps.push(StepSummary {
             step,
             schedule: report.schedule.clone(),

@@ -32,8 +32,9 @@ use medley_cost::Calibration;
 use medley_plan::{Plan, PlanError};
 use medley_schedule::{Programs, ScheduleKind};
 
-pub use adaptive::{RunReport, SchedulePolicy, StepSummary, max_k_within_memory, simulate_steps};
+pub use adaptive::{RunReport, StepSummary, max_k_within_memory, simulate_steps};
 pub use bandwidth::{BandwidthTrace, TraceWalker};
+pub use medley_schedule::SchedulePolicy;
 pub use report::{RankReport, StepReport};
 
 use bandwidth::TraceCursor;

@@ -6,6 +6,7 @@ use anyhow::{Context, Result, bail};
 use clap::Args;
 use medley_cost::Calibration;
 use medley_plan::{Plan, SearchOptions, baselines, search};
+use medley_runtime::RankLayout;
 use medley_sim::{SchedulePolicy, SimConfig, simulate_steps};
 use medley_spec::{Cluster, Schedule, catalog_model};
 use serde::Serialize;
@@ -13,7 +14,7 @@ use serde_json::Value;
 
 use crate::bench::median;
 use crate::render::{percent, right, table, times};
-use crate::train_cmd::{calibrate_here, launch_and_watch, runtime_job, worker_layouts, write_run_inputs};
+use crate::train_cmd::{calibrate_here, launch_and_watch, runtime_job, write_run_inputs};
 use crate::worker_cmd::{RunFlags, WorkerArgs};
 
 #[derive(Args, Debug)]
@@ -148,7 +149,7 @@ fn step_times(plan: &Plan, calibration: &Calibration, name: &str, steps: u64, tw
     let dir = std::env::temp_dir().join(format!("medley-bench-train-{}-{name}", std::process::id()));
     std::fs::create_dir_all(&dir)?;
     let (plan_path, calibration_path) = write_run_inputs(&dir, plan, calibration)?;
-    let layouts = worker_layouts(plan, calibration)?;
+    let layouts = RankLayout::all(plan, calibration)?;
     let (link_gb_s, link_trace) = tweaks.link.map_or((None, None), |(gb_s, trace)| (Some(gb_s), Some(trace)));
     let args = WorkerArgs {
         plan: plan_path.to_string_lossy().into_owned(),

@@ -13,7 +13,7 @@ use clap::Args;
 use indicatif::{ProgressBar, ProgressStyle};
 use medley_cost::Calibration;
 use medley_plan::{Plan, SearchOptions, search};
-use medley_runtime::{RankLayout, emulation_calibration, measure_model_pass, rank_ids, read_latest};
+use medley_runtime::{RankLayout, emulation_calibration, measure_model_pass, read_latest};
 use medley_sim::{SchedulePolicy, SimConfig, simulate_steps};
 use medley_spec::{Cluster, JobParts, JobSpec, ModelSpec, Schedule};
 use serde_json::Value;
@@ -66,7 +66,7 @@ pub fn run(args: &TrainArgs) -> Result<ExitCode> {
     let (plan, calibration) = choose_plan(args)?;
     fs::create_dir_all(&out).with_context(|| format!("cannot create {}", out.display()))?;
     let (plan_path, calibration_path) = write_run_inputs(&out, &plan, &calibration)?;
-    let layouts = worker_layouts(&plan, &calibration)?;
+    let layouts = RankLayout::all(&plan, &calibration)?;
     println!("{}", crate::render::explain(&plan));
     println!("{}", workers_table(&plan, &layouts, !args.worker.no_emulate));
     let mut run = args.worker.clone();
@@ -112,24 +112,23 @@ fn timeout_for(predicted_step_s: f64, run: &RunFlags) -> u64 {
 
 /// The plan to train and the emulation profile that prices its fleet.
 fn choose_plan(args: &TrainArgs) -> Result<(Plan, Calibration)> {
-    let resumed = match (&args.plan, &args.resume) {
-        (None, Some(dir)) => Some(read_latest(&dir.join(CHECKPOINTS))?.1.plan),
-        _ => None,
-    };
-    let given = match (&args.plan, resumed.clone(), &args.fleet) {
-        (Some(path), _, _) => Some(crate::plan_cmd::load_plan(path)?),
-        (None, Some(plan), None) => Some(plan),
-        _ => None,
-    };
     let calibration = |cluster: &Cluster, model: &ModelSpec, seq_len: u32, micro_batch: u32| match &args.calibration {
         Some(path) => Ok(Calibration::from_toml(&crate::inputs::read(path)?, path)?),
         None => calibrate_here(cluster, model, seq_len, micro_batch),
     };
-    if let Some(plan) = given {
+    let given = |plan: Plan| -> Result<(Plan, Calibration)> {
         medley_runtime::check_runnable(&plan)?;
         let calibration = calibration(&plan.cluster, &plan.model, plan.seq_len, plan.micro_batch)?;
-        return Ok((plan, calibration));
+        Ok((plan, calibration))
+    };
+    if let Some(path) = &args.plan {
+        return given(crate::plan_cmd::load_plan(path)?);
     }
+    let resumed = args.resume.as_ref().map(|dir| read_latest(&dir.join(CHECKPOINTS))).transpose()?;
+    let resumed = match (resumed, &args.fleet) {
+        (Some((_, manifest)), None) => return given(manifest.plan),
+        (resumed, _) => resumed.map(|(_, manifest)| manifest.plan),
+    };
     let fleet = args.fleet.as_deref().unwrap_or(DEFAULT_FLEET);
     let cluster = Cluster::from_fleet(fleet)?;
     // Resuming on another fleet trains the checkpoint's model on its batches.
@@ -167,10 +166,6 @@ pub fn write_run_inputs(out: &Path, plan: &Plan, calibration: &Calibration) -> R
     fs::write(&calibration_path, calibration.to_toml())
         .with_context(|| format!("cannot write {}", calibration_path.display()))?;
     Ok((plan_path, calibration_path))
-}
-
-pub fn worker_layouts(plan: &Plan, calibration: &Calibration) -> Result<Vec<RankLayout>> {
-    Ok((0..rank_ids(plan).len()).map(|rank| RankLayout::of(plan, rank, calibration)).collect::<Result<Vec<_>, _>>()?)
 }
 
 /// Measures this machine and prices the fleet at its speed (see `medley calibrate`).
