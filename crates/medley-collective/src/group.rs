@@ -15,6 +15,8 @@ pub struct DomainId(pub u32);
 #[serde(try_from = "Vec<DomainId>", into = "Vec<DomainId>")]
 pub struct Group {
     domain_of: Vec<DomainId>,
+    /// Distinct domains, counted once: the default algorithm asks on every call.
+    n_domains: usize,
 }
 
 impl Group {
@@ -23,7 +25,10 @@ impl Group {
         if domain_of.is_empty() {
             return Err(CollectiveError::EmptyGroup);
         }
-        Ok(Group { domain_of })
+        let mut distinct = domain_of.clone();
+        distinct.sort_unstable();
+        distinct.dedup();
+        Ok(Group { n_domains: distinct.len(), domain_of })
     }
 
     /// `n_ranks` ranks in one domain.
@@ -49,7 +54,7 @@ impl Group {
     }
 
     pub fn n_domains(&self) -> usize {
-        self.domains().len()
+        self.n_domains
     }
 }
 

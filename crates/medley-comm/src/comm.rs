@@ -10,7 +10,7 @@ use medley_collective::{Algorithm, Chunking, Counts, Group, Op, RankSteps, Reduc
 use crate::CommError;
 use crate::dtype::{DType, Element};
 use crate::env::{Config, LaunchEnv};
-use crate::exec::{Call, execute};
+use crate::exec::{Call, Scratch, execute};
 use crate::mesh;
 use crate::session::Session;
 use crate::transport::shm::MAILBOX_SLOTS;
@@ -46,6 +46,7 @@ pub struct Communicator {
     n_splits: u64,
     /// The working buffer for operations whose result is a part of it (reduce-scatter).
     scratch: Vec<u64>,
+    exec_scratch: Scratch,
     /// This rank's recent plans: a training loop repeats the same few collectives.
     plans: Vec<(PlanKey, Arc<CachedPlan>)>,
 }
@@ -115,6 +116,7 @@ impl Communicator {
             n_splits: 0,
             outbox: Vec::new(),
             scratch: Vec::new(),
+            exec_scratch: Scratch::default(),
             plans: Vec::new(),
         })
     }
@@ -219,12 +221,19 @@ impl Communicator {
         self.n_collectives += 1;
         let input = bytemuck::cast_slice(input);
         let result = if direct {
-            execute(&mut self.links, &self.waiter, &call, input, bytemuck::cast_slice_mut(output))
+            execute(
+                &mut self.links,
+                &self.waiter,
+                &call,
+                input,
+                bytemuck::cast_slice_mut(output),
+                &mut self.exec_scratch,
+            )
         } else {
             let bytes = plan.output_len * size;
             self.scratch.resize(bytes.div_ceil(8), 0);
             let scratch = &mut bytemuck::cast_slice_mut::<u64, u8>(&mut self.scratch)[..bytes];
-            let done = execute(&mut self.links, &self.waiter, &call, input, scratch);
+            let done = execute(&mut self.links, &self.waiter, &call, input, scratch, &mut self.exec_scratch);
             let result = plan.result.start * size..plan.result.end * size;
             bytemuck::cast_slice_mut::<T, u8>(output).copy_from_slice(&scratch[result]);
             done
