@@ -77,8 +77,11 @@ const PLAN_CACHE: usize = 16;
 
 impl Communicator {
     /// Joins the job described by `env`: rank 0 starts the store, everyone connects to it with the
-    /// job token and then to each other.
+    /// job token and then to each other. First the calling thread binds itself to a core when
+    /// `env` asks for it and the host has a core per local rank (see [`crate::CpuBinding`]); the
+    /// threads it starts afterwards inherit that, so a rank should join before starting workers.
     pub fn init(env: &LaunchEnv, config: Config) -> Result<Communicator, CommError> {
+        crate::bind::bind_to_core(env);
         let session = Arc::new(Session::join(env, &config)?);
         let listen_ip = session.store.local_ip()?;
         let members: Vec<usize> = (0..env.world_size).collect();

@@ -18,11 +18,23 @@ pub struct LaunchEnv {
     pub domain: String,
     /// The shared job secret (`MEDLEY_TOKEN`): the store refuses connections without it.
     pub token: String,
+    /// Whether the rank binds itself to a core (`MEDLEY_CPU_BIND`: `core`, the default, or `none`).
+    pub cpu_binding: CpuBinding,
+}
+
+/// Whether a rank pins itself to one core of its host ([`crate::Communicator::init`] does).
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub enum CpuBinding {
+    /// Local rank i runs on the i-th CPU it may use, when the host has a CPU per local rank (as
+    /// `mpirun`'s default binding); otherwise the scheduler places it.
+    Core,
+    /// The scheduler places the rank.
+    None,
 }
 
 impl LaunchEnv {
     /// Reads RANK, WORLD_SIZE, MASTER_ADDR, MASTER_PORT and MEDLEY_TOKEN (required), LOCAL_RANK,
-    /// LOCAL_WORLD_SIZE and MEDLEY_DOMAIN (optional) from `vars`.
+    /// LOCAL_WORLD_SIZE, MEDLEY_DOMAIN and MEDLEY_CPU_BIND (optional) from `vars`.
     pub fn from_vars<K: AsRef<str>, V: Into<String>>(
         vars: impl IntoIterator<Item = (K, V)>,
     ) -> Result<LaunchEnv, CommError> {
@@ -50,6 +62,13 @@ impl LaunchEnv {
         if token.is_empty() {
             return Err(CommError::Env("MEDLEY_TOKEN is empty: every rank of the job needs the same secret".into()));
         }
+        let cpu_binding = match vars.get("MEDLEY_CPU_BIND").map(|v| v.trim()) {
+            None | Some("core") => CpuBinding::Core,
+            Some("none") => CpuBinding::None,
+            Some(other) => {
+                return Err(CommError::Env(format!("MEDLEY_CPU_BIND={other:?} is neither \"core\" nor \"none\"")));
+            }
+        };
         Ok(LaunchEnv {
             rank,
             world_size,
@@ -59,6 +78,7 @@ impl LaunchEnv {
             master_port,
             domain: vars.get("MEDLEY_DOMAIN").cloned().unwrap_or_else(|| "default".into()),
             token,
+            cpu_binding,
         })
     }
 
@@ -131,5 +151,10 @@ mod tests {
         assert!(err.to_string().contains("MASTER_PORT"), "{err}");
         let no_token: Vec<_> = vars(&[]).into_iter().filter(|(k, _)| k != "MEDLEY_TOKEN").collect();
         assert!(LaunchEnv::from_vars(no_token).unwrap_err().to_string().contains("MEDLEY_TOKEN"));
+        assert_eq!(env.cpu_binding, CpuBinding::Core);
+        let unbound = LaunchEnv::from_vars(vars(&[("MEDLEY_CPU_BIND", "none")])).unwrap();
+        assert_eq!(unbound.cpu_binding, CpuBinding::None);
+        let err = LaunchEnv::from_vars(vars(&[("MEDLEY_CPU_BIND", "socket")])).unwrap_err();
+        assert!(err.to_string().contains("MEDLEY_CPU_BIND=\"socket\""), "{err}");
     }
 }

@@ -13,6 +13,7 @@
 //! (point-to-point send/receive with tickets; see `transport/mod.rs`): the algorithms and the
 //! executor do not change.
 
+mod bind;
 mod comm;
 mod dtype;
 mod env;
@@ -27,7 +28,7 @@ mod wire;
 
 pub use comm::Communicator;
 pub use dtype::{DType, Element};
-pub use env::{Config, LaunchEnv, Route};
+pub use env::{Config, CpuBinding, LaunchEnv, Route};
 pub use error::CommError;
 pub use half::{bf16, f16};
 pub use medley_collective::{Algorithm, Counts, Op, ReduceOp};
