@@ -1,8 +1,10 @@
 #!/usr/bin/env bash
 # All-reduce (float32 sum) side by side in one run: medley's communicator over shared memory,
 # OpenMPI's MPI_Allreduce, and torch.distributed's Gloo when torch is installed. Same sizes,
-# same method for all (one warm-up call, then as many timed calls as fit in ~0.3 s, at most 1000;
-# the slowest rank's mean; busbw = algbw * 2(n-1)/n as nccl-tests), and the ratios. The
+# same method for all (warm-up batches of 1, 2, 4, ... calls until 50 ms are spent, then as many
+# timed calls as the last batch says fit in 0.3 s, at most 10,000; the slowest rank's mean;
+# busbw = algbw * 2(n-1)/n as nccl-tests), and the ratios. Each library binds its ranks as it
+# does by default: mpirun one core per rank when there are enough, medley likewise. The
 # libraries take turns for ROUNDS rounds (default 3) and each figure is the median over rounds,
 # so a burst of other work on the machine does not land on one library only.
 # Also medley's hierarchical two-domain all-reduce against the flat ring on the same ranks, with
@@ -47,16 +49,20 @@ int main(int argc, char **argv) {
         long count = bytes / 4;
         float *in = malloc(count * sizeof(float)), *out = malloc(count * sizeof(float));
         for (long i = 0; i < count; i++) in[i] = 1.0f;
-        double t = MPI_Wtime(), first, slowest;
-        MPI_Allreduce(in, out, count, MPI_FLOAT, MPI_SUM, MPI_COMM_WORLD);
-        first = MPI_Wtime() - t;
-        MPI_Allreduce(&first, &slowest, 1, MPI_DOUBLE, MPI_MAX, MPI_COMM_WORLD);
-        int iters = (int)(0.3 / (slowest > 1e-9 ? slowest : 1e-9));
-        iters = iters < 1 ? 1 : iters > 1000 ? 1000 : iters;
+        double warmed = 0, per_call = 0, t, mean, slowest;
+        for (int batch = 1; warmed < 0.05 && batch <= 10000; batch *= 2) {
+            t = MPI_Wtime();
+            for (int i = 0; i < batch; i++) MPI_Allreduce(in, out, count, MPI_FLOAT, MPI_SUM, MPI_COMM_WORLD);
+            mean = (MPI_Wtime() - t) / batch;
+            MPI_Allreduce(&mean, &per_call, 1, MPI_DOUBLE, MPI_MAX, MPI_COMM_WORLD);
+            warmed += per_call * batch;
+        }
+        int iters = (int)(0.3 / (per_call > 1e-9 ? per_call : 1e-9));
+        iters = iters < 1 ? 1 : iters > 10000 ? 10000 : iters;
         MPI_Barrier(MPI_COMM_WORLD);
         t = MPI_Wtime();
         for (int i = 0; i < iters; i++) MPI_Allreduce(in, out, count, MPI_FLOAT, MPI_SUM, MPI_COMM_WORLD);
-        double mean = (MPI_Wtime() - t) / iters;
+        mean = (MPI_Wtime() - t) / iters;
         MPI_Allreduce(&mean, &slowest, 1, MPI_DOUBLE, MPI_MAX, MPI_COMM_WORLD);
         int n;
         MPI_Comm_size(MPI_COMM_WORLD, &n);
@@ -80,13 +86,18 @@ def worker(rank, n, sizes, port, out):
     dist.init_process_group("gloo", rank=rank, world_size=n)
     for size in sizes:
         t = torch.ones(size // 4)
-        start = time.perf_counter(); dist.all_reduce(t); first = torch.tensor([time.perf_counter() - start], dtype=torch.float64)
-        dist.all_reduce(first, op=dist.ReduceOp.MAX)
-        iters = max(1, min(1000, int(0.3 / max(first.item(), 1e-9))))
-        dist.barrier(); start = time.perf_counter()
-        for _ in range(iters): dist.all_reduce(t)
-        mean = torch.tensor([(time.perf_counter() - start) / iters], dtype=torch.float64)
-        dist.all_reduce(mean, op=dist.ReduceOp.MAX)
+        def calls(count):
+            start = time.perf_counter()
+            for _ in range(count): dist.all_reduce(t)
+            mean = torch.tensor([(time.perf_counter() - start) / count], dtype=torch.float64)
+            dist.all_reduce(mean, op=dist.ReduceOp.MAX)
+            return mean.item()
+        batch, warmed = 1, 0.0
+        while warmed < 0.05 and batch <= 10000:
+            per_call = calls(batch); warmed += per_call * batch; batch *= 2
+        iters = max(1, min(10000, int(0.3 / max(per_call, 1e-9))))
+        dist.barrier()
+        mean = torch.tensor([calls(iters)])
         if rank == 0:
             with open(out, "a") as f: f.write(f"{n} {size} {mean.item():.9f}\n")
     dist.destroy_process_group()

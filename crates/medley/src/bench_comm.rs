@@ -293,9 +293,14 @@ fn run_workers(args: &CommArgs, setup: Setup, n_ranks: usize) -> Result<Vec<Row>
     Ok(rows)
 }
 
-/// Timed iterations aim at this much time per size (at least one, at most [`MAX_ITERS`]).
+/// Warm-up runs batches of 1, 2, 4, ... calls until this much time is spent: the first
+/// milliseconds of a job run slow (pages faulted in, connections warming up), and timing those
+/// would measure the start, not the library.
+const WARM_UP: Duration = Duration::from_millis(50);
+/// Timed calls aim at this much time per size, estimated from the last warm-up batch (at least
+/// one call, at most [`MAX_ITERS`]), as OSU's micro-benchmarks time 10,000 small-message calls.
 const TIME_PER_SIZE: Duration = Duration::from_millis(300);
-const MAX_ITERS: usize = 1000;
+const MAX_ITERS: usize = 10_000;
 
 /// A worker: joins the job from the environment and measures every operation and size.
 pub fn worker(args: &WorkerArgs) -> Result<()> {
@@ -317,17 +322,22 @@ pub fn worker(args: &WorkerArgs) -> Result<()> {
                 vec![choose(coll, comm.group(), size_of_val(input.as_slice()))]
             };
             for algorithm in algorithms {
-                let mut once = || comm.collective(coll, &counts, Some(algorithm), &input, &mut output);
-                let warm = Instant::now();
-                once()?;
-                let first_s = slowest(&mut comm, warm.elapsed().as_secs_f64())?;
-                let iters = ((TIME_PER_SIZE.as_secs_f64() / first_s.max(1e-9)) as usize).clamp(1, MAX_ITERS);
-                comm.barrier()?;
-                let start = Instant::now();
-                for _ in 0..iters {
-                    comm.collective(coll, &counts, Some(algorithm), &input, &mut output)?;
+                let mut calls = |comm: &mut Communicator, n: usize| -> Result<f64> {
+                    let start = Instant::now();
+                    for _ in 0..n {
+                        comm.collective(coll, &counts, Some(algorithm), &input, &mut output)?;
+                    }
+                    Ok(slowest(comm, start.elapsed().as_secs_f64())? / n as f64)
+                };
+                let (mut batch, mut warmed, mut per_call) = (1, 0.0, 0.0);
+                while warmed < WARM_UP.as_secs_f64() && batch <= MAX_ITERS {
+                    per_call = calls(&mut comm, batch)?;
+                    warmed += per_call * batch as f64;
+                    batch *= 2;
                 }
-                let time_s = slowest(&mut comm, start.elapsed().as_secs_f64())? / iters as f64;
+                let iters = ((TIME_PER_SIZE.as_secs_f64() / per_call.max(1e-9)) as usize).clamp(1, MAX_ITERS);
+                comm.barrier()?;
+                let time_s = calls(&mut comm, iters)?;
                 if comm.rank() == 0 {
                     let bytes = op.bytes(count, n);
                     let algbw_gbps = bytes as f64 / time_s / 1e9;
