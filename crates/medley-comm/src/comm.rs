@@ -81,7 +81,6 @@ impl Communicator {
     /// `env` asks for it and the host has a core per local rank (see [`crate::CpuBinding`]); the
     /// threads it starts afterwards inherit that, so a rank should join before starting workers.
     pub fn init(env: &LaunchEnv, config: Config) -> Result<Communicator, CommError> {
-        crate::bind::bind_to_core(env);
         let session = Arc::new(Session::join(env, &config)?);
         let listen_ip = session.store.local_ip()?;
         let members: Vec<usize> = (0..env.world_size).collect();
@@ -104,6 +103,7 @@ impl Communicator {
                 timeout: config.timeout,
                 abort: Arc::clone(&session.abort),
                 blame: Some(Arc::clone(&session) as Arc<dyn Blame>),
+                own_core: session.own_core,
             },
             session,
             config,

@@ -16,19 +16,32 @@ pub(crate) struct Session {
     pub env: LaunchEnv,
     pub store: StoreClient,
     pub abort: Arc<Abort>,
+    /// Whether this rank was bound to a core of its own when it joined.
+    pub own_core: bool,
     timeout: Duration,
     monitor: Option<Monitor>,
     server: Option<StoreServer>,
 }
 
 impl Session {
+    /// Joins the job, first binding the calling thread to a core as `env` asks (see
+    /// [`crate::CpuBinding`]): the store's threads started here inherit the binding.
     pub fn join(env: &LaunchEnv, config: &Config) -> Result<Session, CommError> {
+        let own_core = crate::bind::bind_to_core(env).is_some();
         let addr = env.store_addr();
         let server = if env.rank == 0 { Some(StoreServer::bind(&addr, &env.token)?) } else { None };
         let store = StoreClient::connect(&addr, &env.token, env.rank, config.connect_timeout)?;
         let abort = Arc::new(Abort::default());
         let monitor = Monitor::start(&addr, &env.token, env.rank, config.connect_timeout, Arc::clone(&abort))?;
-        Ok(Session { env: env.clone(), store, abort, timeout: config.timeout, monitor: Some(monitor), server })
+        Ok(Session {
+            env: env.clone(),
+            store,
+            abort,
+            own_core,
+            timeout: config.timeout,
+            monitor: Some(monitor),
+            server,
+        })
     }
 
     /// Records a failure this rank found and tells the job who is to blame; returns the error to

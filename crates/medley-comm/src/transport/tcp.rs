@@ -313,7 +313,8 @@ mod tests {
 
     #[test]
     fn oversized_and_malformed_frames_are_errors_not_allocations() {
-        let waiter = Waiter { timeout: Duration::from_secs(5), abort: Arc::new(Abort::default()), blame: None };
+        let waiter =
+            Waiter { timeout: Duration::from_secs(5), abort: Arc::new(Abort::default()), blame: None, own_core: false };
         let expected = FrameHeader { fingerprint: 9, seq: 0, len: 16 };
         let (mut transport, mut raw) = transport_and_raw_peer();
         raw.write_all(&FrameHeader { len: 1 << 40, ..expected }.encode()).unwrap();
