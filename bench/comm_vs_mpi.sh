@@ -10,11 +10,17 @@
 # Also medley's hierarchical two-domain all-reduce against the flat ring on the same ranks, with
 # a bridge as fast as the domains.
 #
-# Usage: [ROUNDS=3] bench/comm_vs_mpi.sh [MAX_BYTES]   (default 64M; installs OpenMPI if needed)
+# Usage: [ROUNDS=3] [TORCH_PYTHON=python3] bench/comm_vs_mpi.sh [MAX_BYTES]
+#   MAX_BYTES defaults to 64M; OpenMPI is installed if missing. Gloo runs when TORCH_PYTHON (a
+#   Python interpreter) imports torch; PyPI's torch (with its CUDA libraries, ~5 GB) imports and
+#   runs Gloo on a machine without a GPU:
+#     python3 -m venv /tmp/torch && /tmp/torch/bin/pip install torch
+#     TORCH_PYTHON=/tmp/torch/bin/python bench/comm_vs_mpi.sh
 set -euo pipefail
 cd "$(dirname "$0")/.."
 max_bytes=${1:-64M}
 rounds=${ROUNDS:-3}
+torch_python=${TORCH_PYTHON:-python3}
 work=$(mktemp -d)
 trap 'rm -rf "$work"' EXIT
 
@@ -113,18 +119,21 @@ for round in $(seq "$rounds"); do
     for n in 2 4; do
         echo "round $round: OpenMPI, $n ranks ..." >&2
         mpirun --allow-run-as-root --oversubscribe -np "$n" "$work/allreduce" "${sizes[@]}" >> "$work/mpi"
-        if python3 -c "import torch" 2>/dev/null; then
+        if "$torch_python" -c "import torch" 2>/dev/null; then
             echo "round $round: Gloo, $n ranks ..." >&2
-            python3 "$work/gloo.py" "$n" $((29600 + n)) "$work/gloo" "${sizes[@]}"
+            "$torch_python" "$work/gloo.py" "$n" $((29600 + n)) "$work/gloo" "${sizes[@]}" 2> "$work/gloo.err" \
+                || { cat "$work/gloo.err" >&2; exit 1; }
         fi
     done
     echo "round $round: medley ..." >&2
+    # To a file first: a reader starting beside the ranks would take a core from one of them.
     ./target/release/medley bench comm --json --ops all-reduce --ranks 2,4 --setups shm,two-domain-shm-bridge \
-        --min-bytes 4K --max-bytes "$max_bytes" | python3 -c 'import json, sys; [print(json.dumps(r)) for r in json.load(sys.stdin)]' \
+        --min-bytes 4K --max-bytes "$max_bytes" > "$work/medley.json"
+    python3 -c 'import json, sys; [print(json.dumps(r)) for r in json.load(open(sys.argv[1]))]' "$work/medley.json" \
         >> "$work/medley.jsonl"
 done
 
-python3 - "$work" "$rounds" <<'PY'
+python3 - "$work" "$rounds" "$torch_python" <<'PY'
 import json, statistics, sys
 work, rounds = sys.argv[1], sys.argv[2]
 def medians(samples):
@@ -147,7 +156,7 @@ def busbw(n, size, seconds):
     return size / seconds / 1e9 * 2 * (n - 1) / n
 print(f"all-reduce float32 sum, median of {rounds} rounds: time (us), busbw (GB/s); ratio > 1: medley is faster")
 header = f"{'ranks':>5} {'bytes':>10} | {'medley us':>10} {'GB/s':>6} | {'OpenMPI us':>10} {'GB/s':>6} {'ratio':>6}"
-header += f" | {'Gloo us':>10} {'GB/s':>6} {'ratio':>6}" if gloo else " | Gloo: torch not installed"
+header += f" | {'Gloo us':>10} {'GB/s':>6} {'ratio':>6}" if gloo else f" | Gloo: {sys.argv[3]} cannot import torch"
 print(header)
 for (n, size), seconds in sorted(flat.items()):
     line = f"{n:>5} {size:>10} | {seconds*1e6:>10.1f} {busbw(n, size, seconds):>6.2f}"
