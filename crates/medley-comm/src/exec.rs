@@ -156,6 +156,9 @@ pub(crate) fn execute(
             }
             Step::Recv { from, range, reduce } => {
                 let span = bytes(range);
+                // Sends the peers have long taken (a ring's reduce-scatter sends, by the time its
+                // all-gather writes the same blocks) need no staging.
+                in_flight.retain(|sent| !overlaps(sent, &span) || !links.to(sent.peer).is_sent(sent.peer, sent.ticket));
                 if in_flight.iter().any(|sent| overlaps(sent, &span)) {
                     // An exchange (both partners send a range, then receive into it): waiting for
                     // the partner to take this rank's bytes first would wait on a partner doing

@@ -73,6 +73,10 @@ pub trait Transport: Send {
     /// Waits until every message to `peer` up to `ticket` no longer needs the sender's memory.
     fn wait_sent(&mut self, peer: usize, ticket: Ticket, waiter: &Waiter) -> Result<(), CommError>;
 
+    /// Whether every message to `peer` up to `ticket` no longer needs the sender's memory, without
+    /// waiting. A failure reads as `false`: the next wait reports it.
+    fn is_sent(&mut self, peer: usize, ticket: Ticket) -> bool;
+
     /// Receives the next message from `peer`, which must carry `header`, into `sink`
     /// (`header.len == sink.len()`).
     fn recv(&mut self, peer: usize, header: FrameHeader, sink: Sink<'_>, waiter: &Waiter) -> Result<(), CommError>;

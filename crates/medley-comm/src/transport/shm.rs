@@ -276,6 +276,13 @@ impl Transport for ShmTransport {
 
     /// Eager messages never need the sender's memory: only the last zero-copy one up to `ticket`
     /// is waited for.
+    fn is_sent(&mut self, peer: usize, ticket: Ticket) -> bool {
+        let rank = self.rank;
+        let peer = self.peer(peer);
+        let Some(last) = peer.zero_copy.iter().rev().find(|&&t| t <= ticket.0).copied() else { return true };
+        reached(peer.their_inbox.mailbox(rank).consumed.load(Ordering::Acquire), (last + 1) as u32)
+    }
+
     fn wait_sent(&mut self, peer: usize, ticket: Ticket, waiter: &Waiter) -> Result<(), CommError> {
         let rank = self.rank;
         let peer = self.peers[peer].as_mut().expect("routed to a peer with shared memory");

@@ -252,6 +252,11 @@ impl Transport for TcpTransport {
         Ok(())
     }
 
+    fn is_sent(&mut self, peer: usize, ticket: Ticket) -> bool {
+        let peer = self.peer(peer);
+        peer.in_flight.iter().take_while(|(sent, _)| *sent <= ticket).all(|(_, targets)| peer.sent(targets) == Ok(true))
+    }
+
     fn recv(&mut self, peer: usize, header: FrameHeader, mut sink: Sink<'_>, waiter: &Waiter) -> Result<(), CommError> {
         let peer = self.peer(peer);
         let rank = peer.job_rank;
