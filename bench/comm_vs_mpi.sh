@@ -1,14 +1,15 @@
 #!/usr/bin/env bash
 # All-reduce (float32 sum) side by side in one run: medley's communicator over shared memory,
 # OpenMPI's MPI_Allreduce, and torch.distributed's Gloo when torch is installed. Same sizes,
-# same method for all (warm-up batches of 1, 2, 4, ... calls until 50 ms are spent, then as many
-# timed calls as the last batch says fit in 0.3 s, at most 10,000; the slowest rank's mean;
-# busbw = algbw * 2(n-1)/n as nccl-tests), and the ratios. Each library binds its ranks as it
+# same method for all (warm-up batches of 1, 2, 4, ... calls until 50 ms are spent and at least
+# 7 calls made (nccl-tests warms up with 5), then as many timed calls as the last batch says fit
+# in 0.3 s, at most 10,000; the slowest rank's mean; busbw = algbw * 2(n-1)/n as nccl-tests), and
+# the ratios. Each library binds its ranks as it
 # does by default: mpirun one core per rank when there are enough, medley likewise. The
 # libraries take turns for ROUNDS rounds (default 3) and each figure is the median over rounds,
 # so a burst of other work on the machine does not land on one library only.
 # Also medley's hierarchical two-domain all-reduce against the flat ring on the same ranks, with
-# a bridge as fast as the domains.
+# a bridge as fast as the domains (shared memory) and with a slower one (TCP over loopback).
 #
 # Usage: [ROUNDS=3] [TORCH_PYTHON=python3] bench/comm_vs_mpi.sh [MAX_BYTES]
 #   MAX_BYTES defaults to 64M; OpenMPI is installed if missing. Gloo runs when TORCH_PYTHON (a
@@ -56,7 +57,7 @@ int main(int argc, char **argv) {
         float *in = malloc(count * sizeof(float)), *out = malloc(count * sizeof(float));
         for (long i = 0; i < count; i++) in[i] = 1.0f;
         double warmed = 0, per_call = 0, t, mean, slowest;
-        for (int batch = 1; warmed < 0.05 && batch <= 10000; batch *= 2) {
+        for (int batch = 1; (warmed < 0.05 || batch <= 5) && batch <= 10000; batch *= 2) {
             t = MPI_Wtime();
             for (int i = 0; i < batch; i++) MPI_Allreduce(in, out, count, MPI_FLOAT, MPI_SUM, MPI_COMM_WORLD);
             mean = (MPI_Wtime() - t) / batch;
@@ -99,7 +100,7 @@ def worker(rank, n, sizes, port, out):
             dist.all_reduce(mean, op=dist.ReduceOp.MAX)
             return mean.item()
         batch, warmed = 1, 0.0
-        while warmed < 0.05 and batch <= 10000:
+        while (warmed < 0.05 or batch <= 5) and batch <= 10000:
             per_call = calls(batch); warmed += per_call * batch; batch *= 2
         iters = max(1, min(10000, int(0.3 / max(per_call, 1e-9))))
         dist.barrier()
@@ -127,7 +128,7 @@ for round in $(seq "$rounds"); do
     done
     echo "round $round: medley ..." >&2
     # To a file first: a reader starting beside the ranks would take a core from one of them.
-    ./target/release/medley bench comm --json --ops all-reduce --ranks 2,4 --setups shm,two-domain-shm-bridge \
+    ./target/release/medley bench comm --json --ops all-reduce --ranks 2,4 --setups shm,two-domain-shm-bridge,two-domain \
         --min-bytes 4K --max-bytes "$max_bytes" > "$work/medley.json"
     python3 -c 'import json, sys; [print(json.dumps(r)) for r in json.load(open(sys.argv[1]))]' "$work/medley.json" \
         >> "$work/medley.jsonl"
@@ -165,10 +166,12 @@ for (n, size), seconds in sorted(flat.items()):
             theirs = other[(n, size)]
             line += f" | {theirs*1e6:>10.1f} {busbw(n, size, theirs):>6.2f} {theirs/seconds:>6.2f}"
     print(line)
-hier, ring = medley.get(("two-domain-shm-bridge", "hierarchical"), {}), medley.get(("two-domain-shm-bridge", "ring"), {})
-print("\nmedley two-domain all-reduce (bridge as fast as the domains): hierarchical vs flat ring")
-print(f"{'ranks':>5} {'bytes':>10} | {'hier us':>10} {'flat us':>10} {'hier/flat speed':>15}")
-for key in sorted(hier):
-    if key in ring:
-        print(f"{key[0]:>5} {key[1]:>10} | {hier[key]*1e6:>10.1f} {ring[key]*1e6:>10.1f} {ring[key]/hier[key]:>15.2f}")
+for setup, bridge in (("two-domain-shm-bridge", "a shared-memory bridge, as fast as the domains"),
+                      ("two-domain", "a TCP bridge, slower than the domains' shared memory")):
+    hier, ring = medley.get((setup, "hierarchical"), {}), medley.get((setup, "ring"), {})
+    print(f"\nmedley two-domain all-reduce with {bridge}: hierarchical vs flat ring")
+    print(f"{'ranks':>5} {'bytes':>10} | {'hier us':>10} {'flat us':>10} {'hier/flat speed':>15}")
+    for key in sorted(hier):
+        if key in ring:
+            print(f"{key[0]:>5} {key[1]:>10} | {hier[key]*1e6:>10.1f} {ring[key]*1e6:>10.1f} {ring[key]/hier[key]:>15.2f}")
 PY

@@ -293,10 +293,12 @@ fn run_workers(args: &CommArgs, setup: Setup, n_ranks: usize) -> Result<Vec<Row>
     Ok(rows)
 }
 
-/// Warm-up runs batches of 1, 2, 4, ... calls until this much time is spent: the first
-/// milliseconds of a job run slow (pages faulted in, connections warming up), and timing those
-/// would measure the start, not the library.
+/// Warm-up runs batches of 1, 2, 4, ... calls until this much time is spent and at least
+/// [`MIN_WARM_CALLS`] calls are made: the first calls of a job run slow (pages faulted in, ranks
+/// still settling on cores), and timing those would measure the start, not the library.
 const WARM_UP: Duration = Duration::from_millis(50);
+/// nccl-tests' default warm-up count: a 64 MiB all-reduce spends the 50 ms in its first call.
+const MIN_WARM_CALLS: usize = 5;
 /// Timed calls aim at this much time per size, estimated from the last warm-up batch (at least
 /// one call, at most [`MAX_ITERS`]), as OSU's micro-benchmarks time 10,000 small-message calls.
 const TIME_PER_SIZE: Duration = Duration::from_millis(300);
@@ -330,7 +332,7 @@ pub fn worker(args: &WorkerArgs) -> Result<()> {
                     Ok(slowest(comm, start.elapsed().as_secs_f64())? / n as f64)
                 };
                 let (mut batch, mut warmed, mut per_call) = (1, 0.0, 0.0);
-                while warmed < WARM_UP.as_secs_f64() && batch <= MAX_ITERS {
+                while (warmed < WARM_UP.as_secs_f64() || batch <= MIN_WARM_CALLS) && batch <= MAX_ITERS {
                     per_call = calls(&mut comm, batch)?;
                     warmed += per_call * batch as f64;
                     batch *= 2;
