@@ -9,7 +9,10 @@
 # libraries take turns for ROUNDS rounds (default 3) and each figure is the median over rounds,
 # so a burst of other work on the machine does not land on one library only.
 # Also medley's hierarchical two-domain all-reduce against the flat ring on the same ranks, with
-# a bridge as fast as the domains (shared memory) and with a slower one (TCP over loopback).
+# a bridge as fast as the domains (shared memory), a slower one (TCP over loopback) and a TCP
+# bridge capped at BRIDGE_GB_S per link (default 0.5, about a tenth of what shared memory moves
+# here), as a vendor-to-vendor path through host memory or a NIC is slower than either vendor's
+# own links.
 #
 # Usage: [ROUNDS=3] [TORCH_PYTHON=python3] bench/comm_vs_mpi.sh [MAX_BYTES]
 #   MAX_BYTES defaults to 64M; OpenMPI is installed if missing. Gloo runs when TORCH_PYTHON (a
@@ -21,6 +24,7 @@ set -euo pipefail
 cd "$(dirname "$0")/.."
 max_bytes=${1:-64M}
 rounds=${ROUNDS:-3}
+bridge_gb_s=${BRIDGE_GB_S:-0.5}
 torch_python=${TORCH_PYTHON:-python3}
 work=$(mktemp -d)
 trap 'rm -rf "$work"' EXIT
@@ -130,11 +134,13 @@ for round in $(seq "$rounds"); do
     # To a file first: a reader starting beside the ranks would take a core from one of them.
     ./target/release/medley bench comm --json --ops all-reduce --ranks 2,4 --setups shm,two-domain-shm-bridge,two-domain \
         --min-bytes 4K --max-bytes "$max_bytes" > "$work/medley.json"
-    python3 -c 'import json, sys; [print(json.dumps(r)) for r in json.load(open(sys.argv[1]))]' "$work/medley.json" \
-        >> "$work/medley.jsonl"
+    ./target/release/medley bench comm --json --ops all-reduce --ranks 2,4 --setups two-domain \
+        --bridge-gb-s "$bridge_gb_s" --min-bytes 4K --max-bytes "$max_bytes" > "$work/medley-capped.json"
+    python3 -c 'import json, sys; [print(json.dumps(r)) for f in sys.argv[1:] for r in json.load(open(f))]' \
+        "$work/medley.json" "$work/medley-capped.json" >> "$work/medley.jsonl"
 done
 
-python3 - "$work" "$rounds" "$torch_python" <<'PY'
+python3 - "$work" "$rounds" "$torch_python" "$bridge_gb_s" <<'PY'
 import json, statistics, sys
 work, rounds = sys.argv[1], sys.argv[2]
 def medians(samples):
@@ -149,7 +155,8 @@ mpi, gloo = table("mpi"), table("gloo")
 samples = {}
 for line in open(f"{work}/medley.jsonl"):
     row = json.loads(line)
-    key = (row["transport"], row["algorithm"] if row["transport"] != "shm" else "auto")
+    setup = row["transport"] + ("-capped" if row.get("bridge_gbps") else "")
+    key = (setup, row["algorithm"] if setup != "shm" else "auto")
     samples.setdefault(key, {}).setdefault((row["ranks"], row["bytes"]), []).append(row["time_us"] / 1e6)
 medley = {key: medians(rows) for key, rows in samples.items()}
 flat = medley[("shm", "auto")]
@@ -167,7 +174,8 @@ for (n, size), seconds in sorted(flat.items()):
             line += f" | {theirs*1e6:>10.1f} {busbw(n, size, theirs):>6.2f} {theirs/seconds:>6.2f}"
     print(line)
 for setup, bridge in (("two-domain-shm-bridge", "a shared-memory bridge, as fast as the domains"),
-                      ("two-domain", "a TCP bridge, slower than the domains' shared memory")):
+                      ("two-domain", "a TCP bridge, slower than the domains' shared memory"),
+                      ("two-domain-capped", f"a TCP bridge capped at {sys.argv[4]} GB/s per link")):
     hier, ring = medley.get((setup, "hierarchical"), {}), medley.get((setup, "ring"), {})
     print(f"\nmedley two-domain all-reduce with {bridge}: hierarchical vs flat ring")
     print(f"{'ranks':>5} {'bytes':>10} | {'hier us':>10} {'flat us':>10} {'hier/flat speed':>15}")

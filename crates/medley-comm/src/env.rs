@@ -110,6 +110,10 @@ pub struct Config {
     pub bridge: Route,
     /// The largest message pipelined algorithms send.
     pub chunk_bytes: usize,
+    /// Emulates a slower bridge: caps each TCP link between ranks of different domains at this
+    /// many bytes per second, all its streams together (as a vendor-to-vendor path through host
+    /// memory or a NIC is slower than either side's native links). `None`: as fast as TCP goes.
+    pub bridge_bytes_per_s: Option<u64>,
 }
 
 impl Default for Config {
@@ -121,6 +125,7 @@ impl Default for Config {
             intra_domain: Route::Shm,
             bridge: Route::Tcp,
             chunk_bytes: 1 << 20,
+            bridge_bytes_per_s: None,
         }
     }
 }

@@ -103,7 +103,9 @@ pub(crate) fn connect(
     if !tcp_peers.is_empty() {
         let sockets = connect_tcp(&joining, &listener, &tcp_peers, config)?;
         tcp_peers.iter().for_each(|&p| route[p] = transports.len());
-        transports.push(Box::new(TcpTransport::new(sockets, members)?));
+        // Only links across domains are the bridge; links within a domain across hosts are not.
+        let caps = (0..n).map(|p| if infos[p].domain != infos[me].domain { config.bridge_bytes_per_s } else { None });
+        transports.push(Box::new(TcpTransport::new(sockets, members, &caps.collect::<Vec<_>>())?));
     }
     Ok(Mesh { links: Links::new(transports, route), group, domain_names })
 }

@@ -291,6 +291,28 @@ fn large_messages_stripe_and_pipeline() {
     }
 }
 
+/// A capped bridge carries no more than its cap, and still delivers every byte: 1 MiB each way
+/// across a 10 MB/s bridge (2 ranks' ring: half the buffer in each phase) takes at least 0.1 s.
+#[test]
+fn a_capped_bridge_is_slow_but_exact() {
+    let config = Config { bridge_bytes_per_s: Some(10_000_000), ..quick_config() };
+    let elems = 1 << 18;
+    let results = job(&["nvidia", "amd"], &config, |comm| {
+        let input: Vec<f32> = (0..elems).map(|i| (comm.rank() + i % 7) as f32).collect();
+        let mut output = vec![0f32; elems];
+        let start = Instant::now();
+        let counts = Counts::Same(elems);
+        comm.collective(Op::AllReduce { op: ReduceOp::Sum }, &counts, Some(Algorithm::Ring), &input, &mut output)
+            .unwrap();
+        let exact = output.iter().enumerate().all(|(i, &v)| v == (1 + 2 * (i % 7)) as f32);
+        (exact, start.elapsed())
+    });
+    for (rank, (exact, took)) in results.into_iter().enumerate() {
+        assert!(exact, "rank {rank}: wrong sum");
+        assert!(took >= Duration::from_millis(100), "rank {rank}: {took:?} for 1 MiB over 10 MB/s");
+    }
+}
+
 /// Recursive doubling over 4 ranks: in the second round both partners send a buffer they then
 /// receive into, zero-copy (far above the eager size): each must receive before its own send is
 /// taken, or both wait on each other until the timeout.

@@ -36,13 +36,13 @@ pub enum Setup {
 }
 
 impl Setup {
-    fn config(self, timeout: Duration) -> Config {
+    fn config(self, timeout: Duration, bridge_bytes_per_s: Option<u64>) -> Config {
         let (intra_domain, bridge) = match self {
             Setup::Shm | Setup::TwoDomainShmBridge => (Route::Shm, Route::Shm),
             Setup::Tcp => (Route::Tcp, Route::Tcp),
             Setup::TwoDomain => (Route::Shm, Route::Tcp),
         };
-        Config { timeout, intra_domain, bridge, ..Config::default() }
+        Config { timeout, intra_domain, bridge, bridge_bytes_per_s, ..Config::default() }
     }
 
     fn domain(self, rank: usize, n_ranks: usize) -> &'static str {
@@ -156,6 +156,17 @@ pub struct CommArgs {
     /// Seconds a rank waits on a peer before failing the run.
     #[arg(long, default_value_t = 60)]
     timeout_s: u64,
+    /// Caps each link of the two-domain setup's TCP bridge at this many GB/s, emulating a
+    /// vendor-to-vendor path slower than the domains' own links.
+    #[arg(long, value_parser = parse_gb_s)]
+    bridge_gb_s: Option<f64>,
+}
+
+fn parse_gb_s(text: &str) -> Result<f64, String> {
+    match text.parse::<f64>() {
+        Ok(gb_s) if gb_s.is_finite() && gb_s > 0.0 => Ok(gb_s),
+        _ => Err(format!("{text:?} is not a positive number of GB/s")),
+    }
 }
 
 /// One rank of a benchmark run (started by `medley bench comm`, never by hand).
@@ -171,6 +182,8 @@ pub struct WorkerArgs {
     max_bytes: usize,
     #[arg(long)]
     timeout_s: u64,
+    #[arg(long)]
+    bridge_bytes_per_s: Option<u64>,
 }
 
 /// One measurement, as rank 0 prints it and `--json` reports it.
@@ -188,6 +201,9 @@ struct Row {
     time_us: f64,
     algbw_gbps: f64,
     busbw_gbps: f64,
+    /// The bridge's cap per link, when `--bridge-gb-s` set one on a TCP bridge.
+    #[serde(skip_serializing_if = "Option::is_none", default)]
+    bridge_gbps: Option<f64>,
 }
 
 pub fn run(args: &CommArgs) -> Result<()> {
@@ -230,7 +246,13 @@ fn render(rows: &[Row]) -> String {
             right(format!("{:.2}", row.busbw_gbps)),
         ]);
     }
-    format!("# {:?}, {} ranks\n{out}\n", first.transport, first.ranks)
+    let bridge = first.bridge_gbps.map(|gb_s| format!(", bridge capped at {gb_s} GB/s")).unwrap_or_default();
+    format!("# {:?}, {} ranks{bridge}\n{out}\n", first.transport, first.ranks)
+}
+
+/// The bridge cap (bytes/s) a setup runs with: only a TCP bridge is capped.
+fn bridge_cap(args: &CommArgs, setup: Setup) -> Option<u64> {
+    args.bridge_gb_s.filter(|_| setup == Setup::TwoDomain).map(|gb_s| (gb_s * 1e9) as u64)
 }
 
 fn free_port() -> Result<u16> {
@@ -251,6 +273,7 @@ fn run_workers(args: &CommArgs, setup: Setup, n_ranks: usize) -> Result<Vec<Row>
                 .args(["bench-comm-worker", "--setup", &setup_name, "--ops", &ops.join(",")])
                 .args(["--min-bytes", &args.min_bytes.to_string(), "--max-bytes", &args.max_bytes.to_string()])
                 .args(["--timeout-s", &args.timeout_s.to_string()])
+                .args(bridge_cap(args, setup).map(|cap| format!("--bridge-bytes-per-s={cap}")))
                 .env("RANK", rank.to_string())
                 .env("WORLD_SIZE", n_ranks.to_string())
                 .env("LOCAL_RANK", rank.to_string())
@@ -307,7 +330,8 @@ const MAX_ITERS: usize = 10_000;
 /// A worker: joins the job from the environment and measures every operation and size.
 pub fn worker(args: &WorkerArgs) -> Result<()> {
     let env = LaunchEnv::from_vars(std::env::vars())?;
-    let mut comm = Communicator::init(&env, args.setup.config(Duration::from_secs(args.timeout_s)))?;
+    let config = args.setup.config(Duration::from_secs(args.timeout_s), args.bridge_bytes_per_s);
+    let mut comm = Communicator::init(&env, config)?;
     let n = comm.n_ranks();
     let sizes = std::iter::successors(Some(args.min_bytes), |&b| b.checked_mul(4)).take_while(|&b| b <= args.max_bytes);
     for bytes in sizes {
@@ -355,6 +379,7 @@ pub fn worker(args: &WorkerArgs) -> Result<()> {
                         time_us: time_s * 1e6,
                         algbw_gbps,
                         busbw_gbps: algbw_gbps * op.bus_factor(n),
+                        bridge_gbps: args.bridge_bytes_per_s.map(|cap| cap as f64 / 1e9),
                     };
                     println!("{}", serde_json::to_string(&row)?);
                 }
@@ -374,6 +399,22 @@ fn slowest(comm: &mut Communicator, seconds: f64) -> Result<f64> {
 #[cfg(test)]
 mod tests {
     use super::*;
+
+    #[test]
+    fn a_bridge_cap_is_a_positive_number_and_only_caps_a_tcp_bridge() {
+        assert_eq!(parse_gb_s("0.5"), Ok(0.5));
+        for bad in ["0", "-1", "inf", "fast"] {
+            assert!(parse_gb_s(bad).unwrap_err().contains(bad), "{bad}");
+        }
+        #[derive(clap::Parser)]
+        struct Cli {
+            #[command(flatten)]
+            comm: CommArgs,
+        }
+        let args = <Cli as clap::Parser>::try_parse_from(["comm", "--bridge-gb-s", "0.5"]).unwrap().comm;
+        assert_eq!(bridge_cap(&args, Setup::TwoDomain), Some(500_000_000));
+        assert_eq!(bridge_cap(&args, Setup::TwoDomainShmBridge), None);
+    }
 
     #[test]
     fn sizes_parse_with_binary_suffixes() {

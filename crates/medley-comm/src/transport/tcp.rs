@@ -10,7 +10,7 @@ use std::sync::atomic::{AtomicBool, AtomicU64, Ordering};
 use std::sync::mpsc;
 use std::sync::{Arc, Condvar, Mutex};
 use std::thread::JoinHandle;
-use std::time::Duration;
+use std::time::{Duration, Instant};
 
 use super::{Sink, Ticket, Transport};
 use crate::CommError;
@@ -62,8 +62,35 @@ struct Stream {
     writer: Option<JoinHandle<()>>,
 }
 
+/// Holds a stream's writes to a rate: each write books its bytes' time on the link, and once
+/// the bookings run more than [`Pacer::AHEAD`] past now the writer sleeps off the excess. A cap
+/// on bandwidth, not a latency: a small message goes at once, as the sleep it would owe is
+/// shorter than the timer's own slack.
+struct Pacer {
+    bytes_per_s: f64,
+    /// When the link has carried everything booked so far.
+    free_at: Instant,
+}
+
+impl Pacer {
+    /// Writes go in pieces of at most this many bytes, so a paced link sends steadily rather than
+    /// in socket-buffer-sized bursts.
+    const PIECE: usize = 64 << 10;
+    /// How far ahead of the link the writer may run before it sleeps.
+    const AHEAD: Duration = Duration::from_millis(1);
+
+    fn book(&mut self, bytes: usize) {
+        let now = Instant::now();
+        self.free_at = self.free_at.max(now) + Duration::from_secs_f64(bytes as f64 / self.bytes_per_s);
+        if let Some(excess) = self.free_at.checked_duration_since(now + Self::AHEAD) {
+            std::thread::sleep(excess);
+        }
+    }
+}
+
 impl Stream {
-    fn new(socket: TcpStream) -> Result<Stream, CommError> {
+    /// A stream whose writes go at most `bytes_per_s` (unpaced when `None`).
+    fn new(socket: TcpStream, bytes_per_s: Option<f64>) -> Result<Stream, CommError> {
         let io = |err: std::io::Error| CommError::io("configuring a TCP stream", &err);
         socket.set_nodelay(true).map_err(io)?;
         // Non-blocking so the rank can poll while it checks the abort flag; the writer polls too.
@@ -74,19 +101,23 @@ impl Stream {
         let writer_state = Arc::clone(&state);
         let writer = std::thread::Builder::new()
             .name("medley-tcp-writer".into())
-            .spawn(move || write_jobs(writer_socket, queue, &writer_state))
+            .spawn(move || {
+                let mut pacer = bytes_per_s.map(|bytes_per_s| Pacer { bytes_per_s, free_at: Instant::now() });
+                write_jobs(writer_socket, queue, &writer_state, pacer.as_mut())
+            })
             .map_err(io)?;
         Ok(Stream { socket, jobs: Some(jobs), enqueued: 0, state, writer: Some(writer) })
     }
 }
 
-fn write_jobs(mut socket: TcpStream, queue: mpsc::Receiver<Job>, state: &WriterState) {
+fn write_jobs(mut socket: TcpStream, queue: mpsc::Receiver<Job>, state: &WriterState, mut pacer: Option<&mut Pacer>) {
     for job in queue {
         if !state.failed.load(Ordering::Acquire) {
             // SAFETY: `Transport::send`'s contract keeps the bytes valid until this job is counted
             // done, and `close` waits for that after setting `failed`.
             let data = unsafe { std::slice::from_raw_parts(job.data as *const u8, job.len) };
-            let written = write_all(&mut socket, &job.header, state).and_then(|()| write_all(&mut socket, data, state));
+            let written = write_all(&mut socket, &job.header, state, pacer.as_deref_mut())
+                .and_then(|()| write_all(&mut socket, data, state, pacer.as_deref_mut()));
             if let Err(err) = written {
                 *state.error.lock().expect("writer error lock") = Some(err.to_string());
                 state.failed.store(true, Ordering::Release);
@@ -98,15 +129,27 @@ fn write_jobs(mut socket: TcpStream, queue: mpsc::Receiver<Job>, state: &WriterS
     }
 }
 
-/// Writes all of `bytes` to a non-blocking socket, waiting for room; gives up once `failed` is set.
-fn write_all(socket: &mut TcpStream, mut bytes: &[u8], state: &WriterState) -> std::io::Result<()> {
+/// Writes all of `bytes` to a non-blocking socket, waiting for room (and for the pacer, if any);
+/// gives up once `failed` is set.
+fn write_all(
+    socket: &mut TcpStream,
+    mut bytes: &[u8],
+    state: &WriterState,
+    mut pacer: Option<&mut Pacer>,
+) -> std::io::Result<()> {
     while !bytes.is_empty() {
         if state.failed.load(Ordering::Acquire) {
             return Err(std::io::Error::other("transport closed"));
         }
-        match socket.write(bytes) {
+        let piece = if pacer.is_some() { &bytes[..bytes.len().min(Pacer::PIECE)] } else { bytes };
+        match socket.write(piece) {
             Ok(0) => return Err(std::io::Error::from(ErrorKind::WriteZero)),
-            Ok(n) => bytes = &bytes[n..],
+            Ok(n) => {
+                if let Some(pacer) = pacer.as_deref_mut() {
+                    pacer.book(n);
+                }
+                bytes = &bytes[n..];
+            }
             Err(err) if err.kind() == ErrorKind::WouldBlock => {
                 poll_fd(socket, libc::POLLOUT, Duration::from_millis(20))
             }
@@ -180,16 +223,27 @@ pub(crate) struct TcpTransport {
 impl TcpTransport {
     /// `sockets[peer]`: the connected streams to that peer (the same count and order on both
     /// sides), `None` for peers this transport does not serve; `job_ranks` maps peers to job ranks.
-    pub fn new(sockets: Vec<Option<Vec<TcpStream>>>, job_ranks: &[usize]) -> Result<TcpTransport, CommError> {
+    /// `sockets[p]`: the streams to peer `p`, whose link carries at most `caps[p]` bytes per
+    /// second over all of them (`None`: no cap).
+    pub fn new(
+        sockets: Vec<Option<Vec<TcpStream>>>,
+        job_ranks: &[usize],
+        caps: &[Option<u64>],
+    ) -> Result<TcpTransport, CommError> {
         let peers = sockets
             .into_iter()
             .zip(job_ranks)
-            .map(|(sockets, &job_rank)| {
+            .zip(caps)
+            .map(|((sockets, &job_rank), &cap)| {
                 sockets
                     .map(|sockets| {
+                        let per_stream = cap.map(|cap| cap as f64 / sockets.len() as f64);
                         Ok(Peer {
                             job_rank,
-                            streams: sockets.into_iter().map(Stream::new).collect::<Result<_, CommError>>()?,
+                            streams: sockets
+                                .into_iter()
+                                .map(|socket| Stream::new(socket, per_stream))
+                                .collect::<Result<_, CommError>>()?,
                             in_flight: VecDeque::new(),
                             next_ticket: 0,
                             scratch: Vec::new(),
@@ -313,7 +367,7 @@ mod tests {
         let listener = TcpListener::bind("127.0.0.1:0").unwrap();
         let raw = TcpStream::connect(listener.local_addr().unwrap()).unwrap();
         let (ours, _) = listener.accept().unwrap();
-        (TcpTransport::new(vec![None, Some(vec![ours])], &[0, 1]).unwrap(), raw)
+        (TcpTransport::new(vec![None, Some(vec![ours])], &[0, 1], &[None, None]).unwrap(), raw)
     }
 
     #[test]
