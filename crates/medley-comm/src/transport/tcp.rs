@@ -1,9 +1,11 @@
 //! TCP between hosts and across the bridge: N streams per peer pair, big messages striped over
 //! all of them, each stream written by its own long-lived writer thread so a send never blocks
 //! the rank (the step format's rule), and read by the rank itself straight into the destination.
+//! A send to an idle stream first writes what the socket takes at once on the rank's own
+//! thread: waking the writer thread costs more than a small message's whole trip.
 
 use std::collections::VecDeque;
-use std::io::{ErrorKind, Read, Write};
+use std::io::{ErrorKind, IoSlice, Read, Write};
 use std::net::{Shutdown, TcpStream};
 use std::os::fd::AsRawFd;
 use std::sync::atomic::{AtomicBool, AtomicU64, Ordering};
@@ -40,6 +42,8 @@ struct Job {
     header: [u8; FrameHeader::BYTES],
     data: usize,
     len: usize,
+    /// Bytes of the frame (header, then data) the rank already wrote itself.
+    written: usize,
 }
 
 /// Progress of one stream's writer, shared with the rank.
@@ -60,6 +64,8 @@ struct Stream {
     enqueued: u64,
     state: Arc<WriterState>,
     writer: Option<JoinHandle<()>>,
+    /// Whether a pacer holds this stream to a rate: then only the writer writes.
+    paced: bool,
 }
 
 /// Holds a stream's writes to a rate: each write books its bytes' time on the link, and once
@@ -106,7 +112,29 @@ impl Stream {
                 write_jobs(writer_socket, queue, &writer_state, pacer.as_mut())
             })
             .map_err(io)?;
-        Ok(Stream { socket, jobs: Some(jobs), enqueued: 0, state, writer: Some(writer) })
+        Ok(Stream { socket, jobs: Some(jobs), enqueued: 0, state, writer: Some(writer), paced: bytes_per_s.is_some() })
+    }
+
+    /// Writes as much of the frame `header` + `data` as the socket takes without blocking, when
+    /// the writer has nothing queued (else nothing, to keep the stream's order); returns the
+    /// bytes written.
+    fn write_now(&mut self, header: &[u8], data: &[u8]) -> std::io::Result<usize> {
+        if self.paced || self.state.done.load(Ordering::Acquire) != self.enqueued {
+            return Ok(0);
+        }
+        let mut written = 0;
+        while written < header.len() + data.len() {
+            let rest_header = &header[written.min(header.len())..];
+            let rest_data = &data[written.saturating_sub(header.len())..];
+            match self.socket.write_vectored(&[IoSlice::new(rest_header), IoSlice::new(rest_data)]) {
+                Ok(0) => return Err(std::io::Error::from(ErrorKind::WriteZero)),
+                Ok(n) => written += n,
+                Err(err) if err.kind() == ErrorKind::WouldBlock => break,
+                Err(err) if err.kind() == ErrorKind::Interrupted => {}
+                Err(err) => return Err(err),
+            }
+        }
+        Ok(written)
     }
 }
 
@@ -116,7 +144,9 @@ fn write_jobs(mut socket: TcpStream, queue: mpsc::Receiver<Job>, state: &WriterS
             // SAFETY: `Transport::send`'s contract keeps the bytes valid until this job is counted
             // done, and `close` waits for that after setting `failed`.
             let data = unsafe { std::slice::from_raw_parts(job.data as *const u8, job.len) };
-            let written = write_all(&mut socket, &job.header, state, pacer.as_deref_mut())
+            let header = &job.header[job.written.min(FrameHeader::BYTES)..];
+            let data = &data[job.written.saturating_sub(FrameHeader::BYTES)..];
+            let written = write_all(&mut socket, header, state, pacer.as_deref_mut())
                 .and_then(|()| write_all(&mut socket, data, state, pacer.as_deref_mut()));
             if let Err(err) = written {
                 *state.error.lock().expect("writer error lock") = Some(err.to_string());
@@ -222,9 +252,9 @@ pub(crate) struct TcpTransport {
 
 impl TcpTransport {
     /// `sockets[peer]`: the connected streams to that peer (the same count and order on both
-    /// sides), `None` for peers this transport does not serve; `job_ranks` maps peers to job ranks.
-    /// `sockets[p]`: the streams to peer `p`, whose link carries at most `caps[p]` bytes per
-    /// second over all of them (`None`: no cap).
+    /// sides), `None` for peers this transport does not serve; `job_ranks` maps peers to job
+    /// ranks; the link to peer `p` carries at most `caps[p]` bytes per second over all its
+    /// streams (`None`: no cap).
     pub fn new(
         sockets: Vec<Option<Vec<TcpStream>>>,
         job_ranks: &[usize],
@@ -271,11 +301,19 @@ impl Transport for TcpTransport {
     ) -> Result<Ticket, CommError> {
         let peer = self.peer(peer);
         let n_streams = peer.streams.len();
+        let rank = peer.job_rank;
         for (stream, stripe) in peer.streams.iter_mut().zip(stripes(len, n_streams)) {
             let header = FrameHeader { len: stripe.len() as u64, ..header }.encode();
-            // SAFETY (of the address arithmetic): the stripe lies inside the caller's `len` bytes.
-            let job = Job { header, data: data as usize + stripe.start, len: stripe.len() };
-            let gone = || CommError::PeerGone { rank: peer.job_rank, what: "its TCP writer stopped".into() };
+            // SAFETY: the stripe lies inside the caller's `len` bytes, valid for this call.
+            let bytes = unsafe { std::slice::from_raw_parts(data.add(stripe.start), stripe.len()) };
+            let written = stream
+                .write_now(&header, bytes)
+                .map_err(|err| CommError::PeerGone { rank, what: format!("sending failed: {err}") })?;
+            if written == header.len() + bytes.len() {
+                continue;
+            }
+            let job = Job { header, data: bytes.as_ptr() as usize, len: bytes.len(), written };
+            let gone = || CommError::PeerGone { rank, what: "its TCP writer stopped".into() };
             stream.jobs.as_ref().ok_or_else(gone)?.send(job).map_err(|_| gone())?;
             stream.enqueued += 1;
         }
