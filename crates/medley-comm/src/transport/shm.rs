@@ -132,6 +132,18 @@ struct Peer {
     zero_copy: VecDeque<u64>,
 }
 
+impl Peer {
+    /// The last zero-copy message (the kind that reads this rank's memory) up to `ticket`.
+    fn last_zero_copy(&self, ticket: Ticket) -> Option<u64> {
+        self.zero_copy.iter().rev().find(|&&t| t <= ticket.0).copied()
+    }
+
+    /// Whether the peer has consumed this rank's (`rank`'s) messages through ticket `last`.
+    fn consumed_through(&self, rank: usize, last: u64) -> bool {
+        reached(self.their_inbox.mailbox(rank).consumed.load(Ordering::Acquire), (last + 1) as u32)
+    }
+}
+
 /// Shared-memory links to the peers on this host.
 pub(crate) struct ShmTransport {
     rank: usize,
@@ -274,23 +286,20 @@ impl Transport for ShmTransport {
         Ok(ticket)
     }
 
-    /// Eager messages never need the sender's memory: only the last zero-copy one up to `ticket`
-    /// is waited for.
     fn is_sent(&mut self, peer: usize, ticket: Ticket) -> bool {
-        let rank = self.rank;
         let peer = self.peer(peer);
-        let Some(last) = peer.zero_copy.iter().rev().find(|&&t| t <= ticket.0).copied() else { return true };
-        reached(peer.their_inbox.mailbox(rank).consumed.load(Ordering::Acquire), (last + 1) as u32)
+        peer.last_zero_copy(ticket).is_none_or(|last| peer.consumed_through(self.rank, last))
     }
 
+    /// Eager messages never need the sender's memory: only the last zero-copy one up to `ticket`
+    /// is waited for.
     fn wait_sent(&mut self, peer: usize, ticket: Ticket, waiter: &Waiter) -> Result<(), CommError> {
         let rank = self.rank;
         let peer = self.peers[peer].as_mut().expect("routed to a peer with shared memory");
-        let Some(last) = peer.zero_copy.iter().rev().find(|&&t| t <= ticket.0).copied() else { return Ok(()) };
+        let Some(last) = peer.last_zero_copy(ticket) else { return Ok(()) };
         let mailbox = peer.their_inbox.mailbox(rank);
-        let target = (last + 1) as u32;
         wait_on(waiter, peer.job_rank, "a shared-memory send", &mailbox.consumed, &mailbox.sender_sleeping, || {
-            reached(mailbox.consumed.load(Ordering::Acquire), target)
+            peer.consumed_through(rank, last)
         })?;
         peer.zero_copy.retain(|&t| t > last);
         Ok(())
