@@ -19,6 +19,7 @@ use medley_collective::{Algorithm, Counts, Op, ReduceOp, choose};
 use medley_comm::{Communicator, Config, LaunchEnv, Route};
 use serde::{Deserialize, Serialize};
 
+use crate::inputs::parse_gb_s;
 use crate::render::{right, table};
 
 /// Which links the ranks use.
@@ -160,13 +161,6 @@ pub struct CommArgs {
     /// vendor-to-vendor path slower than the domains' own links.
     #[arg(long, value_parser = parse_gb_s)]
     bridge_gb_s: Option<f64>,
-}
-
-fn parse_gb_s(text: &str) -> Result<f64, String> {
-    match text.parse::<f64>() {
-        Ok(gb_s) if gb_s.is_finite() && gb_s > 0.0 => Ok(gb_s),
-        _ => Err(format!("{text:?} is not a positive number of GB/s")),
-    }
 }
 
 /// One rank of a benchmark run (started by `medley bench comm`, never by hand).

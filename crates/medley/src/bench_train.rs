@@ -190,7 +190,7 @@ pub struct KfkbBenchArgs {
     #[arg(long, default_value_t = 24)]
     pub steps: u64,
     /// The pipeline link's full bandwidth, GB/s (one micro-batch's activations are 64 KiB).
-    #[arg(long, default_value_t = 0.05)]
+    #[arg(long, default_value_t = 0.05, value_parser = crate::inputs::parse_gb_s)]
     pub link_gb_s: f64,
     /// How the link's bandwidth varies (other jobs taking it for periods).
     #[arg(long, default_value = "on-off:full=5s,reduced=5s,fraction=0.1")]

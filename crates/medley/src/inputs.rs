@@ -12,6 +12,14 @@ use medley_spec::{Bridge, Cluster, Fabric, JobParts, JobSpec, ModelSpec, Recompu
 pub const DEFAULT_CLUSTER: &str = "64xh100,128xa100,32xmi300x";
 pub const DEFAULT_MODEL: &str = "llama3-70b";
 
+/// A link bandwidth flag: a positive, finite number of GB/s.
+pub fn parse_gb_s(text: &str) -> Result<f64, String> {
+    match text.parse::<f64>() {
+        Ok(gb_s) if gb_s.is_finite() && gb_s > 0.0 => Ok(gb_s),
+        _ => Err(format!("{text:?} is not a positive number of GB/s")),
+    }
+}
+
 /// Where the cluster, model and job come from.
 #[derive(Args, Debug, Clone)]
 pub struct SpecArgs {

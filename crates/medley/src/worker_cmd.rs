@@ -72,7 +72,7 @@ pub struct RunFlags {
     #[arg(long, default_value_t = 30)]
     pub timeout_s: u64,
     /// Throttle the pipeline links to this many GB/s (emulating a slow network between stages).
-    #[arg(long)]
+    #[arg(long, value_parser = crate::inputs::parse_gb_s)]
     pub link_gb_s: Option<f64>,
     /// How the throttled links' bandwidth varies (as `medley simulate --network-trace`):
     /// constant:F, on-off:full=T,reduced=T,fraction=F, random:seed=N,full=T,reduced=T,fraction=F,
