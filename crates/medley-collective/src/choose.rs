@@ -10,6 +10,20 @@ pub const SMALL_BYTES: usize = 64 << 10;
 /// all-reduce, reduce-scatter and all-gather: below it the extra phases' latencies outweigh the bridge traffic saved.
 pub const LARGE_BYTES: usize = 1 << 20;
 
+/// From this many bytes per rank, ranks of one domain that share memory all-reduce through
+/// windows: below it the two fences per segment cost more than the ring's messages.
+pub const WINDOW_BYTES: usize = 256 << 10;
+
+/// The algorithm for `op` over `group` when every rank maps every other's window: as [`choose`],
+/// except that large all-reduces inside one domain go through the windows. A window spanning
+/// vendors is not something a bridge offers, so groups of several domains keep the hierarchy.
+pub fn choose_with_windows(op: Op, group: &Group, bytes: usize) -> Algorithm {
+    match op {
+        Op::AllReduce { .. } if group.n_domains() == 1 && bytes >= WINDOW_BYTES => Algorithm::Direct,
+        _ => choose(op, group, bytes),
+    }
+}
+
 /// The algorithm medley uses for `op` over `group` with `bytes` per rank unless the caller forces
 /// one (by passing its own to [`crate::plan_steps`]). Always one that [`Algorithm::supports`] `op`.
 pub fn choose(op: Op, group: &Group, bytes: usize) -> Algorithm {
@@ -59,6 +73,17 @@ mod tests {
     }
 
     #[test]
+    fn windows_serve_large_all_reduces_inside_one_domain() {
+        let all_reduce = Op::AllReduce { op: ReduceOp::Avg };
+        let one = Group::single_domain(4).unwrap();
+        let two = Group::new([0, 0, 1, 1].map(DomainId).to_vec()).unwrap();
+        assert_eq!(choose_with_windows(all_reduce, &one, 64 << 20), Algorithm::Direct);
+        assert_eq!(choose_with_windows(all_reduce, &one, 4 << 10), Algorithm::RecursiveDoubling);
+        assert_eq!(choose_with_windows(all_reduce, &two, 64 << 20), Algorithm::Hierarchical);
+        assert_eq!(choose_with_windows(Op::AllGather, &one, 64 << 20), Algorithm::Ring);
+    }
+
+    #[test]
     fn every_choice_is_supported() {
         let two = Group::new([0, 1, 1].map(DomainId).to_vec()).unwrap();
         let ops = [
@@ -73,6 +98,9 @@ mod tests {
         for op in ops {
             for bytes in [0, 4 << 10, 1 << 20, 1 << 30] {
                 assert!(choose(op, &two, bytes).supports(op), "{op:?} {bytes}");
+                assert!(choose_with_windows(op, &two, bytes).supports(op), "{op:?} {bytes}");
+                let one = Group::single_domain(3).unwrap();
+                assert!(choose_with_windows(op, &one, bytes).supports(op), "{op:?} {bytes}");
             }
         }
     }

@@ -17,4 +17,6 @@ pub enum CollectiveError {
     CountsShape { op: Op, n_ranks: usize, counts: Counts },
     #[error("element counts overflow usize")]
     CountOverflow,
+    #[error("rank {rank}'s window {window:?} is read before any step writes it whole")]
+    UnwrittenWindow { rank: usize, window: std::ops::Range<usize> },
 }

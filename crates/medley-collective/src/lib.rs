@@ -7,10 +7,12 @@
 //! The format, its buffers and its FIFO matching rule are documented in [`step`].
 
 mod choose;
+mod direct;
 mod doubling;
 mod error;
 mod group;
 mod hierarchical;
+mod lower;
 mod pairwise;
 pub mod reference;
 mod ring;
@@ -21,9 +23,10 @@ use serde::{Deserialize, Serialize};
 use std::num::NonZeroUsize;
 use std::ops::Range;
 
-pub use choose::{LARGE_BYTES, SMALL_BYTES, choose};
+pub use choose::{LARGE_BYTES, SMALL_BYTES, WINDOW_BYTES, choose, choose_with_windows};
 pub use error::CollectiveError;
 pub use group::{DomainId, Group};
+pub use lower::as_messages;
 pub use step::{Buf, Combine, RankSteps, Step};
 
 /// How elements are combined across ranks.
@@ -99,17 +102,32 @@ pub enum Algorithm {
     /// (odd groups fold their extra ranks in first and out last): the fewest dependent messages,
     /// for small messages. Two ranks exchange once.
     RecursiveDoubling,
+    /// All-reduce through windows every rank maps (see [`step`]): each rank combines its share of
+    /// every segment straight from all windows, then copies the other shares from theirs. Only
+    /// for groups whose ranks share memory.
+    Direct,
 }
 
 impl Algorithm {
-    pub const ALL: [Algorithm; 5] =
-        [Algorithm::Ring, Algorithm::Tree, Algorithm::Hierarchical, Algorithm::Pairwise, Algorithm::RecursiveDoubling];
+    pub const ALL: [Algorithm; 6] = [
+        Algorithm::Ring,
+        Algorithm::Tree,
+        Algorithm::Hierarchical,
+        Algorithm::Pairwise,
+        Algorithm::RecursiveDoubling,
+        Algorithm::Direct,
+    ];
+
+    /// Whether the algorithm's plans use windows, which only ranks that share memory have.
+    pub fn needs_windows(self) -> bool {
+        self == Algorithm::Direct
+    }
 
     /// Whether [`plan_steps`] implements this algorithm for `op`.
     pub fn supports(self, op: Op) -> bool {
         use Algorithm::*;
         match op {
-            Op::AllReduce { .. } => matches!(self, Ring | Tree | Hierarchical | RecursiveDoubling),
+            Op::AllReduce { .. } => matches!(self, Ring | Tree | Hierarchical | RecursiveDoubling | Direct),
             Op::ReduceScatter { .. } | Op::AllGather | Op::Broadcast { .. } | Op::Reduce { .. } => {
                 matches!(self, Ring | Tree | Hierarchical)
             }
@@ -162,12 +180,14 @@ pub fn plan_steps(
     // `supports` has refused every other pairing: in each match below, `_` is the one algorithm left.
     let combine = op.reduce_op().map_or(Combine::Sum, Combine::from);
     let mut b = Builder::new(n, chunking);
+    let mut window_len = 0;
     let shapes = match (op, counts) {
         (Op::AllReduce { op }, &Counts::Same(len)) => {
             match algorithm {
                 Algorithm::Ring => ring::all_reduce(&mut b, len),
                 Algorithm::Tree => tree::all_reduce(&mut b, len),
                 Algorithm::RecursiveDoubling => doubling::all_reduce(&mut b, len),
+                Algorithm::Direct => window_len = direct::all_reduce(&mut b, len),
                 _ => hierarchical::all_reduce(&mut b, group, len),
             }
             b.divide_if_avg(op, |_| 0..len);
@@ -233,6 +253,7 @@ pub fn plan_steps(
             output_len,
             result,
             combine,
+            window_len,
             steps,
         })
         .collect())

@@ -66,10 +66,24 @@ pub enum ExecError {
     NoSuchPeer { rank: usize, step_idx: usize, peer: usize, n_ranks: usize },
     #[error("rank {rank} step {step_idx}: receives {expected} elements from rank {from}, the message holds {got}")]
     MessageLength { rank: usize, step_idx: usize, from: usize, expected: usize, got: usize },
+    #[error("rank {rank} step {step_idx}: range {range:?} outside rank {owner}'s window of {len} elements")]
+    WindowOutOfBounds { rank: usize, step_idx: usize, owner: usize, range: Range<usize>, len: usize },
     #[error("deadlock: no rank can progress; (rank, waiting on) {waiting:?}")]
     Deadlock { waiting: Vec<(usize, usize)> },
     #[error("{count} messages from rank {from} to rank {to} were never received")]
     Unreceived { from: usize, to: usize, count: usize },
+}
+
+fn check_window(
+    (rank, step_idx): (usize, usize),
+    owner: usize,
+    range: &Range<usize>,
+    len: usize,
+) -> Result<(), ExecError> {
+    if range.start > range.end || range.end > len {
+        return Err(ExecError::WindowOutOfBounds { rank, step_idx, owner, range: range.clone(), len });
+    }
+    Ok(())
 }
 
 fn check_range(rank: usize, step_idx: usize, buf: Buf, range: &Range<usize>, len: usize) -> Result<(), ExecError> {
@@ -94,8 +108,11 @@ pub fn execute<T: Element>(plans: &[RankSteps], inputs: &[Vec<T>]) -> Result<Vec
         }
     }
     let mut outputs: Vec<Vec<T>> = plans.iter().map(|plan| vec![T::POISON; plan.output_len]).collect();
+    let mut windows: Vec<Vec<T>> = plans.iter().map(|plan| vec![T::POISON; plan.window_len]).collect();
     let mut channels: BTreeMap<(usize, usize), VecDeque<Vec<T>>> = BTreeMap::new();
     let mut next_step = vec![0usize; n];
+    // Fences each rank has reached, and passed.
+    let (mut arrived, mut passed) = (vec![0usize; n], vec![0usize; n]);
     loop {
         let mut progressed = false;
         for rank in 0..n {
@@ -149,6 +166,51 @@ pub fn execute<T: Element>(plans: &[RankSteps], inputs: &[Vec<T>]) -> Result<Vec
                             *slot = slot.divide(*divisor);
                         }
                     }
+                    Step::Publish { from, at } => {
+                        check_range(rank, step_idx, Buf::Input, from, inputs[rank].len())?;
+                        let to = *at..at + from.len();
+                        check_window((rank, step_idx), rank, &to, windows[rank].len())?;
+                        windows[rank][to].copy_from_slice(&inputs[rank][from.clone()]);
+                    }
+                    Step::Fence => {
+                        arrived[rank] = passed[rank] + 1;
+                        if arrived.iter().any(|&a| a < arrived[rank]) {
+                            break;
+                        }
+                        passed[rank] += 1;
+                    }
+                    Step::ReduceWindows { from, window, to } => {
+                        check_range(rank, step_idx, Buf::Input, from, inputs[rank].len())?;
+                        check_range(rank, step_idx, Buf::Output, to, output.len())?;
+                        if window.len() != to.len() || from.len() != to.len() {
+                            return Err(ExecError::CopyLength { rank, step_idx, from: window.clone(), to: to.clone() });
+                        }
+                        for (owner, owned) in windows.iter().enumerate().filter(|(owner, _)| *owner != rank) {
+                            check_window((rank, step_idx), owner, window, owned.len())?;
+                        }
+                        let share = |owner: usize| match owner == rank {
+                            true => &inputs[rank][from.clone()],
+                            false => &windows[owner][window.clone()],
+                        };
+                        let mut acc = share(0).to_vec();
+                        for owner in 1..n {
+                            for (a, &b) in acc.iter_mut().zip(share(owner)) {
+                                *a = a.combine(b, plan.combine);
+                            }
+                        }
+                        check_window((rank, step_idx), rank, window, windows[rank].len())?;
+                        output[to.clone()].copy_from_slice(&acc);
+                        windows[rank][window.clone()].copy_from_slice(&acc);
+                    }
+                    Step::Gather { from, window, to } => {
+                        peer_ok(*from)?;
+                        check_range(rank, step_idx, Buf::Output, to, output.len())?;
+                        check_window((rank, step_idx), *from, window, windows[*from].len())?;
+                        if window.len() != to.len() {
+                            return Err(ExecError::CopyLength { rank, step_idx, from: window.clone(), to: to.clone() });
+                        }
+                        output[to.clone()].copy_from_slice(&windows[*from][window.clone()]);
+                    }
                 }
                 next_step[rank] += 1;
                 progressed = true;
@@ -157,6 +219,7 @@ pub fn execute<T: Element>(plans: &[RankSteps], inputs: &[Vec<T>]) -> Result<Vec
         let waiting: Vec<(usize, usize)> = (0..n)
             .filter_map(|rank| match plans[rank].steps.get(next_step[rank]) {
                 Some(Step::Recv { from, .. }) => Some((rank, *from)),
+                Some(Step::Fence) => Some((rank, arrived.iter().position(|&a| a < arrived[rank]).unwrap_or(rank))),
                 _ => None,
             })
             .collect();
@@ -178,7 +241,7 @@ mod tests {
     use super::*;
 
     fn rank(rank: usize, steps: Vec<Step>) -> RankSteps {
-        RankSteps { rank, input_len: 1, output_len: 1, result: 0..1, combine: Combine::Sum, steps }
+        RankSteps { rank, input_len: 1, output_len: 1, result: 0..1, combine: Combine::Sum, window_len: 1, steps }
     }
 
     #[test]
@@ -198,6 +261,28 @@ mod tests {
         assert!(matches!(execute(&plans, &[vec![1i64], vec![2]]), Err(ExecError::MessageLength { got: 1, .. })));
         let plans = [rank(0, vec![send(1, 0..1), send(1, 0..1)]), rank(1, vec![])];
         assert_eq!(execute(&plans, &[vec![1i64], vec![2]]), Err(ExecError::Unreceived { from: 0, to: 1, count: 2 }));
+    }
+
+    #[test]
+    fn a_fence_not_every_rank_reaches_deadlocks() {
+        let plans = [rank(0, vec![Step::Fence]), rank(1, vec![])];
+        assert_eq!(execute(&plans, &[vec![1i64], vec![2]]), Err(ExecError::Deadlock { waiting: vec![(0, 1)] }));
+    }
+
+    #[test]
+    fn windows_are_read_after_the_fence() {
+        let steps = |peer| {
+            vec![
+                Step::Publish { from: 0..1, at: 0 },
+                Step::Fence,
+                Step::Gather { from: peer, window: 0..1, to: 0..1 },
+                Step::Fence,
+            ]
+        };
+        let outputs = execute(&[rank(0, steps(1)), rank(1, steps(0))], &[vec![3i64], vec![4]]).unwrap();
+        assert_eq!(outputs, vec![vec![4], vec![3]]);
+        let past_the_end = [rank(0, vec![Step::Publish { from: 0..1, at: 1 }]), rank(1, vec![])];
+        assert!(matches!(execute(&past_the_end, &[vec![1i64], vec![2]]), Err(ExecError::WindowOutOfBounds { .. })));
     }
 
     #[test]

@@ -138,6 +138,7 @@ mod tests {
             Step::Send { .. } => 'S',
             Step::Recv { .. } => 'R',
             Step::DivideBy { .. } => 'D',
+            _ => unreachable!("rings use no windows"),
         };
         steps.iter().map(letter).collect()
     }

@@ -33,6 +33,17 @@
 //!
 //! Under these rules every plan from [`crate::plan_steps`] completes, with no message left over,
 //! on any executor with unbounded buffering per pair (the reference executor checks exactly that).
+//!
+//! # Windows
+//! Ranks that map each other's memory (shared memory on one host; NCCL's symmetric memory and
+//! NVLS play the same part on a GPU node) also have a **window** of [`RankSteps::window_len`]
+//! elements that every rank of the group can read. `Publish` and `ReduceWindows` write the
+//! rank's own window; `ReduceWindows` and `Gather` read its peers'. `Fence` orders them: what a
+//! rank writes into its window before its k-th fence, peers may read after their k-th fence; what
+//! they read between their k-th and (k+1)-th fences, the owner overwrites only after its
+//! (k+1)-th. Every rank of a plan passes the same number of fences, and a plan that uses windows
+//! ends with one, so the next collective may reuse them. [`crate::as_messages`] lowers a plan
+//! with windows to sends and receives, which is how a simulator times it.
 
 use serde::{Deserialize, Serialize};
 use std::ops::Range;
@@ -60,6 +71,16 @@ pub enum Step {
     Recv { from: usize, range: Range<usize>, reduce: bool },
     /// Divides `output[range]` element-wise by `divisor` (the last step of an average).
     DivideBy { range: Range<usize>, divisor: usize },
+    /// Copies `input[from]` into this rank's window from element `at` on.
+    Publish { from: Range<usize>, at: usize },
+    /// Waits until every rank of the group has reached its fence of the same number.
+    Fence,
+    /// Writes into `output[to]`, and into this rank's own `window[window]`, the combination (by
+    /// [`RankSteps::combine`], in rank order) of every peer's `window[window]` and this rank's
+    /// `input[from]` (all of equal length).
+    ReduceWindows { from: Range<usize>, window: Range<usize>, to: Range<usize> },
+    /// Copies rank `from`'s `window[window]` into `output[to]`.
+    Gather { from: usize, window: Range<usize>, to: Range<usize> },
 }
 
 /// How `Recv { reduce: true }` combines two elements.
@@ -96,6 +117,9 @@ pub struct RankSteps {
     pub result: Range<usize>,
     /// How received elements are combined when a `Recv` reduces.
     pub combine: Combine,
+    /// Elements in the window (0 for plans that only send and receive).
+    #[serde(default)]
+    pub window_len: usize,
     pub steps: Vec<Step>,
 }
 

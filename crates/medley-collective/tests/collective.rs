@@ -4,7 +4,8 @@
 
 use medley_collective::reference::{Element, execute};
 use medley_collective::{
-    Algorithm, Chunking, CollectiveError, Counts, DomainId, Group, Op, RankSteps, ReduceOp, choose, plan_steps,
+    Algorithm, Chunking, CollectiveError, Counts, DomainId, Group, Op, RankSteps, ReduceOp, as_messages, choose,
+    plan_steps,
 };
 use proptest::prelude::*;
 use std::num::NonZeroUsize;
@@ -89,6 +90,10 @@ fn check(case: &Case) {
         .unwrap_or_else(|err| panic!("{case:?}: {err}"));
     let avg = case.op.reduce_op() == Some(ReduceOp::Avg);
     run_as::<i64>(case, &plans, |g, e| g == e, |v| v);
+    // What a simulator times must compute the same.
+    let lowered = as_messages(&plans).unwrap_or_else(|err| panic!("{case:?}: {err}"));
+    assert!(lowered.iter().all(|plan| plan.window_len == 0), "{case:?}");
+    run_as::<i64>(case, &lowered, |g, e| g == e, |v| v);
     run_as::<f64>(
         case,
         &plans,
@@ -241,7 +246,7 @@ fn case() -> impl Strategy<Value = Case> {
             any::<bool>(),
             0..ops(1, 0).len(),
             0..n,
-            0..4usize,
+            0..6usize,
             0..6usize,
             prop::collection::vec(0..12usize, n * n),
             any::<i64>().prop_map(|seed| seed % 1000),
@@ -275,13 +280,14 @@ proptest! {
     fn all_reduce_results_are_bitwise_identical_on_every_rank(
         domains in prop::collection::vec(0u32..2, 1..=8),
         len in 0..30usize,
-        algorithm_idx in 0..4usize,
+        algorithm_idx in 0..5usize,
         sum in any::<bool>(),
         max in 0..4usize,
         values in prop::collection::vec(-1e6f64..1e6, 8 * 30),
     ) {
         let algorithm =
-            [Algorithm::Ring, Algorithm::Tree, Algorithm::Hierarchical, Algorithm::RecursiveDoubling][algorithm_idx];
+            [Algorithm::Ring, Algorithm::Tree, Algorithm::Hierarchical, Algorithm::RecursiveDoubling, Algorithm::Direct]
+                [algorithm_idx];
         let op = if sum { ReduceOp::Sum } else { ReduceOp::Avg };
         let group = group(&domains);
         all_ranks_agree_bitwise(&group, &values[..len * domains.len()], algorithm, op, chunks(max));

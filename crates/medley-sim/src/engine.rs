@@ -602,6 +602,8 @@ impl<'s, 'p, 'w> StepRun<'s, 'p, 'w> {
                 }
                 // Local memory passes run at HBM speed, far beneath the transfers they sit between.
                 Step::Copy { .. } | Step::DivideBy { .. } => {}
+                // `as_messages` has turned every window step into the transfers above.
+                Step::Publish { .. } | Step::Fence | Step::ReduceWindows { .. } | Step::Gather { .. } => {}
             }
             self.collectives[group_idx].cursors[member] += 1;
         }
@@ -625,8 +627,9 @@ impl<'s, 'p, 'w> StepRun<'s, 'p, 'w> {
         let algorithm = dp_group.algorithm.into();
         let n_elements = (setup.dp_bytes[group_idx] / ELEMENT_BYTES).round() as usize;
         let op = Op::AllReduce { op: ReduceOp::Sum };
-        collective.steps =
-            Some(collective::plan_steps(op, &group, &Counts::Same(n_elements), algorithm, Chunking::Whole)?);
+        let plans = collective::plan_steps(op, &group, &Counts::Same(n_elements), algorithm, Chunking::Whole)?;
+        // Reads of a peer's window are transfers from that peer.
+        collective.steps = Some(collective::as_messages(&plans)?);
         let members = collective.members.clone();
         for member in members {
             if matches!(self.ranks[member].blocked, Some((_, Wait::CollectiveStart(_)))) {
