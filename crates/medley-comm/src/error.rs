@@ -39,6 +39,10 @@ pub enum CommError {
     },
     #[error("rank {rank} sent a malformed frame: {reason}")]
     Malformed { rank: usize, reason: String },
+    #[error(
+        "algorithm {algorithm:?} reads peers' memory directly: it needs every rank of the communicator on one host, in one domain, joined by shared memory"
+    )]
+    NeedsWindows { algorithm: medley_collective::Algorithm },
     #[error("store: {0}")]
     Store(String),
 }

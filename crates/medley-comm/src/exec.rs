@@ -13,6 +13,7 @@ use medley_collective::{Buf, RankSteps, Step};
 
 use crate::CommError;
 use crate::dtype::DType;
+use crate::transport::window::{WINDOW_BYTES, Windows};
 use crate::transport::{Links, Sink, Ticket};
 use crate::wait::Waiter;
 use crate::wire::FrameHeader;
@@ -92,11 +93,16 @@ pub(crate) struct Scratch {
     last_ticket: Vec<Option<Ticket>>,
 }
 
+/// Bytes of a share combined from every window before the next piece: the piece of every window
+/// and of the destination stay in L2 together.
+const WINDOW_PIECE_BYTES: usize = 32 << 10;
+
 /// Runs `call` over `input` and `output` (bytes, `plan.input_len` and `plan.output_len` elements).
-/// On error the caller must close the links before the buffers' borrow ends, so no send still
-/// reads them.
+/// A plan that uses windows needs `windows`, whose capacity the caller has checked. On error the
+/// caller must close the links before the buffers' borrow ends, so no send still reads them.
 pub(crate) fn execute(
     links: &mut Links,
+    windows: Option<&mut Windows>,
     waiter: &Waiter,
     call: &Call<'_>,
     input: &[u8],
@@ -110,6 +116,12 @@ pub(crate) fn execute(
         seq: call.seq,
         len: (range.len() * size) as u64,
     };
+    let window_bytes = |range: &Range<usize>| {
+        let span = bytes(range);
+        assert!(span.end <= WINDOW_BYTES, "the communicator plans windows within their capacity");
+        span
+    };
+    let mut windows = windows;
     let Scratch { in_flight, deferred, last_ticket } = scratch;
     in_flight.clear();
     deferred.clear();
@@ -204,6 +216,31 @@ pub(crate) fn execute(
                 materialize(deferred, &span, input, output);
                 call.dtype.divide_bytes(&mut output[span], *divisor);
             }
+            Step::Publish { from, at } => {
+                let to = window_bytes(&(*at..at + from.len()));
+                // SAFETY: this rank's own window, in bounds; no peer reads it before the next fence.
+                let window = unsafe { std::slice::from_raw_parts_mut(need(&mut windows).data(call.plan.rank), to.end) };
+                window[to].copy_from_slice(&input[bytes(from)]);
+            }
+            Step::Fence => need(&mut windows).fence(waiter)?,
+            Step::ReduceWindows { from, window, to } => {
+                let span = bytes(to);
+                wait_for_senders(links, waiter, in_flight, &span)?;
+                take_overlap(deferred, &span);
+                let own = &input[bytes(from)];
+                reduce_windows(need(&mut windows), call, own, window_bytes(window), &mut output[span]);
+            }
+            Step::Gather { from, window, to } => {
+                let span = bytes(to);
+                wait_for_senders(links, waiter, in_flight, &span)?;
+                take_overlap(deferred, &span);
+                let window = window_bytes(window);
+                // SAFETY: in bounds; the plan's fences keep the owner from writing this range now.
+                let theirs = unsafe {
+                    std::slice::from_raw_parts(need(&mut windows).data(*from).add(window.start), window.len())
+                };
+                output[span].copy_from_slice(theirs);
+            }
         }
     }
     // Only the result must hold its bytes; the rest of the output is scratch.
@@ -214,6 +251,37 @@ pub(crate) fn execute(
         }
     }
     Ok(())
+}
+
+fn need<'a>(windows: &'a mut Option<&mut Windows>) -> &'a mut Windows {
+    windows.as_deref_mut().expect("the communicator plans windows only when it has them")
+}
+
+/// Combines `own` (this rank's input) with every peer's `window` bytes into `into`, in rank
+/// order, and leaves the result in this rank's own window too, piece by piece so each piece is
+/// combined while it is in cache.
+fn reduce_windows(windows: &Windows, call: &Call<'_>, own: &[u8], window: Range<usize>, into: &mut [u8]) {
+    let (dtype, how, rank) = (call.dtype, call.plan.combine, call.plan.rank);
+    let piece = WINDOW_PIECE_BYTES / dtype.size_bytes() * dtype.size_bytes();
+    for start in (0..window.len()).step_by(piece.max(1)) {
+        let len = piece.min(window.len() - start);
+        let share = |owner: usize| match owner == rank {
+            true => &own[start..start + len],
+            // SAFETY: in bounds of the owner's window; between the fences around this step its
+            // owner does not write this share.
+            false => unsafe { std::slice::from_raw_parts(windows.data(owner).add(window.start + start), len) },
+        };
+        let out = &mut into[start..start + len];
+        match windows.n_ranks() {
+            1 => out.copy_from_slice(share(0)),
+            _ => dtype.combine_from_bytes(out, share(0), share(1), how),
+        }
+        for owner in 2..windows.n_ranks() {
+            dtype.combine_bytes(out, share(owner), how);
+        }
+        // SAFETY: this rank's own window, in bounds; no peer reads this share before the next fence.
+        unsafe { std::ptr::copy_nonoverlapping(out.as_ptr(), windows.data(rank).add(window.start + start), len) };
+    }
 }
 
 /// Waits for every in-flight send that reads bytes in `span`, and forgets it.

@@ -7,12 +7,14 @@ use std::net::{IpAddr, TcpListener, TcpStream};
 use std::time::{Duration, Instant};
 
 use medley_collective::{DomainId, Group};
+use memmap2::MmapMut;
 
 use crate::CommError;
 use crate::env::{Config, Route};
 use crate::session::Session;
 use crate::transport::shm::{Inbox, ShmTransport, inbox_path};
 use crate::transport::tcp::TcpTransport;
+use crate::transport::window::{self, Windows, window_path};
 use crate::transport::{Links, Transport};
 use crate::wire::{Hello, fingerprint, same_token};
 
@@ -47,6 +49,8 @@ impl RankInfo {
 /// A connected communicator's pieces.
 pub(crate) struct Mesh {
     pub links: Links,
+    /// Every rank's window, when all ranks share memory in one domain.
+    pub windows: Option<Windows>,
     pub group: Group,
     pub domain_names: Vec<String>,
 }
@@ -95,8 +99,16 @@ pub(crate) fn connect(
     let joining = Joining { session, ns, members, me, infos: &infos };
     let mut transports: Vec<Box<dyn Transport>> = Vec::new();
     let mut route = vec![0; n];
-    if !shm_peers.is_empty() {
-        let shm = connect_shm(&joining, &shm_peers)?;
+    // Windows are a native facility: a bridge between vendors offers none, even on one host.
+    let share_windows = shm_peers.len() == n - 1 && group.n_domains() == 1;
+    let mut windows = None;
+    if n == 1 {
+        let map = MmapMut::map_anon(window::DATA_OFFSET + window::WINDOW_BYTES)
+            .map_err(|err| CommError::io("mapping a window", &err))?;
+        windows = Some(Windows::new(0, vec![map], members.to_vec()));
+    } else if !shm_peers.is_empty() {
+        let (shm, shared) = connect_shm(&joining, &shm_peers, share_windows)?;
+        windows = shared;
         shm_peers.iter().for_each(|&p| route[p] = transports.len());
         transports.push(Box::new(shm));
     }
@@ -107,7 +119,7 @@ pub(crate) fn connect(
         let caps = (0..n).map(|p| if infos[p].domain != infos[me].domain { config.bridge_bytes_per_s } else { None });
         transports.push(Box::new(TcpTransport::new(sockets, members, &caps.collect::<Vec<_>>())?));
     }
-    Ok(Mesh { links: Links::new(transports, route), group, domain_names })
+    Ok(Mesh { links: Links::new(transports, route), windows, group, domain_names })
 }
 
 /// A rank joining a communicator, with what every rank published.
@@ -119,29 +131,44 @@ struct Joining<'a> {
     infos: &'a [RankInfo],
 }
 
-/// Creates this rank's inbox, maps its shared-memory peers' and removes the file once they have
-/// all mapped it (the mappings outlive the name).
-fn connect_shm(joining: &Joining<'_>, peers: &[usize]) -> Result<ShmTransport, CommError> {
+/// Creates this rank's inbox (and window, with `share_windows`), maps its shared-memory peers'
+/// and removes the files once they have all mapped them (the mappings outlive the names).
+fn connect_shm(
+    joining: &Joining<'_>,
+    peers: &[usize],
+    share_windows: bool,
+) -> Result<(ShmTransport, Option<Windows>), CommError> {
     let Joining { session, ns, members, me, infos } = *joining;
     let n = members.len();
     let job = format!("{:016x}", fingerprint(&format!("{}|{}|{ns}", session.env.token, session.env.store_addr())));
-    let my_path = inbox_path(&job, me);
-    let inbox = Inbox::create(&my_path, n)?;
+    let my_paths = [inbox_path(&job, me), window_path(&job, me)];
+    let inbox = Inbox::create(&my_paths[0], n)?;
+    let mut maps = Vec::new();
+    if share_windows {
+        maps = (0..n).map(|_| None).collect();
+        maps[me] = Some(window::create(&my_paths[1])?);
+    }
     session.store.set(&format!("{ns}/inbox/{me}"), b"")?;
     let mut theirs: Vec<Option<(usize, u32, Inbox)>> = (0..n).map(|_| None).collect();
     for &p in peers {
         session.store.get(&format!("{ns}/inbox/{p}"))?;
         theirs[p] = Some((members[p], infos[p].pid, Inbox::open(&inbox_path(&job, p), n)?));
+        if share_windows {
+            maps[p] = Some(window::open(&window_path(&job, p))?);
+        }
     }
     session.store.set(&format!("{ns}/mapped/{me}"), b"")?;
     for &p in peers {
         session.store.get(&format!("{ns}/mapped/{p}"))?;
     }
-    std::fs::remove_file(&my_path).ok();
+    for path in &my_paths {
+        std::fs::remove_file(path).ok();
+    }
+    let windows = share_windows.then(|| Windows::new(me, maps.into_iter().flatten().collect(), members.to_vec()));
     // Without this, Yama's ptrace scope 1 would refuse peers' process_vm_readv of this process.
     // SAFETY: prctl with PR_SET_PTRACER only changes this process's ptrace policy.
     unsafe { libc::prctl(libc::PR_SET_PTRACER, libc::PR_SET_PTRACER_ANY, 0, 0, 0) };
-    Ok(ShmTransport::new(me, inbox, theirs))
+    Ok((ShmTransport::new(me, inbox, theirs), windows))
 }
 
 /// Opens `config.tcp_streams` connections per TCP peer: to lower ranks this rank connects, from

@@ -171,6 +171,11 @@ fn check_every_type(comm: &mut Communicator, call: Call<'_>) -> Result<(), Strin
     check::<u8>(comm, call)
 }
 
+/// The algorithms `comm` can run `op` with: those that read peers' windows need ranks that share them.
+fn runnable(comm: &Communicator, op: Op) -> Vec<Algorithm> {
+    Algorithm::ALL.into_iter().filter(|a| a.supports(op) && (!a.needs_windows() || comm.shares_windows())).collect()
+}
+
 const REDUCE_OPS: [ReduceOp; 5] = [ReduceOp::Sum, ReduceOp::Avg, ReduceOp::Max, ReduceOp::Min, ReduceOp::Prod];
 
 /// Every operation with the counts it takes: `len` elements, `sizes` per rank, `matrix` per pair.
@@ -253,7 +258,7 @@ proptest! {
         let ops = every_op(n, case.len, &case.sizes, &case.matrix, case.root);
         let results = job(&case.domains, &config, |comm| -> Result<(), String> {
             for (op, counts) in &ops {
-                for algorithm in Algorithm::ALL.into_iter().filter(|a| a.supports(*op)) {
+                for algorithm in runnable(comm, *op) {
                     check_every_type(comm, Call { op: *op, counts, algorithm, seed: case.seed })?;
                 }
             }
@@ -281,13 +286,56 @@ fn large_messages_stripe_and_pipeline() {
                 (Op::AllToAll, Counts::PerPair(matrix.clone())),
             ];
             for (op, counts) in &ops {
-                for algorithm in Algorithm::ALL.into_iter().filter(|a| a.supports(*op)) {
+                for algorithm in runnable(comm, *op) {
                     check::<f32>(comm, Call { op: *op, counts, algorithm, seed: 5 })?;
                 }
             }
             Ok(())
         });
         assert!(results.iter().all(Result::is_ok), "{bridge:?}: {results:?}");
+    }
+}
+
+/// All-reduces through windows, over several segments (so both window slots) and within one,
+/// every type and reduction; and the refusal where ranks cannot share windows.
+#[test]
+fn window_all_reduces_match_the_reference() {
+    let results = job(&["nvidia"; 3], &quick_config(), |comm| -> Result<(), String> {
+        assert!(comm.shares_windows());
+        for len in [0, 1, 5, 300_001] {
+            for op in REDUCE_OPS {
+                let call = Call {
+                    op: Op::AllReduce { op },
+                    counts: &Counts::Same(len),
+                    algorithm: Algorithm::Direct,
+                    seed: 7,
+                };
+                check_every_type(comm, call)?;
+            }
+        }
+        let (op, bytes) = (Op::AllReduce { op: ReduceOp::Sum }, 64 << 20);
+        assert_eq!(comm.default_algorithm(op, bytes), Algorithm::Direct);
+        Ok(())
+    });
+    assert!(results.iter().all(Result::is_ok), "{results:?}");
+    for (domains, intra_domain) in [(["nvidia", "nvidia"], Route::Tcp), (["nvidia", "amd"], Route::Shm)] {
+        let config = Config { intra_domain, bridge: Route::Shm, ..quick_config() };
+        let results = job(&domains, &config, |comm| {
+            let counts = Counts::Same(4);
+            let mut out = [0f32; 4];
+            let refused = comm.collective(
+                Op::AllReduce { op: ReduceOp::Sum },
+                &counts,
+                Some(Algorithm::Direct),
+                &[1f32; 4],
+                &mut out,
+            );
+            (comm.shares_windows(), refused)
+        });
+        for (shares, refused) in results {
+            assert!(!shares, "{domains:?} {intra_domain:?}");
+            assert!(matches!(refused, Err(CommError::NeedsWindows { .. })), "{refused:?}");
+        }
     }
 }
 
@@ -429,12 +477,14 @@ fn assert_all_blame(results: &[(Result<(), CommError>, Duration)], blamed: usize
 
 #[test]
 fn mismatched_calls_are_reported_on_every_rank() {
-    for intra_domain in [Route::Shm, Route::Tcp] {
+    let setups = [(Route::Shm, None), (Route::Tcp, None), (Route::Shm, Some(Algorithm::Direct))];
+    for (intra_domain, algorithm) in setups {
         let config = Config { intra_domain, timeout: Duration::from_secs(5), ..quick_config() };
         let results = job(&["a", "a", "a"], &config, |comm| {
             let len = if comm.rank() == 1 { 9 } else { 8 };
             let mut out = vec![0f32; len];
-            let first = comm.all_reduce(&vec![1f32; len], &mut out, ReduceOp::Sum).unwrap_err();
+            let (op, counts) = (Op::AllReduce { op: ReduceOp::Sum }, Counts::Same(len));
+            let first = comm.collective(op, &counts, algorithm, &vec![1f32; len], &mut out).unwrap_err();
             // The communicator stays failed: the next call fails at once with the same blame.
             let next = comm.barrier().unwrap_err();
             (first, next)
@@ -444,7 +494,7 @@ fn mismatched_calls_are_reported_on_every_rank() {
             assert!(next.blamed_rank().is_some(), "{next}");
         }
         let mismatch = results.iter().find(|(first, _)| matches!(first, CommError::Mismatch { .. }));
-        assert!(mismatch.is_some(), "{intra_domain:?}: no rank saw the mismatch: {results:?}");
+        assert!(mismatch.is_some(), "{intra_domain:?} {algorithm:?}: no rank saw the mismatch: {results:?}");
     }
 }
 
@@ -508,10 +558,17 @@ fn wait_for_line(child: &mut Child, line: &str, limit: Duration) {
     rx.recv_timeout(limit).unwrap_or_else(|_| panic!("the rank did not print {line:?} within {limit:?}"));
 }
 
+/// With 1 MiB per rank the ranks all-reduce through their windows, with 64 KiB by messages.
 #[test]
 fn killing_a_rank_mid_collective_fails_every_other_rank_naming_it() {
+    for elems in ["262144", "16384"] {
+        kill_a_rank_mid_collective(elems);
+    }
+}
+
+fn kill_a_rank_mid_collective(elems: &str) {
     let port = free_port();
-    let args = ["--iterations", "1000000", "--elems", "262144", "--timeout-ms", "4000"];
+    let args = ["--iterations", "1000000", "--elems", elems, "--timeout-ms", "4000"];
     let mut ranks: Vec<Child> = (0..4).map(|r| spawn_rank(r, 4, port, TOKEN, &args)).collect();
     wait_for_line(&mut ranks[2], "ok 3", Duration::from_secs(30));
     let started = Instant::now();

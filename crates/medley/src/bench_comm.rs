@@ -15,7 +15,7 @@ use std::time::{Duration, Instant};
 use anyhow::{Context, Result, bail};
 use clap::{Args, ValueEnum};
 use comfy_table::Cell;
-use medley_collective::{Algorithm, Counts, Op, ReduceOp, choose};
+use medley_collective::{Algorithm, Counts, Op, ReduceOp};
 use medley_comm::{Communicator, Config, LaunchEnv, Route};
 use serde::{Deserialize, Serialize};
 
@@ -339,7 +339,7 @@ pub fn worker(args: &WorkerArgs) -> Result<()> {
             let algorithms = if forced {
                 vec![Algorithm::Hierarchical, Algorithm::Ring]
             } else {
-                vec![choose(coll, comm.group(), size_of_val(input.as_slice()))]
+                vec![comm.default_algorithm(coll, size_of_val(input.as_slice()))]
             };
             for algorithm in algorithms {
                 let mut calls = |comm: &mut Communicator, n: usize| -> Result<f64> {

@@ -9,6 +9,7 @@
 
 pub(crate) mod shm;
 pub(crate) mod tcp;
+pub(crate) mod window;
 
 use medley_collective::Combine;
 

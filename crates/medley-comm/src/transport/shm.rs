@@ -9,7 +9,7 @@
 
 use std::cell::UnsafeCell;
 use std::collections::VecDeque;
-use std::fs::{File, OpenOptions};
+use std::fs::OpenOptions;
 use std::path::{Path, PathBuf};
 use std::sync::atomic::{AtomicU32, AtomicU64, Ordering};
 
@@ -82,31 +82,12 @@ impl Inbox {
 
     /// Creates (or replaces a stale) inbox file for `n_ranks` senders.
     pub fn create(path: &Path, n_ranks: usize) -> Result<Inbox, CommError> {
-        let io = |err: std::io::Error| CommError::io(format!("creating {}", path.display()), &err);
-        let file = OpenOptions::new().read(true).write(true).create(true).truncate(true).open(path).map_err(io)?;
-        file.set_len(Inbox::bytes(n_ranks) as u64).map_err(io)?;
-        Inbox::map(&file, path, n_ranks)
+        Ok(Inbox { map: map_shared(path, Inbox::bytes(n_ranks), true)?, n_ranks })
     }
 
     /// Maps a peer's inbox file, which must be of the expected size.
     pub fn open(path: &Path, n_ranks: usize) -> Result<Inbox, CommError> {
-        let io = |err: std::io::Error| CommError::io(format!("opening {}", path.display()), &err);
-        let file = OpenOptions::new().read(true).write(true).open(path).map_err(io)?;
-        let len = file.metadata().map_err(io)?.len();
-        if len != Inbox::bytes(n_ranks) as u64 {
-            return Err(CommError::Io {
-                context: format!("opening {}", path.display()),
-                message: format!("{len} bytes, expected {}", Inbox::bytes(n_ranks)),
-            });
-        }
-        Inbox::map(&file, path, n_ranks)
-    }
-
-    fn map(file: &File, path: &Path, n_ranks: usize) -> Result<Inbox, CommError> {
-        // SAFETY: the file is only ever accessed through this mapping's atomics, by ranks of one job.
-        let map = unsafe { MmapMut::map_mut(file) }
-            .map_err(|err| CommError::io(format!("mapping {}", path.display()), &err))?;
-        Ok(Inbox { map, n_ranks })
+        Ok(Inbox { map: map_shared(path, Inbox::bytes(n_ranks), false)?, n_ranks })
     }
 
     fn mailbox(&self, sender: usize) -> &Mailbox {
@@ -115,6 +96,27 @@ impl Inbox {
         // `set_len` (all-zero atomics are valid); it lives as long as `self`.
         unsafe { &*(self.map.as_ptr() as *const Mailbox).add(sender) }
     }
+}
+
+/// Maps the shared file at `path` of `len` bytes: created (or a stale one replaced, zero-filled
+/// and sparse) when `create`, else opened, and then it must have exactly that size.
+pub(crate) fn map_shared(path: &Path, len: usize, create: bool) -> Result<MmapMut, CommError> {
+    let what = if create { "creating" } else { "opening" };
+    let io = |err: std::io::Error| CommError::io(format!("{what} {}", path.display()), &err);
+    let file = OpenOptions::new().read(true).write(true).create(create).truncate(create).open(path).map_err(io)?;
+    if create {
+        file.set_len(len as u64).map_err(io)?;
+    }
+    let found = file.metadata().map_err(io)?.len();
+    if found != len as u64 {
+        return Err(CommError::Io {
+            context: format!("{what} {}", path.display()),
+            message: format!("{found} bytes, expected {len}"),
+        });
+    }
+    // SAFETY: the file is only ever accessed through mappings of ranks of one job, through
+    // atomics or in ranges their protocol hands from one rank to the other.
+    unsafe { MmapMut::map_mut(&file) }.map_err(|err| CommError::io(format!("mapping {}", path.display()), &err))
 }
 
 /// Where a rank's inbox lives.
@@ -176,7 +178,7 @@ impl ShmTransport {
 }
 
 /// Waits until `ready()` holds, sleeping on `word` (flagging `sleeping` so the other side wakes it).
-fn wait_on(
+pub(super) fn wait_on(
     waiter: &Waiter,
     rank: usize,
     what: &'static str,
@@ -207,7 +209,7 @@ fn wait_on(
     result
 }
 
-fn bump_and_wake(word: &AtomicU32, sleeping: &AtomicU32) {
+pub(super) fn bump_and_wake(word: &AtomicU32, sleeping: &AtomicU32) {
     word.fetch_add(1, Ordering::SeqCst);
     if sleeping.load(Ordering::SeqCst) != 0 {
         futex_wake(word);
@@ -215,7 +217,7 @@ fn bump_and_wake(word: &AtomicU32, sleeping: &AtomicU32) {
 }
 
 /// Whether counter `value` has reached `target` (both wrapping u32 counts).
-fn reached(value: u32, target: u32) -> bool {
+pub(super) fn reached(value: u32, target: u32) -> bool {
     (value.wrapping_sub(target) as i32) >= 0
 }
 

@@ -1,0 +1,103 @@
+//! Windows: a region of shared memory per rank that every rank of the communicator maps, for
+//! the collectives whose plans read peers' memory directly (see [`medley_collective::step`]).
+//!
+//! A window file starts with a page holding the owner's fence counter; its data follows. A fence
+//! bumps the rank's own counter and waits for every peer's to reach it, so it is a barrier of
+//! one store and n−1 loads when every rank is there. Files are sparse: only the pages a plan
+//! touches take memory.
+
+use std::path::{Path, PathBuf};
+use std::sync::atomic::{AtomicU32, Ordering};
+
+use memmap2::MmapMut;
+
+use super::shm::{map_shared, reached};
+use crate::CommError;
+use crate::wait::{Waiter, futex_wait, futex_wake};
+
+/// Data bytes per window: two segments of the communicator's window plans.
+pub(crate) const WINDOW_BYTES: usize = 1 << 20;
+/// Where the data starts: the fence counter has the first page to itself.
+pub(crate) const DATA_OFFSET: usize = 4096;
+
+#[repr(C)]
+struct Header {
+    fences: AtomicU32,
+    /// Peers asleep on `fences`: the owner wakes them when it passes a fence.
+    sleepers: AtomicU32,
+}
+
+/// Where a rank's window lives.
+pub(crate) fn window_path(job: &str, rank: usize) -> PathBuf {
+    PathBuf::from("/dev/shm").join(format!("medley-{job}-{rank}-window"))
+}
+
+/// Creates this rank's window file (or replaces a stale one).
+pub(crate) fn create(path: &Path) -> Result<MmapMut, CommError> {
+    map_shared(path, DATA_OFFSET + WINDOW_BYTES, true)
+}
+
+/// Maps a peer's window file.
+pub(crate) fn open(path: &Path) -> Result<MmapMut, CommError> {
+    map_shared(path, DATA_OFFSET + WINDOW_BYTES, false)
+}
+
+/// Every rank's window, mapped into this rank.
+pub(crate) struct Windows {
+    /// By communicator rank, this rank's own included.
+    maps: Vec<MmapMut>,
+    job_ranks: Vec<usize>,
+    rank: usize,
+    /// Fences this rank has passed.
+    passed: u32,
+}
+
+impl Windows {
+    pub fn new(rank: usize, maps: Vec<MmapMut>, job_ranks: Vec<usize>) -> Windows {
+        Windows { maps, job_ranks, rank, passed: 0 }
+    }
+
+    pub fn n_ranks(&self) -> usize {
+        self.maps.len()
+    }
+
+    fn header(&self, owner: usize) -> &Header {
+        // SAFETY: every mapping is page-aligned and longer than a header, zero-initialised by
+        // `set_len` (all-zero atomics are valid), and lives as long as `self`.
+        unsafe { &*(self.maps[owner].as_ptr() as *const Header) }
+    }
+
+    /// The start of `owner`'s data, [`WINDOW_BYTES`] long. Only its owner writes it, and readers
+    /// read only what a fence has handed them (the plan's rules).
+    pub fn data(&self, owner: usize) -> *mut u8 {
+        // SAFETY (of the arithmetic): the mapping is DATA_OFFSET + WINDOW_BYTES long.
+        unsafe { self.maps[owner].as_ptr().add(DATA_OFFSET).cast_mut() }
+    }
+
+    /// Passes this rank's next fence: waits until every peer has reached it too.
+    pub fn fence(&mut self, waiter: &Waiter) -> Result<(), CommError> {
+        let target = self.passed.wrapping_add(1);
+        let own = self.header(self.rank);
+        own.fences.store(target, Ordering::SeqCst);
+        if own.sleepers.load(Ordering::SeqCst) != 0 {
+            futex_wake(&own.fences);
+        }
+        for peer in (0..self.maps.len()).filter(|&peer| peer != self.rank) {
+            let header = self.header(peer);
+            let ready = || reached(header.fences.load(Ordering::Acquire), target);
+            waiter.wait(self.job_ranks[peer], "a window fence", |slice| {
+                if let (Some(slice), false) = (slice, ready()) {
+                    header.sleepers.fetch_add(1, Ordering::SeqCst);
+                    let seen = header.fences.load(Ordering::SeqCst);
+                    if !reached(seen, target) {
+                        futex_wait(&header.fences, seen, slice);
+                    }
+                    header.sleepers.fetch_sub(1, Ordering::SeqCst);
+                }
+                Ok(ready().then_some(()))
+            })?;
+        }
+        self.passed = target;
+        Ok(())
+    }
+}
