@@ -57,3 +57,37 @@ pub(crate) fn all_reduce(b: &mut Builder, len: usize) -> usize {
     }
     slot_len * segments.len().min(2)
 }
+
+#[cfg(test)]
+mod tests {
+    use crate::{Algorithm, Chunking, Counts, Group, Op, ReduceOp, Step, plan_steps};
+    use std::num::NonZeroUsize;
+
+    #[test]
+    fn segments_alternate_slots_and_no_rank_publishes_its_own_share() {
+        // 10 elements in segments of 4 over 3 ranks: shares of 2, 1, 1; then 1, 1, 0 of the last 2.
+        let group = Group::single_domain(3).unwrap();
+        let chunking = Chunking::MaxElems(NonZeroUsize::new(4).unwrap());
+        let op = Op::AllReduce { op: ReduceOp::Sum };
+        let plans = plan_steps(op, &group, &Counts::Same(10), Algorithm::Direct, chunking).unwrap();
+        let own_elems = [2 + 2 + 1, 1 + 1 + 1, 1 + 1];
+        for (plan, own) in plans.iter().zip(own_elems) {
+            assert_eq!(plan.window_len, 8);
+            assert_eq!(plan.steps.iter().filter(|step| **step == Step::Fence).count(), 2 * 3 + 1);
+            assert_eq!(plan.steps.last(), Some(&Step::Fence));
+            let published: Vec<_> = plan
+                .steps
+                .iter()
+                .filter_map(|step| match step {
+                    Step::Publish { from, at } => Some((from.clone(), *at)),
+                    _ => None,
+                })
+                .collect();
+            assert_eq!(published.iter().map(|(from, _)| from.len()).sum::<usize>(), 10 - own, "rank {}", plan.rank);
+            for (from, at) in published {
+                let segment = from.start / 4;
+                assert_eq!(at, (segment % 2) * 4 + from.start % 4, "rank {}: {from:?}", plan.rank);
+            }
+        }
+    }
+}

@@ -7,7 +7,6 @@ use std::net::{IpAddr, TcpListener, TcpStream};
 use std::time::{Duration, Instant};
 
 use medley_collective::{DomainId, Group};
-use memmap2::MmapMut;
 
 use crate::CommError;
 use crate::env::{Config, Route};
@@ -103,9 +102,7 @@ pub(crate) fn connect(
     let share_windows = shm_peers.len() == n - 1 && group.n_domains() == 1;
     let mut windows = None;
     if n == 1 {
-        let map = MmapMut::map_anon(window::DATA_OFFSET + window::WINDOW_BYTES)
-            .map_err(|err| CommError::io("mapping a window", &err))?;
-        windows = Some(Windows::new(0, vec![map], members.to_vec()));
+        windows = Some(Windows::alone(members[0])?);
     } else if !shm_peers.is_empty() {
         let (shm, shared) = connect_shm(&joining, &shm_peers, share_windows)?;
         windows = shared;

@@ -18,7 +18,7 @@ use crate::wait::{Waiter, futex_wait, futex_wake};
 /// Data bytes per window: two segments of the communicator's window plans.
 pub(crate) const WINDOW_BYTES: usize = 1 << 20;
 /// Where the data starts: the fence counter has the first page to itself.
-pub(crate) const DATA_OFFSET: usize = 4096;
+const DATA_OFFSET: usize = 4096;
 
 #[repr(C)]
 struct Header {
@@ -55,6 +55,13 @@ pub(crate) struct Windows {
 impl Windows {
     pub fn new(rank: usize, maps: Vec<MmapMut>, job_ranks: Vec<usize>) -> Windows {
         Windows { maps, job_ranks, rank, passed: 0 }
+    }
+
+    /// The window of a communicator of one rank, which no other process maps.
+    pub fn alone(job_rank: usize) -> Result<Windows, CommError> {
+        let map =
+            MmapMut::map_anon(DATA_OFFSET + WINDOW_BYTES).map_err(|err| CommError::io("mapping a window", &err))?;
+        Ok(Windows::new(0, vec![map], vec![job_rank]))
     }
 
     pub fn n_ranks(&self) -> usize {
