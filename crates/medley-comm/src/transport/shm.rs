@@ -10,6 +10,7 @@
 use std::cell::UnsafeCell;
 use std::collections::VecDeque;
 use std::fs::OpenOptions;
+use std::os::fd::AsRawFd;
 use std::path::{Path, PathBuf};
 use std::sync::atomic::{AtomicU32, AtomicU64, Ordering};
 
@@ -98,14 +99,21 @@ impl Inbox {
     }
 }
 
-/// Maps the shared file at `path` of `len` bytes: created (or a stale one replaced, zero-filled
-/// and sparse) when `create`, else opened, and then it must have exactly that size.
+/// Maps the shared file at `path` of `len` bytes: created (or a stale one replaced) zero-filled
+/// and with its memory reserved when `create`, else opened, and then it must have exactly that
+/// size.
 pub(crate) fn map_shared(path: &Path, len: usize, create: bool) -> Result<MmapMut, CommError> {
     let what = if create { "creating" } else { "opening" };
     let io = |err: std::io::Error| CommError::io(format!("{what} {}", path.display()), &err);
     let file = OpenOptions::new().read(true).write(true).create(create).truncate(create).open(path).map_err(io)?;
     if create {
-        file.set_len(len as u64).map_err(io)?;
+        // Reserved now, so a full /dev/shm fails here, named, instead of raising SIGBUS at the
+        // first touch of a page that does not fit.
+        // SAFETY: a plain system call on a descriptor this function owns.
+        let errno = unsafe { libc::posix_fallocate(file.as_raw_fd(), 0, len as libc::off_t) };
+        if errno != 0 {
+            return Err(io(std::io::Error::from_raw_os_error(errno)));
+        }
     }
     let found = file.metadata().map_err(io)?.len();
     if found != len as u64 {

@@ -3,8 +3,7 @@
 //!
 //! A window file starts with a page holding the owner's fence counter; its data follows. A fence
 //! bumps the rank's own counter and waits for every peer's to reach it, so it is a barrier of
-//! one store and n−1 loads when every rank is there. Files are sparse: only the pages a plan
-//! touches take memory.
+//! one store and n−1 loads when every rank is there.
 
 use std::path::{Path, PathBuf};
 use std::sync::atomic::{AtomicU32, Ordering};
