@@ -12,14 +12,14 @@ pub const LARGE_BYTES: usize = 1 << 20;
 
 /// From this many bytes per rank, ranks of one domain that share memory all-reduce through
 /// windows: below it the two fences per segment cost more than the ring's messages.
-pub const WINDOW_BYTES: usize = 256 << 10;
+pub const DIRECT_BYTES: usize = 256 << 10;
 
 /// The algorithm for `op` over `group` when every rank maps every other's window: as [`choose`],
 /// except that large all-reduces inside one domain go through the windows. A window spanning
 /// vendors is not something a bridge offers, so groups of several domains keep the hierarchy.
 pub fn choose_with_windows(op: Op, group: &Group, bytes: usize) -> Algorithm {
     match op {
-        Op::AllReduce { .. } if group.n_domains() == 1 && bytes >= WINDOW_BYTES => Algorithm::Direct,
+        Op::AllReduce { .. } if group.n_domains() == 1 && bytes >= DIRECT_BYTES => Algorithm::Direct,
         _ => choose(op, group, bytes),
     }
 }

@@ -29,26 +29,24 @@ pub(crate) fn all_reduce(b: &mut Builder, len: usize) -> usize {
     for (k, segment) in segments.iter().enumerate() {
         let base = (k % 2) * slot_len;
         let shares = balanced(segment.len(), n);
+        // A share's elements in the buffer and in the segment's window slot.
         let at = |share: &Range<usize>| segment.start + share.start..segment.start + share.end;
+        let in_slot = |share: &Range<usize>| base + share.start..base + share.end;
         for r in 0..n {
             let steps = &mut b.steps[r];
             // Peers read the other shares; this rank combines its own straight from its input.
             let (before, after) = (0..shares[r].start, shares[r].end..segment.len());
             for part in [before, after].into_iter().filter(|part| !part.is_empty()) {
-                steps.push(Step::Publish { from: at(&part), at: base + part.start });
+                steps.push(Step::Publish { from: at(&part), at: in_slot(&part).start });
             }
             steps.push(Step::Fence);
             let own = &shares[r];
             if !own.is_empty() {
-                steps.push(Step::ReduceWindows {
-                    from: at(own),
-                    window: base + own.start..base + own.end,
-                    to: at(own),
-                });
+                steps.push(Step::ReduceWindows { from: at(own), window: in_slot(own), to: at(own) });
             }
             steps.push(Step::Fence);
             for (q, share) in shares.iter().enumerate().filter(|(q, share)| *q != r && !share.is_empty()) {
-                steps.push(Step::Gather { from: q, window: base + share.start..base + share.end, to: at(share) });
+                steps.push(Step::Gather { from: q, window: in_slot(share), to: at(share) });
             }
         }
     }

@@ -23,7 +23,7 @@ use serde::{Deserialize, Serialize};
 use std::num::NonZeroUsize;
 use std::ops::Range;
 
-pub use choose::{LARGE_BYTES, SMALL_BYTES, WINDOW_BYTES, choose, choose_with_windows};
+pub use choose::{DIRECT_BYTES, LARGE_BYTES, SMALL_BYTES, choose, choose_with_windows};
 pub use error::CollectiveError;
 pub use group::{DomainId, Group};
 pub use lower::as_messages;

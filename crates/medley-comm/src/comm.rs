@@ -219,8 +219,8 @@ impl Communicator {
         }
     }
 
-    /// Runs `op` with `algorithm` (or [`Communicator::default_algorithm`]'s). `output` is either the whole working buffer
-    /// of the plan or just this rank's result.
+    /// Runs `op` with `algorithm` (or [`Communicator::default_algorithm`]'s). `output` is either
+    /// the whole working buffer of the plan or just this rank's result.
     pub fn collective<T: Element>(
         &mut self,
         op: Op,
@@ -231,13 +231,12 @@ impl Communicator {
     ) -> Result<(), CommError> {
         self.session.abort.check()?;
         let size = size_of::<T>();
-        let bytes = size_of_val(input);
         let algorithm = match algorithm {
             Some(algorithm) if algorithm.needs_windows() && self.windows.is_none() => {
                 return Err(CommError::NeedsWindows { algorithm });
             }
             Some(algorithm) => algorithm,
-            None => self.default_algorithm(op, bytes),
+            None => self.default_algorithm(op, size_of_val(input)),
         };
         let cached = self.plan(PlanKey { op, counts: counts.clone(), algorithm, dtype: T::DTYPE })?;
         let plan = &cached.steps;
@@ -254,7 +253,7 @@ impl Communicator {
         let result = if direct {
             execute(
                 &mut self.links,
-                self.windows.as_mut(),
+                self.windows.as_ref(),
                 &self.waiter,
                 &call,
                 input,
@@ -267,7 +266,7 @@ impl Communicator {
             let scratch = &mut bytemuck::cast_slice_mut::<u64, u8>(&mut self.scratch)[..bytes];
             let done = execute(
                 &mut self.links,
-                self.windows.as_mut(),
+                self.windows.as_ref(),
                 &self.waiter,
                 &call,
                 input,

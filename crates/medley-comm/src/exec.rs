@@ -102,7 +102,7 @@ const WINDOW_PIECE_BYTES: usize = 32 << 10;
 /// caller must close the links before the buffers' borrow ends, so no send still reads them.
 pub(crate) fn execute(
     links: &mut Links,
-    windows: Option<&mut Windows>,
+    windows: Option<&Windows>,
     waiter: &Waiter,
     call: &Call<'_>,
     input: &[u8],
@@ -121,7 +121,6 @@ pub(crate) fn execute(
         assert!(span.end <= WINDOW_BYTES, "the communicator plans windows within their capacity");
         span
     };
-    let mut windows = windows;
     let Scratch { in_flight, deferred, last_ticket } = scratch;
     in_flight.clear();
     deferred.clear();
@@ -219,16 +218,16 @@ pub(crate) fn execute(
             Step::Publish { from, at } => {
                 let to = window_bytes(&(*at..at + from.len()));
                 // SAFETY: this rank's own window, in bounds; no peer reads it before the next fence.
-                let window = unsafe { std::slice::from_raw_parts_mut(need(&mut windows).data(call.plan.rank), to.end) };
+                let window = unsafe { std::slice::from_raw_parts_mut(need(windows).data(call.plan.rank), to.end) };
                 window[to].copy_from_slice(&input[bytes(from)]);
             }
-            Step::Fence => need(&mut windows).fence(waiter)?,
+            Step::Fence => need(windows).fence(waiter)?,
             Step::ReduceWindows { from, window, to } => {
                 let span = bytes(to);
                 wait_for_senders(links, waiter, in_flight, &span)?;
                 take_overlap(deferred, &span);
                 let own = &input[bytes(from)];
-                reduce_windows(need(&mut windows), call, own, window_bytes(window), &mut output[span]);
+                reduce_windows(need(windows), call, own, window_bytes(window), &mut output[span]);
             }
             Step::Gather { from, window, to } => {
                 let span = bytes(to);
@@ -236,9 +235,8 @@ pub(crate) fn execute(
                 take_overlap(deferred, &span);
                 let window = window_bytes(window);
                 // SAFETY: in bounds; the plan's fences keep the owner from writing this range now.
-                let theirs = unsafe {
-                    std::slice::from_raw_parts(need(&mut windows).data(*from).add(window.start), window.len())
-                };
+                let theirs =
+                    unsafe { std::slice::from_raw_parts(need(windows).data(*from).add(window.start), window.len()) };
                 output[span].copy_from_slice(theirs);
             }
         }
@@ -253,8 +251,8 @@ pub(crate) fn execute(
     Ok(())
 }
 
-fn need<'a>(windows: &'a mut Option<&mut Windows>) -> &'a mut Windows {
-    windows.as_deref_mut().expect("the communicator plans windows only when it has them")
+fn need(windows: Option<&Windows>) -> &Windows {
+    windows.expect("the communicator plans windows only when it has them")
 }
 
 /// Combines `own` (this rank's input) with every peer's `window` bytes into `into`, in rank

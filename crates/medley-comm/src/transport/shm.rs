@@ -52,7 +52,7 @@ const EAGER: u64 = u64::MAX;
 #[repr(C, align(64))]
 struct Mailbox {
     posted: AtomicU32,
-    /// Set by the receiver while it sleeps on `posted`, so the sender knows to wake it.
+    /// Non-zero while the receiver sleeps on `posted`, so the sender knows to wake it.
     receiver_sleeping: AtomicU32,
     _pad0: [u8; 56],
     consumed: AtomicU32,
@@ -185,41 +185,37 @@ impl ShmTransport {
     }
 }
 
-/// Waits until `ready()` holds, sleeping on `word` (flagging `sleeping` so the other side wakes it).
+/// Waits until `ready()` holds, sleeping on `word`; `sleepers` counts the ranks asleep on it, so
+/// the side that bumps the word knows to wake them (every one: a fence has several waiters). Only
+/// a wait that sleeps touches the count: it shares a cache line with the word the other side
+/// bumps, and a store on every message would pull the line back and forth.
 pub(super) fn wait_on(
     waiter: &Waiter,
     rank: usize,
     what: &'static str,
     word: &AtomicU32,
-    sleeping: &AtomicU32,
+    sleepers: &AtomicU32,
     ready: impl Fn() -> bool,
 ) -> Result<(), CommError> {
-    let mut flagged = false;
-    let result = waiter.wait(rank, what, |slice| {
+    waiter.wait(rank, what, |slice| {
         if ready() {
             return Ok(Some(()));
         }
         if let Some(slice) = slice {
             let seen = word.load(Ordering::SeqCst);
-            sleeping.store(1, Ordering::SeqCst);
-            flagged = true;
+            sleepers.fetch_add(1, Ordering::SeqCst);
             if !ready() {
                 futex_wait(word, seen, slice);
             }
+            sleepers.fetch_sub(1, Ordering::SeqCst);
         }
         Ok(ready().then_some(()))
-    });
-    // Only a wait that slept clears the flag: the flag shares a cache line with the counter the
-    // other side bumps, and a store on every message would pull the line back and forth.
-    if flagged {
-        sleeping.store(0, Ordering::SeqCst);
-    }
-    result
+    })
 }
 
-pub(super) fn bump_and_wake(word: &AtomicU32, sleeping: &AtomicU32) {
+pub(super) fn bump_and_wake(word: &AtomicU32, sleepers: &AtomicU32) {
     word.fetch_add(1, Ordering::SeqCst);
-    if sleeping.load(Ordering::SeqCst) != 0 {
+    if sleepers.load(Ordering::SeqCst) != 0 {
         futex_wake(word);
     }
 }

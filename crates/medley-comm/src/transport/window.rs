@@ -10,9 +10,9 @@ use std::sync::atomic::{AtomicU32, Ordering};
 
 use memmap2::MmapMut;
 
-use super::shm::{map_shared, reached};
+use super::shm::{bump_and_wake, map_shared, reached, wait_on};
 use crate::CommError;
-use crate::wait::{Waiter, futex_wait, futex_wake};
+use crate::wait::Waiter;
 
 /// Data bytes per window: two segments of the communicator's window plans.
 pub(crate) const WINDOW_BYTES: usize = 1 << 20;
@@ -47,13 +47,11 @@ pub(crate) struct Windows {
     maps: Vec<MmapMut>,
     job_ranks: Vec<usize>,
     rank: usize,
-    /// Fences this rank has passed.
-    passed: u32,
 }
 
 impl Windows {
     pub fn new(rank: usize, maps: Vec<MmapMut>, job_ranks: Vec<usize>) -> Windows {
-        Windows { maps, job_ranks, rank, passed: 0 }
+        Windows { maps, job_ranks, rank }
     }
 
     /// The window of a communicator of one rank, which no other process maps.
@@ -68,8 +66,8 @@ impl Windows {
     }
 
     fn header(&self, owner: usize) -> &Header {
-        // SAFETY: every mapping is page-aligned and longer than a header, zero-initialised by
-        // `set_len` (all-zero atomics are valid), and lives as long as `self`.
+        // SAFETY: every mapping is page-aligned and longer than a header, zero-filled when created
+        // (all-zero atomics are valid), and lives as long as `self`.
         unsafe { &*(self.maps[owner].as_ptr() as *const Header) }
     }
 
@@ -81,29 +79,17 @@ impl Windows {
     }
 
     /// Passes this rank's next fence: waits until every peer has reached it too.
-    pub fn fence(&mut self, waiter: &Waiter) -> Result<(), CommError> {
-        let target = self.passed.wrapping_add(1);
+    pub fn fence(&self, waiter: &Waiter) -> Result<(), CommError> {
         let own = self.header(self.rank);
-        own.fences.store(target, Ordering::SeqCst);
-        if own.sleepers.load(Ordering::SeqCst) != 0 {
-            futex_wake(&own.fences);
-        }
+        // Only this rank writes its counter, so its next value is the fence to pass.
+        let target = own.fences.load(Ordering::Relaxed).wrapping_add(1);
+        bump_and_wake(&own.fences, &own.sleepers);
         for peer in (0..self.maps.len()).filter(|&peer| peer != self.rank) {
             let header = self.header(peer);
-            let ready = || reached(header.fences.load(Ordering::Acquire), target);
-            waiter.wait(self.job_ranks[peer], "a window fence", |slice| {
-                if let (Some(slice), false) = (slice, ready()) {
-                    header.sleepers.fetch_add(1, Ordering::SeqCst);
-                    let seen = header.fences.load(Ordering::SeqCst);
-                    if !reached(seen, target) {
-                        futex_wait(&header.fences, seen, slice);
-                    }
-                    header.sleepers.fetch_sub(1, Ordering::SeqCst);
-                }
-                Ok(ready().then_some(()))
+            wait_on(waiter, self.job_ranks[peer], "a window fence", &header.fences, &header.sleepers, || {
+                reached(header.fences.load(Ordering::Acquire), target)
             })?;
         }
-        self.passed = target;
         Ok(())
     }
 }
