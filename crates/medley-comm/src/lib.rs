@@ -13,6 +13,11 @@
 //! (point-to-point send/receive with tickets; see `transport/mod.rs`): the algorithms and the
 //! executor do not change.
 
+// The transports rest on Linux system calls: process_vm_readv for single-copy shared memory,
+// futex for waits, sched_setaffinity for core binding.
+#[cfg(not(target_os = "linux"))]
+compile_error!("medley runs on Linux only: its communicator uses process_vm_readv, futex and sched_setaffinity");
+
 mod bind;
 mod comm;
 mod dtype;
