@@ -1,11 +1,12 @@
 //! Floating-point work of a training step.
 //!
 //! Per layer and micro-batch of `b` sequences of length `s` (Korthikanti et al. 2022,
-//! arXiv 2205.05198, generalised to grouped-query attention, gated MLPs and experts):
-//! projections 2bs·(2h² + 2h·kv_width), scores and score·V 4bs²h, MLP 2bs·h·f per matrix per
-//! active expert. Backward is twice forward. Causal attention computes only the lower triangle,
-//! so the time model counts half the s² work; model FLOPs (MFU) follow Megatron-LM and PaLM and
-//! count all of it, so MFU stays comparable with published figures.
+//! arXiv 2205.05198, generalised to grouped-query attention, head sizes apart from h/heads, gated
+//! MLPs and experts): projections 2bs·(2h·q + 2h·kv_width) with q = heads × head size, scores and
+//! score·V 4bs²q, MLP 2bs·h·f per matrix per active expert (routed top-k and shared). Backward is
+//! twice forward. Causal attention computes only the lower triangle, so the time model counts
+//! half the s² work (a sliding window of w: about s·w − w²/2 pairs); model FLOPs (MFU) follow
+//! Megatron-LM and PaLM and count twice that, so MFU stays comparable with published figures.
 
 use medley_spec::{ModelSpec, Recompute};
 
@@ -24,18 +25,28 @@ fn f(value: u32) -> f64 {
     f64::from(value)
 }
 
-/// Tokens' share of active MLP work: `top_k` experts, or the one dense MLP.
+/// Tokens' share of active MLP work: the top-k routed experts and the shared ones with the
+/// router, or the one dense MLP.
 fn active_mlp_flops_per_token(model: &ModelSpec) -> f64 {
-    let one_mlp = 2.0 * model.mlp().n_matrices() as f64 * f(model.hidden()) * f(model.ffn_hidden());
-    match model.experts() {
-        Some(experts) => f(experts.top_k) * one_mlp + 2.0 * f(model.hidden()) * f(experts.n_experts),
-        None => one_mlp,
+    let matrices = 2.0 * model.mlp().n_matrices() as f64 * f(model.hidden()) * model.active_ffn_width() as f64;
+    let router = model.experts().map_or(0.0, |experts| 2.0 * f(model.hidden()) * f(experts.n_experts));
+    matrices + router
+}
+
+/// Query–key pairs one sequence's causal attention computes: s²/2, or about s·w − w²/2 when
+/// each token attends to at most the last w (a sliding window).
+fn causal_pairs(model: &ModelSpec, seq_len: u32) -> f64 {
+    let s = f(seq_len);
+    match model.sliding_window() {
+        Some(window) if window < seq_len => s * f(window) - f(window) * f(window) / 2.0,
+        _ => s * s / 2.0,
     }
 }
 
-/// Attention core FLOPs per sequence without causal savings: 4·s²·h.
+/// Attention core FLOPs per sequence without causal savings, 4·s²·(heads × head size), or twice
+/// a sliding window's causal pairs: QKᵀ and score·V each 2 FLOPs per pair and query dimension.
 fn attention_core_flops(model: &ModelSpec, seq_len: u32) -> f64 {
-    4.0 * f(seq_len) * f(seq_len) * f(model.hidden())
+    4.0 * 2.0 * causal_pairs(model, seq_len) * model.q_width() as f64
 }
 
 pub fn layer_forward(model: &ModelSpec, seq_len: u32, micro_batch: u32) -> LayerFlops {
@@ -98,6 +109,7 @@ mod tests {
             mlp: MlpKind::Gelu,
             experts: None,
             tie_embeddings: true,
+            ..ModelParts::default()
         };
         ModelSpec::new(parts, "test").unwrap()
     }

@@ -184,8 +184,7 @@ impl<'a> CostModel<'a> {
     /// Norms, residual adds, rotary embedding, activation functions: read-write traffic in bytes
     /// for one layer's forward, about 16 h-wide and 3 f-wide bf16 passes per token.
     fn elementwise_bytes(&self, micro_batch: u32) -> f64 {
-        let active_mlps = self.model.experts().map_or(1.0, |experts| f64::from(experts.top_k));
-        let per_token = 16.0 * f64::from(self.model.hidden()) + 3.0 * f64::from(self.model.ffn_hidden()) * active_mlps;
+        let per_token = 16.0 * f64::from(self.model.hidden()) + 3.0 * self.model.active_ffn_width() as f64;
         2.0 * f64::from(self.seq_len) * f64::from(micro_batch) * per_token
     }
 

@@ -5,8 +5,9 @@
 //! parallel replicas with ZeRO-1 (Rajbhandari et al., arXiv 1910.02054). Activations per layer and
 //! micro-batch follow Korthikanti et al. (arXiv 2205.05198), generalised to grouped-query attention
 //! and gated MLPs: with 16-bit activations and dropout masks, in units of s·b·h bytes, the two norms
-//! keep 4, attention 7 + 4·kv/heads plus 5·a·s/h for scores, softmax and dropout, a GELU MLP
-//! 3 + 4f/h, a SwiGLU MLP 3 + 6f/h (gate, up and their product), times top-k for experts.
+//! keep 4, attention 7 + 4·kv/heads plus 5·a·s/h for scores, softmax and dropout (with q = heads ×
+//! head size apart from h: 3 + 4·q/h + 4·kv/h), a GELU MLP 3 + 4f/h, a SwiGLU MLP 3 + 6f/h (gate,
+//! up and their product), once per routed expert a token visits and per shared expert.
 //! `Recompute::None` keeps attention's score, softmax and dropout buffers (the 5·a·s/h term) as
 //! Megatron-LM does without a fused attention kernel; a fused (FlashAttention) kernel never stores
 //! them and recomputes them in its backward, which is what `Recompute::Selective` prices.
@@ -60,13 +61,26 @@ pub fn layer_activation_bytes(model: &ModelSpec, seq_len: u32, micro_batch: u32,
     if recompute == Recompute::Full {
         return 2.0 * sbh / t;
     }
-    let kv_ratio = f64::from(model.n_kv_heads()) / f64::from(model.n_heads());
-    let ffn_ratio = f64::from(model.ffn_hidden()) / h;
-    let mlp = match model.mlp() {
-        MlpKind::Gelu => 3.0 + 4.0 * ffn_ratio,
-        MlpKind::SwiGlu => 3.0 + 6.0 * ffn_ratio,
-    } * model.experts().map_or(1.0, |experts| f64::from(experts.top_k));
-    let linear_parts = 4.0 + (7.0 + 4.0 * kv_ratio) + mlp;
+    // Attention keeps its input and dropout mask (3, h-wide), Q and its output (4, q-wide) and K
+    // and V (4, kv-wide): Korthikanti's 7 + 4·kv/heads when q = h.
+    let q_ratio = model.q_width() as f64 / h;
+    let kv_ratio = model.kv_width() as f64 / h;
+    let attention = 3.0 + 4.0 * q_ratio + 4.0 * kv_ratio;
+    let mlp = |ffn_width: f64| match model.mlp() {
+        MlpKind::Gelu => 3.0 + 4.0 * ffn_width / h,
+        MlpKind::SwiGlu => 3.0 + 6.0 * ffn_width / h,
+    };
+    // Each routed expert a token visits keeps its own input and hidden values, as do shared ones.
+    let mlp = match model.experts() {
+        Some(experts) => {
+            let routed_width = (model.active_ffn_width() - u64::from(experts.shared_ffn_hidden)) as f64;
+            let routed = f64::from(experts.top_k) * mlp(routed_width / f64::from(experts.top_k));
+            let shared = if experts.shared_ffn_hidden > 0 { mlp(f64::from(experts.shared_ffn_hidden)) } else { 0.0 };
+            routed + shared
+        }
+        None => mlp(f64::from(model.ffn_hidden())),
+    };
+    let linear_parts = 4.0 + attention + mlp;
     let scores = match recompute {
         Recompute::None => 5.0 * f64::from(model.n_heads()) * s / h,
         Recompute::Selective | Recompute::Full => 0.0,
@@ -96,6 +110,7 @@ mod tests {
             mlp: MlpKind::Gelu,
             experts: None,
             tie_embeddings: true,
+            ..ModelParts::default()
         };
         ModelSpec::new(parts, "test").unwrap()
     }

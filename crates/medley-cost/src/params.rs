@@ -6,20 +6,20 @@ fn u(value: u32) -> u64 {
     u64::from(value)
 }
 
-/// Q, K, V and output projections; grouped-query attention shrinks K and V by kv heads / heads.
+/// Q, K, V and output projections (and the Q, K, V biases where the model has them); grouped-query
+/// attention shrinks K and V by kv heads / heads.
 pub fn attention_params(model: &ModelSpec) -> u64 {
     let hidden = u(model.hidden());
-    let kv_width = u(model.n_kv_heads()) * u(model.head_dim());
-    2 * hidden * hidden + 2 * hidden * kv_width
+    let (q_width, kv_width) = (model.q_width(), model.kv_width());
+    let biases = if model.qkv_bias() { q_width + 2 * kv_width } else { 0 };
+    2 * hidden * q_width + 2 * hidden * kv_width + biases
 }
 
-/// Every expert's MLP matrices plus the router.
+/// Every MLP's matrices — each expert's, routed and shared — plus the router.
 pub fn mlp_params(model: &ModelSpec) -> u64 {
-    let one_mlp = model.mlp().n_matrices() * u(model.hidden()) * u(model.ffn_hidden());
-    match model.experts() {
-        Some(experts) => u(experts.n_experts) * (one_mlp + u(model.hidden())),
-        None => one_mlp,
-    }
+    let matrices = model.mlp().n_matrices() * u(model.hidden()) * model.stored_ffn_width();
+    let router = model.experts().map_or(0, |experts| u(model.hidden()) * u(experts.n_experts));
+    matrices + router
 }
 
 /// One transformer layer: attention, MLP and its two norms.
@@ -43,16 +43,11 @@ pub fn total_params(model: &ModelSpec) -> u64 {
     u(model.n_layers()) * layer_params(model) + embedding_params(model) + untied_head
 }
 
-/// Parameters one token runs through: a mixture of experts activates `top_k` of them.
+/// Parameters one token runs through: a mixture of experts activates `top_k` of its routed
+/// experts (and every shared one).
 pub fn active_params(model: &ModelSpec) -> u64 {
-    let inactive = match model.experts() {
-        Some(experts) => {
-            let one_mlp = model.mlp().n_matrices() * u(model.hidden()) * u(model.ffn_hidden());
-            u(experts.n_experts - experts.top_k) * one_mlp * u(model.n_layers())
-        }
-        None => 0,
-    };
-    total_params(model) - inactive
+    let inactive_width = model.stored_ffn_width() - model.active_ffn_width();
+    total_params(model) - model.mlp().n_matrices() * u(model.hidden()) * inactive_width * u(model.n_layers())
 }
 
 #[cfg(test)]

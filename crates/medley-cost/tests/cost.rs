@@ -1,7 +1,8 @@
 //! The cost model's properties over many shapes, and one published measurement to compare with.
 
+use medley_cost::params::{active_params, total_params};
 use medley_cost::{Calibration, CostModel, Setting, StageShape};
-use medley_spec::{MlpKind, ModelParts, ModelSpec, NodeGroup, Recompute, catalog_device};
+use medley_spec::{MlpKind, ModelParts, ModelSpec, NodeGroup, Recompute, catalog_device, catalog_model};
 use proptest::prelude::*;
 
 fn model(n_layers: u32, hidden_heads: u32, n_heads: u32, kv_divisor: u32, mlp: MlpKind) -> ModelSpec {
@@ -17,6 +18,7 @@ fn model(n_layers: u32, hidden_heads: u32, n_heads: u32, kv_divisor: u32, mlp: M
         mlp,
         experts: None,
         tie_embeddings: false,
+        ..ModelParts::default()
     };
     ModelSpec::new(parts, "test").unwrap()
 }
@@ -26,6 +28,66 @@ fn example_calibration_parses() {
     let path = format!("{}/../../examples/calibration.toml", env!("CARGO_MANIFEST_DIR"));
     let calibration = Calibration::from_toml(&std::fs::read_to_string(&path).unwrap(), &path).unwrap();
     assert_eq!(calibration.efficiency(&catalog_device("h100").unwrap()).matmul, 0.62);
+}
+
+/// A model from one of the HuggingFace configs under `tests/hf` (see its SOURCE.md).
+fn hf_model(name: &str) -> Result<ModelSpec, medley_spec::SpecError> {
+    let path = format!("{}/tests/hf/{name}.json", env!("CARGO_MANIFEST_DIR"));
+    ModelSpec::from_hf_config(&std::fs::read_to_string(&path).unwrap(), &path)
+}
+
+#[test]
+fn huggingface_configs_read_as_their_published_sizes() {
+    // Billions of parameters, total and active per token, from each model card: Llama 3.1 8B
+    // 8.03 and 70B 70.6; Mistral 7B 7.24; Mistral-Nemo 12.2; Mixtral 8x7B 46.7, 12.9 active;
+    // Qwen2.5 7B 7.61 and 14B 14.7; Qwen1.5-MoE-A2.7B 14.3, 2.7 active.
+    for (name, total, active) in [
+        ("llama-3.1-8b", 8.03, 8.03),
+        ("llama-3.1-70b", 70.6, 70.6),
+        ("mistral-7b-v0.1", 7.24, 7.24),
+        ("mistral-nemo-base-2407", 12.2, 12.2),
+        ("mixtral-8x7b-v0.1", 46.7, 12.9),
+        ("qwen2.5-7b", 7.61, 7.61),
+        ("qwen2.5-14b", 14.7, 14.7),
+        ("qwen1.5-moe-a2.7b", 14.3, 2.7),
+    ] {
+        let model = hf_model(name).unwrap();
+        let billions = |params: u64| params as f64 / 1e9;
+        let (got_total, got_active) = (billions(total_params(&model)), billions(active_params(&model)));
+        assert!((got_total / total - 1.0).abs() < 0.01, "{name}: {got_total:.3}B, published {total}B");
+        assert!((got_active / active - 1.0).abs() < 0.01, "{name}: {got_active:.3}B active, published {active}B");
+    }
+}
+
+#[test]
+fn what_shapes_a_model_is_read_from_its_config() {
+    let nemo = hf_model("mistral-nemo-base-2407").unwrap();
+    assert_eq!((nemo.head_dim(), nemo.q_width(), nemo.sliding_window()), (128, 4096, None));
+    assert_eq!(hf_model("mistral-7b-v0.1").unwrap().sliding_window(), Some(4096));
+    let qwen = hf_model("qwen2.5-7b").unwrap();
+    assert!(qwen.qkv_bias() && qwen.sliding_window().is_none(), "use_sliding_window is false");
+    let moe = hf_model("qwen1.5-moe-a2.7b").unwrap();
+    assert_eq!((moe.stored_ffn_width(), moe.active_ffn_width()), (60 * 1408 + 5632, 4 * 1408 + 5632));
+}
+
+#[test]
+fn a_model_medley_cannot_represent_is_refused_naming_the_keys() {
+    let err = hf_model("deepseek-v3").unwrap_err().to_string();
+    for wanted in
+        ["cannot represent", "multi-head latent attention", "q_lora_rank", "kv_lora_rank", "first_k_dense_replace"]
+    {
+        assert!(err.contains(wanted), "{wanted} missing: {err}");
+    }
+}
+
+#[test]
+fn a_sliding_window_cuts_attention_work() {
+    let (windowed, full) = (hf_model("mistral-7b-v0.1").unwrap(), catalog_model("llama3-8b").unwrap());
+    let attention = |model: &ModelSpec, seq_len| medley_cost::flops::layer_forward(model, seq_len, 1).attention;
+    // Up to the window every token attends to all before it; at 4× the window, each attends to
+    // 4096 of up to 16,384: 4096·16384 − 4096²/2 pairs against 16384²/2.
+    assert_eq!(attention(&windowed, 4096), attention(&full, 4096));
+    assert!((attention(&windowed, 16_384) / attention(&full, 16_384) - 0.4375).abs() < 1e-12);
 }
 
 proptest! {

@@ -30,6 +30,15 @@ impl ModelConfig {
         if model.tie_embeddings() {
             return Err(unsupported("tied embeddings are not implemented; pipeline stages hold them apart"));
         }
+        if model.has_own_head_dim() {
+            return Err(unsupported("its head size is not hidden / heads; the runtime's attention derives it"));
+        }
+        if model.qkv_bias() {
+            return Err(unsupported("its Q, K and V projections have biases, which the runtime's decoder does not"));
+        }
+        if model.sliding_window().is_some() {
+            return Err(unsupported("sliding-window attention is not implemented in the runtime"));
+        }
         if !model.head_dim().is_multiple_of(2) {
             return Err(unsupported("rotary embeddings need an even head dimension"));
         }

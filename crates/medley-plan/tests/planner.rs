@@ -41,6 +41,7 @@ fn small_model(n_layers: u32, hidden: u32) -> ModelSpec {
         mlp: MlpKind::SwiGlu,
         experts: None,
         tie_embeddings: false,
+        ..ModelParts::default()
     };
     ModelSpec::new(parts, "test").unwrap()
 }

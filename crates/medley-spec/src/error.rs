@@ -11,6 +11,11 @@ pub enum SpecError {
     Syntax { source_name: Source, line: usize, column: usize, message: String },
     #[error("{source_name}: field `{field}`: {message}")]
     Field { source_name: Source, field: String, message: String },
+    #[error(
+        "{source_name}: medley cannot represent this model ({}); it refuses rather than misread its size and cost",
+        .reasons.join("; ")
+    )]
+    Unrepresentable { source_name: Source, reasons: Vec<String> },
     #[error("unknown {kind} `{name}`{}", did_you_mean(.close))]
     Unknown { kind: &'static str, name: String, close: Vec<String> },
 }

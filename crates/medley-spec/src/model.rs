@@ -6,12 +6,13 @@ use serde_json::Value;
 use crate::error::{SpecError, close_names};
 
 /// The MLP block's shape.
-#[derive(Clone, Copy, Debug, PartialEq, Eq, Serialize, Deserialize)]
+#[derive(Clone, Copy, Debug, Default, PartialEq, Eq, Serialize, Deserialize)]
 #[serde(rename_all = "lowercase")]
 pub enum MlpKind {
     /// Two matrices, h→f→h, with a GELU between (GPT-2, GPT-3).
     Gelu,
     /// Three matrices, gate and up h→f, down f→h (Llama, Mistral, Qwen2, Mixtral).
+    #[default]
     SwiGlu,
 }
 
@@ -24,19 +25,36 @@ impl MlpKind {
     }
 }
 
-/// Mixture-of-experts MLPs: each token runs `top_k` of `n_experts` expert MLPs.
-#[derive(Clone, Copy, Debug, PartialEq, Eq, Serialize, Deserialize)]
+/// Mixture-of-experts MLPs: each token runs `top_k` of `n_experts` routed expert MLPs, and
+/// every shared expert (Qwen-MoE, DeepSeekMoE).
+#[derive(Clone, Copy, Debug, Default, PartialEq, Eq, Serialize, Deserialize)]
 pub struct Experts {
     pub n_experts: u32,
     pub top_k: u32,
+    /// One routed expert's MLP hidden size, when it is not the model's `ffn_hidden`
+    /// (HuggingFace `moe_intermediate_size`).
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub ffn_hidden: Option<u32>,
+    /// The shared experts' MLP hidden sizes summed (0: none).
+    #[serde(default, skip_serializing_if = "is_zero")]
+    pub shared_ffn_hidden: u32,
+}
+
+fn is_zero(value: &u32) -> bool {
+    *value == 0
+}
+
+fn is_false(value: &bool) -> bool {
+    !*value
 }
 
 /// The largest size of any model dimension: far beyond published models, and small enough that
 /// parameter and FLOP counts never overflow.
 const MAX_SIZE: u32 = 1 << 24;
 
-/// A decoder-only transformer. Invariants (held by [`ModelSpec::new`]): every size positive,
-/// heads divide the hidden size, kv heads divide heads, top-k at most the expert count.
+/// A decoder-only transformer, every layer alike. Invariants (held by [`ModelSpec::new`]): every
+/// size positive, heads divide the hidden size unless the head size is given, kv heads divide
+/// heads, top-k at most the expert count.
 #[derive(Clone, Debug, PartialEq, Serialize, Deserialize)]
 #[serde(try_from = "ModelParts", into = "ModelParts")]
 pub struct ModelSpec {
@@ -49,8 +67,9 @@ impl From<ModelSpec> for ModelParts {
     }
 }
 
-/// The unchecked parts of a model, for [`ModelSpec::new`].
-#[derive(Clone, Debug, PartialEq, Serialize, Deserialize)]
+/// The unchecked parts of a model, for [`ModelSpec::new`]. Fields added after plan schema v1
+/// default to what older plans meant.
+#[derive(Clone, Debug, Default, PartialEq, Serialize, Deserialize)]
 #[serde(deny_unknown_fields)]
 pub struct ModelParts {
     pub name: String,
@@ -63,6 +82,16 @@ pub struct ModelParts {
     pub mlp: MlpKind,
     pub experts: Option<Experts>,
     pub tie_embeddings: bool,
+    /// One attention head's size, when it is not `hidden / n_heads` (Mistral-Nemo's 128 at
+    /// hidden 5120 and 32 heads).
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub head_dim: Option<u32>,
+    /// The Q, K and V projections have biases (Qwen2).
+    #[serde(default, skip_serializing_if = "is_false")]
+    pub qkv_bias: bool,
+    /// Every layer attends to at most this many tokens back (Mistral 7B's sliding window).
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub sliding_window: Option<u32>,
 }
 
 impl TryFrom<ModelParts> for ModelSpec {
@@ -82,12 +111,18 @@ impl ModelSpec {
             ("ffn_hidden", parts.ffn_hidden),
             ("vocab", parts.vocab),
         ];
-        for (field, value) in sizes {
+        let optional_sizes = [
+            ("head_dim", parts.head_dim),
+            ("sliding_window", parts.sliding_window),
+            ("experts.ffn_hidden", parts.experts.and_then(|experts| experts.ffn_hidden)),
+        ];
+        let given = optional_sizes.into_iter().filter_map(|(field, value)| value.map(|value| (field, value)));
+        for (field, value) in sizes.into_iter().chain(given) {
             if value == 0 || value > MAX_SIZE {
                 return Err(SpecError::field(source, field, format!("must be between 1 and {MAX_SIZE}, got {value}")));
             }
         }
-        if !parts.hidden.is_multiple_of(parts.n_heads) {
+        if parts.head_dim.is_none() && !parts.hidden.is_multiple_of(parts.n_heads) {
             return Err(SpecError::field(
                 source,
                 "n_heads",
@@ -100,6 +135,11 @@ impl ModelSpec {
                 "n_kv_heads",
                 format!("{} kv heads do not divide {} heads", parts.n_kv_heads, parts.n_heads),
             ));
+        }
+        if let Some(experts) = parts.experts
+            && experts.shared_ffn_hidden > MAX_SIZE
+        {
+            return Err(SpecError::field(source, "experts.shared_ffn_hidden", format!("must be at most {MAX_SIZE}")));
         }
         if let Some(experts) = parts.experts
             && (experts.top_k == 0 || experts.top_k > experts.n_experts)
@@ -147,8 +187,53 @@ impl ModelSpec {
     pub fn n_kv_heads(&self) -> u32 {
         self.parts.n_kv_heads
     }
+    /// One attention head's size.
     pub fn head_dim(&self) -> u32 {
-        self.parts.hidden / self.parts.n_heads
+        self.parts.head_dim.unwrap_or(self.parts.hidden / self.parts.n_heads)
+    }
+    /// Whether the head size was given apart from the hidden size and differs from
+    /// `hidden / n_heads`.
+    pub fn has_own_head_dim(&self) -> bool {
+        self.parts.head_dim.is_some()
+    }
+    /// The width of the queries (and of the attention output): heads × head size.
+    pub fn q_width(&self) -> u64 {
+        u64::from(self.parts.n_heads) * u64::from(self.head_dim())
+    }
+    /// The width of the keys, and of the values.
+    pub fn kv_width(&self) -> u64 {
+        u64::from(self.parts.n_kv_heads) * u64::from(self.head_dim())
+    }
+    pub fn qkv_bias(&self) -> bool {
+        self.parts.qkv_bias
+    }
+    pub fn sliding_window(&self) -> Option<u32> {
+        self.parts.sliding_window
+    }
+    /// The MLP hidden sizes a layer stores, summed: every expert's (routed and shared), or the
+    /// dense MLP's.
+    pub fn stored_ffn_width(&self) -> u64 {
+        match self.parts.experts {
+            Some(experts) => {
+                u64::from(experts.n_experts) * u64::from(self.expert_ffn_hidden())
+                    + u64::from(experts.shared_ffn_hidden)
+            }
+            None => u64::from(self.parts.ffn_hidden),
+        }
+    }
+    /// The MLP hidden sizes one token runs through, summed: its top-k routed experts and the
+    /// shared ones, or the dense MLP.
+    pub fn active_ffn_width(&self) -> u64 {
+        match self.parts.experts {
+            Some(experts) => {
+                u64::from(experts.top_k) * u64::from(self.expert_ffn_hidden()) + u64::from(experts.shared_ffn_hidden)
+            }
+            None => u64::from(self.parts.ffn_hidden),
+        }
+    }
+    /// One routed expert's MLP hidden size (the dense size for a dense model).
+    fn expert_ffn_hidden(&self) -> u32 {
+        self.parts.experts.and_then(|experts| experts.ffn_hidden).unwrap_or(self.parts.ffn_hidden)
     }
     pub fn ffn_hidden(&self) -> u32 {
         self.parts.ffn_hidden
@@ -189,33 +274,143 @@ impl HfKeys<'_> {
             .ok_or_else(|| SpecError::field(self.source, key, "missing; is this a HuggingFace config.json?"))
     }
 
-    fn llama(&self, name: String) -> Result<ModelParts, SpecError> {
-        let n_heads = self.required("num_attention_heads")?;
-        let experts = match self.optional("num_local_experts")? {
-            Some(n_experts) if n_experts > 1 => {
-                Some(Experts { n_experts, top_k: self.optional("num_experts_per_tok")?.unwrap_or(2) })
+    fn flag(&self, key: &str) -> Option<bool> {
+        self.config.get(key).and_then(Value::as_bool)
+    }
+
+    fn text(&self, key: &str) -> &str {
+        self.config.get(key).and_then(Value::as_str).unwrap_or("")
+    }
+
+    /// The first of `keys` that is set, with its name.
+    fn first_of(&self, keys: &[&'static str]) -> Result<Option<(&'static str, u32)>, SpecError> {
+        for &key in keys {
+            if let Some(value) = self.optional(key)? {
+                return Ok(Some((key, value)));
             }
-            _ => None,
-        };
+        }
+        Ok(None)
+    }
+
+    fn llama(&self, name: String) -> Result<ModelParts, SpecError> {
+        let model_type = self.text("model_type");
+        self.refuse_what_cannot_be_represented(model_type)?;
+        let n_heads = self.required("num_attention_heads")?;
+        let hidden = self.required("hidden_size")?;
         // Llama-family configs use gated (SwiGLU) MLPs unless the activation says GELU without a
         // gate, as in GPT-NeoX-style configs that reuse these key names.
         let act = self.config.get("hidden_act").and_then(Value::as_str).unwrap_or("silu");
-        let model_type = self.config.get("model_type").and_then(Value::as_str).unwrap_or("");
         let gated_family =
-            ["llama", "mistral", "mixtral", "qwen2", "qwen2_moe", "gemma", "gemma2"].contains(&model_type);
+            ["llama", "mistral", "mixtral", "qwen2", "qwen2_moe", "qwen3", "qwen3_moe", "gemma", "gemma2"]
+                .contains(&model_type);
         let mlp = if act.starts_with("gelu") && !gated_family { MlpKind::Gelu } else { MlpKind::SwiGlu };
+        let ffn_hidden = self.required("intermediate_size")?;
         Ok(ModelParts {
             name,
             n_layers: self.required("num_hidden_layers")?,
-            hidden: self.required("hidden_size")?,
+            hidden,
             n_heads,
             n_kv_heads: self.optional("num_key_value_heads")?.unwrap_or(n_heads),
-            ffn_hidden: self.required("intermediate_size")?,
+            ffn_hidden,
             vocab: self.required("vocab_size")?,
             mlp,
-            experts,
-            tie_embeddings: self.config.get("tie_word_embeddings").and_then(Value::as_bool).unwrap_or(false),
+            experts: self.experts(ffn_hidden)?,
+            // Gemma's configuration class ties them unless told otherwise; the others untie.
+            tie_embeddings: self.flag("tie_word_embeddings").unwrap_or(model_type.starts_with("gemma")),
+            // A head size that is just hidden / heads is kept implicit, so equal models compare equal.
+            head_dim: self
+                .optional("head_dim")?
+                .filter(|&dim| u64::from(dim) * u64::from(n_heads) != u64::from(hidden)),
+            // Qwen2's attention always has Q, K and V biases; others say so with `attention_bias`.
+            qkv_bias: model_type.starts_with("qwen2") || self.flag("attention_bias") == Some(true),
+            sliding_window: self.sliding_window(model_type)?,
         })
+    }
+
+    /// Routed experts under any of the names HuggingFace models use, their own MLP size, and
+    /// shared experts (`shared_expert_intermediate_size`, or DeepSeek's count of experts).
+    fn experts(&self, ffn_hidden: u32) -> Result<Option<Experts>, SpecError> {
+        let Some((_, n_experts)) = self.first_of(&["num_local_experts", "num_experts", "n_routed_experts"])? else {
+            return Ok(None);
+        };
+        if n_experts <= 1 {
+            return Ok(None);
+        }
+        let top_k = self.optional("num_experts_per_tok")?.ok_or_else(|| {
+            SpecError::field(self.source, "num_experts_per_tok", "missing: how many experts does each token run?")
+        })?;
+        let expert_ffn = self.optional("moe_intermediate_size")?;
+        let shared_ffn_hidden = match self.optional("shared_expert_intermediate_size")? {
+            Some(size) => size,
+            None => self.optional("n_shared_experts")?.unwrap_or(0).saturating_mul(expert_ffn.unwrap_or(ffn_hidden)),
+        };
+        Ok(Some(Experts {
+            n_experts,
+            top_k,
+            ffn_hidden: expert_ffn.filter(|&size| size != ffn_hidden),
+            shared_ffn_hidden,
+        }))
+    }
+
+    /// The window every layer attends within, if any: `layer_types` when given, else Qwen2's
+    /// `use_sliding_window` and `max_window_layers`, else `sliding_window` alone (Mistral).
+    fn sliding_window(&self, model_type: &str) -> Result<Option<u32>, SpecError> {
+        let n_layers = self.required("num_hidden_layers")?;
+        let window = self.optional("sliding_window")?;
+        let windowed_layers = match self.config.get("layer_types").and_then(Value::as_array) {
+            Some(types) => types.iter().filter(|kind| kind.as_str() == Some("sliding_attention")).count() as u32,
+            None if self.flag("use_sliding_window") == Some(false) => 0,
+            // HuggingFace's Qwen2 windows the layers from `max_window_layers` on.
+            None => match self.optional("max_window_layers")? {
+                Some(full_layers) if model_type.starts_with("qwen") => n_layers.saturating_sub(full_layers),
+                _ => n_layers,
+            },
+        };
+        match (window, windowed_layers) {
+            (_, 0) | (None, _) => Ok(None),
+            (Some(window), windowed) if windowed >= n_layers => Ok(Some(window)),
+            (Some(window), windowed) => Err(self.unrepresentable(vec![format!(
+                "{windowed} of its {n_layers} layers attend within a sliding window of {window} tokens and the others to \
+                 every token (`layer_types`, `max_window_layers`), but medley's layers are all alike"
+            )])),
+        }
+    }
+
+    /// Refuses configurations whose size or cost medley's model would get wrong.
+    fn refuse_what_cannot_be_represented(&self, model_type: &str) -> Result<(), SpecError> {
+        let mut reasons = Vec::new();
+        let latent: Vec<&str> = ["q_lora_rank", "kv_lora_rank"]
+            .into_iter()
+            .filter(|key| self.config.get(*key).is_some_and(|value| !value.is_null()))
+            .collect();
+        if !latent.is_empty() {
+            reasons.push(format!("multi-head latent attention (`{}`)", latent.join("`, `")));
+        }
+        if let Some(dense) = self.optional("first_k_dense_replace")?.filter(|&n| n > 0) {
+            reasons.push(format!("its first {dense} layers are dense and the rest experts (`first_k_dense_replace`)"));
+        }
+        for key in ["decoder_sparse_step", "moe_layer_freq"] {
+            if let Some(step) = self.optional(key)?.filter(|&step| step > 1) {
+                reasons.push(format!("only every {step}th layer has experts (`{key}`)"));
+            }
+        }
+        if self.config.get("mlp_only_layers").and_then(Value::as_array).is_some_and(|layers| !layers.is_empty()) {
+            reasons.push("some layers are dense and the rest experts (`mlp_only_layers`)".into());
+        }
+        if self.flag("mlp_bias") == Some(true) {
+            reasons.push("its MLP projections have biases (`mlp_bias`)".into());
+        }
+        if model_type.starts_with("gemma")
+            && self.optional("sliding_window")?.is_some()
+            && self.config.get("layer_types").is_none()
+        {
+            reasons.push("its layers alternate between sliding-window and global attention (`sliding_window`)".into());
+        }
+        if reasons.is_empty() { Ok(()) } else { Err(self.unrepresentable(reasons)) }
+    }
+
+    fn unrepresentable(&self, reasons: Vec<String>) -> SpecError {
+        SpecError::Unrepresentable { source_name: self.source.to_string(), reasons }
     }
 
     fn gpt2(&self, name: String) -> Result<ModelParts, SpecError> {
@@ -231,7 +426,8 @@ impl HfKeys<'_> {
             vocab: self.required("vocab_size")?,
             mlp: MlpKind::Gelu,
             experts: None,
-            tie_embeddings: self.config.get("tie_word_embeddings").and_then(Value::as_bool).unwrap_or(true),
+            tie_embeddings: self.flag("tie_word_embeddings").unwrap_or(true),
+            ..ModelParts::default()
         })
     }
 }
@@ -250,7 +446,19 @@ fn entry(
     tie_embeddings: bool,
 ) -> ModelParts {
     let name = name.to_string();
-    ModelParts { name, n_layers, hidden, n_heads, n_kv_heads, ffn_hidden, vocab, mlp, experts, tie_embeddings }
+    ModelParts {
+        name,
+        n_layers,
+        hidden,
+        n_heads,
+        n_kv_heads,
+        ffn_hidden,
+        vocab,
+        mlp,
+        experts,
+        tie_embeddings,
+        ..ModelParts::default()
+    }
 }
 
 use MlpKind::{Gelu, SwiGlu};
@@ -266,10 +474,21 @@ fn catalog() -> [ModelParts; 9] {
         entry("llama3-70b", 80, 8192, 64, 8, 28672, 128256, SwiGlu, None, false),
         // Llama 3 paper (Dubey et al. 2024), Table 3.
         entry("llama3-405b", 126, 16384, 128, 8, 53248, 128256, SwiGlu, None, false),
-        entry("qwen2-7b", 28, 3584, 28, 4, 18944, 152064, SwiGlu, None, false),
+        ModelParts { qkv_bias: true, ..entry("qwen2-7b", 28, 3584, 28, 4, 18944, 152064, SwiGlu, None, false) },
         // GPT-3 paper (Brown et al. 2020), Table 2.1: 96 layers, d_model 12288, 96 heads, 4x MLP.
         entry("gpt3-175b", 96, 12288, 96, 96, 49152, 50257, Gelu, None, true),
-        entry("mixtral-8x7b", 32, 4096, 32, 8, 14336, 32000, SwiGlu, Some(Experts { n_experts: 8, top_k: 2 }), false),
+        entry(
+            "mixtral-8x7b",
+            32,
+            4096,
+            32,
+            8,
+            14336,
+            32000,
+            SwiGlu,
+            Some(Experts { n_experts: 8, top_k: 2, ..Experts::default() }),
+            false,
+        ),
     ]
 }
 
@@ -308,7 +527,7 @@ mod tests {
             "num_attention_heads":32,"num_key_value_heads":8,"intermediate_size":14336,
             "vocab_size":32000,"num_local_experts":8,"num_experts_per_tok":2,"hidden_act":"silu"}"#;
         let model = ModelSpec::from_hf_config(text, "mixtral/config.json").unwrap();
-        assert_eq!(model.experts(), Some(Experts { n_experts: 8, top_k: 2 }));
+        assert_eq!(model.experts(), Some(Experts { n_experts: 8, top_k: 2, ..Experts::default() }));
         assert_eq!(model.mlp(), MlpKind::SwiGlu);
         assert!(!model.tie_embeddings());
         assert_eq!(model, {
