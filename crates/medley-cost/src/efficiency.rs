@@ -15,6 +15,7 @@
 //! measured on their machines.
 
 use std::collections::BTreeMap;
+use std::fmt;
 
 use medley_spec::{DeviceSpec, Vendor, catalog_device};
 use serde::Deserialize;
@@ -61,13 +62,47 @@ pub enum CalibrationError {
 #[derive(Deserialize)]
 #[serde(deny_unknown_fields)]
 struct CalibrationFile {
+    kind: Option<String>,
+    model: Option<String>,
     #[serde(default)]
     device: BTreeMap<String, Efficiency>,
 }
 
+/// What a profile's efficiencies describe, which decides what it may price.
+#[derive(Clone, Debug, Default, PartialEq, Eq)]
+pub enum ProfileKind {
+    /// Real GPUs: achievable fractions of their datasheet peaks (`kind = "gpu"`, the default).
+    #[default]
+    Gpu,
+    /// This machine's CPU standing in for a fleet (`kind = "emulation"`, from `medley calibrate`
+    /// or `medley train`): the fastest device type priced at the CPU's measured speed on one
+    /// model, so it prices that model's emulated runs and nothing else.
+    Emulation {
+        /// The model the speed was measured on; unknown in profiles written before kinds existed.
+        model: Option<String>,
+    },
+}
+
+impl fmt::Display for ProfileKind {
+    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
+        match self {
+            ProfileKind::Gpu => f.write_str("a GPU efficiency profile"),
+            ProfileKind::Emulation { model: Some(model) } => {
+                write!(f, "an emulation profile (this machine's CPU speed, measured on model `{model}`)")
+            }
+            ProfileKind::Emulation { model: None } => f.write_str("an emulation profile (this machine's CPU speed)"),
+        }
+    }
+}
+
+/// Below this matmul efficiency no GPU trains: a profile without a `kind` that has one was
+/// written by `medley calibrate` before profiles said their kind.
+const LEGACY_EMULATION_BELOW: f64 = 0.01;
+
 /// Per-device-type efficiencies measured by a user; device types not listed keep the defaults.
 #[derive(Clone, Debug, Default, PartialEq)]
 pub struct Calibration {
+    kind: ProfileKind,
     by_device: BTreeMap<String, Efficiency>,
 }
 
@@ -96,13 +131,34 @@ impl Calibration {
                 }
             }
         }
+        let syntax = |message: String| CalibrationError::Syntax { source_name: source.to_string(), message };
+        let kind = match (file.kind.as_deref(), file.model) {
+            (Some("gpu"), None) => ProfileKind::Gpu,
+            (Some("gpu"), Some(_)) => return Err(syntax("`model` belongs to emulation profiles only".into())),
+            (Some("emulation"), model) => ProfileKind::Emulation { model },
+            (Some(other), _) => return Err(syntax(format!("kind `{other}` is neither \"gpu\" nor \"emulation\""))),
+            (None, Some(model)) => ProfileKind::Emulation { model: Some(model) },
+            (None, None) if file.device.values().any(|e| e.matmul < LEGACY_EMULATION_BELOW) => {
+                ProfileKind::Emulation { model: None }
+            }
+            (None, None) => ProfileKind::Gpu,
+        };
         // Catalog aliases (`h100`) name the canonical device (`H100-SXM`).
         let by_device = file
             .device
             .into_iter()
             .map(|(name, efficiency)| (catalog_device(&name).map_or(name, |device| device.name), efficiency))
             .collect();
-        Ok(Calibration { by_device })
+        Ok(Calibration { kind, by_device })
+    }
+
+    /// An empty emulation profile for `model`, for [`Calibration::set`] to fill.
+    pub fn emulation(model: &str) -> Self {
+        Calibration { kind: ProfileKind::Emulation { model: Some(model.to_string()) }, by_device: BTreeMap::new() }
+    }
+
+    pub fn kind(&self) -> &ProfileKind {
+        &self.kind
     }
 
     /// The device types the profile names (catalog names where an alias was given).
@@ -117,16 +173,23 @@ impl Calibration {
 
     /// The profile as `from_toml` reads it.
     pub fn to_toml(&self) -> String {
-        self.by_device
-            .iter()
-            .map(|(name, e)| {
-                format!(
-                    "[device.{name}]\nmatmul = {:e}\nattention = {:e}\nmemory = {:e}\n",
-                    e.matmul, e.attention, e.memory
-                )
-            })
-            .collect::<Vec<_>>()
-            .join("\n")
+        let head = match &self.kind {
+            ProfileKind::Gpu => "kind = \"gpu\"\n".to_string(),
+            ProfileKind::Emulation { model: Some(model) } => {
+                format!("kind = \"emulation\"\nmodel = {}\n", toml::Value::from(model.as_str()))
+            }
+            ProfileKind::Emulation { model: None } => "kind = \"emulation\"\n".to_string(),
+        };
+        let devices = self.by_device.iter().map(|(name, e)| {
+            format!(
+                "\n[device.{}]\nmatmul = {:e}\nattention = {:e}\nmemory = {:e}\n",
+                toml_key(name),
+                e.matmul,
+                e.attention,
+                e.memory
+            )
+        });
+        std::iter::once(head).chain(devices).collect()
     }
 
     pub fn efficiency(&self, device: &DeviceSpec) -> Efficiency {
@@ -138,6 +201,12 @@ impl Calibration {
     }
 }
 
+/// A device name as a TOML key: bare when it can be, quoted otherwise.
+fn toml_key(name: &str) -> String {
+    let bare = !name.is_empty() && name.chars().all(|c| c.is_ascii_alphanumeric() || c == '-' || c == '_');
+    if bare { name.to_string() } else { toml::Value::from(name).to_string() }
+}
+
 #[cfg(test)]
 mod tests {
     use super::*;
@@ -145,11 +214,25 @@ mod tests {
 
     #[test]
     fn set_profile_round_trips_through_toml() {
-        let mut calibration = Calibration::default();
+        let mut calibration = Calibration::emulation("tiny");
         let h100 = catalog_device("h100").unwrap();
         calibration.set(&h100, Efficiency { matmul: 1.5e-4, attention: 1e-4, memory: 0.25 });
         let text = calibration.to_toml();
         assert_eq!(Calibration::from_toml(&text, "x.toml").unwrap(), calibration, "{text}");
+        let mut gpu = Calibration::default();
+        gpu.set(&h100, Efficiency { matmul: 0.6, attention: 0.4, memory: 0.9 });
+        assert_eq!(Calibration::from_toml(&gpu.to_toml(), "g.toml").unwrap(), gpu);
+    }
+
+    #[test]
+    fn profiles_say_their_kind_and_old_emulation_profiles_are_recognised() {
+        let gpu = "[device.h100]\nmatmul = 0.6\nattention = 0.4\nmemory = 0.9\n";
+        assert_eq!(Calibration::from_toml(gpu, "g.toml").unwrap().kind(), &ProfileKind::Gpu);
+        let old_emulation = "[device.H100-SXM]\nmatmul = 1.5e-4\nattention = 1e-4\nmemory = 0.25\n";
+        let kind = Calibration::from_toml(old_emulation, "e.toml").unwrap().kind().clone();
+        assert_eq!(kind, ProfileKind::Emulation { model: None });
+        let err = Calibration::from_toml("kind = \"cpu\"\n", "k.toml").unwrap_err().to_string();
+        assert!(err.contains("neither"), "{err}");
     }
 
     #[test]

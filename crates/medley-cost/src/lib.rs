@@ -12,7 +12,7 @@ pub mod params;
 
 use medley_spec::{ModelSpec, NodeGroup, Recompute};
 
-pub use efficiency::{Calibration, CalibrationError, Efficiency};
+pub use efficiency::{Calibration, CalibrationError, Efficiency, ProfileKind};
 pub use memory::{GIB, MemoryBreakdown};
 
 /// How a stage is run: the knobs shared by every stage of a plan.

@@ -89,7 +89,7 @@ pub fn emulation_calibration(cluster: &Cluster, model: &ModelSpec, seq_len: u32,
     let setting = Setting { micro_batch: measured.micro_batch, tp: 1, recompute: Recompute::None };
     let whole = StageShape { n_layers: model.n_layers(), embedding: true, head: true };
     let scaled = |memory: f64, compute: f64| {
-        let mut calibration = Calibration::default();
+        let mut calibration = Calibration::emulation(model.name());
         for group in cluster.groups() {
             let e = Efficiency::default_for(&group.device);
             let efficiency = Efficiency {

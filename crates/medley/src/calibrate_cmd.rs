@@ -1,5 +1,6 @@
 //! `medley calibrate`: measures this machine's pass time for a model and writes the emulation
-//! profile that `medley train`, `medley plan` and `medley simulate` take with `--calibration`.
+//! profile that `medley train --calibration` takes; `medley plan` and `medley simulate` take it
+//! only to price that model's emulated runs.
 
 use std::path::PathBuf;
 

@@ -5,7 +5,7 @@ use std::path::Path;
 
 use anyhow::{Context, Result, bail};
 use clap::Args;
-use medley_cost::Calibration;
+use medley_cost::{Calibration, ProfileKind};
 use medley_spec::{Bridge, Cluster, Fabric, JobParts, JobSpec, ModelSpec, Recompute, Schedule, catalog_model};
 
 /// The example mixed cluster `medley plan` uses when none is given.
@@ -91,9 +91,10 @@ pub struct Specs {
 impl SpecArgs {
     pub fn resolve(&self) -> Result<Specs> {
         let cluster = self.cluster()?;
-        let calibration = self.resolve_calibration()?;
+        let model = load_model(&self.model)?;
+        let calibration = self.resolve_calibration(&model)?;
         check_calibration_names(&calibration, &cluster)?;
-        Ok(Specs { cluster, model: load_model(&self.model)?, job: self.job_spec()?, calibration })
+        Ok(Specs { cluster, model, job: self.job_spec()?, calibration })
     }
 
     fn cluster(&self) -> Result<Cluster> {
@@ -130,11 +131,48 @@ impl SpecArgs {
         Ok(JobSpec::new(parts, source)?)
     }
 
-    pub fn resolve_calibration(&self) -> Result<Calibration> {
-        match &self.calibration {
-            Some(path) => Ok(Calibration::from_toml(&read(path)?, path)?),
-            None => Ok(Calibration::default()),
-        }
+    /// The `--calibration` profile for pricing `model` on GPUs (see [`check_gpu_pricing`]).
+    pub fn resolve_calibration(&self, model: &ModelSpec) -> Result<Calibration> {
+        let Some(path) = &self.calibration else { return Ok(Calibration::default()) };
+        let calibration = Calibration::from_toml(&read(path)?, path)?;
+        check_gpu_pricing(&calibration, model, path)?;
+        Ok(calibration)
+    }
+}
+
+/// Plans and simulations price GPUs. An emulation profile (this machine's CPU standing in for a
+/// fleet) prices only the emulated runs of the model it was measured on; anything else it would
+/// predict at CPU speed, days a step.
+pub fn check_gpu_pricing(calibration: &Calibration, model: &ModelSpec, path: &str) -> Result<()> {
+    match calibration.kind() {
+        ProfileKind::Gpu => Ok(()),
+        ProfileKind::Emulation { model: Some(measured) } if measured == model.name() => Ok(()),
+        kind => bail!(
+            "{path} is {kind}, which would price {} at this machine's CPU speed rather than on GPUs; give a GPU \
+             efficiency profile (kind = \"gpu\", see examples/calibration.toml) or none. An emulation profile prices \
+             only the emulated runs of its own model (`medley simulate --plan RUN/plan.json --calibration \
+             RUN/calibration.toml`)",
+            model.name()
+        ),
+    }
+}
+
+/// `medley train` emulates a fleet: its profile must be an emulation profile measured on the
+/// model it trains.
+pub fn read_emulation_profile(path: &str, model: &ModelSpec) -> Result<Calibration> {
+    let calibration = Calibration::from_toml(&read(path)?, path)?;
+    match calibration.kind() {
+        ProfileKind::Emulation { model: None } => Ok(calibration),
+        ProfileKind::Emulation { model: Some(measured) } if measured == model.name() => Ok(calibration),
+        ProfileKind::Emulation { model: Some(measured) } => bail!(
+            "{path} is an emulation profile measured on model `{measured}`, but this run trains `{}`; write one for it \
+             with `medley calibrate --model ...`, or leave out --calibration to measure this machine now",
+            model.name()
+        ),
+        kind => bail!(
+            "{path} is {kind}; medley train emulates its fleet on this machine and takes an emulation profile \
+             (`medley calibrate -o FILE`), or none to measure this machine now"
+        ),
     }
 }
 

@@ -137,7 +137,7 @@ pub(crate) fn specs_of_plan(args: &SpecArgs, path: &str, plan: &Plan) -> Result<
         cluster: plan.cluster.clone(),
         model: plan.model.clone(),
         calibration: {
-            let calibration = args.resolve_calibration()?;
+            let calibration = args.resolve_calibration(&plan.model)?;
             check_calibration_names(&calibration, &plan.cluster)?;
             calibration
         },
