@@ -1,11 +1,12 @@
 //! Named `f32` tensors in safetensors files, written atomically.
 
+use std::borrow::Cow;
 use std::collections::HashMap;
 use std::fs::{self, File};
-use std::io::Write;
 use std::path::{Path, PathBuf};
 
-use safetensors::tensor::{Dtype, SafeTensors, TensorView};
+use memmap2::Mmap;
+use safetensors::tensor::{Dtype, SafeTensors, View};
 
 use crate::{HostTensor, ModelError};
 
@@ -14,35 +15,64 @@ pub type NamedTensors = HashMap<String, HostTensor>;
 
 /// Writes `tensors` and `metadata` to `path` so that a crash at any moment leaves either the old
 /// file or the complete new one: a temporary file beside it, fsynced, renamed over, the
-/// directory fsynced.
+/// directory fsynced. The tensors stream into the file from where they are, so a checkpoint
+/// costs no second copy of the state in memory.
 pub fn save_tensors(
     path: &Path,
     tensors: &[(String, &HostTensor)],
     metadata: HashMap<String, String>,
 ) -> Result<(), ModelError> {
-    let bytes: Vec<Vec<u8>> =
-        tensors.iter().map(|(_, t)| t.data.iter().flat_map(|x| x.to_le_bytes()).collect()).collect();
-    let views = tensors
-        .iter()
-        .zip(&bytes)
-        .map(|((name, tensor), data)| {
-            let view =
-                TensorView::new(Dtype::F32, tensor.shape.clone(), data).map_err(|err| checkpoint_error(path, err))?;
-            Ok((name.clone(), view))
-        })
-        .collect::<Result<Vec<_>, ModelError>>()?;
-    let encoded = safetensors::serialize(views, Some(metadata)).map_err(|err| checkpoint_error(path, err))?;
-    write_atomically(path, &encoded)
+    let views = tensors.iter().map(|(name, tensor)| (name.as_str(), F32View(tensor)));
+    publish_atomically(path, |tmp| {
+        safetensors::serialize_to_file(views, Some(metadata), tmp).map_err(|err| checkpoint_error(path, err))
+    })
+}
+
+/// A host tensor as safetensors serialises it: little-endian `f32`s.
+struct F32View<'t>(&'t HostTensor);
+
+impl View for F32View<'_> {
+    fn dtype(&self) -> Dtype {
+        Dtype::F32
+    }
+
+    fn shape(&self) -> &[usize] {
+        &self.0.shape
+    }
+
+    fn data(&self) -> Cow<'_, [u8]> {
+        if cfg!(target_endian = "little") {
+            Cow::Borrowed(bytemuck::cast_slice(&self.0.data))
+        } else {
+            Cow::Owned(self.0.data.iter().flat_map(|x| x.to_le_bytes()).collect())
+        }
+    }
+
+    fn data_len(&self) -> usize {
+        4 * self.0.data.len()
+    }
 }
 
 /// Reads every tensor and the metadata of a safetensors file written by [`save_tensors`].
 pub fn load_tensors(path: &Path) -> Result<(NamedTensors, HashMap<String, String>), ModelError> {
-    let bytes = fs::read(path).map_err(|error| ModelError::Io { path: path.into(), error })?;
+    load_tensors_where(path, |_| true)
+}
+
+/// Reads the tensors whose names `wanted` accepts, and the metadata, of a safetensors file
+/// written by [`save_tensors`]; the file is mapped, so only the wanted tensors take memory.
+pub fn load_tensors_where(
+    path: &Path,
+    wanted: impl Fn(&str) -> bool,
+) -> Result<(NamedTensors, HashMap<String, String>), ModelError> {
+    let file = File::open(path).map_err(|error| ModelError::Io { path: path.into(), error })?;
+    // SAFETY: checkpoint files are written once, beside their final name, and renamed into
+    // place complete; nothing writes to a published file while it is mapped here.
+    let bytes = unsafe { Mmap::map(&file) }.map_err(|error| ModelError::Io { path: path.into(), error })?;
     let (_, header) = SafeTensors::read_metadata(&bytes).map_err(|err| checkpoint_error(path, err))?;
     let metadata = header.metadata().clone().unwrap_or_default();
     let file = SafeTensors::deserialize(&bytes).map_err(|err| checkpoint_error(path, err))?;
     let mut tensors = HashMap::new();
-    for (name, view) in file.tensors() {
+    for (name, view) in file.tensors().into_iter().filter(|(name, _)| wanted(name)) {
         if view.dtype() != Dtype::F32 {
             return Err(checkpoint_error(path, format!("tensor `{name}` is {:?}, expected F32", view.dtype())));
         }
@@ -55,12 +85,16 @@ pub fn load_tensors(path: &Path) -> Result<(NamedTensors, HashMap<String, String
 /// Writes `bytes` to `path` atomically: a temporary file beside it, fsynced, renamed over, the
 /// directory fsynced.
 pub fn write_atomically(path: &Path, bytes: &[u8]) -> Result<(), ModelError> {
+    publish_atomically(path, |tmp| fs::write(tmp, bytes).map_err(|error| ModelError::Io { path: path.into(), error }))
+}
+
+/// Has `write` fill a temporary file beside `path`, then fsyncs it, renames it over `path` and
+/// fsyncs the directory.
+fn publish_atomically(path: &Path, write: impl FnOnce(&Path) -> Result<(), ModelError>) -> Result<(), ModelError> {
     let io = |error| ModelError::Io { path: path.into(), error };
     let tmp = temporary_path(path);
-    let mut file = File::create(&tmp).map_err(io)?;
-    file.write_all(bytes).map_err(io)?;
-    file.sync_all().map_err(io)?;
-    drop(file);
+    write(&tmp)?;
+    File::open(&tmp).and_then(|file| file.sync_all()).map_err(io)?;
     fs::rename(&tmp, path).map_err(io)?;
     if let Some(dir) = path.parent().filter(|dir| !dir.as_os_str().is_empty()) {
         File::open(dir).and_then(|dir| dir.sync_all()).map_err(io)?;

@@ -27,7 +27,7 @@ pub mod params;
 mod stage;
 
 pub use burn_stage::BurnStage;
-pub use checkpoint::{NamedTensors, load_tensors, save_tensors, write_atomically};
+pub use checkpoint::{NamedTensors, load_tensors, load_tensors_where, save_tensors, write_atomically};
 pub use compute::{HostTensor, MicroBatch, StageCompute, StageOutput};
 pub use config::ModelConfig;
 pub use error::ModelError;

@@ -99,6 +99,12 @@ impl Stage {
         params.chain(moments).collect()
     }
 
+    /// Whether `name` is one of the checkpoint tensors [`Stage::restore`] takes.
+    pub fn restores(&self, name: &str) -> bool {
+        let param = MOMENT_PREFIXES.iter().find_map(|prefix| name.strip_prefix(prefix)).unwrap_or(name);
+        self.specs.iter().any(|spec| spec.name == param)
+    }
+
     /// Restores this stage's parameters and optimizer state from checkpoint tensors by name, from
     /// however many stage files they came: a checkpoint taken under another plan re-shards here.
     pub fn restore(&mut self, tensors: &NamedTensors, optimizer_steps: u64) -> Result<(), ModelError> {

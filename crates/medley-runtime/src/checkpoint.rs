@@ -11,7 +11,7 @@ use std::fs;
 use std::path::{Path, PathBuf};
 
 use medley_model::data::Dataset;
-use medley_model::{NamedTensors, load_tensors, save_tensors, write_atomically};
+use medley_model::{NamedTensors, load_tensors_where, save_tensors, write_atomically};
 use medley_plan::Plan;
 use serde::{Deserialize, Serialize};
 
@@ -111,7 +111,8 @@ impl Worker {
         }
         let mut tensors = NamedTensors::new();
         for file in &manifest.files {
-            let (file_tensors, _) = load_tensors(&dir.join(file))?;
+            let wanted = |name: &str| self.stages.iter().any(|stage| stage.restores(name));
+            let (file_tensors, _) = load_tensors_where(&dir.join(file), wanted)?;
             tensors.extend(file_tensors);
         }
         for stage in &mut self.stages {
