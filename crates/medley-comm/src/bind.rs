@@ -59,6 +59,7 @@ mod tests {
             domain: "default".into(),
             token: "t".into(),
             cpu_binding,
+            store_host: crate::StoreHost::Rank0,
         }
     }
 

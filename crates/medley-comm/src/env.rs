@@ -20,6 +20,19 @@ pub struct LaunchEnv {
     pub token: String,
     /// Whether the rank binds itself to a core (`MEDLEY_CPU_BIND`: `core`, the default, or `none`).
     pub cpu_binding: CpuBinding,
+    /// Who hosts the rendezvous store at MASTER_ADDR:MASTER_PORT (`MEDLEY_STORE_HOST`: `rank0`,
+    /// the default, or `launcher`).
+    pub store_host: StoreHost,
+}
+
+/// Where the job's rendezvous store runs.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub enum StoreHost {
+    /// Rank 0 binds MASTER_PORT and serves the store (torchrun's static rendezvous).
+    Rank0,
+    /// The launcher serves it (a [`crate::StoreServer`] it bound before starting the ranks, as
+    /// torchrun's agent does): it picks a free port with no race, and outlives a stalled rank 0.
+    Launcher,
 }
 
 /// Whether a rank pins itself to one core of its host ([`crate::Communicator::init`] does).
@@ -34,7 +47,8 @@ pub enum CpuBinding {
 
 impl LaunchEnv {
     /// Reads RANK, WORLD_SIZE, MASTER_ADDR, MASTER_PORT and MEDLEY_TOKEN (required), LOCAL_RANK,
-    /// LOCAL_WORLD_SIZE, MEDLEY_DOMAIN and MEDLEY_CPU_BIND (optional) from `vars`.
+    /// LOCAL_WORLD_SIZE, MEDLEY_DOMAIN, MEDLEY_CPU_BIND and MEDLEY_STORE_HOST (optional) from
+    /// `vars`.
     pub fn from_vars<K: AsRef<str>, V: Into<String>>(
         vars: impl IntoIterator<Item = (K, V)>,
     ) -> Result<LaunchEnv, CommError> {
@@ -69,6 +83,15 @@ impl LaunchEnv {
                 return Err(CommError::Env(format!("MEDLEY_CPU_BIND={other:?} is neither \"core\" nor \"none\"")));
             }
         };
+        let store_host = match vars.get("MEDLEY_STORE_HOST").map(|v| v.trim()) {
+            None | Some("rank0") => StoreHost::Rank0,
+            Some("launcher") => StoreHost::Launcher,
+            Some(other) => {
+                return Err(CommError::Env(format!(
+                    "MEDLEY_STORE_HOST={other:?} is neither \"rank0\" nor \"launcher\""
+                )));
+            }
+        };
         Ok(LaunchEnv {
             rank,
             world_size,
@@ -79,6 +102,7 @@ impl LaunchEnv {
             domain: vars.get("MEDLEY_DOMAIN").cloned().unwrap_or_else(|| "default".into()),
             token,
             cpu_binding,
+            store_host,
         })
     }
 

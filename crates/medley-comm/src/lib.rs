@@ -33,7 +33,8 @@ mod wire;
 
 pub use comm::Communicator;
 pub use dtype::{DType, Element};
-pub use env::{Config, CpuBinding, LaunchEnv, Route};
+pub use env::{Config, CpuBinding, LaunchEnv, Route, StoreHost};
 pub use error::CommError;
 pub use half::{bf16, f16};
 pub use medley_collective::{Algorithm, Counts, Op, ReduceOp};
+pub use store::StoreServer;

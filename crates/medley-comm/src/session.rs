@@ -1,5 +1,6 @@
 //! One rank's membership in a job: its store connection, failure monitor and abort flag, shared
-//! by the world communicator and every communicator split from it. Rank 0 also hosts the store.
+//! by the world communicator and every communicator split from it. Rank 0 also hosts the store
+//! unless the launcher does.
 
 use std::sync::Arc;
 use std::time::{Duration, Instant};
@@ -8,7 +9,7 @@ use std::time::{Duration, Instant};
 const PEER_REPORT_GRACE: Duration = Duration::from_millis(250);
 
 use crate::CommError;
-use crate::env::{Config, LaunchEnv};
+use crate::env::{Config, LaunchEnv, StoreHost};
 use crate::store::{Monitor, StoreClient, StoreServer};
 use crate::wait::{Abort, Blame};
 
@@ -29,7 +30,8 @@ impl Session {
     pub fn join(env: &LaunchEnv, config: &Config) -> Result<Session, CommError> {
         let own_core = crate::bind::bind_to_core(env).is_some();
         let addr = env.store_addr();
-        let server = if env.rank == 0 { Some(StoreServer::bind(&addr, &env.token)?) } else { None };
+        let hosts_store = env.rank == 0 && env.store_host == StoreHost::Rank0;
+        let server = if hosts_store { Some(StoreServer::bind(&addr, &env.token)?) } else { None };
         let store = StoreClient::connect(&addr, &env.token, env.rank, config.connect_timeout)?;
         let abort = Arc::new(Abort::default());
         let monitor = Monitor::start(&addr, &env.token, env.rank, config.connect_timeout, Arc::clone(&abort))?;

@@ -1,5 +1,5 @@
-//! The rendezvous store: a key-value server at MASTER_ADDR:MASTER_PORT, hosted by rank 0 (as
-//! torchrun's TCPStore is), that every connection must greet with the job token. Besides keys it
+//! The rendezvous store: a key-value server at MASTER_ADDR:MASTER_PORT, hosted by rank 0 or by
+//! the launcher (as torchrun's TCPStore is), that every connection must greet with the job token. Besides keys it
 //! carries the job's failures: each rank keeps a monitor connection open, and when one closes
 //! without a goodbye (the process died) or a rank reports a failure, the store tells every
 //! monitor at once.
@@ -80,13 +80,15 @@ impl Shared {
 }
 
 /// The store server, running until dropped.
-pub(crate) struct StoreServer {
+pub struct StoreServer {
     addr: SocketAddr,
     shared: Arc<Shared>,
     listener: Option<JoinHandle<()>>,
 }
 
 impl StoreServer {
+    /// Serves the store at `addr` (port 0: a free port, see [`StoreServer::port`]) to
+    /// connections that greet it with `token`.
     pub fn bind(addr: &str, token: &str) -> Result<StoreServer, CommError> {
         let listener =
             TcpListener::bind(addr).map_err(|err| CommError::io(format!("binding the store at {addr}"), &err))?;
@@ -112,6 +114,17 @@ impl StoreServer {
             })
             .map_err(|err| CommError::io("starting the store", &err))?;
         Ok(StoreServer { addr, shared, listener: Some(listener) })
+    }
+
+    /// Tells every rank, now and as it joins, that rank `blamed` failed (a launcher that saw it
+    /// exit). Only the first failure of a job is kept.
+    pub fn report_failure(&self, blamed: usize, reason: &str) {
+        self.shared.broadcast_failure(blamed as u64, reason.to_string());
+    }
+
+    /// The port the store listens on.
+    pub fn port(&self) -> u16 {
+        self.addr.port()
     }
 
     /// Waits until every one of `n_ranks` ranks said goodbye, a failure was reported, or `timeout`.

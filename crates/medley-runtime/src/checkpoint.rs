@@ -52,8 +52,9 @@ fn corrupt(path: &Path, reason: impl Into<String>) -> RuntimeError {
 
 impl Worker {
     /// Writes this rank's stages into `root/step-NNNNNNNN/`; rank 0 then writes the manifest,
-    /// moves `latest` to it and removes older checkpoints. Every rank must call it.
-    pub fn save_checkpoint(&mut self, root: &Path) -> Result<PathBuf, RuntimeError> {
+    /// moves `latest` to it and removes all but the `keep` newest checkpoints. Every rank must
+    /// call it.
+    pub fn save_checkpoint(&mut self, root: &Path, keep: usize) -> Result<PathBuf, RuntimeError> {
         let name = format!("step-{:08}", self.step);
         let dir = root.join(&name);
         fs::create_dir_all(&dir).map_err(io_error(&dir))?;
@@ -76,7 +77,7 @@ impl Worker {
             let json = serde_json::to_string_pretty(&manifest).expect("a manifest serialises");
             write_atomically(&path, json.as_bytes())?;
             write_atomically(&root.join(LATEST), name.as_bytes())?;
-            remove_older(root, &name)?;
+            remove_older(root, self.step, keep)?;
         }
         // Nobody resumes from a checkpoint whose `latest` is not yet written.
         self.world.barrier().during(|| format!("waiting for {} to be published", dir.display()))?;
@@ -152,15 +153,46 @@ pub fn read_latest(root: &Path) -> Result<(PathBuf, Manifest), RuntimeError> {
     Ok((dir, manifest))
 }
 
-/// Removes every `step-*` directory under `root` except `keep`.
-fn remove_older(root: &Path, keep: &str) -> Result<(), RuntimeError> {
+/// Once step `latest` is published: keeps the `keep` newest checkpoints up to it and removes
+/// the older ones, and any of later steps — left incomplete by a run that stopped while writing
+/// them, since a resume starts from `latest`.
+fn remove_older(root: &Path, latest: u64, keep: usize) -> Result<(), RuntimeError> {
+    let mut steps = Vec::new();
     for entry in fs::read_dir(root).map_err(io_error(root))? {
         let entry = entry.map_err(io_error(root))?;
         let name = entry.file_name();
-        let name = name.to_string_lossy();
-        if name.starts_with("step-") && name != keep && entry.path().is_dir() {
-            fs::remove_dir_all(entry.path()).map_err(io_error(&entry.path()))?;
+        let step = name.to_str().and_then(|name| name.strip_prefix("step-")).and_then(|step| step.parse::<u64>().ok());
+        if let Some(step) = step
+            && entry.path().is_dir()
+        {
+            steps.push((step, entry.path()));
+        }
+    }
+    steps.sort();
+    let kept_from = steps.iter().filter(|(step, _)| *step <= latest).count().saturating_sub(keep.max(1));
+    for (idx, (step, path)) in steps.iter().enumerate() {
+        if idx < kept_from || *step > latest {
+            fs::remove_dir_all(path).map_err(io_error(path))?;
         }
     }
     Ok(())
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn retention_keeps_the_newest_up_to_latest() {
+        let root = tempfile::tempdir().unwrap();
+        for step in [2, 4, 6, 8, 10] {
+            fs::create_dir(root.path().join(format!("step-{step:08}"))).unwrap();
+        }
+        fs::write(root.path().join(LATEST), "step-00000008").unwrap();
+        remove_older(root.path(), 8, 2).unwrap();
+        let mut left: Vec<String> =
+            fs::read_dir(root.path()).unwrap().map(|e| e.unwrap().file_name().to_string_lossy().into_owned()).collect();
+        left.sort();
+        assert_eq!(left, ["latest", "step-00000006", "step-00000008"], "10 was never published");
+    }
 }

@@ -18,6 +18,7 @@
 mod calibrate;
 mod checkpoint;
 mod error;
+mod host_memory;
 mod layout;
 mod metrics;
 mod p2p;
@@ -27,6 +28,7 @@ mod worker;
 pub use calibrate::{Measured, emulation_calibration, measure_model_pass};
 pub use checkpoint::{Manifest, read_latest};
 pub use error::RuntimeError;
+pub use host_memory::{HostMemory, calibration_memory, worker_memory};
 pub use layout::{EmulatedDevice, RankLayout, check_runnable, rank_ids};
 pub use metrics::{RankMetrics, RankTimes, StepMetrics};
 pub use train::TrainOptions;

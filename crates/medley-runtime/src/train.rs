@@ -18,6 +18,8 @@ pub struct TrainOptions {
     pub checkpoint_dir: Option<PathBuf>,
     /// Steps between checkpoints (0: only after the last step).
     pub checkpoint_every: u64,
+    /// How many of the newest complete checkpoints to keep (at least one is always kept).
+    pub keep_checkpoints: usize,
 }
 
 impl Worker {
@@ -44,7 +46,7 @@ impl Worker {
             if let Some(dir) = &options.checkpoint_dir
                 && (due || self.step == options.until_step)
             {
-                self.save_checkpoint(dir)?;
+                self.save_checkpoint(dir, options.keep_checkpoints)?;
             }
         }
         Ok(())

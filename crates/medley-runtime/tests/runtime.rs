@@ -64,7 +64,8 @@ fn train_over(
         calibration: Calibration::default(),
         link,
     };
-    let train = TrainOptions { until_step: STEPS, policy, checkpoint_dir: None, checkpoint_every: 0 };
+    let train =
+        TrainOptions { until_step: STEPS, policy, checkpoint_dir: None, checkpoint_every: 0, keep_checkpoints: 1 };
     let results: Vec<_> = std::thread::scope(|scope| {
         let workers: Vec<_> = (0..world)
             .map(|rank| {

@@ -32,6 +32,9 @@ pub struct Timeline<'w> {
     next_flow_id: u64,
 }
 
+/// The pause drawn between the segments of a merged trace, µs.
+const SEGMENT_GAP_US: f64 = 1_000.0;
+
 impl<'w> Timeline<'w> {
     pub fn new(out: &'w mut dyn Write) -> Self {
         let mut timeline = Timeline { out, wrote_event: false, error: None, next_flow_id: 0 };
@@ -116,7 +119,94 @@ impl<'w> Timeline<'w> {
     }
 }
 
+/// The events of a trace this writer wrote (one event per line), as far as they are whole: a
+/// trace cut short (its process killed while writing) keeps every event written in full.
+pub fn trace_events(text: &str) -> Vec<Value> {
+    text.lines()
+        .skip(1)
+        .map(|line| {
+            let line = line.trim_end();
+            let line = line.strip_suffix("]}").unwrap_or(line);
+            line.strip_suffix(',').unwrap_or(line)
+        })
+        .map_while(|line| serde_json::from_str::<Value>(line).ok())
+        .filter(Value::is_object)
+        .collect()
+}
+
+/// One trace of `segments` (each the events of one clock, such as a run and its resumptions),
+/// each segment shifted to begin after the previous ones end; flow ids are renumbered apart.
+pub fn merge_segments(segments: Vec<Vec<Value>>) -> Value {
+    let mut events = Vec::new();
+    let (mut end_us, mut flow_base) = (0.0f64, 0u64);
+    for segment in segments {
+        let offset_us = if events.is_empty() { 0.0 } else { end_us + SEGMENT_GAP_US };
+        let mut flows = 0;
+        for mut event in segment {
+            if let Some(ts) = event.get("ts").and_then(Value::as_f64) {
+                let shifted = ts + offset_us;
+                end_us = end_us.max(shifted + event.get("dur").and_then(Value::as_f64).unwrap_or(0.0));
+                event["ts"] = shifted.into();
+            }
+            if let Some(id) = event.get("id").and_then(Value::as_u64) {
+                flows = flows.max(id + 1);
+                event["id"] = (flow_base + id).into();
+            }
+            events.push(event);
+        }
+        flow_base += flows;
+    }
+    json!({"displayTimeUnit": "ns", "traceEvents": events})
+}
+
 /// Nanoseconds as microseconds; an f64 holds every nanosecond of a run shorter than 104 days.
 fn micros(ns: u64) -> f64 {
     ns as f64 / 1e3
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    fn write(build: impl FnOnce(&mut Timeline)) -> Vec<u8> {
+        let mut bytes = Vec::new();
+        let mut timeline = Timeline::new(&mut bytes);
+        build(&mut timeline);
+        timeline.finish().unwrap();
+        bytes
+    }
+
+    #[test]
+    fn merged_segments_follow_one_another_and_keep_their_flows_apart() {
+        let segment = |name: &str| {
+            let bytes = write(|t| {
+                t.slice((1, COMPUTE_TID), name, "compute", (1_000, 5_000), json!({}));
+                t.arrow("act", (1, COMPUTE_TID), 2_000, (2, COMPUTE_TID), 3_000);
+            });
+            trace_events(std::str::from_utf8(&bytes).unwrap())
+        };
+        let merged = merge_segments(vec![segment("first"), segment("resumed")]);
+        let events = merged["traceEvents"].as_array().unwrap();
+        let slices: Vec<(&str, f64)> = events
+            .iter()
+            .filter(|e| e["ph"] == "X")
+            .map(|e| (e["name"].as_str().unwrap(), e["ts"].as_f64().unwrap()))
+            .collect();
+        assert_eq!(slices, [("first", 1.0), ("resumed", 5.0 + SEGMENT_GAP_US + 1.0)]);
+        let flow_ids: Vec<u64> = events.iter().filter(|e| e["ph"] == "s").map(|e| e["id"].as_u64().unwrap()).collect();
+        assert_eq!(flow_ids, [0, 1]);
+    }
+
+    #[test]
+    fn a_trace_cut_short_keeps_its_whole_events() {
+        let whole = write(|t| {
+            t.slice((1, COMPUTE_TID), "F0", "compute", (0, 1_000), json!({}));
+            t.slice((1, COMPUTE_TID), "F1", "compute", (1_000, 2_000), json!({}));
+        });
+        let names = |bytes: &[u8]| -> Vec<Value> {
+            trace_events(&String::from_utf8_lossy(bytes)).iter().map(|e| e["name"].clone()).collect()
+        };
+        assert_eq!(names(&whole), [json!("F0"), json!("F1")]);
+        assert_eq!(names(&whole[..whole.len() - 20]), [json!("F0")]);
+    }
 }

@@ -14,6 +14,7 @@ use serde_json::Value;
 
 use crate::bench::median;
 use crate::render::{percent, right, table, times};
+use crate::run_dir::{RunDir, Use};
 use crate::train_cmd::{calibrate_here, launch_and_watch, runtime_job, write_run_inputs};
 use crate::worker_cmd::{RunFlags, WorkerArgs};
 
@@ -147,7 +148,7 @@ struct RunTweaks {
 /// measured step times after the warm-up.
 fn step_times(plan: &Plan, calibration: &Calibration, name: &str, steps: u64, tweaks: RunTweaks) -> Result<Vec<f64>> {
     let dir = std::env::temp_dir().join(format!("medley-bench-train-{}-{name}", std::process::id()));
-    std::fs::create_dir_all(&dir)?;
+    let run_dir = RunDir::claim(&dir, Use::Fresh { force: true })?;
     let (plan_path, calibration_path) = write_run_inputs(&dir, plan, calibration)?;
     let layouts = RankLayout::all(plan, calibration)?;
     let (link_gb_s, link_trace) = tweaks.link.map_or((None, None), |(gb_s, trace)| (Some(gb_s), Some(trace)));
@@ -159,6 +160,7 @@ fn step_times(plan: &Plan, calibration: &Calibration, name: &str, steps: u64, tw
         run: RunFlags {
             steps: steps + WARM_UP_STEPS,
             checkpoint_every: 0,
+            keep_checkpoints: 1,
             schedule: tweaks.schedule,
             seed: 0,
             lr: medley_model::AdamW::default().lr,
@@ -168,8 +170,11 @@ fn step_times(plan: &Plan, calibration: &Calibration, name: &str, steps: u64, tw
             link_trace,
         },
         print_metrics: true,
+        force: false,
+        run_dir_locked: true,
     };
     let outcome = launch_and_watch(&args, &layouts)?;
+    drop(run_dir);
     std::fs::remove_dir_all(&dir).ok();
     if !outcome.succeeded() {
         bail!("the {name} run's workers failed: {}", outcome.first_error());

@@ -208,6 +208,15 @@ fn memory_table(best: &Candidate) -> Table {
     table
 }
 
+/// `1 step`, `3 steps`, `2 micro-batches`: a count with its noun in the right number.
+pub(crate) fn count(n: usize, noun: &str) -> String {
+    if n == 1 {
+        return format!("1 {noun}");
+    }
+    let suffix = if ["s", "x", "ch", "sh"].iter().any(|end| noun.ends_with(end)) { "es" } else { "s" };
+    format!("{n} {noun}{suffix}")
+}
+
 pub(crate) fn percent(fraction: f64) -> String {
     format!("{:.1}%", 100.0 * fraction)
 }

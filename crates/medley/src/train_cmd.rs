@@ -3,24 +3,29 @@
 
 use std::fs;
 use std::io::{BufRead, BufReader, Read};
-use std::net::TcpListener;
 use std::path::{Path, PathBuf};
 use std::process::{Child, ChildStderr, Command, ExitCode, Stdio};
 use std::time::{Duration, Instant};
 
 use anyhow::{Context, Result};
 use clap::Args;
-use indicatif::{ProgressBar, ProgressStyle};
+use medley_comm::StoreServer;
 use medley_cost::Calibration;
 use medley_plan::{Plan, SearchOptions, search};
-use medley_runtime::{RankLayout, emulation_calibration, measure_model_pass, read_latest};
+use medley_runtime::{
+    RankLayout, calibration_memory, emulation_calibration, measure_model_pass, read_latest, worker_memory,
+};
+use medley_sim::timeline::{merge_segments, trace_events};
 use medley_sim::{SchedulePolicy, SimConfig, simulate_steps};
 use medley_spec::{Cluster, JobParts, JobSpec, ModelSpec, Schedule};
 use serde_json::Value;
 
-use crate::inputs::load_model;
+use crate::host::check_memory;
+use crate::inputs::{load_model, read_emulation_profile};
+use crate::progress::Progress;
 use crate::render::{percent, right, table};
-use crate::worker_cmd::{CHECKPOINTS, METRICS, RunFlags, TIMELINES, WorkerArgs};
+use crate::run_dir::{CALIBRATION, CHECKPOINTS, METRICS, PLAN, RunDir, TIMELINE, TIMELINES, Use};
+use crate::worker_cmd::{RunFlags, WorkerArgs, timeline_file_name};
 
 /// Two fast NVIDIA GPUs and two slower AMD ones: the smallest fleet that shows every kind of
 /// heterogeneity the runtime handles (speed, vendor domain, bridge).
@@ -54,19 +59,26 @@ pub struct TrainArgs {
     /// under that plan (the model re-shards).
     #[arg(long)]
     pub resume: Option<PathBuf>,
-    /// The run directory [default: the --resume directory, else medley-run].
+    /// The run directory [default: the --resume directory, else medley-run]. A new run refuses
+    /// a directory that already holds one.
     #[arg(long)]
     pub out: Option<PathBuf>,
+    /// Start over in a run directory that already holds a run: delete its checkpoints, metrics
+    /// and timelines first.
+    #[arg(long, conflicts_with = "resume")]
+    pub force: bool,
     #[command(flatten)]
     pub worker: RunFlags,
 }
 
 pub fn run(args: &TrainArgs) -> Result<ExitCode> {
     let out = args.out.clone().or_else(|| args.resume.clone()).unwrap_or_else(|| PathBuf::from("medley-run"));
+    let wanted = if args.resume.as_ref() == Some(&out) { Use::Resume } else { Use::Fresh { force: args.force } };
+    let run_dir = RunDir::claim(&out, wanted)?;
     let (plan, calibration) = choose_plan(args)?;
-    fs::create_dir_all(&out).with_context(|| format!("cannot create {}", out.display()))?;
-    let (plan_path, calibration_path) = write_run_inputs(&out, &plan, &calibration)?;
+    let (plan_path, calibration_path) = write_run_inputs(run_dir.path(), &plan, &calibration)?;
     let layouts = RankLayout::all(&plan, &calibration)?;
+    check_workers_memory(&plan, &layouts, args.worker.schedule.unwrap_or(plan.schedule))?;
     println!("{}", crate::render::explain(&plan));
     println!("{}", workers_table(&plan, &layouts, !args.worker.no_emulate));
     let mut run = args.worker.clone();
@@ -79,6 +91,8 @@ pub fn run(args: &TrainArgs) -> Result<ExitCode> {
         resume: args.resume.clone(),
         run,
         print_metrics: true,
+        force: false,
+        run_dir_locked: true,
     };
     let started = Instant::now();
     let outcome = launch_and_watch(&worker_args, &layouts)?;
@@ -113,7 +127,7 @@ fn timeout_for(predicted_step_s: f64, run: &RunFlags) -> u64 {
 /// The plan to train and the emulation profile that prices its fleet.
 fn choose_plan(args: &TrainArgs) -> Result<(Plan, Calibration)> {
     let calibration = |cluster: &Cluster, model: &ModelSpec, seq_len: u32, micro_batch: u32| match &args.calibration {
-        Some(path) => Ok(Calibration::from_toml(&crate::inputs::read(path)?, path)?),
+        Some(path) => read_emulation_profile(path, model),
         None => calibrate_here(cluster, model, seq_len, micro_batch),
     };
     let given = |plan: Plan| -> Result<(Plan, Calibration)> {
@@ -159,13 +173,23 @@ pub fn runtime_job(seq_len: u32, global_batch: u32, micro_batch: u32, schedule: 
 
 /// Writes the plan and the profile the workers read; returns their paths.
 pub fn write_run_inputs(out: &Path, plan: &Plan, calibration: &Calibration) -> Result<(PathBuf, PathBuf)> {
-    let plan_path = out.join("plan.json");
+    let plan_path = out.join(PLAN);
     fs::write(&plan_path, serde_json::to_string_pretty(plan)? + "\n")
         .with_context(|| format!("cannot write {}", plan_path.display()))?;
-    let calibration_path = out.join("calibration.toml");
+    let calibration_path = out.join(CALIBRATION);
     fs::write(&calibration_path, calibration.to_toml())
         .with_context(|| format!("cannot write {}", calibration_path.display()))?;
     Ok((plan_path, calibration_path))
+}
+
+/// What a run that would not fit this machine's memory is told to change.
+const SMALLER_RUN: &str = "train a smaller model, shorter sequences (--seq-len) or smaller micro-batches (--micro-batch), on fewer workers (--fleet), or on a machine with more memory";
+
+/// Refuses a job whose workers would not fit in this machine's memory together.
+fn check_workers_memory(plan: &Plan, layouts: &[RankLayout], schedule: Schedule) -> Result<()> {
+    let needs = layouts.iter().map(|layout| worker_memory(plan, layout, schedule)).collect::<Result<Vec<_>, _>>()?;
+    let what = format!("the {} of {}", crate::render::count(layouts.len(), "worker"), plan.model.name());
+    check_memory(&what, &needs, SMALLER_RUN)
 }
 
 /// Measures this machine and prices the fleet at its speed (see `medley calibrate`).
@@ -173,6 +197,9 @@ pub fn calibrate_here(cluster: &Cluster, model: &ModelSpec, seq_len: u32, micro_
     // As many passes at once as the workers will run on this machine's cores.
     let cores = std::thread::available_parallelism().map_or(1, usize::from);
     let concurrency = (cluster.n_gpus() as usize).min(cores);
+    let need = calibration_memory(model, seq_len, micro_batch, concurrency)?;
+    let what = format!("calibrating {} ({concurrency} whole models at once)", model.name());
+    check_memory(&what, &[need], SMALLER_RUN)?;
     let measured = measure_model_pass(model, seq_len, micro_batch, 6, concurrency)?;
     println!(
         "calibrated: one micro-batch ({micro_batch}×{seq_len} tokens) through {} takes {:.1} ms forward and backward here with {concurrency} at once, an optimizer step {:.1} ms; the fleet's fastest device is emulated at that speed",
@@ -223,8 +250,11 @@ impl Outcome {
 
 pub(crate) fn launch_and_watch(args: &WorkerArgs, layouts: &[RankLayout]) -> Result<Outcome> {
     let exe = std::env::current_exe().context("cannot find the medley executable to start workers")?;
-    let port = TcpListener::bind("127.0.0.1:0")?.local_addr()?.port();
     let token = job_token();
+    // The launcher hosts the rendezvous store, on a port the kernel picks: two jobs on one
+    // machine never race for a port.
+    let store = StoreServer::bind("127.0.0.1:0", &token).context("cannot start the job's rendezvous store")?;
+    let port = store.port();
     let world = layouts.len();
     let mut children = Vec::new();
     for layout in layouts {
@@ -241,6 +271,7 @@ pub(crate) fn launch_and_watch(args: &WorkerArgs, layouts: &[RankLayout]) -> Res
             ("MASTER_PORT", port.to_string()),
             ("MEDLEY_DOMAIN", layout.device.vendor.to_string()),
             ("MEDLEY_TOKEN", token.clone()),
+            ("MEDLEY_STORE_HOST", "launcher".into()),
         ]);
         match command.spawn() {
             Ok(child) => children.push(child),
@@ -253,24 +284,24 @@ pub(crate) fn launch_and_watch(args: &WorkerArgs, layouts: &[RankLayout]) -> Res
             }
         }
     }
-    let bar = progress_bar(args.run.steps);
+    let progress = Progress::new(args.run.steps);
     let errors: Vec<_> =
-        children.iter_mut().map(|child| collect_lines(child.stderr.take().expect("piped"), bar.clone())).collect();
+        children.iter_mut().map(|child| collect_lines(child.stderr.take().expect("piped"), progress.clone())).collect();
     let mut steps = Vec::new();
     let stdout = children[0].stdout.take().expect("piped");
     for line in BufReader::new(stdout).lines().map_while(Result::ok) {
         let Ok(step) = serde_json::from_str::<Value>(&line) else { continue };
-        bar.set_position(step["step"].as_u64().unwrap_or(0));
-        bar.set_message(format!(
-            "loss {:.3} · {:.0} tokens/s",
+        progress.step(
+            step["step"].as_u64().unwrap_or(0),
             step["loss"].as_f64().unwrap_or(f64::NAN),
-            step["tokens_per_s"].as_f64().unwrap_or(0.0)
-        ));
+            step["tokens_per_s"].as_f64().unwrap_or(0.0),
+        );
         steps.push(step);
     }
     let grace = Duration::from_secs(args.run.timeout_s + 15);
-    let statuses = wait_all(&mut children, grace);
-    bar.finish_and_clear();
+    let statuses = wait_all(&mut children, grace, &store);
+    drop(store);
+    progress.finish();
     // The pipes close when the workers exit: joining the readers gets every last line.
     let errors = errors.into_iter().map(|reader| reader.join().unwrap_or_default()).collect();
     Ok(Outcome { statuses, errors, steps })
@@ -279,6 +310,7 @@ pub(crate) fn launch_and_watch(args: &WorkerArgs, layouts: &[RankLayout]) -> Res
 fn worker_flags(args: &WorkerArgs) -> Vec<String> {
     let mut flags =
         vec![format!("--plan={}", args.plan), format!("--out={}", args.out.display()), "--print-metrics".into()];
+    flags.extend(args.run_dir_locked.then(|| "--run-dir-locked".to_string()));
     flags.extend(args.calibration.as_ref().map(|path| format!("--calibration={path}")));
     flags.extend(args.resume.as_ref().map(|dir| format!("--resume={}", dir.display())));
     flags.extend(args.run.to_args());
@@ -296,34 +328,27 @@ fn job_token() -> String {
     bytes.iter().map(|b| format!("{b:02x}")).collect()
 }
 
-fn progress_bar(steps: u64) -> ProgressBar {
-    let bar = ProgressBar::new(steps);
-    let style = ProgressStyle::with_template("step {pos}/{len} [{bar:30}] {msg} · ETA {eta}")
-        .expect("a valid template")
-        .progress_chars("=> ");
-    bar.set_style(style);
-    bar
-}
-
-/// Shows a worker's standard error lines above the progress bar and keeps them.
-fn collect_lines(stderr: ChildStderr, bar: ProgressBar) -> std::thread::JoinHandle<Vec<String>> {
+/// Shows a worker's standard error lines above the progress and keeps them.
+fn collect_lines(stderr: ChildStderr, progress: Progress) -> std::thread::JoinHandle<Vec<String>> {
     std::thread::spawn(move || {
-        BufReader::new(stderr).lines().map_while(Result::ok).inspect(|line| bar.println(line)).collect()
+        BufReader::new(stderr).lines().map_while(Result::ok).inspect(|line| progress.println(line)).collect()
     })
 }
 
-/// Waits for every worker; once one has failed, the others get `grace` to notice and report,
-/// then are killed.
-fn wait_all(children: &mut [Child], grace: Duration) -> Vec<Option<std::process::ExitStatus>> {
+/// Waits for every worker; once one has failed, the store tells the others (which stop at once,
+/// naming it, even if it failed before joining them) and they get `grace` to report, then are
+/// killed.
+fn wait_all(children: &mut [Child], grace: Duration, store: &StoreServer) -> Vec<Option<std::process::ExitStatus>> {
     let mut statuses = vec![None; children.len()];
     let mut failed_at: Option<Instant> = None;
     loop {
-        for (child, status) in children.iter_mut().zip(statuses.iter_mut()) {
+        for (rank, (child, status)) in children.iter_mut().zip(statuses.iter_mut()).enumerate() {
             if status.is_none()
                 && let Ok(Some(exit)) = child.try_wait()
             {
                 if !exit.success() && failed_at.is_none() {
                     failed_at = Some(Instant::now());
+                    store.report_failure(rank, &format!("worker {rank} {}", describe_exit(exit)));
                 }
                 *status = Some(exit);
             }
@@ -388,19 +413,32 @@ fn describe_exit(status: std::process::ExitStatus) -> String {
     }
 }
 
-/// One Perfetto file of the whole job from the workers' per-rank files.
+/// One Perfetto file of the whole run from the workers' per-rank files: each segment (the first
+/// run, then every resumption in step order) after the one before.
 fn merge_timelines(out: &Path, n_ranks: usize) -> Result<()> {
-    let mut events = Vec::new();
-    for rank in 0..n_ranks {
-        let path = out.join(TIMELINES).join(format!("rank-{rank}.json"));
-        let text = fs::read_to_string(&path).with_context(|| format!("cannot read {}", path.display()))?;
-        let trace: Value = serde_json::from_str(&text).with_context(|| format!("{} is not a trace", path.display()))?;
-        if let Some(Value::Array(rank_events)) = trace.get("traceEvents") {
-            events.extend(rank_events.iter().cloned());
+    let dir = out.join(TIMELINES);
+    let mut resumed_at: Vec<u64> = fs::read_dir(&dir)
+        .with_context(|| format!("cannot read {}", dir.display()))?
+        .filter_map(|entry| {
+            let name = entry.ok()?.file_name().into_string().ok()?;
+            name.strip_prefix("rank-0.from-step-")?.strip_suffix(".json")?.parse().ok()
+        })
+        .collect();
+    resumed_at.sort_unstable();
+    let starts = std::iter::once(None).chain(resumed_at.into_iter().map(Some));
+    let mut segments = Vec::new();
+    for start in starts {
+        let mut events = Vec::new();
+        for rank in 0..n_ranks {
+            let path = dir.join(timeline_file_name(rank, start));
+            // A segment written under another plan may have had fewer ranks.
+            let Ok(text) = fs::read_to_string(&path) else { continue };
+            events.extend(trace_events(&text));
         }
+        segments.push(events);
     }
-    let merged = serde_json::json!({"displayTimeUnit": "ns", "traceEvents": events});
-    let path = out.join("timeline.json");
+    let merged = merge_segments(segments);
+    let path = out.join(TIMELINE);
     fs::write(&path, serde_json::to_vec(&merged)?).with_context(|| format!("cannot write {}", path.display()))
 }
 
@@ -430,7 +468,7 @@ fn print_summary(out: &Path, steps: &[Value], (wall, predicted_step_s): Timing) 
     println!(
         "metrics: {}\ntimeline: {} (open in ui.perfetto.dev)\ncheckpoint: {}",
         out.join(METRICS).display(),
-        out.join("timeline.json").display(),
+        out.join(TIMELINE).display(),
         out.join(CHECKPOINTS).display()
     );
 }

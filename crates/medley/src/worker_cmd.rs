@@ -19,11 +19,7 @@ use medley_sim::{BandwidthTrace, SchedulePolicy, Timeline};
 use medley_spec::Schedule;
 
 use crate::plan_cmd::load_plan;
-
-/// Where a run keeps its outputs, under its directory.
-pub const CHECKPOINTS: &str = "checkpoints";
-pub const METRICS: &str = "metrics.jsonl";
-pub const TIMELINES: &str = "timeline";
+use crate::run_dir::{CHECKPOINTS, METRICS, RunDir, TIMELINES, Use};
 
 #[derive(Args, Debug, Clone)]
 pub struct WorkerArgs {
@@ -45,6 +41,13 @@ pub struct WorkerArgs {
     /// Print each step's metrics as a JSON line on standard output (rank 0).
     #[arg(long)]
     pub print_metrics: bool,
+    /// Start over in a run directory that holds a run: rank 0 deletes its checkpoints, metrics
+    /// and timelines first.
+    #[arg(long, conflicts_with = "resume")]
+    pub force: bool,
+    /// The launcher (`medley train`) holds the run directory's lock and checked it.
+    #[arg(long, hide = true)]
+    pub run_dir_locked: bool,
 }
 
 /// How every worker of a job trains: `medley train` passes them on as they are.
@@ -56,6 +59,10 @@ pub struct RunFlags {
     /// Steps between checkpoints (0: only after the last step).
     #[arg(long, default_value_t = 10)]
     pub checkpoint_every: u64,
+    /// How many of the newest checkpoints to keep (at least 1); older ones are deleted once a
+    /// newer one is complete.
+    #[arg(long, default_value_t = 3, value_parser = clap::value_parser!(u64).range(1..))]
+    pub keep_checkpoints: u64,
     /// Pipeline schedule [default: the plan's].
     #[arg(long)]
     pub schedule: Option<Schedule>,
@@ -87,6 +94,7 @@ impl RunFlags {
         let mut flags = vec![
             format!("--steps={}", self.steps),
             format!("--checkpoint-every={}", self.checkpoint_every),
+            format!("--keep-checkpoints={}", self.keep_checkpoints),
             format!("--seed={}", self.seed),
             format!("--lr={}", self.lr),
             format!("--timeout-s={}", self.timeout_s),
@@ -148,6 +156,17 @@ pub fn run(args: &WorkerArgs) -> Result<()> {
             .transpose()?,
     };
     let rank = env.rank;
+    // Under another launcher rank 0 guards the run directory for the job; the others write
+    // there only once it has joined them.
+    let _run_dir = (rank == 0 && !args.run_dir_locked)
+        .then(|| {
+            let wanted = match &args.resume {
+                Some(dir) if dir == &args.out => Use::Resume,
+                _ => Use::Fresh { force: args.force },
+            };
+            RunDir::claim(&args.out, wanted)
+        })
+        .transpose()?;
     let mut worker = Worker::join(plan, env, options).map_err(|err| blame(err, rank))?;
     let result = train_joined(&mut worker, args, policy);
     let Err(err) = result else { return Ok(()) };
@@ -177,10 +196,11 @@ fn train_joined(worker: &mut Worker, args: &WorkerArgs, policy: SchedulePolicy) 
         policy,
         checkpoint_dir: Some(args.out.join(CHECKPOINTS)),
         checkpoint_every: args.run.checkpoint_every,
+        keep_checkpoints: args.run.keep_checkpoints as usize,
     };
     let timeline_dir = args.out.join(TIMELINES);
     fs::create_dir_all(&timeline_dir).with_context(|| format!("cannot create {}", timeline_dir.display()))?;
-    let timeline_path = timeline_dir.join(format!("rank-{rank}.json"));
+    let timeline_path = timeline_dir.join(timeline_file_name(rank, resumed_at));
     let mut timeline_file = BufWriter::new(
         File::create(&timeline_path).with_context(|| format!("cannot create {}", timeline_path.display()))?,
     );
@@ -198,6 +218,15 @@ fn train_joined(worker: &mut Worker, args: &WorkerArgs, policy: SchedulePolicy) 
     })?;
     timeline.finish().with_context(|| format!("cannot write {}", timeline_path.display()))?;
     Ok(())
+}
+
+/// A rank's timeline of one run segment: a fresh run's, or a resumed one's from the step it
+/// resumed at (each segment has its own clock; `medley train` merges them in order).
+pub fn timeline_file_name(rank: usize, resumed_at: Option<u64>) -> String {
+    match resumed_at {
+        None => format!("rank-{rank}.json"),
+        Some(step) => format!("rank-{rank}.from-step-{step:08}.json"),
+    }
 }
 
 /// The metrics file, fresh, or after a resume at `resumed_at` keeping only the steps up to it (a

@@ -317,6 +317,7 @@ fn training_resumes_bit_for_bit_and_under_another_plan() {
     let resumed = train(&halves, &["--resume", &halves.to_string_lossy(), "--steps", "4"]);
     assert!(stdout(&resumed).contains("2 → 4"), "{}", stdout(&resumed));
     assert_eq!(losses(&halves), reference, "stopping and resuming changes nothing");
+    assert_eq!(timeline_steps(&halves), [1, 2, 3, 4], "the resumed run's timeline continues the first one's");
 
     // The same checkpoint under a single process: the model re-shards, and only the order of
     // the gradient sums changes.
@@ -326,6 +327,82 @@ fn training_resumes_bit_for_bit_and_under_another_plan() {
     for ((step, loss), (_, expected)) in losses(&resharded).into_iter().zip(reference) {
         assert!((loss - expected).abs() <= 1e-6 * expected, "step {step}: {loss} vs {expected}");
     }
+}
+
+/// The steps the merged timeline has passes of, in the order they start.
+fn timeline_steps(out: &std::path::Path) -> Vec<u64> {
+    let trace: serde_json::Value =
+        serde_json::from_str(&std::fs::read_to_string(out.join("timeline.json")).unwrap()).unwrap();
+    let mut slices: Vec<(f64, u64)> = trace["traceEvents"]
+        .as_array()
+        .unwrap()
+        .iter()
+        .filter(|event| event["ph"] == "X")
+        .map(|event| (event["ts"].as_f64().unwrap(), event["args"]["step"].as_u64().unwrap()))
+        .collect();
+    slices.sort_by(|a, b| a.0.total_cmp(&b.0));
+    let mut steps: Vec<u64> = slices.into_iter().map(|(_, step)| step).collect();
+    steps.dedup();
+    steps
+}
+
+#[test]
+fn a_run_directory_is_never_overwritten_by_accident() {
+    let out = scratch("train-twice");
+    let out_text = out.to_string_lossy().into_owned();
+    let first =
+        train(&out, &["--fleet", "1xh100", "--steps", "4", "--checkpoint-every", "1", "--keep-checkpoints", "2"]);
+    assert!(stdout(&first).contains("step 1/4"), "without a terminal, progress comes as lines:\n{}", stdout(&first));
+    let mut checkpoints: Vec<String> = std::fs::read_dir(out.join("checkpoints"))
+        .unwrap()
+        .map(|entry| entry.unwrap().file_name().to_string_lossy().into_owned())
+        .collect();
+    checkpoints.sort();
+    assert_eq!(checkpoints, ["latest", "step-00000003", "step-00000004"], "--keep-checkpoints 2");
+    let args: Vec<&str> =
+        ["train", "--out", &out_text, "--fleet", "1xh100"].into_iter().chain(QUICK_TRAIN).chain(["10"]).collect();
+    check(&args, 2, "already holds a run (a checkpoint at step 4, 4 steps in metrics.jsonl)");
+    assert_eq!(losses(&out).len(), 4, "the refused run touched nothing");
+    assert!(out.join("checkpoints/step-00000004").is_dir());
+    train(&out, &["--fleet", "1xh100", "--steps", "2", "--force"]);
+    assert_eq!(losses(&out).len(), 2, "--force starts over");
+}
+
+#[test]
+fn a_run_directory_in_use_is_refused_naming_its_holder() {
+    let out = scratch("train-locked");
+    let out_text = out.to_string_lossy().into_owned();
+    let args: Vec<&str> = ["train", "--out", &out_text, "--fleet", "1xh100", "--steps", "100000"]
+        .into_iter()
+        .chain(QUICK_TRAIN)
+        .chain(["10"])
+        .collect();
+    let mut running = Command::new(env!("CARGO_BIN_EXE_medley"))
+        .args(&args)
+        .stdout(Stdio::null())
+        .stderr(Stdio::null())
+        .spawn()
+        .unwrap();
+    let deadline = Instant::now() + Duration::from_secs(60);
+    while !out.join("metrics.jsonl").exists() {
+        assert!(Instant::now() < deadline, "the first run did not start within a minute");
+        std::thread::sleep(Duration::from_millis(50));
+    }
+    let resume: Vec<&str> = ["train", "--resume", &out_text, "--steps", "1"].into_iter().collect();
+    let holder = format!("in use by another medley run (process {})", running.id());
+    let output = medley(&resume);
+    running.kill().ok();
+    running.wait().ok();
+    let text = stdout(&output) + &stderr(&output);
+    assert_eq!(output.status.code(), Some(2), "{text}");
+    assert!(text.contains(&holder), "{text}");
+}
+
+#[test]
+fn a_run_that_cannot_fit_in_host_memory_is_refused_before_it_starts() {
+    let out = scratch("train-too-big");
+    let out_text = out.to_string_lossy().into_owned();
+    check(&["train", "--out", &out_text, "--model", "llama3-405b"], 2, "GiB of host memory");
 }
 
 /// The processes whose parent is `parent`, with their RANK variable.
