@@ -4,7 +4,9 @@ use std::fs;
 use std::path::PathBuf;
 use std::process::ExitCode;
 
-use anyhow::{Context, Result};
+use std::io::Write;
+
+use anyhow::{Context, Result, bail};
 use clap::Args;
 use medley_cost::Calibration;
 use medley_plan::baselines::{self, Degrees};
@@ -12,6 +14,7 @@ use medley_plan::{Candidate, Plan, PlanError, SearchOptions, evaluate, search};
 use medley_sim::{SchedulePolicy, SimConfig, StepReport, simulate_steps};
 use medley_spec::{JobParts, JobSpec};
 use rayon::prelude::*;
+use serde_json::json;
 
 use crate::inputs::{SpecArgs, Specs, check_calibration_names, read};
 use crate::render::{self, Baseline, Report};
@@ -20,15 +23,18 @@ use crate::render::{self, Baseline, Report};
 pub struct PlanArgs {
     #[command(flatten)]
     pub specs: SpecArgs,
-    /// How many ranked plans to show.
+    /// How many ranked plans to show (at least --pick).
     #[arg(long, default_value_t = 3)]
     pub top: usize,
     /// Print one JSON object (plan, prediction, baselines) instead of tables.
     #[arg(long)]
     pub json: bool,
-    /// Write the best plan as JSON to this file.
+    /// Write the chosen plan (the best, or --pick's) as JSON to this file.
     #[arg(short = 'o', long)]
     pub output: Option<PathBuf>,
+    /// Which of the ranked plans -o writes and --json describes, counting from 1.
+    #[arg(long, default_value_t = 1, value_parser = clap::value_parser!(u32).range(1..))]
+    pub pick: u32,
     /// Evaluate a homogeneous Megatron-style layout instead of searching, e.g. tp=8,pp=4,dp=2;
     /// add vpp=V for V model chunks per pipeline rank under interleaved 1F1B (tp=8,pp=8,dp=16,vpp=2).
     #[arg(long, conflicts_with = "plan")]
@@ -55,7 +61,7 @@ pub fn run(args: &PlanArgs) -> Result<ExitCode> {
                 .map(|candidate| (vec![candidate], None))
         }
         (None, None) => {
-            let options = SearchOptions { top: args.top, ..SearchOptions::default() };
+            let options = SearchOptions { top: args.top.max(args.pick as usize), ..SearchOptions::default() };
             search(&specs.cluster, &specs.model, &specs.job, &specs.calibration, &options)
                 .map(|outcome| (outcome.candidates, Some(outcome.layouts_priced)))
         }
@@ -63,6 +69,9 @@ pub fn run(args: &PlanArgs) -> Result<ExitCode> {
     let (candidates, layouts_priced) = match found {
         Ok(found) => found,
         Err(err @ PlanError::NothingFits(_)) => {
+            if args.json {
+                println!("{}", serde_json::to_string_pretty(&json!({"fits": false, "error": err.to_string()}))?);
+            }
             eprintln!("medley plan: {err}");
             return Ok(ExitCode::from(1));
         }
@@ -71,24 +80,38 @@ pub fn run(args: &PlanArgs) -> Result<ExitCode> {
     let search_s = started.elapsed().as_secs_f64();
     let confirmed = confirm_by_simulation(candidates, &specs.calibration)?;
     let candidates = &confirmed.candidates;
+    let picked = args.pick as usize - 1;
+    if picked >= candidates.len() {
+        bail!("--pick {}: there are {} to pick from", args.pick, render::count(candidates.len(), "ranked plan"));
+    }
     let baselines = Baselines::compute(&specs).into_rows();
     if let Some(path) = &args.output {
-        let json = serde_json::to_string_pretty(&candidates[0].plan)?;
+        let json = serde_json::to_string_pretty(&candidates[picked].plan)?;
         fs::write(path, json + "\n").with_context(|| format!("cannot write {}", path.display()))?;
     }
-    let report =
-        Report { specs: &specs, candidates, confirmed: &confirmed, baselines: &baselines, layouts_priced, search_s };
+    let report = Report {
+        specs: &specs,
+        candidates,
+        picked,
+        confirmed: &confirmed,
+        baselines: &baselines,
+        layouts_priced,
+        search_s,
+    };
     if args.json {
         println!("{}", serde_json::to_string_pretty(&render::json(&report))?);
     } else {
         print!("{}", render::text(&report));
         match &args.output {
-            Some(path) => println!("\nplan written to {}", path.display()),
-            None => println!("\nwrite this plan as JSON with -o plan.json (or print everything with --json)"),
+            Some(path) => println!("\nplan #{} written to {}", args.pick, path.display()),
+            None => println!(
+                "\nwrite this plan as JSON with -o plan.json, another with --pick N (or print everything with --json)"
+            ),
         }
     }
     // Only a given plan can fail to fit here: the search and --fix return fitting plans.
-    if !candidates[0].prediction.fits {
+    if !candidates[picked].prediction.fits {
+        std::io::stdout().flush()?;
         eprintln!("medley plan: this plan does not fit in memory (see the peak memory per device type)");
         return Ok(ExitCode::from(1));
     }

@@ -22,6 +22,8 @@ pub struct Baseline {
 pub struct Report<'a> {
     pub specs: &'a Specs,
     pub candidates: &'a [Candidate],
+    /// The candidate the report describes in full (`--pick`, 0 = the best).
+    pub picked: usize,
     pub confirmed: &'a Confirmed,
     pub baselines: &'a [Baseline],
     /// Layouts the search priced, when it searched.
@@ -30,7 +32,7 @@ pub struct Report<'a> {
 }
 
 pub fn json(report: &Report) -> Value {
-    let best = &report.candidates[0];
+    let best = &report.candidates[report.picked];
     let baselines: Vec<Value> = report
         .baselines
         .iter()
@@ -49,8 +51,9 @@ pub fn json(report: &Report) -> Value {
             }),
         })
         .collect();
-    let simulated = &report.confirmed.simulated[0];
+    let simulated = &report.confirmed.simulated[report.picked];
     json!({
+        "rank": report.picked + 1,
         "plan": best.plan,
         "prediction": best.prediction,
         "simulated": {
@@ -60,7 +63,7 @@ pub fn json(report: &Report) -> Value {
             "bubble_fraction": simulated.bubble_fraction,
             "peak_memory_gib": simulated.peak_memory_gib,
             "fits": simulated.fits,
-            "cost_model_rank": report.confirmed.analytical_rank[0] + 1,
+            "cost_model_rank": report.confirmed.analytical_rank[report.picked] + 1,
         },
         "baselines": baselines,
     })
@@ -69,7 +72,8 @@ pub fn json(report: &Report) -> Value {
 pub fn text(report: &Report) -> String {
     let mut out = String::new();
     let specs = report.specs;
-    let best = &report.candidates[0];
+    let best = &report.candidates[report.picked];
+    let which = if report.picked == 0 { "the best plan".to_string() } else { format!("plan #{}", report.picked + 1) };
     let _ = writeln!(out, "{}", headline(specs));
     if let Some(priced) = report.layouts_priced {
         let _ = writeln!(out, "priced {priced} pipelines and layouts in {:.2} s\n", report.search_s);
@@ -77,10 +81,10 @@ pub fn text(report: &Report) -> String {
     out += &candidates_table(report.candidates, report.confirmed).to_string();
     out += &agreement(report.confirmed);
     out += "\n\nBaselines (same cost model)\n";
-    out += &baselines_table(best, report.baselines).to_string();
-    out += "\n\nPeak memory of the best plan\n";
+    out += &baselines_table(best, &which, report.baselines).to_string();
+    out += &format!("\n\nPeak memory of {which}\n");
     out += &memory_table(best).to_string();
-    out += "\n\nThe best plan\n";
+    out += &format!("\n\n{}{}\n", which[..1].to_uppercase(), &which[1..]);
     out += &explain(&best.plan);
     out
 }
@@ -90,14 +94,14 @@ fn headline(specs: &Specs) -> String {
         specs.cluster.groups().iter().map(|group| format!("{}×{}", group.n_gpus(), group.device.name)).collect();
     let job = &specs.job;
     format!(
-        "medley plan: {} ({:.1}B parameters) on {} GPUs ({})\njob: {} tokens × {} sequences = {:.2}M tokens per step, schedule {}, ZeRO-1 {}",
+        "medley plan: {} ({} parameters) on {} ({})\njob: {} tokens × {} = {} tokens per step, schedule {}, ZeRO-1 {}",
         specs.model.name(),
-        total_params(&specs.model) as f64 / 1e9,
-        specs.cluster.n_gpus(),
+        quantity(total_params(&specs.model) as f64),
+        count(specs.cluster.n_gpus() as usize, "GPU"),
         groups.join(", "),
         job.seq_len(),
-        job.global_batch(),
-        job.tokens_per_step() as f64 / 1e6,
+        count(job.global_batch() as usize, "sequence"),
+        quantity(job.tokens_per_step() as f64),
         job.schedule(),
         if job.zero1() { "on" } else { "off" },
     )
@@ -132,43 +136,106 @@ fn agreement(confirmed: &Confirmed) -> String {
     format!("\n{ranking}; simulated step times differ from the cost model's by up to {:+.1}%\n", 100.0 * worst_gap)
 }
 
+/// The ranked candidates: simulated step time with the throughput and utilisation of that same
+/// simulation, then the cost model's step time; a column tells apart plans that look alike.
 fn candidates_table(candidates: &[Candidate], confirmed: &Confirmed) -> Table {
-    let mut table = table(&[
+    let details = look_alike_details(candidates);
+    let mut header = vec![
         "#",
-        "simulated s",
-        "model s",
+        "simulated",
         "tokens/s",
         "MFU",
         "HFU",
+        "cost model",
         "GPUs",
         "tp",
         "mb",
         "recompute",
         "replicas",
         "pipeline (stages of type)",
-    ]);
+    ];
+    if details.is_some() {
+        header.push("differs in");
+    }
+    let mut table = table(&header);
     for (rank, (candidate, simulated)) in candidates.iter().zip(&confirmed.simulated).enumerate() {
-        let (plan, prediction) = (&candidate.plan, &candidate.prediction);
-        table.add_row(vec![
+        let plan = &candidate.plan;
+        let mut row = vec![
             right(rank + 1),
-            right(format!("{:.3}", simulated.step_time_s)),
-            right(format!("{:.3}", prediction.step_time_s)),
-            right(format!("{:.0}", prediction.utilisation.tokens_per_s)),
-            right(percent(prediction.utilisation.mfu)),
-            right(percent(prediction.utilisation.hfu)),
-            right(prediction.n_gpus_used),
+            right(seconds(simulated.step_time_s)),
+            right(format!("{:.0}", simulated.utilisation.tokens_per_s)),
+            right(percent(simulated.utilisation.mfu)),
+            right(percent(simulated.utilisation.hfu)),
+            right(seconds(candidate.prediction.step_time_s)),
+            right(candidate.prediction.n_gpus_used),
             right(plan.tp),
             right(plan.micro_batch),
             Cell::new(plan.recompute),
             right(plan.replicas.len()),
             Cell::new(pipeline_summary(plan)),
-        ]);
+        ];
+        if let Some(details) = &details {
+            row.push(Cell::new(&details[rank]));
+        }
+        table.add_row(row);
     }
     table
 }
 
-fn baselines_table(best: &Candidate, baselines: &[Baseline]) -> Table {
-    let mut table = table(&["baseline", "fits", "step s", "tokens/s", "MFU", "best plan's speedup"]);
+/// The columns of the candidates table a plan is told apart by.
+fn summary_columns(plan: &Plan) -> (u32, u32, String, usize, String) {
+    (plan.tp, plan.micro_batch, plan.recompute.to_string(), plan.replicas.len(), pipeline_summary(plan))
+}
+
+/// For candidates whose table columns coincide with another's, what differs between them: their
+/// layers per stage, batch shares, schedule or devices; `None` when every row is told apart.
+fn look_alike_details(candidates: &[Candidate]) -> Option<Vec<String>> {
+    let columns: Vec<_> = candidates.iter().map(|candidate| summary_columns(&candidate.plan)).collect();
+    let alike: Vec<Vec<usize>> = (0..columns.len())
+        .map(|idx| (0..columns.len()).filter(|&other| other != idx && columns[other] == columns[idx]).collect())
+        .collect();
+    if alike.iter().all(Vec::is_empty) {
+        return None;
+    }
+    let aspects = |plan: &Plan| -> [(&'static str, String); 4] {
+        let shapes = plan.replica_shapes();
+        let layers: Vec<String> = shapes
+            .iter()
+            .map(|shape| shape.stages.iter().map(|(_, layers)| layers.to_string()).collect::<Vec<_>>().join("/"))
+            .collect();
+        let shares: Vec<String> = shapes
+            .iter()
+            .map(|shape| shape.micro_batches.iter().map(u32::to_string).collect::<Vec<_>>().join("/"))
+            .collect();
+        // Where the first replica's pipeline ranks sit tells the placements apart.
+        let first = &plan.replicas[0];
+        let ranks = &first.stages[..plan.n_ranks(first)];
+        let devices: Vec<String> = ranks.iter().map(|stage| stage.devices[0].to_string()).collect();
+        [
+            ("layers", layers.join(" + ")),
+            ("micro-batches", shares.join(" + ")),
+            ("schedule", plan.schedule.to_string()),
+            ("replica 1 on devices", devices.join(",")),
+        ]
+    };
+    let described: Vec<_> = candidates.iter().map(|candidate| aspects(&candidate.plan)).collect();
+    let details = (0..candidates.len())
+        .map(|idx| {
+            let differing: Vec<String> = (0..4)
+                .filter(|&aspect| {
+                    alike[idx].iter().any(|&other| described[other][aspect].1 != described[idx][aspect].1)
+                })
+                .map(|aspect| format!("{} {}", described[idx][aspect].0, described[idx][aspect].1))
+                .collect();
+            differing.join("; ")
+        })
+        .collect();
+    Some(details)
+}
+
+fn baselines_table(best: &Candidate, which: &str, baselines: &[Baseline]) -> Table {
+    let speedup = format!("{which}'s speedup");
+    let mut table = table(&["baseline", "fits", "step time", "tokens/s", "MFU", &speedup]);
     for baseline in baselines {
         let name = match &baseline.detail {
             Some(detail) => format!("{} ({detail})", baseline.name),
@@ -180,7 +247,7 @@ fn baselines_table(best: &Candidate, baselines: &[Baseline]) -> Table {
                 table.add_row(vec![
                     Cell::new(name),
                     Cell::new("yes"),
-                    right(format!("{:.3}", prediction.step_time_s)),
+                    right(seconds(prediction.step_time_s)),
                     right(format!("{:.0}", prediction.utilisation.tokens_per_s)),
                     right(percent(prediction.utilisation.mfu)),
                     right(times(prediction.step_time_s / best.prediction.step_time_s)),
@@ -208,13 +275,53 @@ fn memory_table(best: &Candidate) -> Table {
     table
 }
 
-/// `1 step`, `3 steps`, `2 micro-batches`: a count with its noun in the right number.
+/// `1 step`, `3 steps`, `2 micro-batches`, `4 pipeline boundaries`: a count with its noun in
+/// the right number.
 pub(crate) fn count(n: usize, noun: &str) -> String {
+    count_words(&n.to_string(), n, noun)
+}
+
+/// `figure noun` with the noun in the number `n` asks for: `8/4 micro-batches`.
+pub(crate) fn count_words(figure: &str, n: usize, noun: &str) -> String {
     if n == 1 {
-        return format!("1 {noun}");
+        return format!("{figure} {noun}");
     }
-    let suffix = if ["s", "x", "ch", "sh"].iter().any(|end| noun.ends_with(end)) { "es" } else { "s" };
-    format!("{n} {noun}{suffix}")
+    let plural = match noun.strip_suffix('y') {
+        Some(stem) if !stem.ends_with(['a', 'e', 'o', 'u']) => format!("{stem}ies"),
+        _ if ["s", "x", "ch", "sh"].iter().any(|end| noun.ends_with(end)) => format!("{noun}es"),
+        _ => format!("{noun}s"),
+    };
+    format!("{figure} {plural}")
+}
+
+/// A duration as a person reads it: `48.2 s`, `1.234 s`, `12.3 ms`, `45.6 µs`.
+pub(crate) fn seconds(s: f64) -> String {
+    match s {
+        s if s >= 10.0 => format!("{s:.1} s"),
+        s if s >= 1.0 => format!("{s:.3} s"),
+        s if s >= 1e-3 => format!("{:.1} ms", s * 1e3),
+        s => format!("{:.1} µs", s * 1e6),
+    }
+}
+
+/// A large count in words of three digits: `70.6B`, `1.62M`, `2,048`.
+pub(crate) fn quantity(n: f64) -> String {
+    match n {
+        n if n >= 1e12 => format!("{:.2}T", n / 1e12),
+        n if n >= 1e9 => format!("{:.1}B", n / 1e9),
+        n if n >= 1e6 => format!("{:.2}M", n / 1e6),
+        n => {
+            let digits = format!("{:.0}", n);
+            let mut grouped = String::new();
+            for (idx, digit) in digits.chars().enumerate() {
+                if idx > 0 && (digits.len() - idx).is_multiple_of(3) {
+                    grouped.push(',');
+                }
+                grouped.push(digit);
+            }
+            grouped
+        }
+    }
 }
 
 pub(crate) fn percent(fraction: f64) -> String {
@@ -254,24 +361,24 @@ pub fn explain(plan: &Plan) -> String {
     for shape in plan.replica_shapes() {
         let layers: Vec<String> = shape.stages.iter().map(|(device, layers)| format!("{device}:{layers}")).collect();
         let shares: Vec<String> = shape.micro_batches.iter().map(u32::to_string).collect();
+        let stages = if plan.virtual_stages > 1 { "virtual stage" } else { "stage" };
         let _ = writeln!(
             out,
-            "- {} replica(s), {} {}stages each (layers per stage: {}), {} micro-batches of {} each",
-            shape.n_replicas,
-            shape.stages.len(),
-            if plan.virtual_stages > 1 { "virtual " } else { "" },
+            "- {}, {} each (layers per stage: {}), {} of {} each",
+            count(shape.n_replicas as usize, "replica"),
+            count(shape.stages.len(), stages),
             layers.join(" "),
-            shares.join("/"),
-            plan.micro_batch,
+            count_words(&shares.join("/"), shape.micro_batches.iter().sum::<u32>() as usize, "micro-batch"),
+            count(plan.micro_batch as usize, "sequence"),
         );
     }
     let boundaries: Vec<Route> = plan.replicas.iter().flat_map(|replica| replica.boundaries.iter().copied()).collect();
     let bridged = boundaries.iter().filter(|route| matches!(route, Route::Bridge { .. })).count();
     let _ = writeln!(
         out,
-        "- tensor parallelism {} inside each node; {} pipeline boundaries, {bridged} of them across vendors{}",
+        "- tensor parallelism {} inside each node; {}, {bridged} of them across vendors{}",
         plan.tp,
-        boundaries.len(),
+        count(boundaries.len(), "pipeline boundary"),
         first_bridge(&boundaries).map(|route| format!(" over {route}")).unwrap_or_default()
     );
     let bridged_groups: Vec<_> =
@@ -280,20 +387,49 @@ pub fn explain(plan: &Plan) -> String {
         let hierarchical = bridged_groups.iter().filter(|group| group.algorithm == Algorithm::Hierarchical).count();
         let _ = writeln!(
             out,
-            "- gradients: {} data-parallel groups over {} replicas, {} native, {} across vendors ({hierarchical} hierarchical)",
-            plan.dp_groups.len(),
-            plan.replicas.len(),
+            "- gradients: {} over {}, {} native, {} across vendors ({hierarchical} hierarchical)",
+            count(plan.dp_groups.len(), "data-parallel group"),
+            count(plan.replicas.len(), "replica"),
             plan.dp_groups.len() - bridged_groups.len(),
             bridged_groups.len(),
         );
     }
     let idle = plan.idle_devices();
     if !idle.is_empty() {
-        let _ = writeln!(out, "- {} devices idle", idle.len());
+        let _ = writeln!(out, "- {} idle", count(idle.len(), "device"));
     }
     out
 }
 
 fn first_bridge(routes: &[Route]) -> Option<Route> {
     routes.iter().copied().find(|route| matches!(route, Route::Bridge { .. }))
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn counts_take_the_right_number() {
+        assert_eq!(
+            [count(1, "stage"), count(3, "stage"), count(2, "micro-batch"), count(4, "pipeline boundary")],
+            ["1 stage", "3 stages", "2 micro-batches", "4 pipeline boundaries"]
+        );
+        assert_eq!(
+            [count(0, "replica"), count(2, "day"), count_words("8/4", 12, "micro-batch")],
+            ["0 replicas", "2 days", "8/4 micro-batches"]
+        );
+    }
+
+    #[test]
+    fn figures_read_at_every_scale() {
+        assert_eq!(
+            [seconds(48.16), seconds(1.2344), seconds(0.0123), seconds(4.56e-5)],
+            ["48.2 s", "1.234 s", "12.3 ms", "45.6 µs"]
+        );
+        assert_eq!(
+            [quantity(70.55e9), quantity(1.617e6), quantity(2048.0), quantity(512.0)],
+            ["70.6B", "1.62M", "2,048", "512"]
+        );
+    }
 }

@@ -9,14 +9,14 @@ use anyhow::{Context, Result, bail};
 use clap::Args;
 use comfy_table::Cell;
 use medley_cost::{CostModel, Setting};
-use medley_plan::Plan;
-use medley_plan::baselines::{Degrees, megatron_plan};
+use medley_plan::baselines::{self, Degrees, megatron_plan};
+use medley_plan::{Plan, PlanError};
 use medley_sim::{BandwidthTrace, RunReport, SchedulePolicy, SimConfig, simulate_steps};
 use medley_spec::Recompute;
 
 use crate::inputs::{SpecArgs, Specs, read};
 use crate::plan_cmd::{load_plan, specs_of_plan};
-use crate::render::{percent, right, table};
+use crate::render::{count, percent, right, seconds, table};
 
 #[derive(Args, Debug)]
 pub struct SimulateArgs {
@@ -26,12 +26,13 @@ pub struct SimulateArgs {
     pub plan: Option<String>,
     #[command(flatten)]
     pub specs: SpecArgs,
-    /// Tensor-parallel degree of the what-if layout.
-    #[arg(long, default_value_t = 1, conflicts_with = "plan")]
-    pub tp: u32,
-    /// Pipeline-parallel degree of the what-if layout.
-    #[arg(long, default_value_t = 1, conflicts_with = "plan")]
-    pub pp: u32,
+    /// Tensor-parallel degree of the what-if layout [default: 1; with none of --tp, --pp and
+    /// --dp, the best uniform layout's].
+    #[arg(long, conflicts_with = "plan")]
+    pub tp: Option<u32>,
+    /// Pipeline-parallel degree of the what-if layout [default: 1, or as --tp says].
+    #[arg(long, conflicts_with = "plan")]
+    pub pp: Option<u32>,
     /// Data-parallel degree of the what-if layout [default: the devices left, GPUs / (tp·pp)].
     #[arg(long, conflicts_with = "plan")]
     pub dp: Option<u32>,
@@ -44,7 +45,7 @@ pub struct SimulateArgs {
     pub cp: u32,
     /// Shard optimizer states over data-parallel replicas (ZeRO-1); what-if layouts default to
     /// Megatron's unsharded optimizer.
-    #[arg(long, conflicts_with = "plan")]
+    #[arg(long, conflicts_with_all = ["plan", "no_zero1"])]
     pub zero1: bool,
     /// Accepted for Megatron-style command lines: medley always pairs tensor parallelism with
     /// sequence parallelism (Korthikanti et al. 2022).
@@ -96,37 +97,83 @@ pub fn run(args: &SimulateArgs) -> Result<ExitCode> {
     if args.json {
         println!("{}", serde_json::to_string_pretty(&json(&report))?);
     } else {
-        print!("{}", text(&specs, &plan, &report));
+        println!("{}", text(&specs, &plan, &report));
         if let Some(path) = &args.trace {
             println!("\ntimeline written to {} (open it at https://ui.perfetto.dev)", path.display());
         }
     }
     if !report.fits {
+        std::io::stdout().flush()?;
         eprintln!("medley simulate: the plan does not fit in memory (see peak memory per device type)");
         return Ok(ExitCode::from(1));
     }
     Ok(ExitCode::SUCCESS)
 }
 
-/// The homogeneous Megatron-style plan the flags describe.
+/// The homogeneous Megatron-style plan the flags describe. Micro-batch size and recompute, where
+/// the job leaves them open, are chosen as the planner chooses them: the fastest that fits.
+/// Without any degree, the layout is the best uniform one (the planner's `uniform` baseline).
 fn what_if(args: &SimulateArgs) -> Result<(Specs, Plan)> {
     let mut specs = args.specs.resolve()?;
     specs.job = specs.job.with_zero1(args.zero1);
+    if args.tp.is_none() && args.pp.is_none() && args.dp.is_none() && args.vpp == 1 {
+        let Some(uniform) = baselines::uniform(&specs.cluster, &specs.model, &specs.job, &specs.calibration) else {
+            bail!(
+                "no uniform layout of the cluster's {} GPUs fits {}; give the layout with --tp, --pp and --dp, or run \
+                 `medley plan` to search the uneven ones",
+                specs.cluster.n_gpus(),
+                specs.model.name()
+            );
+        };
+        eprintln!("{}", chosen("the best uniform layout", &uniform.plan));
+        return Ok((specs, uniform.plan));
+    }
+    let (tp, pp) = (args.tp.unwrap_or(1), args.pp.unwrap_or(1));
     let n_gpus = specs.cluster.n_gpus();
     let dp = match args.dp {
         Some(dp) => dp,
-        None if n_gpus.is_multiple_of(args.tp * args.pp) => n_gpus / (args.tp * args.pp),
-        None => bail!("--tp {} × --pp {} does not divide the cluster's {n_gpus} GPUs; give --dp", args.tp, args.pp),
+        None if n_gpus.is_multiple_of(tp * pp) => n_gpus / (tp * pp),
+        None => bail!("--tp {tp} × --pp {pp} does not divide the cluster's {n_gpus} GPUs; give --dp"),
     };
-    let degrees = Degrees { vpp: args.vpp, ..Degrees::new(args.tp, args.pp, dp) };
-    let setting = Setting {
-        micro_batch: specs.job.micro_batch().unwrap_or(1),
-        tp: args.tp,
-        recompute: specs.job.recompute().unwrap_or(Recompute::None),
-    };
-    let cost = CostModel::new(&specs.model, specs.job.seq_len(), &specs.calibration);
-    let plan = megatron_plan(&specs.cluster, &cost, &specs.job, setting, degrees)?;
-    Ok((specs, plan))
+    let degrees = Degrees { vpp: args.vpp, ..Degrees::new(tp, pp, dp) };
+    let open = specs.job.micro_batch().is_none() || specs.job.recompute().is_none();
+    match baselines::fixed(&specs.cluster, &specs.model, &specs.job, &specs.calibration, degrees) {
+        Ok(candidate) => {
+            if open {
+                eprintln!("{}", chosen("the fastest setting that fits", &candidate.plan));
+            }
+            Ok((specs, candidate.plan))
+        }
+        // Shown anyway, at its smallest memory, so the memory table says by how much.
+        Err(PlanError::NothingFits(reason)) => {
+            let setting = Setting {
+                micro_batch: specs.job.micro_batch().unwrap_or(1),
+                tp,
+                recompute: specs.job.recompute().unwrap_or(Recompute::Full),
+            };
+            eprintln!(
+                "medley simulate: {reason}; simulated at micro-batch {} and recompute {}",
+                setting.micro_batch, setting.recompute
+            );
+            let cost = CostModel::new(&specs.model, specs.job.seq_len(), &specs.calibration);
+            let plan = megatron_plan(&specs.cluster, &cost, &specs.job, setting, degrees)?;
+            Ok((specs, plan))
+        }
+        Err(err) => Err(err.into()),
+    }
+}
+
+/// What the what-if layout chose where the flags left it open.
+fn chosen(what: &str, plan: &Plan) -> String {
+    let pp = plan.replicas.first().map_or(0, |replica| plan.n_ranks(replica));
+    let vpp = if plan.virtual_stages > 1 { format!(",vpp={}", plan.virtual_stages) } else { String::new() };
+    format!(
+        "medley simulate: {what}: tp={},pp={pp},dp={}{vpp}, micro-batch {}, recompute {}",
+        plan.tp,
+        plan.replicas.len(),
+        plan.micro_batch,
+        plan.recompute
+    )
 }
 
 pub(crate) fn network_trace(text: &str) -> Result<BandwidthTrace> {
@@ -147,19 +194,24 @@ fn json(report: &RunReport) -> serde_json::Value {
 
 fn text(specs: &Specs, plan: &Plan, report: &RunReport) -> String {
     let last = &report.last_step;
+    let stages: Vec<usize> = plan.replicas.iter().map(|replica| replica.stages.len()).collect();
+    let (fewest, most) = (stages.iter().min().copied().unwrap_or(0), stages.iter().max().copied().unwrap_or(0));
+    let stages = match fewest == most {
+        true => count(most, "stage"),
+        false => format!("{fewest} to {most} stages"),
+    };
     let mut out = format!(
-        "medley simulate: {} on {} of {} GPUs, {} replicas × {} stages, tp={}, {} micro-batches per step\n\n",
+        "medley simulate: {} on {} of {} GPUs, {} × {stages}, tp={}, {} per step\n\n",
         plan.model.name(),
         plan.used_devices().len(),
         specs.cluster.n_gpus(),
-        plan.replicas.len(),
-        plan.replicas.iter().map(|replica| replica.stages.len()).max().unwrap_or(0),
+        count(plan.replicas.len(), "replica"),
         plan.tp,
-        plan.n_micro_batches(),
+        count(plan.n_micro_batches() as usize, "micro-batch"),
     );
     let mut summary = table(&["step time", "tokens/s", "model TFLOP/s/GPU", "MFU", "HFU", "bubble", "comm wait"]);
     summary.add_row(vec![
-        right(format!("{:.3} s", report.mean_step_time_s)),
+        right(seconds(report.mean_step_time_s)),
         right(format!("{:.0}", report.tokens_per_s)),
         right(format!("{:.1}", last.utilisation.model_tflops_per_gpu)),
         right(percent(last.utilisation.mfu)),
@@ -175,7 +227,7 @@ fn text(specs: &Specs, plan: &Plan, report: &RunReport) -> String {
             steps.add_row(vec![
                 right(step.step),
                 Cell::new(&step.schedule),
-                right(format!("{:.3} s", step.step_time_s)),
+                right(seconds(step.step_time_s)),
                 right(percent(step.comm_wait_fraction)),
             ]);
         }
@@ -199,10 +251,10 @@ fn breakdown(report: &medley_sim::StepReport) -> comfy_table::Table {
         table.add_row(vec![
             Cell::new(device),
             right(ranks.len()),
-            right(format!("{:.3} s", mean(|r| r.compute_s))),
-            right(format!("{:.3} s", mean(|r| r.comm_wait_s))),
-            right(format!("{:.3} s", mean(|r| r.peer_wait_s))),
-            right(format!("{:.3} s", mean(|r| r.idle_s))),
+            right(seconds(mean(|r| r.compute_s))),
+            right(seconds(mean(|r| r.comm_wait_s))),
+            right(seconds(mean(|r| r.peer_wait_s))),
+            right(seconds(mean(|r| r.idle_s))),
             right(format!("{:.1} GiB", report.peak_memory_by_device_gib[device])),
             right(format!("{:.0} GiB", report.capacity_gib[device])),
         ]);

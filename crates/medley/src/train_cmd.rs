@@ -23,7 +23,7 @@ use serde_json::Value;
 use crate::host::check_memory;
 use crate::inputs::{load_model, read_emulation_profile};
 use crate::progress::Progress;
-use crate::render::{percent, right, table};
+use crate::render::{percent, right, seconds, table};
 use crate::run_dir::{CALIBRATION, CHECKPOINTS, METRICS, PLAN, RunDir, TIMELINE, TIMELINES, Use};
 use crate::worker_cmd::{RunFlags, WorkerArgs, timeline_file_name};
 
@@ -107,7 +107,7 @@ const TIMEOUT_STEPS: f64 = 10.0;
 fn predict_step_s(plan: &Plan, calibration: &Calibration, run: &RunFlags) -> Result<f64> {
     let policy = SchedulePolicy::from(run.schedule.unwrap_or(plan.schedule));
     let predicted = simulate_steps(plan, calibration, &SimConfig::default(), policy, 1, None)?.mean_step_time_s;
-    println!("the simulator predicts {predicted:.3} s a step for this plan on this machine");
+    println!("the simulator predicts {} a step for this plan on this machine", seconds(predicted));
     Ok(predicted)
 }
 
@@ -459,11 +459,13 @@ fn print_summary(out: &Path, steps: &[Value], (wall, predicted_step_s): Timing) 
     rows.add_row(vec![
         right("step time (median after step 1)"),
         right(format!(
-            "{measured:.3} s, simulated {predicted_step_s:.3} s ({})",
+            "{}, simulated {} ({})",
+            seconds(measured),
+            seconds(predicted_step_s),
             percent(predicted_step_s / measured - 1.0)
         )),
     ]);
-    rows.add_row(vec![right("wall time"), right(format!("{:.1} s", wall.as_secs_f64()))]);
+    rows.add_row(vec![right("wall time"), right(seconds(wall.as_secs_f64()))]);
     println!("{rows}");
     println!(
         "metrics: {}\ntimeline: {} (open in ui.perfetto.dev)\ncheckpoint: {}",

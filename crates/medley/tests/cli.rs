@@ -254,6 +254,128 @@ fn simulate_a_layout_that_does_not_fit_exits_one() {
     check(&args, 1, "does not fit");
 }
 
+/// Runs `args` with standard output and error into one file, in the order they were written.
+fn interleaved(args: &[&str]) -> (Option<i32>, String) {
+    let path = scratch(&format!("interleaved-{}.txt", args.join("_").replace('/', "_")));
+    let file = std::fs::File::create(&path).unwrap();
+    let status = Command::new(env!("CARGO_BIN_EXE_medley"))
+        .args(args)
+        .stdout(Stdio::from(file.try_clone().unwrap()))
+        .stderr(Stdio::from(file))
+        .status()
+        .unwrap();
+    (status.code(), std::fs::read_to_string(&path).unwrap())
+}
+
+#[test]
+fn simulate_what_if_chooses_micro_batch_and_recompute_as_the_planner_does() {
+    let args = [
+        "simulate",
+        "--cluster",
+        "16xh100,16xa100",
+        "--model",
+        "llama3-8b",
+        "--seq-len",
+        "4096",
+        "--global-batch",
+        "64",
+        "--tp",
+        "1",
+        "--pp",
+        "4",
+        "--dp",
+        "8",
+        "--json",
+    ];
+    let output = check(&args, 0, "the fastest setting that fits");
+    let value: serde_json::Value = serde_json::from_str(&stdout(&output)).unwrap();
+    assert_eq!(value["fits"], true, "{value}");
+    // Given both, the layout is simulated as given, and shown even when it does not fit.
+    let fixed = [&args[..13], &["--micro-batch", "1", "--recompute", "none"]].concat();
+    let (code, text) = interleaved(&fixed);
+    assert_eq!(code, Some(1), "{text}");
+    let verdict = text.find("does not fit in memory").expect("a verdict");
+    assert!(text.rfind('┘').unwrap() < verdict && text.ends_with('\n'), "the verdict follows the tables:\n{text}");
+    check(&["simulate", "--zero1", "--no-zero1"], 2, "cannot be used with");
+}
+
+#[test]
+fn simulate_and_plan_run_on_their_defaults() {
+    check(&["simulate"], 0, "the best uniform layout");
+    let (code, text) = interleaved(&[
+        "simulate",
+        "--cluster",
+        "4xh100",
+        "--model",
+        "tiny",
+        "--seq-len",
+        "128",
+        "--global-batch",
+        "16",
+    ]);
+    assert_eq!(code, Some(0), "{text}");
+    assert!(text.ends_with("┘\n") && text.contains(" µs"), "times of a tiny model read in µs:\n{text}");
+    let output =
+        check(&["plan", "--cluster", "4xh100", "--model", "tiny", "--seq-len", "128", "--global-batch", "16"], 0, "");
+    let text = stdout(&output);
+    for wanted in ["tiny (1.54M parameters) on 4 GPUs", "= 2,048 tokens per step", "1 stage each"] {
+        assert!(text.contains(wanted), "`{wanted}` missing:\n{text}");
+    }
+}
+
+#[test]
+fn plan_json_reports_nothing_fits_as_an_object() {
+    let output = check(&["plan", "--cluster", "1xh100", "--model", "llama3-70b", "--json"], 1, "nothing fits");
+    let value: serde_json::Value = serde_json::from_str(&stdout(&output)).unwrap();
+    assert_eq!(value["fits"], false);
+    assert!(value["error"].as_str().unwrap().contains("the one GPU"), "{value}");
+}
+
+#[test]
+fn any_ranked_plan_can_be_picked_and_look_alikes_are_told_apart() {
+    let base = ["plan", "--cluster", "16xh100,16xa100", "--model", "llama3-8b", "--top", "6"];
+    let output = check(&base, 0, "differs in");
+    assert!(stdout(&output).contains("replica 1 on devices"), "{}", stdout(&output));
+    let path = scratch("picked.json");
+    let path = path.to_str().unwrap();
+    let picked = check(&[&base[..], &["--pick", "2", "-o", path, "--json"]].concat(), 0, "plan");
+    let value: serde_json::Value = serde_json::from_str(&stdout(&picked)).unwrap();
+    assert_eq!(value["rank"], 2);
+    let written: serde_json::Value = serde_json::from_str(&std::fs::read_to_string(path).unwrap()).unwrap();
+    assert_eq!(written, value["plan"], "-o writes the picked plan");
+    let first = check(&[&base[..], &["--json"]].concat(), 0, "plan");
+    let first: serde_json::Value = serde_json::from_str(&stdout(&first)).unwrap();
+    assert_ne!(first["plan"], value["plan"]);
+    check(&["plan", "--pick", "0"], 2, "--pick");
+}
+
+#[test]
+fn an_emulation_profile_prices_only_its_own_models_emulated_runs() {
+    let profile = scratch("emulation.toml");
+    let text =
+        "kind = \"emulation\"\nmodel = \"tiny\"\n\n[device.H100-SXM]\nmatmul = 1e-4\nattention = 1e-4\nmemory = 0.2\n";
+    std::fs::write(&profile, text).unwrap();
+    let profile = profile.to_str().unwrap();
+    let tiny = [
+        "--cluster",
+        "4xh100",
+        "--model",
+        "tiny",
+        "--seq-len",
+        "128",
+        "--global-batch",
+        "16",
+        "--calibration",
+        profile,
+    ];
+    check(&[&["plan"][..], &tiny].concat(), 0, "tiny");
+    let other = ["plan", "--cluster", "8xh100", "--model", "llama3-8b", "--calibration", profile];
+    check(&other, 2, "is an emulation profile");
+    let gpu = format!("{}/../../examples/calibration.toml", env!("CARGO_MANIFEST_DIR"));
+    let out = scratch("train-gpu-profile");
+    check(&["train", "--out", out.to_str().unwrap(), "--calibration", &gpu], 2, "is a GPU efficiency profile");
+}
+
 #[test]
 fn bench_comm_measures_every_setup_with_real_workers() {
     let args = ["bench", "comm", "--json", "--min-bytes", "4K", "--max-bytes", "16K", "--ranks", "2,3"];

@@ -403,9 +403,10 @@ fn nothing_fits_hint(
         }
     }
     hints.push(more_devices);
+    let n_gpus = groups.iter().map(|group| group.n_gpus()).sum::<u32>();
+    let devices = if n_gpus == 1 { "the one GPU".to_string() } else { format!("the {n_gpus} GPUs") };
     format!(
-        "no layout of the {} GPUs ({hbm_gib:.0} GiB in all) fits {} at sequence length {seq_len}; try {}",
-        groups.iter().map(|group| group.n_gpus()).sum::<u32>(),
+        "no layout of {devices} ({hbm_gib:.0} GiB in all) fits {} at sequence length {seq_len}; try {}",
         model.name(),
         hints.join(", or ")
     )
