@@ -428,7 +428,7 @@ mod tests {
             ["48.2 s", "1.234 s", "12.3 ms", "45.6 µs"]
         );
         assert_eq!(
-            [quantity(70.55e9), quantity(1.617e6), quantity(2048.0), quantity(512.0)],
+            [quantity(70.56e9), quantity(1.617e6), quantity(2048.0), quantity(512.0)],
             ["70.6B", "1.62M", "2,048", "512"]
         );
     }

@@ -98,8 +98,12 @@ fn lock(dir: &Path) -> Result<File> {
 /// produced — checkpoints, metrics — not the inputs (plan, profile) written before it started.
 fn describe_run(dir: &Path) -> Option<String> {
     let mut found = Vec::new();
-    if let Ok((_, manifest)) = medley_runtime::read_latest(&dir.join(CHECKPOINTS)) {
-        found.push(format!("a checkpoint at step {}", manifest.step));
+    let checkpoints = dir.join(CHECKPOINTS);
+    match medley_runtime::read_latest(&checkpoints) {
+        Ok((_, manifest)) => found.push(format!("a checkpoint at step {}", manifest.step)),
+        // Even a checkpoint that does not read is not for a new run to delete.
+        Err(_) if checkpoints.join("latest").exists() => found.push("a checkpoint".into()),
+        Err(_) => {}
     }
     if let Ok(text) = fs::read_to_string(dir.join(METRICS)) {
         let steps = text.lines().filter(|line| !line.trim().is_empty()).count();

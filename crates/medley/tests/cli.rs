@@ -1,17 +1,25 @@
 //! The `medley` binary as a person or script runs it: exit codes, JSON shape, plan files.
 
 use std::path::PathBuf;
-use std::process::{Command, Output, Stdio};
+use std::process::{Child, Command, Output, Stdio};
 use std::time::{Duration, Instant};
 
 /// Runs the binary, killing it (and failing) if it takes longer than two minutes.
-fn medley(args: &[&str]) -> Output {
-    let mut child = Command::new(env!("CARGO_BIN_EXE_medley"))
+fn medley<S: AsRef<std::ffi::OsStr> + std::fmt::Debug>(args: &[S]) -> Output {
+    finish(start(args), args)
+}
+
+fn start<S: AsRef<std::ffi::OsStr>>(args: &[S]) -> Child {
+    Command::new(env!("CARGO_BIN_EXE_medley"))
         .args(args)
         .stdout(Stdio::piped())
         .stderr(Stdio::piped())
         .spawn()
-        .expect("medley starts");
+        .expect("medley starts")
+}
+
+/// The output of a started `medley`, killing it (and failing) past two minutes.
+fn finish(mut child: Child, args: &[impl std::fmt::Debug]) -> Output {
     let deadline = Instant::now() + Duration::from_secs(120);
     while child.try_wait().expect("medley can be waited on").is_none() {
         if Instant::now() > deadline {
@@ -254,6 +262,9 @@ fn simulate_a_layout_that_does_not_fit_exits_one() {
     check(&args, 1, "does not fit");
 }
 
+/// The tiny model's job on four GPUs: planned and simulated in milliseconds.
+const TINY_JOB: [&str; 8] = ["--cluster", "4xh100", "--model", "tiny", "--seq-len", "128", "--global-batch", "16"];
+
 /// Runs `args` with standard output and error into one file, in the order they were written.
 fn interleaved(args: &[&str]) -> (Option<i32>, String) {
     let path = scratch(&format!("interleaved-{}.txt", args.join("_").replace('/', "_")));
@@ -302,21 +313,10 @@ fn simulate_what_if_chooses_micro_batch_and_recompute_as_the_planner_does() {
 #[test]
 fn simulate_and_plan_run_on_their_defaults() {
     check(&["simulate"], 0, "the best uniform layout");
-    let (code, text) = interleaved(&[
-        "simulate",
-        "--cluster",
-        "4xh100",
-        "--model",
-        "tiny",
-        "--seq-len",
-        "128",
-        "--global-batch",
-        "16",
-    ]);
+    let (code, text) = interleaved(&[&["simulate"][..], &TINY_JOB].concat());
     assert_eq!(code, Some(0), "{text}");
     assert!(text.ends_with("┘\n") && text.contains(" µs"), "times of a tiny model read in µs:\n{text}");
-    let output =
-        check(&["plan", "--cluster", "4xh100", "--model", "tiny", "--seq-len", "128", "--global-batch", "16"], 0, "");
+    let output = check(&[&["plan"][..], &TINY_JOB].concat(), 0, "");
     let text = stdout(&output);
     for wanted in ["tiny (1.54M parameters) on 4 GPUs", "= 2,048 tokens per step", "1 stage each"] {
         assert!(text.contains(wanted), "`{wanted}` missing:\n{text}");
@@ -356,19 +356,7 @@ fn an_emulation_profile_prices_only_its_own_models_emulated_runs() {
         "kind = \"emulation\"\nmodel = \"tiny\"\n\n[device.H100-SXM]\nmatmul = 1e-4\nattention = 1e-4\nmemory = 0.2\n";
     std::fs::write(&profile, text).unwrap();
     let profile = profile.to_str().unwrap();
-    let tiny = [
-        "--cluster",
-        "4xh100",
-        "--model",
-        "tiny",
-        "--seq-len",
-        "128",
-        "--global-batch",
-        "16",
-        "--calibration",
-        profile,
-    ];
-    check(&[&["plan"][..], &tiny].concat(), 0, "tiny");
+    check(&[&["plan"][..], &TINY_JOB, &["--calibration", profile]].concat(), 0, "tiny");
     let other = ["plan", "--cluster", "8xh100", "--model", "llama3-8b", "--calibration", profile];
     check(&other, 2, "is an emulation profile");
     let gpu = format!("{}/../../examples/calibration.toml", env!("CARGO_MANIFEST_DIR"));
@@ -518,6 +506,29 @@ fn a_run_directory_in_use_is_refused_naming_its_holder() {
     let text = stdout(&output) + &stderr(&output);
     assert_eq!(output.status.code(), Some(2), "{text}");
     assert!(text.contains(&holder), "{text}");
+}
+
+#[test]
+fn runs_in_different_directories_at_once_never_collide() {
+    let runs: Vec<_> = ["train-side-a", "train-side-b"]
+        .into_iter()
+        .map(|name| {
+            let out = scratch(name);
+            let out_text = out.to_string_lossy().into_owned();
+            let args: Vec<String> = ["train", "--out", &out_text, "--fleet", "2xh100", "--steps", "3"]
+                .into_iter()
+                .chain(QUICK_TRAIN)
+                .chain(["20"])
+                .map(String::from)
+                .collect();
+            (out, start(&args), args)
+        })
+        .collect();
+    for (out, child, args) in runs {
+        let output = finish(child, &args);
+        assert!(output.status.success(), "{}{}", stdout(&output), stderr(&output));
+        assert_eq!(losses(&out).len(), 3);
+    }
 }
 
 #[test]
