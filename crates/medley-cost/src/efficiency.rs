@@ -161,6 +161,15 @@ impl Calibration {
         &self.kind
     }
 
+    /// An emulation profile that did not name its model (written before profiles did), naming
+    /// `model`, on which it is known to have been measured; any other profile as it is.
+    pub fn measured_on(mut self, model: &str) -> Self {
+        if self.kind == (ProfileKind::Emulation { model: None }) {
+            self.kind = ProfileKind::Emulation { model: Some(model.to_string()) };
+        }
+        self
+    }
+
     /// The device types the profile names (catalog names where an alias was given).
     pub fn device_names(&self) -> impl Iterator<Item = &str> {
         self.by_device.keys().map(String::as_str)

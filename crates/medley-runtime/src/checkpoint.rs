@@ -88,28 +88,7 @@ impl Worker {
     /// of the same model, sequence length and global batch.
     pub fn resume(&mut self, root: &Path) -> Result<Manifest, RuntimeError> {
         let (dir, manifest) = read_latest(root)?;
-        let taken = &manifest.plan;
-        if taken.model != self.plan.model || taken.seq_len != self.plan.seq_len {
-            return Err(corrupt(
-                &dir,
-                format!(
-                    "it is of model `{}` at sequence length {}, this plan trains `{}` at {}",
-                    taken.model.name(),
-                    taken.seq_len,
-                    self.plan.model.name(),
-                    self.plan.seq_len
-                ),
-            ));
-        }
-        if taken.global_batch != self.plan.global_batch {
-            return Err(corrupt(
-                &dir,
-                format!(
-                    "it was trained with a global batch of {}, this plan has {}: the data position would not carry over",
-                    taken.global_batch, self.plan.global_batch
-                ),
-            ));
-        }
+        check_resumable(&dir, &manifest, &self.plan)?;
         let mut tensors = NamedTensors::new();
         for file in &manifest.files {
             let wanted = |name: &str| self.stages.iter().any(|stage| stage.restores(name));
@@ -126,6 +105,34 @@ impl Worker {
         self.step = manifest.step;
         Ok(manifest)
     }
+}
+
+/// Whether the checkpoint in `dir` can continue under `plan`: the same model and sequence length
+/// (the tensors), the same global batch (the data position).
+pub fn check_resumable(dir: &Path, manifest: &Manifest, plan: &Plan) -> Result<(), RuntimeError> {
+    let taken = &manifest.plan;
+    if taken.model != plan.model || taken.seq_len != plan.seq_len {
+        return Err(corrupt(
+            dir,
+            format!(
+                "it is of model `{}` at sequence length {}, this plan trains `{}` at {}",
+                taken.model.name(),
+                taken.seq_len,
+                plan.model.name(),
+                plan.seq_len
+            ),
+        ));
+    }
+    if taken.global_batch != plan.global_batch {
+        return Err(corrupt(
+            dir,
+            format!(
+                "it was trained with a global batch of {}, this plan has {}: the data position would not carry over",
+                taken.global_batch, plan.global_batch
+            ),
+        ));
+    }
+    Ok(())
 }
 
 /// The newest complete checkpoint under `root` and its manifest.

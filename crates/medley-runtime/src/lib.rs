@@ -26,7 +26,7 @@ mod train;
 mod worker;
 
 pub use calibrate::{Measured, emulation_calibration, measure_model_pass};
-pub use checkpoint::{Manifest, read_latest};
+pub use checkpoint::{Manifest, check_resumable, read_latest};
 pub use error::RuntimeError;
 pub use host_memory::{HostMemory, calibration_memory, worker_memory};
 pub use layout::{EmulatedDevice, RankLayout, check_runnable, rank_ids};

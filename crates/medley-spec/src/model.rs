@@ -252,6 +252,24 @@ impl ModelSpec {
     }
 }
 
+/// The HuggingFace `model_type`s whose shape keys medley reads (DeepSeek's, to refuse what it
+/// cannot represent by name); a config without one is read by the same keys.
+const READ_MODEL_TYPES: [&str; 13] = [
+    "llama",
+    "mistral",
+    "mixtral",
+    "qwen2",
+    "qwen2_moe",
+    "qwen3",
+    "qwen3_moe",
+    "gemma",
+    "gemma2",
+    "gemma3_text",
+    "phi3",
+    "deepseek_v2",
+    "deepseek_v3",
+];
+
 struct HfKeys<'a> {
     config: &'a Value,
     source: &'a str,
@@ -297,13 +315,12 @@ impl HfKeys<'_> {
         self.refuse_what_cannot_be_represented(model_type)?;
         let n_heads = self.required("num_attention_heads")?;
         let hidden = self.required("hidden_size")?;
-        // Llama-family configs use gated (SwiGLU) MLPs unless the activation says GELU without a
-        // gate, as in GPT-NeoX-style configs that reuse these key names.
+        // Every model type medley reads has gated MLPs (SwiGLU, Gemma's GeGLU); a config without
+        // one is gated unless its activation says GELU, as GPT-NeoX-style configs reusing these
+        // key names do.
         let act = self.config.get("hidden_act").and_then(Value::as_str).unwrap_or("silu");
-        let gated_family =
-            ["llama", "mistral", "mixtral", "qwen2", "qwen2_moe", "qwen3", "qwen3_moe", "gemma", "gemma2"]
-                .contains(&model_type);
-        let mlp = if act.starts_with("gelu") && !gated_family { MlpKind::Gelu } else { MlpKind::SwiGlu };
+        let gated = !model_type.is_empty() || !act.starts_with("gelu");
+        let mlp = if gated { MlpKind::SwiGlu } else { MlpKind::Gelu };
         let ffn_hidden = self.required("intermediate_size")?;
         Ok(ModelParts {
             name,
@@ -356,15 +373,21 @@ impl HfKeys<'_> {
     /// `use_sliding_window` and `max_window_layers`, else `sliding_window` alone (Mistral).
     fn sliding_window(&self, model_type: &str) -> Result<Option<u32>, SpecError> {
         let n_layers = self.required("num_hidden_layers")?;
-        let window = self.optional("sliding_window")?;
+        // HuggingFace's MistralConfig windows 4096 tokens when the key is absent (null: none).
+        let window = match self.config.get("sliding_window") {
+            None if model_type == "mistral" => Some(4096),
+            _ => self.optional("sliding_window")?,
+        };
         let windowed_layers = match self.config.get("layer_types").and_then(Value::as_array) {
             Some(types) => types.iter().filter(|kind| kind.as_str() == Some("sliding_attention")).count() as u32,
-            None if self.flag("use_sliding_window") == Some(false) => 0,
-            // HuggingFace's Qwen2 windows the layers from `max_window_layers` on.
-            None => match self.optional("max_window_layers")? {
-                Some(full_layers) if model_type.starts_with("qwen") => n_layers.saturating_sub(full_layers),
-                _ => n_layers,
+            // Qwen's configurations window only with `use_sliding_window`, and then the layers
+            // from `max_window_layers` on.
+            None if model_type.starts_with("qwen") => match self.flag("use_sliding_window") {
+                Some(true) => n_layers.saturating_sub(self.optional("max_window_layers")?.unwrap_or(0)),
+                _ => 0,
             },
+            None if self.flag("use_sliding_window") == Some(false) => 0,
+            None => n_layers,
         };
         match (window, windowed_layers) {
             (_, 0) | (None, _) => Ok(None),
@@ -379,6 +402,21 @@ impl HfKeys<'_> {
     /// Refuses configurations whose size or cost medley's model would get wrong.
     fn refuse_what_cannot_be_represented(&self, model_type: &str) -> Result<(), SpecError> {
         let mut reasons = Vec::new();
+        if !model_type.is_empty() && !READ_MODEL_TYPES.contains(&model_type) {
+            reasons.push(format!(
+                "its `model_type` `{model_type}` is not one whose keys medley reads ({})",
+                READ_MODEL_TYPES.join(", ")
+            ));
+        }
+        let layer_types = self.config.get("layer_types").and_then(Value::as_array).into_iter().flatten();
+        let mut other_layers: Vec<&str> = layer_types
+            .filter_map(Value::as_str)
+            .filter(|kind| !["full_attention", "sliding_attention"].contains(kind))
+            .collect();
+        other_layers.dedup();
+        if !other_layers.is_empty() {
+            reasons.push(format!("some of its layers are `{}` (`layer_types`)", other_layers.join("`, `")));
+        }
         let latent: Vec<&str> = ["q_lora_rank", "kv_lora_rank"]
             .into_iter()
             .filter(|key| self.config.get(*key).is_some_and(|value| !value.is_null()))
@@ -542,6 +580,36 @@ mod tests {
         let text = r#"{"model_type":"gpt2","n_layer":12,"n_embd":768,"n_head":12,"n_inner":null,"vocab_size":50257}"#;
         let model = ModelSpec::from_hf_config(text, "gpt2.json").unwrap();
         assert_eq!((model.ffn_hidden(), model.mlp(), model.tie_embeddings()), (3072, MlpKind::Gelu, true));
+    }
+
+    fn llama_like(extra: &str) -> Result<ModelSpec, SpecError> {
+        let text = format!(
+            r#"{{"num_hidden_layers":4,"hidden_size":256,"num_attention_heads":4,"intermediate_size":512,"vocab_size":100{extra}}}"#
+        );
+        ModelSpec::from_hf_config(&text, "c.json")
+    }
+
+    #[test]
+    fn hf_hybrids_and_unknown_model_types_are_refused() {
+        let err = llama_like(r#","model_type":"jamba""#).unwrap_err().to_string();
+        assert!(err.contains("`jamba` is not one whose keys medley reads"), "{err}");
+        let hybrid = r#","model_type":"qwen3","layer_types":["full_attention","linear_attention","full_attention","linear_attention"]"#;
+        let err = llama_like(hybrid).unwrap_err().to_string();
+        assert!(err.contains("`linear_attention` (`layer_types`)"), "{err}");
+        let some_windowed =
+            r#","model_type":"qwen2","use_sliding_window":true,"sliding_window":64,"max_window_layers":2"#;
+        let err = llama_like(some_windowed).unwrap_err().to_string();
+        assert!(err.contains("2 of its 4 layers attend within a sliding window"), "{err}");
+    }
+
+    #[test]
+    fn hf_sliding_windows_follow_each_families_defaults() {
+        let window = |extra: &str| llama_like(extra).unwrap().sliding_window();
+        assert_eq!(window(r#","model_type":"mistral""#), Some(4096), "MistralConfig's default");
+        assert_eq!(window(r#","model_type":"mistral","sliding_window":null"#), None);
+        assert_eq!(window(r#","model_type":"qwen2","sliding_window":64"#), None, "Qwen windows only when asked");
+        assert_eq!(window(r#","model_type":"qwen2","sliding_window":64,"use_sliding_window":true"#), Some(64));
+        assert_eq!(window(r#","model_type":"phi3","sliding_window":64"#), Some(64));
     }
 
     #[test]

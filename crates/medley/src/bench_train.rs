@@ -14,7 +14,7 @@ use serde_json::Value;
 
 use crate::bench::median;
 use crate::render::{percent, right, table, times};
-use crate::run_dir::{RunDir, Use};
+use crate::run_dir::RunDir;
 use crate::train_cmd::{calibrate_here, launch_and_watch, runtime_job, write_run_inputs};
 use crate::worker_cmd::{RunFlags, WorkerArgs};
 
@@ -148,7 +148,8 @@ struct RunTweaks {
 /// measured step times after the warm-up.
 fn step_times(plan: &Plan, calibration: &Calibration, name: &str, steps: u64, tweaks: RunTweaks) -> Result<Vec<f64>> {
     let dir = std::env::temp_dir().join(format!("medley-bench-train-{}-{name}", std::process::id()));
-    let run_dir = RunDir::claim(&dir, Use::Fresh { force: true })?;
+    let run_dir = RunDir::claim(&dir, None, true)?;
+    run_dir.start_over_if_forced()?;
     let (plan_path, calibration_path) = write_run_inputs(&dir, plan, calibration)?;
     let layouts = RankLayout::all(plan, calibration)?;
     let (link_gb_s, link_trace) = tweaks.link.map_or((None, None), |(gb_s, trace)| (Some(gb_s), Some(trace)));

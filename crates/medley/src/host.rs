@@ -1,23 +1,61 @@
 //! What this machine can give a run: memory it has free now, within its cgroup's limit.
 
 use std::fs;
+use std::path::Path;
 
 use anyhow::{Result, bail};
 use medley_runtime::HostMemory;
 
 const GIB: f64 = (1u64 << 30) as f64;
 
-/// Bytes a new process can take: `MemAvailable`, lowered to what the cgroup (v2) still allows;
-/// `None` where neither can be read.
+/// Bytes a new process can take: `MemAvailable`, lowered to what this process's cgroup and each
+/// cgroup above it still allow (a Slurm job's, a systemd slice's, a container's); `None` where
+/// none of it can be read.
 pub fn available_memory_bytes() -> Option<f64> {
     let meminfo = fs::read_to_string("/proc/meminfo").ok().and_then(|text| mem_available(&text));
-    let read = |name: &str| fs::read_to_string(format!("/sys/fs/cgroup/{name}")).ok()?.trim().parse::<f64>().ok();
-    // `memory.max` is "max" when unlimited, which does not parse.
-    let cgroup = read("memory.max").zip(read("memory.current")).map(|(max, current)| (max - current).max(0.0));
+    let cgroup = fs::read_to_string("/proc/self/cgroup").ok().and_then(|text| cgroup_headroom(&text));
     match (meminfo, cgroup) {
         (Some(free), Some(allowed)) => Some(free.min(allowed)),
         (free, allowed) => free.or(allowed),
     }
+}
+
+/// Where each cgroup version keeps memory limits, and the files of a limit and of the usage.
+const CGROUP_MEMORY: [(&str, &str, &str); 2] = [
+    ("/sys/fs/cgroup", "memory.max", "memory.current"),
+    ("/sys/fs/cgroup/memory", "memory.limit_in_bytes", "memory.usage_in_bytes"),
+];
+
+/// The least limit-minus-usage from this process's memory cgroup (v2's `0::PATH` line of
+/// `/proc/self/cgroup`, or v1's `N:memory:PATH`) up to the hierarchy's root as mounted here; `None`
+/// when no level sets a limit. Inside a container the hierarchy is mounted at its own cgroup.
+fn cgroup_headroom(proc_self_cgroup: &str) -> Option<f64> {
+    let mut least: Option<f64> = None;
+    for line in proc_self_cgroup.lines() {
+        let mut fields = line.splitn(3, ':');
+        let (Some(_), Some(controllers), Some(path)) = (fields.next(), fields.next(), fields.next()) else { continue };
+        let version = match controllers {
+            "" => 0,
+            listed if listed.split(',').any(|controller| controller == "memory") => 1,
+            _ => continue,
+        };
+        let (mount, limit_file, usage_file) = CGROUP_MEMORY[version];
+        let mount = Path::new(mount);
+        let own = mount.join(path.trim().trim_start_matches('/'));
+        let mut dir = if own.is_dir() { own } else { mount.to_path_buf() };
+        let read = |dir: &Path, name: &str| fs::read_to_string(dir.join(name)).ok()?.trim().parse::<f64>().ok();
+        loop {
+            // v2's "max" (no limit) does not parse; v1's no limit is a number near 2⁶³.
+            if let (Some(limit), Some(usage)) = (read(&dir, limit_file), read(&dir, usage_file)) {
+                let headroom = (limit - usage).max(0.0);
+                least = Some(least.map_or(headroom, |least| least.min(headroom)));
+            }
+            if dir == mount || !dir.pop() {
+                break;
+            }
+        }
+    }
+    least
 }
 
 fn mem_available(meminfo: &str) -> Option<f64> {

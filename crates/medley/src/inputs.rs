@@ -162,7 +162,8 @@ pub fn check_gpu_pricing(calibration: &Calibration, model: &ModelSpec, path: &st
 pub fn read_emulation_profile(path: &str, model: &ModelSpec) -> Result<Calibration> {
     let calibration = Calibration::from_toml(&read(path)?, path)?;
     match calibration.kind() {
-        ProfileKind::Emulation { model: None } => Ok(calibration),
+        // From before profiles named their model: the run it is given to names it from now on.
+        ProfileKind::Emulation { model: None } => Ok(calibration.measured_on(model.name())),
         ProfileKind::Emulation { model: Some(measured) } if measured == model.name() => Ok(calibration),
         ProfileKind::Emulation { model: Some(measured) } => bail!(
             "{path} is an emulation profile measured on model `{measured}`, but this run trains `{}`; write one for it \

@@ -82,7 +82,7 @@ pub fn run(args: &PlanArgs) -> Result<ExitCode> {
     let candidates = &confirmed.candidates;
     let picked = args.pick as usize - 1;
     if picked >= candidates.len() {
-        bail!("--pick {}: there are {} to pick from", args.pick, render::count(candidates.len(), "ranked plan"));
+        bail!("--pick {}: only {} to pick from", args.pick, render::count(candidates.len(), "ranked plan"));
     }
     let baselines = Baselines::compute(&specs).into_rows();
     if let Some(path) = &args.output {

@@ -17,45 +17,63 @@ pub const CALIBRATION: &str = "calibration.toml";
 /// Held (flock) while a run uses the directory; holds the holder's pid.
 const LOCK: &str = ".medley.lock";
 
-/// What a run is about to do with its directory.
-#[derive(Clone, Copy, Debug, PartialEq, Eq)]
-pub enum Use {
-    /// A new run: the directory must not hold one, unless `force` starts over.
-    Fresh { force: bool },
-    /// Continuing the run the directory holds.
-    Resume,
-}
-
-/// A run directory this process holds the lock of, until dropped.
+/// A run directory this process holds the lock of (and of the directory it resumes from, when
+/// that is another), until dropped.
 #[derive(Debug)]
 pub struct RunDir {
     path: PathBuf,
-    _lock: File,
+    /// The previous run's outputs are to go, once the new run has passed its checks.
+    start_over: bool,
+    _locks: Vec<File>,
 }
 
 impl RunDir {
-    /// Creates `path` if needed and locks it; a fresh run refuses a directory that holds a run
-    /// unless forced, which then removes that run's outputs.
-    pub fn claim(path: &Path, wanted: Use) -> Result<RunDir> {
-        fs::create_dir_all(path).with_context(|| format!("cannot create the run directory {}", path.display()))?;
-        let lock = lock(path)?;
-        if let Use::Fresh { force } = wanted
-            && let Some(found) = describe_run(path)
-        {
-            if !force {
-                bail!(
-                    "{} already holds a run ({found}); continue it with --resume {0}, write this run elsewhere \
-                     with --out DIR, or delete that run and start over with --force",
-                    path.display()
-                );
-            }
-            remove_run(path)?;
+    /// Creates `out` if needed and locks it for a run that resumes from `resume` (if any). A new
+    /// run into a directory that holds one is refused unless `force`, which deletes that run's
+    /// outputs — not now, but at [`RunDir::start_over_if_forced`], once every check has passed.
+    pub fn claim(out: &Path, resume: Option<&Path>, force: bool) -> Result<RunDir> {
+        fs::create_dir_all(out).with_context(|| format!("cannot create the run directory {}", out.display()))?;
+        let mut locks = vec![lock(out)?];
+        // A run resumed from another directory reads its checkpoint: nobody may change it meanwhile.
+        if let Some(source) = resume.filter(|source| !same_dir(source, out) && source.is_dir()) {
+            locks.push(lock(source)?);
         }
-        Ok(RunDir { path: path.to_path_buf(), _lock: lock })
+        let start_over = refuse_a_run_over_another(out, resume, force)?;
+        Ok(RunDir { path: out.to_path_buf(), start_over, _locks: locks })
     }
 
     pub fn path(&self) -> &Path {
         &self.path
+    }
+
+    /// Deletes the previous run's outputs if `--force` asked to start over.
+    pub fn start_over_if_forced(&self) -> Result<()> {
+        if self.start_over { remove_run(&self.path) } else { Ok(()) }
+    }
+}
+
+/// Whether a new run into `out` (resuming from `resume`) would overwrite a run it holds: refuses
+/// when it would, unless `force`; returns whether that run is to be deleted first.
+pub fn refuse_a_run_over_another(out: &Path, resume: Option<&Path>, force: bool) -> Result<bool> {
+    if resume.is_some_and(|source| same_dir(source, out)) {
+        return Ok(false);
+    }
+    let Some(found) = describe_run(out) else { return Ok(false) };
+    if !force {
+        bail!(
+            "{} already holds a run ({found}); continue it with --resume {0}, write this run elsewhere with \
+             --out DIR, or delete that run and start over with --force",
+            out.display()
+        );
+    }
+    Ok(true)
+}
+
+/// Whether two paths name one directory (`run1`, `./run1`, its absolute path).
+fn same_dir(a: &Path, b: &Path) -> bool {
+    match (fs::canonicalize(a), fs::canonicalize(b)) {
+        (Ok(a), Ok(b)) => a == b,
+        _ => a == b,
     }
 }
 
@@ -105,14 +123,16 @@ fn describe_run(dir: &Path) -> Option<String> {
         Err(_) if checkpoints.join("latest").exists() => found.push("a checkpoint".into()),
         Err(_) => {}
     }
-    if let Ok(text) = fs::read_to_string(dir.join(METRICS)) {
-        let steps = text.lines().filter(|line| !line.trim().is_empty()).count();
+    let steps =
+        fs::read_to_string(dir.join(METRICS)).map_or(0, |text| text.lines().filter(|l| !l.trim().is_empty()).count());
+    if steps > 0 {
         found.push(format!("{} in {METRICS}", crate::render::count(steps, "step")));
     }
     (!found.is_empty()).then(|| found.join(", "))
 }
 
-/// Removes a run's outputs (and nothing else the directory holds).
+/// Removes a run's outputs (and nothing else the directory holds: its plan and profile are
+/// written anew by the run that starts over, and may be that run's inputs).
 fn remove_run(dir: &Path) -> Result<()> {
     for name in [CHECKPOINTS, TIMELINES] {
         let path = dir.join(name);
@@ -120,7 +140,7 @@ fn remove_run(dir: &Path) -> Result<()> {
             fs::remove_dir_all(&path).with_context(|| format!("cannot remove {}", path.display()))?;
         }
     }
-    for name in [METRICS, TIMELINE, PLAN, CALIBRATION] {
+    for name in [METRICS, TIMELINE] {
         let path = dir.join(name);
         if path.exists() {
             fs::remove_file(&path).with_context(|| format!("cannot remove {}", path.display()))?;
@@ -140,38 +160,52 @@ mod tests {
     #[test]
     fn a_locked_directory_names_its_holder() {
         let dir = scratch();
-        let held = RunDir::claim(dir.path(), Use::Fresh { force: false }).unwrap();
-        let err = RunDir::claim(dir.path(), Use::Resume).unwrap_err().to_string();
+        let held = RunDir::claim(dir.path(), None, false).unwrap();
+        let err = RunDir::claim(dir.path(), Some(dir.path()), false).unwrap_err().to_string();
         assert!(err.contains(&format!("process {}", std::process::id())), "{err}");
         drop(held);
-        RunDir::claim(dir.path(), Use::Resume).unwrap();
+        RunDir::claim(dir.path(), Some(dir.path()), false).unwrap();
     }
 
     #[test]
     fn a_fresh_run_refuses_a_directory_that_holds_one() {
         let dir = scratch();
         fs::write(dir.path().join(METRICS), "{\"step\":1}\n{\"step\":2}\n").unwrap();
-        let err = RunDir::claim(dir.path(), Use::Fresh { force: false }).unwrap_err().to_string();
+        let err = RunDir::claim(dir.path(), None, false).unwrap_err().to_string();
         assert!(err.contains("2 steps in metrics.jsonl") && err.contains("--resume"), "{err}");
         assert!(dir.path().join(METRICS).is_file(), "nothing is deleted");
-        RunDir::claim(dir.path(), Use::Resume).unwrap();
+        // The same directory under another spelling is a resume.
+        let spelled = dir.path().join(".");
+        RunDir::claim(dir.path(), Some(&spelled), false).unwrap();
     }
 
     #[test]
-    fn force_removes_only_the_runs_outputs() {
+    fn force_removes_only_the_runs_outputs_and_only_when_asked_to_start() {
         let dir = scratch();
         fs::create_dir_all(dir.path().join(CHECKPOINTS).join("step-00000001")).unwrap();
         fs::write(dir.path().join(PLAN), "{}").unwrap();
         fs::write(dir.path().join(METRICS), "{\"step\":1}\n").unwrap();
         fs::write(dir.path().join("notes.txt"), "mine").unwrap();
-        RunDir::claim(dir.path(), Use::Fresh { force: true }).unwrap();
-        assert!(![CHECKPOINTS, PLAN, METRICS].iter().any(|name| dir.path().join(name).exists()));
-        assert!(dir.path().join("notes.txt").is_file());
+        let run = RunDir::claim(dir.path(), None, true).unwrap();
+        assert!(dir.path().join(METRICS).is_file(), "claiming deletes nothing");
+        run.start_over_if_forced().unwrap();
+        assert!(![CHECKPOINTS, METRICS].iter().any(|name| dir.path().join(name).exists()));
+        assert!(dir.path().join("notes.txt").is_file() && dir.path().join(PLAN).is_file());
     }
 
     #[test]
     fn an_empty_or_new_directory_is_no_run() {
         let dir = scratch();
-        RunDir::claim(&dir.path().join("new"), Use::Fresh { force: false }).unwrap();
+        RunDir::claim(&dir.path().join("new"), None, false).unwrap();
+        fs::write(dir.path().join(METRICS), "").unwrap();
+        RunDir::claim(dir.path(), None, false).unwrap();
+    }
+
+    #[test]
+    fn the_directory_a_run_resumes_from_is_locked_too() {
+        let (source, out) = (scratch(), scratch());
+        let _resuming = RunDir::claim(out.path(), Some(source.path()), false).unwrap();
+        let err = RunDir::claim(source.path(), Some(source.path()), false).unwrap_err().to_string();
+        assert!(err.contains("in use by another medley run"), "{err}");
     }
 }

@@ -119,9 +119,9 @@ fn what_if(args: &SimulateArgs) -> Result<(Specs, Plan)> {
     if args.tp.is_none() && args.pp.is_none() && args.dp.is_none() && args.vpp == 1 {
         let Some(uniform) = baselines::uniform(&specs.cluster, &specs.model, &specs.job, &specs.calibration) else {
             bail!(
-                "no uniform layout of the cluster's {} GPUs fits {}; give the layout with --tp, --pp and --dp, or run \
+                "no uniform layout of the cluster's {} fits {}; give the layout with --tp, --pp and --dp, or run \
                  `medley plan` to search the uneven ones",
-                specs.cluster.n_gpus(),
+                count(specs.cluster.n_gpus() as usize, "GPU"),
                 specs.model.name()
             );
         };
@@ -133,7 +133,9 @@ fn what_if(args: &SimulateArgs) -> Result<(Specs, Plan)> {
     let dp = match args.dp {
         Some(dp) => dp,
         None if n_gpus.is_multiple_of(tp * pp) => n_gpus / (tp * pp),
-        None => bail!("--tp {tp} × --pp {pp} does not divide the cluster's {n_gpus} GPUs; give --dp"),
+        None => {
+            bail!("--tp {tp} × --pp {pp} does not divide the cluster's {}; give --dp", count(n_gpus as usize, "GPU"))
+        }
     };
     let degrees = Degrees { vpp: args.vpp, ..Degrees::new(tp, pp, dp) };
     let open = specs.job.micro_batch().is_none() || specs.job.recompute().is_none();

@@ -1,8 +1,10 @@
 //! `medley train`: plans a job on an emulated fleet (or takes a plan), starts one `medley worker`
 //! process per pipeline rank on this machine, shows progress and reports the outcome.
 
+use std::collections::BTreeMap;
 use std::fs;
 use std::io::{BufRead, BufReader, Read};
+use std::num::NonZeroU32;
 use std::path::{Path, PathBuf};
 use std::process::{Child, ChildStderr, Command, ExitCode, Stdio};
 use std::time::{Duration, Instant};
@@ -13,10 +15,11 @@ use medley_comm::StoreServer;
 use medley_cost::Calibration;
 use medley_plan::{Plan, SearchOptions, search};
 use medley_runtime::{
-    RankLayout, calibration_memory, emulation_calibration, measure_model_pass, read_latest, worker_memory,
+    RankLayout, calibration_memory, check_resumable, emulation_calibration, measure_model_pass, read_latest,
+    worker_memory,
 };
 use medley_sim::timeline::{merge_segments, trace_events};
-use medley_sim::{SchedulePolicy, SimConfig, simulate_steps};
+use medley_sim::{SchedulePolicy, SimConfig, max_k_within_memory, simulate_steps};
 use medley_spec::{Cluster, JobParts, JobSpec, ModelSpec, Schedule};
 use serde_json::Value;
 
@@ -24,8 +27,8 @@ use crate::host::check_memory;
 use crate::inputs::{load_model, read_emulation_profile};
 use crate::progress::Progress;
 use crate::render::{percent, right, seconds, table};
-use crate::run_dir::{CALIBRATION, CHECKPOINTS, METRICS, PLAN, RunDir, TIMELINE, TIMELINES, Use};
-use crate::worker_cmd::{RunFlags, WorkerArgs, timeline_file_name};
+use crate::run_dir::{CALIBRATION, CHECKPOINTS, METRICS, PLAN, RunDir, TIMELINE, TIMELINES};
+use crate::worker_cmd::{RunFlags, WorkerArgs, timeline_segment};
 
 /// Two fast NVIDIA GPUs and two slower AMD ones: the smallest fleet that shows every kind of
 /// heterogeneity the runtime handles (speed, vendor domain, bridge).
@@ -73,12 +76,17 @@ pub struct TrainArgs {
 
 pub fn run(args: &TrainArgs) -> Result<ExitCode> {
     let out = args.out.clone().or_else(|| args.resume.clone()).unwrap_or_else(|| PathBuf::from("medley-run"));
-    let wanted = if args.resume.as_ref() == Some(&out) { Use::Resume } else { Use::Fresh { force: args.force } };
-    let run_dir = RunDir::claim(&out, wanted)?;
+    let run_dir = RunDir::claim(&out, args.resume.as_deref(), args.force)?;
     let (plan, calibration) = choose_plan(args)?;
-    let (plan_path, calibration_path) = write_run_inputs(run_dir.path(), &plan, &calibration)?;
     let layouts = RankLayout::all(&plan, &calibration)?;
-    check_workers_memory(&plan, &layouts, args.worker.schedule.unwrap_or(plan.schedule))?;
+    check_workers_memory(&plan, &calibration, &layouts, args.worker.schedule.unwrap_or(plan.schedule))?;
+    if let Some(dir) = &args.resume {
+        let (checkpoint, manifest) = read_latest(&dir.join(CHECKPOINTS))?;
+        check_resumable(&checkpoint, &manifest, &plan)?;
+    }
+    // Only a run that passed its checks touches the directory.
+    run_dir.start_over_if_forced()?;
+    let (plan_path, calibration_path) = write_run_inputs(run_dir.path(), &plan, &calibration)?;
     println!("{}", crate::render::explain(&plan));
     println!("{}", workers_table(&plan, &layouts, !args.worker.no_emulate));
     let mut run = args.worker.clone();
@@ -185,8 +193,20 @@ pub fn write_run_inputs(out: &Path, plan: &Plan, calibration: &Calibration) -> R
 /// What a run that would not fit this machine's memory is told to change.
 const SMALLER_RUN: &str = "train a smaller model, shorter sequences (--seq-len) or smaller micro-batches (--micro-batch), on fewer workers (--fleet), or on a machine with more memory";
 
-/// Refuses a job whose workers would not fit in this machine's memory together.
-fn check_workers_memory(plan: &Plan, layouts: &[RankLayout], schedule: Schedule) -> Result<()> {
+/// Refuses a job whose workers would not fit in this machine's memory together. An adaptive
+/// schedule is priced at the largest k it may choose.
+fn check_workers_memory(
+    plan: &Plan,
+    calibration: &Calibration,
+    layouts: &[RankLayout],
+    schedule: Schedule,
+) -> Result<()> {
+    let schedule = match schedule {
+        Schedule::Adaptive => {
+            NonZeroU32::new(max_k_within_memory(plan, calibration)).map_or(Schedule::OneFOneB, |k| Schedule::Kfkb { k })
+        }
+        fixed => fixed,
+    };
     let needs = layouts.iter().map(|layout| worker_memory(plan, layout, schedule)).collect::<Result<Vec<_>, _>>()?;
     let what = format!("the {} of {}", crate::render::count(layouts.len(), "worker"), plan.model.name());
     check_memory(&what, &needs, SMALLER_RUN)
@@ -376,7 +396,7 @@ fn report(out: &Path, outcome: &Outcome, layouts: &[RankLayout], timing: Timing)
     let failed: Vec<usize> =
         (0..layouts.len()).filter(|&r| !outcome.statuses[r].is_some_and(|status| status.success())).collect();
     if failed.is_empty() {
-        merge_timelines(out, layouts.len())?;
+        merge_timelines(out)?;
         print_summary(out, &outcome.steps, timing);
         return Ok(ExitCode::SUCCESS);
     }
@@ -414,32 +434,35 @@ fn describe_exit(status: std::process::ExitStatus) -> String {
 }
 
 /// One Perfetto file of the whole run from the workers' per-rank files: each segment (the first
-/// run, then every resumption in step order) after the one before.
-fn merge_timelines(out: &Path, n_ranks: usize) -> Result<()> {
+/// run, then every resumption in step order) after the one before. As in `metrics.jsonl`, a
+/// segment's steps past the checkpoint the next one resumed from are left out: they were trained
+/// again.
+fn merge_timelines(out: &Path) -> Result<()> {
     let dir = out.join(TIMELINES);
-    let mut resumed_at: Vec<u64> = fs::read_dir(&dir)
-        .with_context(|| format!("cannot read {}", dir.display()))?
-        .filter_map(|entry| {
-            let name = entry.ok()?.file_name().into_string().ok()?;
-            name.strip_prefix("rank-0.from-step-")?.strip_suffix(".json")?.parse().ok()
-        })
-        .collect();
-    resumed_at.sort_unstable();
-    let starts = std::iter::once(None).chain(resumed_at.into_iter().map(Some));
-    let mut segments = Vec::new();
-    for start in starts {
-        let mut events = Vec::new();
-        for rank in 0..n_ranks {
-            let path = dir.join(timeline_file_name(rank, start));
-            // A segment written under another plan may have had fewer ranks.
-            let Ok(text) = fs::read_to_string(&path) else { continue };
-            events.extend(trace_events(&text));
+    let mut segments: BTreeMap<Option<u64>, Vec<PathBuf>> = BTreeMap::new();
+    for entry in fs::read_dir(&dir).with_context(|| format!("cannot read {}", dir.display()))? {
+        let path = entry.with_context(|| format!("cannot read {}", dir.display()))?.path();
+        if let Some(start) = path.file_name().and_then(|name| name.to_str()).and_then(timeline_segment) {
+            segments.entry(start).or_default().push(path);
         }
-        segments.push(events);
     }
-    let merged = merge_segments(segments);
+    let starts: Vec<Option<u64>> = segments.keys().copied().collect();
+    let mut merged = Vec::new();
+    for (idx, paths) in segments.into_values().enumerate() {
+        let superseded_after = starts.get(idx + 1).copied().flatten().unwrap_or(u64::MAX);
+        let mut events = Vec::new();
+        for path in paths {
+            let text = fs::read_to_string(&path).with_context(|| format!("cannot read {}", path.display()))?;
+            let kept = trace_events(&text).into_iter().filter(|event| {
+                event.pointer("/args/step").and_then(Value::as_u64).is_none_or(|step| step <= superseded_after)
+            });
+            events.extend(kept);
+        }
+        merged.push(events);
+    }
     let path = out.join(TIMELINE);
-    fs::write(&path, serde_json::to_vec(&merged)?).with_context(|| format!("cannot write {}", path.display()))
+    fs::write(&path, serde_json::to_vec(&merge_segments(merged))?)
+        .with_context(|| format!("cannot write {}", path.display()))
 }
 
 fn print_summary(out: &Path, steps: &[Value], (wall, predicted_step_s): Timing) {

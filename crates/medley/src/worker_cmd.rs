@@ -19,7 +19,7 @@ use medley_sim::{BandwidthTrace, SchedulePolicy, Timeline};
 use medley_spec::Schedule;
 
 use crate::plan_cmd::load_plan;
-use crate::run_dir::{CHECKPOINTS, METRICS, RunDir, TIMELINES, Use};
+use crate::run_dir::{CHECKPOINTS, METRICS, RunDir, TIMELINES, refuse_a_run_over_another};
 
 #[derive(Args, Debug, Clone)]
 pub struct WorkerArgs {
@@ -156,17 +156,18 @@ pub fn run(args: &WorkerArgs) -> Result<()> {
             .transpose()?,
     };
     let rank = env.rank;
-    // Under another launcher rank 0 guards the run directory for the job; the others write
-    // there only once it has joined them.
-    let _run_dir = (rank == 0 && !args.run_dir_locked)
-        .then(|| {
-            let wanted = match &args.resume {
-                Some(dir) if dir == &args.out => Use::Resume,
-                _ => Use::Fresh { force: args.force },
-            };
-            RunDir::claim(&args.out, wanted)
-        })
-        .transpose()?;
+    // Under another launcher rank 0 locks the run directory for the job, and every rank refuses
+    // on its own to start a new run over another (before joining: nobody writes there before).
+    let _run_dir = match (args.run_dir_locked, rank) {
+        (true, _) => None,
+        (false, 0) => {
+            let run_dir = RunDir::claim(&args.out, args.resume.as_deref(), args.force)?;
+            run_dir.start_over_if_forced()?;
+            Some(run_dir)
+        }
+        (false, _) if args.force => None,
+        (false, _) => refuse_a_run_over_another(&args.out, args.resume.as_deref(), false).map(|_| None)?,
+    };
     let mut worker = Worker::join(plan, env, options).map_err(|err| blame(err, rank))?;
     let result = train_joined(&mut worker, args, policy);
     let Err(err) = result else { return Ok(()) };
@@ -222,10 +223,23 @@ fn train_joined(worker: &mut Worker, args: &WorkerArgs, policy: SchedulePolicy) 
 
 /// A rank's timeline of one run segment: a fresh run's, or a resumed one's from the step it
 /// resumed at (each segment has its own clock; `medley train` merges them in order).
-pub fn timeline_file_name(rank: usize, resumed_at: Option<u64>) -> String {
+fn timeline_file_name(rank: usize, resumed_at: Option<u64>) -> String {
     match resumed_at {
         None => format!("rank-{rank}.json"),
         Some(step) => format!("rank-{rank}.from-step-{step:08}.json"),
+    }
+}
+
+/// The segment a timeline file named by [`timeline_file_name`] belongs to: `Some(None)` for the
+/// first run's, `Some(Some(step))` for one resumed at `step`; `None` for other files.
+pub fn timeline_segment(file_name: &str) -> Option<Option<u64>> {
+    let rest = file_name.strip_prefix("rank-")?.strip_suffix(".json")?;
+    match rest.split_once(".from-step-") {
+        None => rest.parse::<usize>().ok().map(|_| None),
+        Some((rank, step)) => {
+            rank.parse::<usize>().ok()?;
+            step.parse().ok().map(Some)
+        }
     }
 }
 
@@ -274,6 +288,15 @@ mod tests {
 
     fn vars(pairs: &[(&str, &str)]) -> Vec<(String, String)> {
         pairs.iter().map(|(k, v)| (k.to_string(), v.to_string())).collect()
+    }
+
+    #[test]
+    fn timeline_file_names_tell_their_segment() {
+        for (rank, resumed_at) in [(0, None), (3, None), (1, Some(40))] {
+            assert_eq!(timeline_segment(&timeline_file_name(rank, resumed_at)), Some(resumed_at));
+        }
+        assert_eq!(timeline_segment("rank-x.json"), None);
+        assert_eq!(timeline_segment("timeline.json"), None);
     }
 
     #[test]

@@ -437,6 +437,8 @@ fn training_resumes_bit_for_bit_and_under_another_plan() {
     for ((step, loss), (_, expected)) in losses(&resharded).into_iter().zip(reference) {
         assert!((loss - expected).abs() <= 1e-6 * expected, "step {step}: {loss} vs {expected}");
     }
+    assert_eq!(timeline_steps(&resharded), [1, 2, 3, 4]);
+    assert_eq!(timeline_ranks(&resharded), 3, "the first segment's three workers stay in the timeline");
 }
 
 /// The steps the merged timeline has passes of, in the order they start.
@@ -454,6 +456,15 @@ fn timeline_steps(out: &std::path::Path) -> Vec<u64> {
     let mut steps: Vec<u64> = slices.into_iter().map(|(_, step)| step).collect();
     steps.dedup();
     steps
+}
+
+/// How many ranks (timeline processes) the merged timeline has.
+fn timeline_ranks(out: &std::path::Path) -> usize {
+    let trace: serde_json::Value =
+        serde_json::from_str(&std::fs::read_to_string(out.join("timeline.json")).unwrap()).unwrap();
+    let pids: std::collections::BTreeSet<u64> =
+        trace["traceEvents"].as_array().unwrap().iter().filter_map(|event| event["pid"].as_u64()).collect();
+    pids.len()
 }
 
 #[test]
@@ -476,6 +487,10 @@ fn a_run_directory_is_never_overwritten_by_accident() {
     assert!(out.join("checkpoints/step-00000004").is_dir());
     train(&out, &["--fleet", "1xh100", "--steps", "2", "--force"]);
     assert_eq!(losses(&out).len(), 2, "--force starts over");
+    // The run directory's own plan can be the new run's input: --force deletes only outputs.
+    let plan = out.join("plan.json");
+    train(&out, &["--plan", &plan.to_string_lossy(), "--steps", "1", "--force"]);
+    assert_eq!(losses(&out).len(), 1);
 }
 
 #[test]
@@ -611,6 +626,8 @@ fn killing_a_worker_stops_every_rank_and_keeps_the_last_checkpoint() {
     let step = serde_json::from_str::<serde_json::Value>(&manifest).unwrap()["step"].as_u64().unwrap();
     train(&out, &["--resume", &out_text, "--steps", &(step + 1).to_string()]);
     assert_eq!(losses(&out).last().unwrap().0, step + 1);
+    let steps: Vec<u64> = (1..=step + 1).collect();
+    assert_eq!(timeline_steps(&out), steps, "steps trained again after the resume appear once");
 }
 
 #[test]
