@@ -13,6 +13,7 @@ use serde::Serialize;
 use serde_json::Value;
 
 use crate::bench::median;
+use crate::progress::Progress;
 use crate::render::{percent, right, table, times};
 use crate::run_dir::RunDir;
 use crate::train_cmd::{calibrate_here, launch_and_watch, runtime_job, write_run_inputs};
@@ -174,7 +175,8 @@ fn step_times(plan: &Plan, calibration: &Calibration, name: &str, steps: u64, tw
         force: false,
         run_dir_locked: true,
     };
-    let outcome = launch_and_watch(&args, &layouts)?;
+    // A benchmark's table is its output: the runs it times show no progress of their own.
+    let outcome = launch_and_watch(&args, &layouts, Progress::Quiet)?;
     drop(run_dir);
     std::fs::remove_dir_all(&dir).ok();
     if !outcome.succeeded() {

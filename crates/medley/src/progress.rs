@@ -14,6 +14,8 @@ const LINE_EVERY: Duration = Duration::from_secs(5);
 pub enum Progress {
     Bar(ProgressBar),
     Lines(Arc<Mutex<Lines>>),
+    /// No progress, only the workers' own lines (for runs a benchmark times).
+    Quiet,
 }
 
 pub struct Lines {
@@ -53,6 +55,7 @@ impl Progress {
                     println!("{line}");
                 }
             }
+            Progress::Quiet => {}
         }
     }
 
@@ -60,7 +63,7 @@ impl Progress {
     pub fn println(&self, line: &str) {
         match self {
             Progress::Bar(bar) => bar.println(line),
-            Progress::Lines(_) => eprintln!("{line}"),
+            Progress::Lines(_) | Progress::Quiet => eprintln!("{line}"),
         }
     }
 

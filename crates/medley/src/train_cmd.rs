@@ -103,7 +103,7 @@ pub fn run(args: &TrainArgs) -> Result<ExitCode> {
         run_dir_locked: true,
     };
     let started = Instant::now();
-    let outcome = launch_and_watch(&worker_args, &layouts)?;
+    let outcome = launch_and_watch(&worker_args, &layouts, Progress::new(worker_args.run.steps))?;
     report(&out, &outcome, &layouts, (started.elapsed(), predicted_step_s))
 }
 
@@ -268,7 +268,8 @@ impl Outcome {
     }
 }
 
-pub(crate) fn launch_and_watch(args: &WorkerArgs, layouts: &[RankLayout]) -> Result<Outcome> {
+/// Starts one worker per layout and watches them, reporting each step to `progress`.
+pub(crate) fn launch_and_watch(args: &WorkerArgs, layouts: &[RankLayout], progress: Progress) -> Result<Outcome> {
     let exe = std::env::current_exe().context("cannot find the medley executable to start workers")?;
     let token = job_token();
     // The launcher hosts the rendezvous store, on a port the kernel picks: two jobs on one
@@ -304,7 +305,6 @@ pub(crate) fn launch_and_watch(args: &WorkerArgs, layouts: &[RankLayout]) -> Res
             }
         }
     }
-    let progress = Progress::new(args.run.steps);
     let errors: Vec<_> =
         children.iter_mut().map(|child| collect_lines(child.stderr.take().expect("piped"), progress.clone())).collect();
     let mut steps = Vec::new();
