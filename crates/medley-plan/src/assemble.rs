@@ -4,8 +4,9 @@
 use medley_cost::{CostModel, Setting};
 use medley_spec::{Cluster, DeviceSlot, JobSpec, Schedule, Vendor};
 
+use crate::error::PlanError;
 use crate::evaluate::{best_boundary_route, best_dp_route, dp_group_bytes};
-use crate::plan::{DpGroup, LayerRange, PLAN_VERSION, Plan, Replica, Stage, dp_layer_ranges};
+use crate::plan::{DpGroup, LayerRange, PLAN_VERSION, Plan, PlanParts, Replica, Stage, dp_layer_ranges};
 
 /// One replica before routing: its batch share and its (virtual) stages in model order.
 pub struct ReplicaLayout {
@@ -36,7 +37,7 @@ pub fn assemble(
     schedule: Schedule,
     virtual_stages: u32,
     layouts: Vec<ReplicaLayout>,
-) -> Plan {
+) -> Result<Plan, PlanError> {
     let slots = cluster.devices();
     let vendor_of = |stage: &Stage| -> (DeviceSlot, Vendor) {
         let slot = slots[stage.devices[0] as usize];
@@ -71,7 +72,7 @@ pub fn assemble(
             DpGroup { layers, route, algorithm }
         })
         .collect();
-    Plan {
+    Plan::new(PlanParts {
         version: PLAN_VERSION,
         cluster: cluster.clone(),
         model: cost.model().clone(),
@@ -85,5 +86,5 @@ pub fn assemble(
         virtual_stages,
         replicas,
         dp_groups,
-    }
+    })
 }

@@ -113,7 +113,7 @@ pub fn megatron_plan(
             }
         })
         .collect();
-    Ok(assemble(cluster, cost, job, setting, schedule, degrees.vpp, replicas))
+    assemble(cluster, cost, job, setting, schedule, degrees.vpp, replicas)
 }
 
 /// The schedule a Megatron-style plan with `vpp` chunks per rank runs: 1F1B over several

@@ -1,13 +1,15 @@
 //! Planner errors.
 
-use medley_spec::Schedule;
+use medley_spec::{BridgeMode, DeviceId, Schedule, Vendor};
 use thiserror::Error;
+
+use crate::plan::LayerRange;
 
 #[derive(Debug, Error, PartialEq)]
 pub enum PlanError {
     /// A plan's structure is broken (usually a hand-edited plan file).
     #[error("invalid plan: {0}")]
-    Invalid(String),
+    Invalid(#[from] InvalidPlan),
     /// No layout of the cluster fits the model and job; the message says what would.
     #[error("nothing fits: {0}")]
     NothingFits(String),
@@ -24,4 +26,70 @@ pub enum PlanError {
     /// A fixed layout that cannot be built on this cluster.
     #[error("layout {layout}: {message}")]
     Layout { layout: String, message: String },
+}
+
+/// What is wrong with a plan's parts, naming the field.
+#[derive(Clone, Debug, Error, PartialEq)]
+pub enum InvalidPlan {
+    #[error("plan version {found} is not supported; this build reads version {supported}")]
+    Version { found: u32, supported: u32 },
+    #[error("a plan needs at least one replica")]
+    NoReplicas,
+    #[error("tp={tp} must be at least 1 and divide the model's {heads} heads and {kv_heads} kv heads")]
+    Tp { tp: u32, heads: u32, kv_heads: u32 },
+    #[error("{field} must be at least 1")]
+    Zero { field: &'static str },
+    #[error(
+        "replicas run {sequences} sequences in micro-batches of {micro_batch}, which is not the global batch {global_batch}"
+    )]
+    GlobalBatch { sequences: u64, micro_batch: u32, global_batch: u32 },
+    #[error("replica {replica}: {problem}")]
+    Replica { replica: usize, problem: ReplicaProblem },
+    #[error("dp_groups must cover the layer ranges where holders change, {expected:?}; found {found:?}")]
+    DpGroupRanges { expected: Vec<LayerRange>, found: Vec<LayerRange> },
+    #[error("dp group {layers}: {problem}")]
+    DpGroupRoute { layers: LayerRange, problem: RouteProblem },
+}
+
+/// What is wrong with one replica of a plan.
+#[derive(Clone, Debug, Error, PartialEq)]
+pub enum ReplicaProblem {
+    #[error("runs no micro-batches")]
+    NoMicroBatches,
+    #[error("{stages} stages need {} boundaries, found {found}", .stages.saturating_sub(1))]
+    Boundaries { stages: usize, found: usize },
+    #[error(
+        "{n_stages} virtual stages do not split into virtual_stages={virtual_stages} chunks on each of at least 2 ranks"
+    )]
+    Chunks { n_stages: usize, virtual_stages: usize },
+    #[error(
+        "virtual stage {stage} runs on devices {found:?}, but rank {} (virtual stage {stage} mod {n_ranks}) has {expected:?}",
+        .stage % .n_ranks
+    )]
+    ChunkDevices { stage: usize, found: Vec<DeviceId>, n_ranks: usize, expected: Vec<DeviceId> },
+    #[error("stage {stage} holds layers {layers}, expected a non-empty range from {from}")]
+    Layers { stage: usize, layers: LayerRange, from: u32 },
+    #[error("stage {stage} has {found} devices for tp={tp}")]
+    TpGroup { stage: usize, found: usize, tp: u32 },
+    #[error("stage {stage}: device {id} is not in the {n_gpus}-GPU cluster")]
+    UnknownDevice { stage: usize, id: DeviceId, n_gpus: usize },
+    #[error("stage {stage}: device {id} is used twice")]
+    DeviceTwice { stage: usize, id: DeviceId },
+    #[error("stage {stage}: a tensor-parallel group must sit in one node")]
+    TpAcrossNodes { stage: usize },
+    #[error("stages cover layers 0..{covered} of the model's {n_layers}")]
+    Coverage { covered: u32, n_layers: u32 },
+    #[error("boundary {boundary}: {problem}")]
+    BoundaryRoute { boundary: usize, problem: RouteProblem },
+}
+
+/// A route its endpoints cannot take.
+#[derive(Clone, Debug, Error, PartialEq)]
+pub enum RouteProblem {
+    #[error("native {vendor} route for members of vendors {vendors:?}")]
+    NativeAcrossVendors { vendor: Vendor, vendors: Vec<Vendor> },
+    #[error("the cluster's bridge does not offer {mode:?}")]
+    BridgeMode { mode: BridgeMode },
+    #[error("a bridge route for members of one vendor")]
+    BridgeInsideVendor,
 }

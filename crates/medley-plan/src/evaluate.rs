@@ -47,16 +47,16 @@ impl Utilisation {
     pub fn of(plan: &Plan, step_time_s: f64) -> Self {
         let n_gpus_used = plan.used_devices().len() as f64;
         let peak_flops: f64 = plan
-            .replicas
+            .replicas()
             .iter()
             .flat_map(|replica| &replica.stages[..plan.n_ranks(replica)])
             .map(|stage| plan.stage_group(stage).device.half_precision_tflops() * 1e12 * stage.devices.len() as f64)
             .sum();
-        let model_flops = flops::model_flops_per_step(&plan.model, plan.seq_len, plan.global_batch);
+        let model_flops = flops::model_flops_per_step(plan.model(), plan.seq_len(), plan.global_batch());
         let hardware_flops =
-            flops::hardware_flops_per_step(&plan.model, plan.seq_len, plan.global_batch, plan.recompute);
+            flops::hardware_flops_per_step(plan.model(), plan.seq_len(), plan.global_batch(), plan.recompute());
         Utilisation {
-            tokens_per_s: f64::from(plan.seq_len) * f64::from(plan.global_batch) / step_time_s,
+            tokens_per_s: f64::from(plan.seq_len()) * f64::from(plan.global_batch()) / step_time_s,
             model_tflops_per_gpu: model_flops / step_time_s / n_gpus_used / 1e12,
             hardware_tflops_per_gpu: hardware_flops / step_time_s / n_gpus_used / 1e12,
             mfu: model_flops / step_time_s / peak_flops,
@@ -67,15 +67,15 @@ impl Utilisation {
 
 /// The setting every stage of `plan` runs with.
 fn plan_setting(plan: &Plan) -> Setting {
-    Setting { micro_batch: plan.micro_batch, tp: plan.tp, recompute: plan.recompute }
+    Setting { micro_batch: plan.micro_batch(), tp: plan.tp(), recompute: plan.recompute() }
 }
 
 /// Prices `plan`, which must have passed [`Plan::validate`].
 pub fn evaluate(plan: &Plan, calibration: &Calibration) -> Prediction {
-    let cost = &CostModel::new(&plan.model, plan.seq_len, calibration);
-    let slots = plan.cluster.devices();
+    let cost = &CostModel::new(plan.model(), plan.seq_len(), calibration);
+    let slots = plan.cluster().devices();
     let prices: Vec<ReplicaPrice> =
-        plan.replicas.iter().map(|replica| price_replica(plan, cost, &slots, replica)).collect();
+        plan.replicas().iter().map(|replica| price_replica(plan, cost, &slots, replica)).collect();
     let pipeline_s = prices.iter().map(|price| price.time_s).fold(0.0, f64::max);
     let optimizer_s = prices.iter().map(|price| price.optimizer_s).fold(0.0, f64::max);
     let busy: Vec<f64> = prices.iter().flat_map(|price| price.busy_fractions.iter().copied()).collect();
@@ -115,15 +115,16 @@ fn price_replica(plan: &Plan, cost: &CostModel, slots: &[DeviceSlot], replica: &
         .zip(&replica.boundaries)
         .map(|(pair, route)| {
             let (from, to) = (slots[pair[0].devices[0] as usize], slots[pair[1].devices[0] as usize]);
-            comm::link_between(&plan.cluster, from, to, route_mode(*route)).transfer_s(cost.boundary_bytes(setting))
+            comm::link_between(plan.cluster(), from, to, route_mode(*route)).transfer_s(cost.boundary_bytes(setting))
         })
         .collect();
-    let time_s = PipelineTiming::interleaved(&passes, &boundary_s, plan.virtual_stages).time_s(replica.n_micro_batches);
+    let time_s =
+        PipelineTiming::interleaved(&passes, &boundary_s, plan.virtual_stages()).time_s(replica.n_micro_batches);
     let shards = optimizer_shards(plan);
     let optimizer_s = groups
         .iter()
         .zip(rank_shapes(plan, replica))
-        .map(|(group, shape)| cost.optimizer_step_s(group, cost.stage_params(shape) / f64::from(plan.tp * shards)))
+        .map(|(group, shape)| cost.optimizer_step_s(group, cost.stage_params(shape) / f64::from(plan.tp() * shards)))
         .fold(0.0, f64::max);
     let n_ranks = plan.n_ranks(replica);
     let busy_fractions = (0..n_ranks)
@@ -137,7 +138,7 @@ fn price_replica(plan: &Plan, cost: &CostModel, slots: &[DeviceSlot], replica: &
 
 /// Replicas that share each optimizer state: all of them with ZeRO-1, else one.
 fn optimizer_shards(plan: &Plan) -> u32 {
-    if plan.zero1 { plan.replicas.len() as u32 } else { 1 }
+    if plan.zero1() { plan.replicas().len() as u32 } else { 1 }
 }
 
 /// The highest predicted memory and the capacity of each device type, in GiB.
@@ -150,7 +151,7 @@ impl MemoryPeaks {
     fn of(plan: &Plan, cost: &CostModel) -> Self {
         let setting = plan_setting(plan);
         let mut peaks = MemoryPeaks { peak_gib: BTreeMap::new(), capacity_gib: BTreeMap::new() };
-        for replica in &plan.replicas {
+        for replica in plan.replicas() {
             let n_ranks = plan.n_ranks(replica);
             for (rank, (stage, shape)) in replica.stages.iter().zip(rank_shapes(plan, replica)).enumerate() {
                 let device = &plan.stage_group(stage).device;
@@ -173,7 +174,7 @@ impl MemoryPeaks {
 /// chunk-micro-batches in flight, each priced at the rank's largest chunk (an uneven split makes
 /// chunks differ by a layer, and the warm-up fills the first chunks first).
 fn micro_batches_in_flight(plan: &Plan, replica: &Replica, rank: usize, n_ranks: usize) -> f64 {
-    let chunks = plan.schedule.in_flight(rank, n_ranks, plan.virtual_stages, replica.n_micro_batches);
+    let chunks = plan.schedule().in_flight(rank, n_ranks, plan.virtual_stages(), replica.n_micro_batches);
     let chunk_layers = replica.stages.iter().skip(rank).step_by(n_ranks).map(|stage| stage.layers.len());
     let (largest, total) = chunk_layers.fold((0, 0), |(largest, total), layers| (largest.max(layers), total + layers));
     f64::from(chunks) * f64::from(largest) / f64::from(total.max(1))
@@ -258,21 +259,21 @@ fn route_mode(route: Route) -> BridgeMode {
 
 /// The slowest device's total gradient synchronisation time.
 fn dp_sync_s(plan: &Plan, cost: &CostModel, slots: &[DeviceSlot]) -> f64 {
-    if plan.replicas.len() < 2 {
+    if plan.replicas().len() < 2 {
         return 0.0;
     }
     // Per (replica, rank): the summed time of the DP groups its chunks take part in.
     let mut per_rank: BTreeMap<(usize, usize), f64> = BTreeMap::new();
-    for group in &plan.dp_groups {
-        let holders = plan.holders(group.layers);
+    for (group_idx, group) in plan.dp_groups().iter().enumerate() {
+        let holders = plan.holders(group_idx);
         let members: Vec<(DeviceSlot, Vendor)> = holders
             .iter()
-            .zip(&plan.replicas)
+            .zip(plan.replicas())
             .map(|(&stage_idx, replica)| member(plan, &replica.stages[stage_idx], slots))
             .collect();
-        let bytes = dp_group_bytes(cost, plan.tp, group.layers);
-        let time_s = dp_group_time_s(&plan.cluster, &members, bytes, group.route, group.algorithm);
-        for ((replica_idx, &stage_idx), replica) in holders.iter().enumerate().zip(&plan.replicas) {
+        let bytes = dp_group_bytes(cost, plan.tp(), group.layers);
+        let time_s = dp_group_time_s(plan.cluster(), &members, bytes, group.route, group.algorithm);
+        for ((replica_idx, &stage_idx), replica) in holders.iter().enumerate().zip(plan.replicas()) {
             *per_rank.entry((replica_idx, plan.rank_of(replica, stage_idx))).or_insert(0.0) += time_s;
         }
     }

@@ -1,6 +1,8 @@
 //! The Plan: explicit, versioned data saying which devices run which layers of which replica, and
 //! how every parallel group communicates. The planner writes it; the schedule, simulator and
-//! runtime read it. Schema version 1 is documented field by field below and in ARCHITECTURE.md.
+//! runtime read it. Schema version 1 is documented field by field on [`PlanParts`] and in
+//! ARCHITECTURE.md. A [`Plan`] is its parts once checked: it cannot exist, be read from a file or
+//! be edited without passing [`Plan::new`], so nothing downstream checks it again.
 
 use std::collections::BTreeSet;
 use std::fmt;
@@ -8,15 +10,39 @@ use std::fmt;
 use medley_spec::{BridgeMode, Cluster, DeviceId, ModelSpec, Recompute, Schedule, Vendor};
 use serde::{Deserialize, Serialize};
 
-use crate::error::PlanError;
+use crate::error::{InvalidPlan, PlanError, ReplicaProblem, RouteProblem};
 
 /// The plan schema this build reads and writes.
 pub const PLAN_VERSION: u32 = 1;
 
-/// A complete training layout for one cluster, model and job.
+/// A complete training layout for one cluster, model and job, every invariant checked: built
+/// only through [`Plan::new`], which a plan file goes through too when it is read. Nothing
+/// downstream re-checks it, and nothing changes it but the edit methods, which check again.
+#[derive(Clone, Debug, PartialEq, Serialize, Deserialize)]
+#[serde(try_from = "PlanParts", into = "PlanParts")]
+pub struct Plan {
+    parts: PlanParts,
+    /// Each data-parallel group's holder stage per replica, found while checking.
+    holders: Vec<Vec<usize>>,
+}
+
+impl TryFrom<PlanParts> for Plan {
+    type Error = PlanError;
+    fn try_from(parts: PlanParts) -> Result<Self, PlanError> {
+        Plan::new(parts)
+    }
+}
+
+impl From<Plan> for PlanParts {
+    fn from(plan: Plan) -> Self {
+        plan.parts
+    }
+}
+
+/// A plan's parts as a plan file holds them, unchecked: [`Plan::new`] checks them.
 #[derive(Clone, Debug, PartialEq, Serialize, Deserialize)]
 #[serde(deny_unknown_fields)]
-pub struct Plan {
+pub struct PlanParts {
     /// Schema version, [`PLAN_VERSION`].
     pub version: u32,
     pub cluster: Cluster,
@@ -157,9 +183,71 @@ pub struct DpGroup {
 }
 
 impl Plan {
+    /// Checks every structural invariant of `parts` and makes them a plan.
+    pub fn new(parts: PlanParts) -> Result<Plan, PlanError> {
+        let mut plan = Plan { parts, holders: Vec::new() };
+        plan.validate()?;
+        Ok(plan)
+    }
+
+    /// The plan's parts, to edit and check again with [`Plan::new`].
+    pub fn into_parts(self) -> PlanParts {
+        self.parts
+    }
+
+    /// The same layout under another schedule, if it can run it.
+    pub fn with_schedule(self, schedule: Schedule) -> Result<Plan, PlanError> {
+        Plan::new(PlanParts { schedule, ..self.parts })
+    }
+
+    pub fn version(&self) -> u32 {
+        self.parts.version
+    }
+    pub fn cluster(&self) -> &Cluster {
+        &self.parts.cluster
+    }
+    pub fn model(&self) -> &ModelSpec {
+        &self.parts.model
+    }
+    pub fn seq_len(&self) -> u32 {
+        self.parts.seq_len
+    }
+    /// Sequences per optimizer step, summed over replicas.
+    pub fn global_batch(&self) -> u32 {
+        self.parts.global_batch
+    }
+    /// Sequences per micro-batch.
+    pub fn micro_batch(&self) -> u32 {
+        self.parts.micro_batch
+    }
+    pub fn schedule(&self) -> Schedule {
+        self.parts.schedule
+    }
+    pub fn recompute(&self) -> Recompute {
+        self.parts.recompute
+    }
+    /// Optimizer states sharded over the data-parallel replicas (ZeRO-1).
+    pub fn zero1(&self) -> bool {
+        self.parts.zero1
+    }
+    /// Tensor-parallel degree of every stage.
+    pub fn tp(&self) -> u32 {
+        self.parts.tp
+    }
+    /// Model chunks per pipeline rank (see [`PlanParts::virtual_stages`]).
+    pub fn virtual_stages(&self) -> u32 {
+        self.parts.virtual_stages
+    }
+    pub fn replicas(&self) -> &[Replica] {
+        &self.parts.replicas
+    }
+    pub fn dp_groups(&self) -> &[DpGroup] {
+        &self.parts.dp_groups
+    }
+
     /// Micro-batches per step over all replicas.
     pub fn n_micro_batches(&self) -> u32 {
-        self.replicas.iter().map(|replica| replica.n_micro_batches).sum()
+        self.replicas().iter().map(|replica| replica.n_micro_batches).sum()
     }
 
     /// Devices the plan uses, sorted, each once.
@@ -172,7 +260,7 @@ impl Plan {
 
     /// Physical pipeline ranks of `replica`: p, its stages over the chunks per rank.
     pub fn n_ranks(&self, replica: &Replica) -> usize {
-        replica.stages.len() / self.virtual_stages as usize
+        replica.stages.len() / self.virtual_stages() as usize
     }
 
     /// The physical rank that runs (virtual) stage `stage_idx` of `replica`.
@@ -183,184 +271,170 @@ impl Plan {
     /// Devices of the cluster the plan leaves idle.
     pub fn idle_devices(&self) -> Vec<DeviceId> {
         let used: BTreeSet<DeviceId> = self.used_devices().into_iter().collect();
-        (0..self.cluster.n_gpus()).filter(|id| !used.contains(id)).collect()
+        (0..self.cluster().n_gpus()).filter(|id| !used.contains(id)).collect()
     }
 
     fn stages(&self) -> impl Iterator<Item = &Stage> {
-        self.replicas.iter().flat_map(|replica| replica.stages.iter())
+        self.replicas().iter().flat_map(|replica| replica.stages.iter())
     }
 
-    /// The stage index of each replica that holds `layers`: a virtual stage index when the plan
-    /// has several chunks per rank ([`Plan::rank_of`] gives its rank).
-    pub fn holders(&self, layers: LayerRange) -> Vec<usize> {
-        self.replicas
-            .iter()
-            .map(|replica| {
-                replica.stages.iter().position(|stage| stage.layers.contains(layers)).expect("validated plan")
-            })
-            .collect()
+    /// The stage index of each replica that holds data-parallel group `group_idx`'s layers: a
+    /// virtual stage index when the plan has several chunks per rank ([`Plan::rank_of`] gives
+    /// its rank).
+    pub fn holders(&self, group_idx: usize) -> &[usize] {
+        &self.holders[group_idx]
     }
 
-    /// Checks every structural invariant; a plan read from a file must pass this before use.
-    pub fn validate(&self) -> Result<(), PlanError> {
-        let invalid = |message: String| Err(PlanError::Invalid(message));
-        if self.version != PLAN_VERSION {
-            return invalid(format!(
-                "plan version {} is not supported; this build reads version {PLAN_VERSION}",
-                self.version
-            ));
+    /// Checks every structural invariant and finds each data-parallel group's holders.
+    fn validate(&mut self) -> Result<(), PlanError> {
+        let parts = &self.parts;
+        if parts.version != PLAN_VERSION {
+            return Err(InvalidPlan::Version { found: parts.version, supported: PLAN_VERSION }.into());
         }
-        if self.replicas.is_empty() {
-            return invalid("a plan needs at least one replica".into());
+        if parts.replicas.is_empty() {
+            return Err(InvalidPlan::NoReplicas.into());
         }
-        if self.tp == 0 || !tp_splits_heads(&self.model, self.tp) {
-            return invalid(format!(
-                "tp={} must be at least 1 and divide the model's {} heads and {} kv heads",
-                self.tp,
-                self.model.n_heads(),
-                self.model.n_kv_heads()
-            ));
+        if parts.tp == 0 || !tp_splits_heads(&parts.model, parts.tp) {
+            let (heads, kv_heads) = (parts.model.n_heads(), parts.model.n_kv_heads());
+            return Err(InvalidPlan::Tp { tp: parts.tp, heads, kv_heads }.into());
         }
-        if self.virtual_stages == 0 {
-            return invalid("virtual_stages must be at least 1".into());
+        for (field, value) in [("virtual_stages", parts.virtual_stages), ("seq_len", parts.seq_len)] {
+            if value == 0 {
+                return Err(InvalidPlan::Zero { field }.into());
+            }
         }
-        if (self.schedule == Schedule::Interleaved) != (self.virtual_stages > 1) {
-            return Err(PlanError::ScheduleMismatch { schedule: self.schedule, virtual_stages: self.virtual_stages });
+        if (parts.schedule == Schedule::Interleaved) != (parts.virtual_stages > 1) {
+            return Err(PlanError::ScheduleMismatch { schedule: parts.schedule, virtual_stages: parts.virtual_stages });
         }
-        if self.seq_len == 0 {
-            return invalid("seq_len must be at least 1".into());
+        let sequences: u64 = parts.replicas.iter().map(|replica| u64::from(replica.n_micro_batches)).sum::<u64>()
+            * u64::from(parts.micro_batch);
+        if parts.micro_batch == 0 || sequences != u64::from(parts.global_batch) {
+            let (micro_batch, global_batch) = (parts.micro_batch, parts.global_batch);
+            return Err(InvalidPlan::GlobalBatch { sequences, micro_batch, global_batch }.into());
         }
-        let sequences: u64 = self.replicas.iter().map(|replica| u64::from(replica.n_micro_batches)).sum::<u64>()
-            * u64::from(self.micro_batch);
-        if self.micro_batch == 0 || sequences != u64::from(self.global_batch) {
-            return invalid(format!(
-                "replicas run {sequences} sequences in micro-batches of {}, which is not the global batch {}",
-                self.micro_batch, self.global_batch
-            ));
-        }
-        let devices = self.cluster.devices();
+        let devices = parts.cluster.devices();
         let mut seen = BTreeSet::new();
-        for (replica_idx, replica) in self.replicas.iter().enumerate() {
-            self.validate_replica(replica_idx, replica, &devices, &mut seen)?;
+        for (replica, shape) in parts.replicas.iter().enumerate() {
+            self.validate_replica(shape, &devices, &mut seen)
+                .map_err(|problem| InvalidPlan::Replica { replica, problem })?;
         }
-        self.validate_dp_groups()
+        self.holders = self.validate_dp_groups()?;
+        Ok(())
     }
 
     fn validate_replica(
         &self,
-        replica_idx: usize,
         replica: &Replica,
         devices: &[medley_spec::DeviceSlot],
         seen: &mut BTreeSet<DeviceId>,
-    ) -> Result<(), PlanError> {
-        let invalid = |message: String| Err(PlanError::Invalid(format!("replica {replica_idx}: {message}")));
+    ) -> Result<(), ReplicaProblem> {
         if replica.n_micro_batches == 0 {
-            return invalid("runs no micro-batches".into());
+            return Err(ReplicaProblem::NoMicroBatches);
         }
         if replica.boundaries.len() + 1 != replica.stages.len() {
-            return invalid(format!(
-                "{} stages need {} boundaries, found {}",
-                replica.stages.len(),
-                replica.stages.len().saturating_sub(1),
-                replica.boundaries.len()
-            ));
+            return Err(ReplicaProblem::Boundaries { stages: replica.stages.len(), found: replica.boundaries.len() });
         }
-        self.validate_chunks(replica)
-            .map_err(|message| PlanError::Invalid(format!("replica {replica_idx}: {message}")))?;
+        self.validate_chunks(replica)?;
         let n_ranks = self.n_ranks(replica);
         let mut next_layer = 0;
-        for (stage_idx, stage) in replica.stages.iter().enumerate() {
-            if stage.layers.start != next_layer || stage.layers.is_empty() {
-                return invalid(format!(
-                    "stage {stage_idx} holds layers {}, expected a non-empty range from {next_layer}",
-                    stage.layers
-                ));
+        for (stage, shape) in replica.stages.iter().enumerate() {
+            if shape.layers.start != next_layer || shape.layers.is_empty() {
+                return Err(ReplicaProblem::Layers { stage, layers: shape.layers, from: next_layer });
             }
-            next_layer = stage.layers.end;
+            next_layer = shape.layers.end;
             // Later chunks repeat their rank's devices, checked in `validate_chunks`.
-            if stage_idx >= n_ranks {
+            if stage >= n_ranks {
                 continue;
             }
-            if stage.devices.len() != self.tp as usize {
-                return invalid(format!("stage {stage_idx} has {} devices for tp={}", stage.devices.len(), self.tp));
+            if shape.devices.len() != self.parts.tp as usize {
+                return Err(ReplicaProblem::TpGroup { stage, found: shape.devices.len(), tp: self.parts.tp });
             }
             let mut node = None;
-            for &id in &stage.devices {
+            for &id in &shape.devices {
                 let Some(slot) = devices.get(id as usize) else {
-                    return invalid(format!(
-                        "stage {stage_idx}: device {id} is not in the {}-GPU cluster",
-                        devices.len()
-                    ));
+                    return Err(ReplicaProblem::UnknownDevice { stage, id, n_gpus: devices.len() });
                 };
                 if !seen.insert(id) {
-                    return invalid(format!("stage {stage_idx}: device {id} is used twice"));
+                    return Err(ReplicaProblem::DeviceTwice { stage, id });
                 }
                 if *node.get_or_insert((slot.node_idx, slot.group_idx)) != (slot.node_idx, slot.group_idx) {
-                    return invalid(format!("stage {stage_idx}: a tensor-parallel group must sit in one node"));
+                    return Err(ReplicaProblem::TpAcrossNodes { stage });
                 }
             }
         }
-        if next_layer != self.model.n_layers() {
-            return invalid(format!("stages cover layers 0..{next_layer} of the model's {}", self.model.n_layers()));
+        if next_layer != self.parts.model.n_layers() {
+            return Err(ReplicaProblem::Coverage { covered: next_layer, n_layers: self.parts.model.n_layers() });
         }
-        for (boundary_idx, route) in replica.boundaries.iter().enumerate() {
-            let vendors = [&replica.stages[boundary_idx], &replica.stages[boundary_idx + 1]]
-                .map(|stage| self.stage_vendor(stage));
-            self.check_route(*route, &vendors).map_err(|message| {
-                PlanError::Invalid(format!("replica {replica_idx}: boundary {boundary_idx}: {message}"))
-            })?;
+        for (boundary, route) in replica.boundaries.iter().enumerate() {
+            let vendors =
+                [&replica.stages[boundary], &replica.stages[boundary + 1]].map(|stage| self.stage_vendor(stage));
+            self.check_route(*route, &vendors)
+                .map_err(|problem| ReplicaProblem::BoundaryRoute { boundary, problem })?;
         }
         Ok(())
     }
 
     /// With v > 1: the virtual stages split into v chunks over at least two ranks, and virtual
     /// stage j runs on rank j mod p's devices.
-    fn validate_chunks(&self, replica: &Replica) -> Result<(), String> {
-        let (n_stages, v) = (replica.stages.len(), self.virtual_stages as usize);
+    fn validate_chunks(&self, replica: &Replica) -> Result<(), ReplicaProblem> {
+        let (n_stages, v) = (replica.stages.len(), self.parts.virtual_stages as usize);
         if v == 1 {
             return Ok(());
         }
         if !n_stages.is_multiple_of(v) || n_stages / v < 2 {
-            return Err(format!(
-                "{n_stages} virtual stages do not split into virtual_stages={v} chunks on each of at least 2 ranks"
-            ));
+            return Err(ReplicaProblem::Chunks { n_stages, virtual_stages: v });
         }
         let n_ranks = n_stages / v;
-        for (stage_idx, stage) in replica.stages.iter().enumerate().skip(n_ranks) {
-            let rank_devices = &replica.stages[stage_idx % n_ranks].devices;
-            if stage.devices != *rank_devices {
-                return Err(format!(
-                    "virtual stage {stage_idx} runs on devices {:?}, but rank {} (virtual stage {stage_idx} mod {n_ranks}) has {:?}",
-                    stage.devices,
-                    stage_idx % n_ranks,
-                    rank_devices
-                ));
+        for (stage, shape) in replica.stages.iter().enumerate().skip(n_ranks) {
+            let rank_devices = &replica.stages[stage % n_ranks].devices;
+            if shape.devices != *rank_devices {
+                return Err(ReplicaProblem::ChunkDevices {
+                    stage,
+                    found: shape.devices.clone(),
+                    n_ranks,
+                    expected: rank_devices.clone(),
+                });
             }
         }
         Ok(())
     }
 
-    fn validate_dp_groups(&self) -> Result<(), PlanError> {
-        let expected = dp_layer_ranges(&self.replicas);
-        let found: Vec<LayerRange> = self.dp_groups.iter().map(|group| group.layers).collect();
+    /// The groups cover the layer ranges where holders change, each over routes its holders can
+    /// take; each group's holder stage per replica.
+    fn validate_dp_groups(&self) -> Result<Vec<Vec<usize>>, InvalidPlan> {
+        let expected = dp_layer_ranges(&self.parts.replicas);
+        let found: Vec<LayerRange> = self.parts.dp_groups.iter().map(|group| group.layers).collect();
         if found != expected {
-            return Err(PlanError::Invalid(format!(
-                "dp_groups must cover the layer ranges where holders change, {expected:?}; found {found:?}"
-            )));
+            return Err(InvalidPlan::DpGroupRanges { expected, found });
         }
-        for group in &self.dp_groups {
-            let vendors = self.holder_vendors(group.layers);
+        let mut holders = Vec::new();
+        for group in &self.parts.dp_groups {
+            // Every range lies inside one stage of each replica: the ranges are cut wherever any
+            // replica's stages are, and the stages cover the model.
+            let stages: Vec<usize> = self
+                .parts
+                .replicas
+                .iter()
+                .map(|replica| replica.stages.iter().position(|stage| stage.layers.contains(group.layers)))
+                .collect::<Option<_>>()
+                .ok_or(InvalidPlan::DpGroupRanges { expected: expected.clone(), found: found.clone() })?;
+            let vendors: Vec<Vendor> = stages
+                .iter()
+                .zip(&self.parts.replicas)
+                .map(|(&stage, replica)| self.stage_vendor(&replica.stages[stage]))
+                .collect();
             self.check_route(group.route, &vendors)
-                .map_err(|message| PlanError::Invalid(format!("dp group {}: {message}", group.layers)))?;
+                .map_err(|problem| InvalidPlan::DpGroupRoute { layers: group.layers, problem })?;
+            holders.push(stages);
         }
-        Ok(())
+        Ok(holders)
     }
 
-    /// The vendor of each replica's stage that holds `layers`.
-    pub fn holder_vendors(&self, layers: LayerRange) -> Vec<Vendor> {
-        self.holders(layers)
+    /// The vendor of each replica's stage that holds data-parallel group `group_idx`.
+    pub fn holder_vendors(&self, group_idx: usize) -> Vec<Vendor> {
+        self.holders(group_idx)
             .iter()
-            .zip(&self.replicas)
+            .zip(self.replicas())
             .map(|(&stage_idx, replica)| self.stage_vendor(&replica.stages[stage_idx]))
             .collect()
     }
@@ -372,19 +446,19 @@ impl Plan {
 
     /// The node group a stage's devices belong to.
     pub fn stage_group(&self, stage: &Stage) -> &medley_spec::NodeGroup {
-        let first_ids = self.cluster.group_first_ids();
-        let group_idx = first_ids.partition_point(|&first| first <= stage.devices[0]) - 1;
-        &self.cluster.groups()[group_idx]
+        let cluster = &self.parts.cluster;
+        let group_idx = cluster.group_first_ids().partition_point(|&first| first <= stage.devices[0]) - 1;
+        &cluster.groups()[group_idx]
     }
 
-    fn check_route(&self, route: Route, vendors: &[Vendor]) -> Result<(), String> {
+    fn check_route(&self, route: Route, vendors: &[Vendor]) -> Result<(), RouteProblem> {
         let mixed = vendors.iter().any(|vendor| *vendor != vendors[0]);
         match route {
             Route::Native { vendor } if !mixed && vendor == vendors[0] => Ok(()),
-            Route::Native { vendor } => Err(format!("native {vendor} route for members of vendors {vendors:?}")),
-            Route::Bridge { mode } if mixed && self.cluster.bridge().modes().contains(&mode) => Ok(()),
-            Route::Bridge { mode } if mixed => Err(format!("the cluster's bridge does not offer {mode:?}")),
-            Route::Bridge { .. } => Err("a bridge route for members of one vendor".into()),
+            Route::Native { vendor } => Err(RouteProblem::NativeAcrossVendors { vendor, vendors: vendors.to_vec() }),
+            Route::Bridge { mode } if mixed && self.parts.cluster.bridge().modes().contains(&mode) => Ok(()),
+            Route::Bridge { mode } if mixed => Err(RouteProblem::BridgeMode { mode }),
+            Route::Bridge { .. } => Err(RouteProblem::BridgeInsideVendor),
         }
     }
 }
@@ -421,7 +495,7 @@ impl Plan {
     /// The replicas grouped by shape, in order of first appearance.
     pub fn replica_shapes(&self) -> Vec<ReplicaShape> {
         let mut shapes: Vec<ReplicaShape> = Vec::new();
-        for replica in &self.replicas {
+        for replica in self.replicas() {
             let stages: Vec<(String, u32)> = replica
                 .stages
                 .iter()

@@ -8,8 +8,8 @@ use std::collections::BTreeSet;
 use medley_cost::{Calibration, CostModel, Setting};
 use medley_plan::baselines::{self, Degrees};
 use medley_plan::{
-    Algorithm, Candidate, DpGroup, LayerRange, Plan, PlanError, Replica, Route, SearchOptions, SearchOutcome, Stage,
-    evaluate, search,
+    Algorithm, Candidate, DpGroup, LayerRange, Plan, PlanError, PlanParts, Replica, Route, SearchOptions,
+    SearchOutcome, Stage, evaluate, search,
 };
 use medley_spec::{
     Bridge, BridgeMode, Cluster, Fabric, JobParts, JobSpec, MlpKind, ModelParts, ModelSpec, Recompute, Schedule,
@@ -76,9 +76,9 @@ fn describe(candidate: &Candidate) -> String {
     format!(
         "step {:.6} s, tp={} micro_batch={} recompute={} replicas={:?}",
         candidate.prediction.step_time_s,
-        plan.tp,
-        plan.micro_batch,
-        plan.recompute,
+        plan.tp(),
+        plan.micro_batch(),
+        plan.recompute(),
         plan.replica_shapes()
     )
 }
@@ -109,30 +109,30 @@ fn check_search(cluster: &Cluster, model: &ModelSpec, job: &JobSpec) {
 fn check_candidate(cluster: &Cluster, model: &ModelSpec, job: &JobSpec, candidate: &Candidate) {
     let (plan, prediction) = (&candidate.plan, &candidate.prediction);
     let context = describe(candidate);
-    plan.validate().unwrap_or_else(|err| panic!("{err}: {context}"));
-    assert_eq!((&plan.cluster, &plan.model), (cluster, model));
+    Plan::new(plan.clone().into_parts()).unwrap_or_else(|err| panic!("{err}: {context}"));
+    assert_eq!((plan.cluster(), plan.model()), (cluster, model));
     // 1F1B over several chunks per rank is interleaved 1F1B.
-    let schedule = if plan.virtual_stages > 1 { Schedule::Interleaved } else { job.schedule() };
-    assert_eq!((plan.seq_len, plan.schedule, plan.zero1), (job.seq_len(), schedule, job.zero1()));
+    let schedule = if plan.virtual_stages() > 1 { Schedule::Interleaved } else { job.schedule() };
+    assert_eq!((plan.seq_len(), plan.schedule(), plan.zero1()), (job.seq_len(), schedule, job.zero1()));
     if let Some(micro_batch) = job.micro_batch() {
-        assert_eq!(plan.micro_batch, micro_batch);
+        assert_eq!(plan.micro_batch(), micro_batch);
     }
     if let Some(recompute) = job.recompute() {
-        assert_eq!(plan.recompute, recompute);
+        assert_eq!(plan.recompute(), recompute);
     }
 
     // Micro-batches add up to the job's global batch.
-    assert_eq!(plan.global_batch, job.global_batch());
-    assert_eq!(plan.n_micro_batches() * plan.micro_batch, job.global_batch(), "{context}");
-    assert!(plan.replicas.iter().all(|replica| replica.n_micro_batches >= 1), "{context}");
+    assert_eq!(plan.global_batch(), job.global_batch());
+    assert_eq!(plan.n_micro_batches() * plan.micro_batch(), job.global_batch(), "{context}");
+    assert!(plan.replicas().iter().all(|replica| replica.n_micro_batches >= 1), "{context}");
 
     // Devices exist, each used at most once (by one rank, however many chunks it holds); each
     // stage is tp devices of one node and one group.
     let slots = cluster.devices();
     let mut used = BTreeSet::new();
-    for replica in &plan.replicas {
+    for replica in plan.replicas() {
         for stage in &replica.stages[..plan.n_ranks(replica)] {
-            assert_eq!(stage.devices.len(), plan.tp as usize, "{context}");
+            assert_eq!(stage.devices.len(), plan.tp() as usize, "{context}");
             let places: BTreeSet<(u32, usize)> = stage
                 .devices
                 .iter()
@@ -148,7 +148,7 @@ fn check_candidate(cluster: &Cluster, model: &ModelSpec, job: &JobSpec, candidat
     assert_eq!(prediction.n_gpus_used as usize, used.len());
 
     // Each replica's stages hold 0..n_layers, contiguous, each layer once.
-    for replica in &plan.replicas {
+    for replica in plan.replicas() {
         let mut next = 0;
         for stage in &replica.stages {
             assert!(stage.layers.start == next && stage.layers.end > next, "{:?}: {context}", stage.layers);
@@ -167,10 +167,10 @@ fn check_candidate(cluster: &Cluster, model: &ModelSpec, job: &JobSpec, candidat
     }
 
     // Routes: native exactly inside one vendor, and then that vendor's.
-    for group in &plan.dp_groups {
-        check_route(group.route, &plan.holder_vendors(group.layers), &context);
+    for (group_idx, group) in plan.dp_groups().iter().enumerate() {
+        check_route(group.route, &plan.holder_vendors(group_idx), &context);
     }
-    for replica in &plan.replicas {
+    for replica in plan.replicas() {
         for (pair, &route) in replica.stages.windows(2).zip(&replica.boundaries) {
             check_route(route, &[plan.stage_vendor(&pair[0]), plan.stage_vendor(&pair[1])], &context);
         }
@@ -326,29 +326,37 @@ fn through_json(plan: &Plan) -> Plan {
     serde_json::from_str(&serde_json::to_string_pretty(plan).unwrap()).unwrap()
 }
 
+/// A plan file's parts written and read back, then checked as a plan.
+fn read_back(parts: &PlanParts) -> Result<Plan, PlanError> {
+    Plan::new(serde_json::from_str(&serde_json::to_string_pretty(parts).unwrap()).unwrap())
+}
+
 fn check_round_trip(plan: &Plan) {
     let read = through_json(plan);
     assert_eq!(&read, plan);
-    read.validate().unwrap();
+    Plan::new(read.into_parts()).unwrap();
 }
 
 /// A hand edit of a plan file.
-type Corruption = fn(&mut Plan);
+type Corruption = fn(&mut PlanParts);
 
-/// `corrupt` breaks a valid plan; written to a file and read back, validate() must say `wanted`.
-fn check_rejected(plan: &Plan, what: &str, corrupt: impl FnOnce(&mut Plan), wanted: &str) {
-    plan.validate().unwrap();
-    let mut broken = plan.clone();
+/// `corrupt` breaks a valid plan; written to a file and read back, checking must say `wanted`.
+fn check_rejected(plan: &Plan, what: &str, corrupt: impl FnOnce(&mut PlanParts), wanted: &str) {
+    let mut broken = plan.clone().into_parts();
     corrupt(&mut broken);
-    match through_json(&broken).validate() {
-        Err(PlanError::Invalid(message)) => assert!(message.contains(wanted), "{what}: `{message}` lacks `{wanted}`"),
+    match read_back(&broken) {
+        Err(PlanError::Invalid(message)) => {
+            let message = message.to_string();
+            assert!(message.contains(wanted), "{what}: `{message}` lacks `{wanted}`")
+        }
         other => panic!("{what}: expected an invalid-plan error containing `{wanted}`, got {other:?}"),
     }
 }
 
 /// A valid mixed-vendor plan built by hand: two replicas of two stages, H100 then MI300X.
 fn hand_plan() -> Plan {
-    let mut plan = best(&cluster("2xh100,2xmi300x"), &small_model(8, 1024), &job(1024, 8, Some(1), None)).plan;
+    let mut plan =
+        best(&cluster("2xh100,2xmi300x"), &small_model(8, 1024), &job(1024, 8, Some(1), None)).plan.into_parts();
     let stage = |device, start, end| Stage { devices: vec![device], layers: LayerRange { start, end } };
     let bridge = Route::Bridge { mode: BridgeMode::DeviceDirect };
     plan.tp = 1;
@@ -366,7 +374,7 @@ fn hand_plan() -> Plan {
         algorithm: Algorithm::Ring,
     };
     plan.dp_groups = vec![dp_group(0, 4, Vendor::Nvidia), dp_group(4, 8, Vendor::Amd)];
-    plan
+    Plan::new(plan).unwrap()
 }
 
 #[test]
@@ -377,7 +385,7 @@ fn searched_plans_round_trip_through_json() {
 }
 
 /// Replica 1 runs MI300X then H100, so its first stage's DP group mixes vendors.
-fn swap_replica_1_devices(plan: &mut Plan) {
+fn swap_replica_1_devices(plan: &mut PlanParts) {
     let stages = &mut plan.replicas[1].stages;
     let first = std::mem::take(&mut stages[0].devices);
     stages[0].devices = std::mem::replace(&mut stages[1].devices, first);
@@ -417,8 +425,8 @@ fn validate_names_what_a_hand_edit_broke() {
 #[test]
 fn validate_rejects_hand_edits_of_a_searched_plan() {
     let plan = best(&cluster("8xh100,8xa100"), &model("llama3-8b"), &gpipe_job(4096, 64)).plan;
-    let n_gpus = plan.cluster.n_gpus();
-    let n_stages: usize = plan.replicas.iter().map(|replica| replica.stages.len()).sum();
+    let n_gpus = plan.cluster().n_gpus();
+    let n_stages: usize = plan.replicas().iter().map(|replica| replica.stages.len()).sum();
     assert!(n_stages >= 2, "the cases below need two stages: {:?}", plan.replica_shapes());
     check_rejected(&plan, "version", |p| p.version = 0, "plan version 0");
     check_rejected(&plan, "micro-batch total", |p| p.replicas[0].n_micro_batches += 1, "not the global batch 64");
@@ -434,7 +442,7 @@ fn validate_rejects_hand_edits_of_a_searched_plan() {
         |p| p.replicas[0].stages[0].devices[0] = n_gpus,
         &format!("device {n_gpus} is not in the {n_gpus}-GPU cluster"),
     );
-    let first = plan.replicas[0].stages[0].devices[0];
+    let first = plan.replicas()[0].stages[0].devices[0];
     check_rejected(
         &plan,
         "device twice",
@@ -443,18 +451,30 @@ fn validate_rejects_hand_edits_of_a_searched_plan() {
     );
 }
 
+#[test]
+fn a_plan_is_checked_when_read_and_whenever_it_is_edited() {
+    let plan = hand_plan();
+    let mut parts = plan.clone().into_parts();
+    parts.replicas[0].stages[0].devices[0] = 9;
+    let err = serde_json::from_str::<Plan>(&serde_json::to_string(&parts).unwrap()).unwrap_err().to_string();
+    assert!(err.contains("replica 0: stage 0: device 9 is not in the 4-GPU cluster"), "{err}");
+    let interleaved = plan.clone().with_schedule(Schedule::Interleaved);
+    assert!(matches!(interleaved, Err(PlanError::ScheduleMismatch { virtual_stages: 1, .. })), "{interleaved:?}");
+    assert_eq!(plan.with_schedule(Schedule::Gpipe).unwrap().schedule(), Schedule::Gpipe);
+}
+
 /// A plan file with `"tp": 0` and empty device lists is malformed; validate() must say so
 /// rather than index an empty stage.
 #[test]
 fn validate_rejects_zero_tensor_parallelism() {
-    let mut broken = hand_plan();
+    let mut broken = hand_plan().into_parts();
     broken.tp = 0;
     for replica in &mut broken.replicas {
         for stage in &mut replica.stages {
             stage.devices.clear();
         }
     }
-    let result = std::panic::catch_unwind(|| through_json(&broken).validate());
+    let result = std::panic::catch_unwind(|| read_back(&broken));
     match result {
         Ok(Err(PlanError::Invalid(_))) => {}
         Ok(other) => panic!("tp=0 with empty stages: expected an invalid-plan error, got {other:?}"),
@@ -467,14 +487,14 @@ fn validate_rejects_zero_tensor_parallelism() {
 
 /// Per-replica layer counts differ by at most one, and every replica runs the same batch share.
 fn check_uniform_shape(plan: &Plan) {
-    let shares: BTreeSet<u32> = plan.replicas.iter().map(|replica| replica.n_micro_batches).collect();
+    let shares: BTreeSet<u32> = plan.replicas().iter().map(|replica| replica.n_micro_batches).collect();
     assert_eq!(shares.len(), 1, "uneven batch shares {shares:?}");
-    for replica in &plan.replicas {
+    for replica in plan.replicas() {
         let counts: Vec<u32> = replica.stages.iter().map(|stage| stage.layers.len()).collect();
         let (min, max) = (counts.iter().min().unwrap(), counts.iter().max().unwrap());
         assert!(max - min <= 1, "uneven layers {counts:?}");
     }
-    assert_eq!(plan.used_devices().len() as u32, plan.cluster.n_gpus(), "uniform uses every device");
+    assert_eq!(plan.used_devices().len() as u32, plan.cluster().n_gpus(), "uniform uses every device");
 }
 
 /// The baselines are well formed, and the search is no slower than the best single device type
@@ -484,7 +504,7 @@ fn check_baselines(cluster_text: &str, model: &ModelSpec, job: &JobSpec, beats_u
     let searched = best(&cluster, model, job);
 
     let uniform = baselines::uniform(&cluster, model, job, &calibration).expect("a uniform layout fits");
-    uniform.plan.validate().unwrap();
+    Plan::new(uniform.plan.clone().into_parts()).unwrap();
     assert!(uniform.prediction.fits);
     assert_eq!(evaluate(&uniform.plan, &calibration), uniform.prediction);
     check_uniform_shape(&uniform.plan);
@@ -493,7 +513,7 @@ fn check_baselines(cluster_text: &str, model: &ModelSpec, job: &JobSpec, beats_u
     check_candidate(&cluster, model, job, &homogeneous);
     let types: BTreeSet<&str> = homogeneous
         .plan
-        .replicas
+        .replicas()
         .iter()
         .flat_map(|replica| &replica.stages)
         .map(|stage| homogeneous.plan.stage_group(stage).device.name.as_str())
@@ -530,10 +550,10 @@ fn check_fixed(cluster_text: &str, degrees: &str, expected: Result<(), &str>) {
         (Ok(candidate), Ok(())) => {
             check_candidate(&cluster, &model, &job, &candidate);
             let plan = &candidate.plan;
-            assert_eq!(plan.tp, degrees.tp);
-            assert_eq!(plan.replicas.len() as u32, degrees.dp);
-            assert_eq!(plan.virtual_stages, degrees.vpp);
-            assert!(plan.replicas.iter().all(|replica| replica.stages.len() as u32 == degrees.pp * degrees.vpp));
+            assert_eq!(plan.tp(), degrees.tp);
+            assert_eq!(plan.replicas().len() as u32, degrees.dp);
+            assert_eq!(plan.virtual_stages(), degrees.vpp);
+            assert!(plan.replicas().iter().all(|replica| replica.stages.len() as u32 == degrees.pp * degrees.vpp));
             check_uniform_shape(plan);
         }
         (Err(PlanError::Layout { layout, message }), Err(wanted)) => {
@@ -566,9 +586,7 @@ fn llama3_8b_megatron(cluster_text: &str, degrees: Degrees, global_batch: u32) -
     let calibration = Calibration::default();
     let cost = CostModel::new(&model, job.seq_len(), &calibration);
     let setting = Setting { micro_batch: 1, tp: degrees.tp, recompute: Recompute::Full };
-    let plan = baselines::megatron_plan(&cluster(cluster_text), &cost, &job, setting, degrees).unwrap();
-    plan.validate().unwrap();
-    plan
+    baselines::megatron_plan(&cluster(cluster_text), &cost, &job, setting, degrees).unwrap()
 }
 
 #[test]
@@ -578,7 +596,7 @@ fn interleaving_shrinks_the_bubble_and_holds_more_activations() {
     let plan = |vpp| llama3_8b_megatron("16xh100", Degrees { vpp, ..Degrees::new(2, 4, 2) }, 16);
     let (flat, interleaved) = (plan(1), plan(2));
     assert_eq!(interleaved.used_devices(), flat.used_devices());
-    assert_eq!(interleaved.replicas[0].stages.len(), 8);
+    assert_eq!(interleaved.replicas()[0].stages.len(), 8);
     let calibration = Calibration::default();
     let (flat, interleaved) = (evaluate(&flat, &calibration), evaluate(&interleaved, &calibration));
     assert_eq!(interleaved.n_gpus_used, 16);
@@ -598,10 +616,10 @@ fn interleaved_plans_are_validated() {
     let json = serde_json::to_string(&plan).unwrap();
     assert!(json.contains("\"virtual_stages\":2") && json.contains("\"schedule\":\"interleaved\""), "{json}");
     assert_eq!(serde_json::from_str::<Plan>(&json).unwrap(), plan);
-    let check = |edit: fn(&mut Plan), wanted: &str| {
-        let mut broken = plan.clone();
+    let check = |edit: fn(&mut PlanParts), wanted: &str| {
+        let mut broken = plan.clone().into_parts();
         edit(&mut broken);
-        let message = broken.validate().unwrap_err().to_string();
+        let message = Plan::new(broken).unwrap_err().to_string();
         assert!(message.contains(wanted), "`{message}` lacks `{wanted}`");
     };
     check(|p| p.replicas[0].stages[5].devices = vec![0, 1], "virtual stage 5 runs on devices [0, 1], but rank 1");

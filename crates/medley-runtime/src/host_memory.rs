@@ -58,8 +58,8 @@ pub fn worker_memory(
     layout: &RankLayout,
     schedule: medley_spec::Schedule,
 ) -> Result<HostMemory, RuntimeError> {
-    let config = ModelConfig::from_spec(&plan.model, plan.seq_len)?;
-    let replica = &plan.replicas[layout.id.replica_idx as usize];
+    let config = ModelConfig::from_spec(plan.model(), plan.seq_len())?;
+    let replica = &plan.replicas()[layout.id.replica_idx as usize];
     let n_chunks = layout.chunks.len() as u32;
     let in_flight =
         schedule.in_flight(layout.id.stage_idx as usize, layout.n_pipeline_ranks, n_chunks, replica.n_micro_batches);
@@ -70,8 +70,8 @@ pub fn worker_memory(
     let per_chunk_micro_batch_layers = layers as f64 / f64::from(n_chunks);
     let logits = layout.is_last(last_chunk as u32);
     let activations = f64::from(in_flight)
-        * (per_chunk_micro_batch_layers * layer_activation_bytes(&config, plan.micro_batch)
-            + if logits { logit_bytes(&config, plan.micro_batch) } else { 0.0 });
+        * (per_chunk_micro_batch_layers * layer_activation_bytes(&config, plan.micro_batch())
+            + if logits { logit_bytes(&config, plan.micro_batch()) } else { 0.0 });
     let params: usize =
         layout.chunks.iter().flat_map(|chunk| stage_params(&config, chunk.clone())).map(|spec| spec.numel()).sum();
     Ok(HostMemory { state_bytes: BASE_BYTES + BYTES_PER_PARAM * params as f64, activation_bytes: activations })

@@ -37,7 +37,7 @@ pub struct RankLayout {
 /// The pipeline ranks of a plan in job-rank order: replica by replica, stage by stage (the order
 /// of the schedule crate's programs).
 pub fn rank_ids(plan: &Plan) -> Vec<RankId> {
-    plan.replicas
+    plan.replicas()
         .iter()
         .enumerate()
         .flat_map(|(replica_idx, replica)| (0..plan.n_ranks(replica)).map(move |stage| RankId::new(replica_idx, stage)))
@@ -46,10 +46,10 @@ pub fn rank_ids(plan: &Plan) -> Vec<RankId> {
 
 /// Checks what the runtime supports: one process per pipeline rank, so no tensor parallelism.
 pub fn check_runnable(plan: &Plan) -> Result<(), RuntimeError> {
-    if plan.tp != 1 {
+    if plan.tp() != 1 {
         return Err(RuntimeError::Unsupported(format!(
             "tensor parallelism (tp = {}) is not implemented in the runtime; plan with one GPU per node (`medley train --fleet ...` does) or fix tp=1",
-            plan.tp
+            plan.tp()
         )));
     }
     Ok(())
@@ -62,7 +62,7 @@ impl RankLayout {
         check_runnable(plan)?;
         let fastest_s = fastest_pass_time_s(plan, calibration);
         let layouts = rank_ids(plan).into_iter().enumerate().map(|(job_rank, id)| {
-            let replica = &plan.replicas[id.replica_idx as usize];
+            let replica = &plan.replicas()[id.replica_idx as usize];
             let p = plan.n_ranks(replica);
             let chunks: Vec<Range<usize>> = (id.stage_idx as usize..replica.stages.len())
                 .step_by(p)
@@ -102,10 +102,10 @@ impl RankLayout {
 
 /// One layer's forward and backward on `group`'s device at the plan's micro-batch.
 fn pass_time_s(plan: &Plan, group: &medley_spec::NodeGroup, calibration: &Calibration) -> f64 {
-    let setting = Setting { micro_batch: plan.micro_batch, tp: 1, recompute: Recompute::None };
-    CostModel::new(&plan.model, plan.seq_len, calibration).layer_time(group, setting).total_s()
+    let setting = Setting { micro_batch: plan.micro_batch(), tp: 1, recompute: Recompute::None };
+    CostModel::new(plan.model(), plan.seq_len(), calibration).layer_time(group, setting).total_s()
 }
 
 fn fastest_pass_time_s(plan: &Plan, calibration: &Calibration) -> f64 {
-    plan.cluster.groups().iter().map(|group| pass_time_s(plan, group, calibration)).fold(f64::INFINITY, f64::min)
+    plan.cluster().groups().iter().map(|group| pass_time_s(plan, group, calibration)).fold(f64::INFINITY, f64::min)
 }

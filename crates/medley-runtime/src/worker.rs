@@ -121,7 +121,7 @@ impl Worker {
         }
         let mut world = Communicator::init(&env, options.comm.clone()).during(|| "joining the job".into())?;
         let dp = split_dp_groups(&plan, layout.id, &mut world)?;
-        let config = ModelConfig::from_spec(&plan.model, plan.seq_len)?;
+        let config = ModelConfig::from_spec(plan.model(), plan.seq_len())?;
         let stages = layout
             .chunks
             .iter()
@@ -134,7 +134,7 @@ impl Worker {
         let mine = [JobClock::wall_us() as i64];
         let mut origin = [0i64];
         world.broadcast(&mine, &mut origin, 0).during(|| "agreeing on the job clock".into())?;
-        let mailbox = Mailbox::new(plan.micro_batch as usize * config.seq_len * config.hidden);
+        let mailbox = Mailbox::new(plan.micro_batch() as usize * config.seq_len * config.hidden);
         Ok(Worker {
             plan,
             layout,
@@ -275,7 +275,7 @@ impl Worker {
                 state.times.idle_s += done_us.saturating_sub(asked_us) as f64 * 1e-6;
                 // Waiting for a message already posted is a transfer stall; before that, a bubble.
                 state.times.transfer_wait_s += done_us.saturating_sub(asked_us.max(message.posted_us)) as f64 * 1e-6;
-                let shape = vec![self.plan.micro_batch as usize, self.config.seq_len, self.config.hidden];
+                let shape = vec![self.plan.micro_batch() as usize, self.config.seq_len, self.config.hidden];
                 state.received.insert((kind, micro_batch, chunk), HostTensor::new(shape, message.data));
                 Ok("wait")
             }
@@ -316,12 +316,12 @@ impl Worker {
 
     /// This rank's micro-batches of the current step.
     fn micro_batches(&self) -> Vec<MicroBatch> {
-        let counts: Vec<u32> = self.plan.replicas.iter().map(|replica| replica.n_micro_batches).collect();
-        let starts = step_layout(&counts, self.plan.micro_batch, self.step);
-        let scale = loss_scale(u64::from(self.plan.global_batch), self.config.seq_len);
+        let counts: Vec<u32> = self.plan.replicas().iter().map(|replica| replica.n_micro_batches).collect();
+        let starts = step_layout(&counts, self.plan.micro_batch(), self.step);
+        let scale = loss_scale(u64::from(self.plan.global_batch()), self.config.seq_len);
         starts[self.layout.id.replica_idx as usize]
             .iter()
-            .map(|&first| self.dataset.micro_batch(first, self.plan.micro_batch as usize, scale))
+            .map(|&first| self.dataset.micro_batch(first, self.plan.micro_batch() as usize, scale))
             .collect()
     }
 
@@ -340,7 +340,7 @@ impl Worker {
             stage.grads_of_mut(select).for_each(|grad| flat.extend_from_slice(&grad.data));
         }
         let mut summed = vec![0f32; flat.len()];
-        let algorithm = self.plan.dp_groups[dp_group].algorithm.into();
+        let algorithm = self.plan.dp_groups()[dp_group].algorithm.into();
         let op = Op::AllReduce { op: ReduceOp::Sum };
         comm.collective(op, &Counts::Same(flat.len()), Some(algorithm), &flat, &mut summed)
             .during(|| format!("all-reducing the gradients of layers {layers}"))?;
@@ -367,7 +367,7 @@ impl Worker {
         let per_rank: Vec<(RankTimes, f64)> = all.chunks(mine.len()).map(RankTimes::from_words).collect();
         let ranks =
             per_rank.iter().zip(&self.layouts).map(|((times, _), layout)| RankMetrics::new(layout, times)).collect();
-        let tokens = u64::from(self.plan.global_batch) * u64::from(self.plan.seq_len);
+        let tokens = u64::from(self.plan.global_batch()) * u64::from(self.plan.seq_len());
         Ok(StepMetrics::new(self.step, per_rank.iter().map(|(_, loss)| loss).sum(), tokens, programs.schedule, ranks))
     }
 }
@@ -402,14 +402,15 @@ fn split_dp_groups(
     id: RankId,
     world: &mut Communicator,
 ) -> Result<Vec<Option<Communicator>>, RuntimeError> {
-    if plan.replicas.len() == 1 {
-        return Ok(plan.dp_groups.iter().map(|_| None).collect());
+    if plan.replicas().len() == 1 {
+        return Ok(plan.dp_groups().iter().map(|_| None).collect());
     }
-    plan.dp_groups
+    plan.dp_groups()
         .iter()
-        .map(|group| {
-            let holder = plan.holders(group.layers)[id.replica_idx as usize];
-            let replica = &plan.replicas[id.replica_idx as usize];
+        .enumerate()
+        .map(|(group_idx, group)| {
+            let holder = plan.holders(group_idx)[id.replica_idx as usize];
+            let replica = &plan.replicas()[id.replica_idx as usize];
             let member = plan.rank_of(replica, holder) == id.stage_idx as usize;
             world
                 .split(member.then_some(0), i64::from(id.replica_idx))

@@ -67,7 +67,7 @@ pub fn check(plan: &Plan, programs: &Programs) -> Result<(), ScheduleError> {
 
 fn check_ranks(plan: &Plan, programs: &Programs) -> Result<(), ScheduleError> {
     let expected: Vec<RankId> = plan
-        .replicas
+        .replicas()
         .iter()
         .enumerate()
         .flat_map(|(replica_idx, replica)| {
@@ -100,7 +100,7 @@ type Neighbour = fn(VirtualPipeline, usize, u32) -> Option<(usize, u32)>;
 /// One rank's program on its own: references, local order, pass counts, groups and memory.
 fn check_program(plan: &Plan, programs: &Programs, program: &Program) -> Result<(), ScheduleError> {
     let rank = program.rank;
-    let replica = &plan.replicas[rank.replica_idx as usize];
+    let replica = &plan.replicas()[rank.replica_idx as usize];
     let pipeline = VirtualPipeline::of(plan, replica);
     let rank_idx = rank.stage_idx as usize;
     let m = replica.n_micro_batches;
@@ -194,7 +194,7 @@ fn check_program(plan: &Plan, programs: &Programs, program: &Program) -> Result<
                 seen[entry_of(micro_batch, local)].recv_gradient += 1;
             }
             Instruction::AllReduceGradients { dp_group, layers } => {
-                if plan.dp_groups.get(dp_group as usize).map(|group| group.layers) != Some(layers) {
+                if plan.dp_groups().get(dp_group as usize).map(|group| group.layers) != Some(layers) {
                     return malformed(format!("the plan has no dp group {dp_group} over layers {layers}"));
                 }
                 if seen.iter().any(|entry| entry.backward + entry.backward_weight == 0) {
@@ -325,8 +325,8 @@ fn check_matching(programs: &[Program]) -> Result<(), ScheduleError> {
 /// a deadlock. The outcome does not depend on the visiting order: blocking conditions only
 /// become true as other ranks advance, never false.
 fn execute(plan: &Plan, programs: &[Program]) -> Result<(), ScheduleError> {
-    let members: Vec<usize> = plan.dp_groups.iter().map(|_| plan.replicas.len()).collect();
-    let mut arrived: Vec<BTreeSet<RankId>> = vec![BTreeSet::new(); plan.dp_groups.len()];
+    let members: Vec<usize> = plan.dp_groups().iter().map(|_| plan.replicas().len()).collect();
+    let mut arrived: Vec<BTreeSet<RankId>> = vec![BTreeSet::new(); plan.dp_groups().len()];
     let mut mailbox: BTreeMap<Message, u32> = BTreeMap::new();
     let mut pcs = vec![0usize; programs.len()];
     loop {

@@ -15,7 +15,7 @@ use crate::schedules::{ChunkPass, Pass, ScheduleKind};
 pub fn generate(plan: &Plan, schedule: ScheduleKind) -> Result<Programs, ScheduleError> {
     check_chunks(plan, schedule)?;
     let mut programs = Vec::new();
-    for (replica_idx, replica) in plan.replicas.iter().enumerate() {
+    for (replica_idx, replica) in plan.replicas().iter().enumerate() {
         let pipeline = VirtualPipeline::of(plan, replica);
         let (m, n_ranks) = (replica.n_micro_batches, pipeline.n_ranks as u32);
         // Megatron's order over a last group of k micro-batches, 0 < k < p, waits on itself
@@ -36,10 +36,10 @@ pub fn generate(plan: &Plan, schedule: ScheduleKind) -> Result<Programs, Schedul
 
 /// Whether `schedule` runs `plan`'s chunks per rank.
 pub(crate) fn check_chunks(plan: &Plan, schedule: ScheduleKind) -> Result<(), ScheduleError> {
-    if schedule.runs_chunks(plan.virtual_stages) {
+    if schedule.runs_chunks(plan.virtual_stages()) {
         Ok(())
     } else {
-        Err(ScheduleError::ChunkMismatch { schedule, virtual_stages: plan.virtual_stages })
+        Err(ScheduleError::ChunkMismatch { schedule, virtual_stages: plan.virtual_stages() })
     }
 }
 
@@ -53,7 +53,7 @@ pub(crate) struct VirtualPipeline {
 
 impl VirtualPipeline {
     pub fn of(plan: &Plan, replica: &Replica) -> Self {
-        VirtualPipeline { n_ranks: plan.n_ranks(replica), n_chunks: plan.virtual_stages }
+        VirtualPipeline { n_ranks: plan.n_ranks(replica), n_chunks: plan.virtual_stages() }
     }
 
     /// The virtual stage chunk `chunk` of rank `rank_idx` runs.
@@ -122,10 +122,12 @@ fn lower_passes(rank: RankId, pipeline: VirtualPipeline, passes: &[ChunkPass]) -
 
 /// The data-parallel groups whose layers rank `rank` holds in any of its chunks, ascending.
 pub(crate) fn rank_dp_groups(plan: &Plan, rank: RankId) -> Vec<u32> {
-    let replica = &plan.replicas[rank.replica_idx as usize];
+    let replica = &plan.replicas()[rank.replica_idx as usize];
     let chunks: Vec<_> = replica.stages.iter().skip(rank.stage_idx as usize).step_by(plan.n_ranks(replica)).collect();
-    (0..plan.dp_groups.len() as u32)
-        .filter(|&dp_group| chunks.iter().any(|stage| stage.layers.contains(plan.dp_groups[dp_group as usize].layers)))
+    (0..plan.dp_groups().len() as u32)
+        .filter(|&dp_group| {
+            chunks.iter().any(|stage| stage.layers.contains(plan.dp_groups()[dp_group as usize].layers))
+        })
         .collect()
 }
 
@@ -136,7 +138,10 @@ fn synchronise(plan: &Plan, rank: RankId) -> Vec<Instruction> {
     let mut instructions: Vec<Instruction> = rank_dp_groups(plan, rank)
         .into_iter()
         .rev()
-        .map(|dp_group| Instruction::AllReduceGradients { dp_group, layers: plan.dp_groups[dp_group as usize].layers })
+        .map(|dp_group| Instruction::AllReduceGradients {
+            dp_group,
+            layers: plan.dp_groups()[dp_group as usize].layers,
+        })
         .collect();
     instructions.push(Instruction::OptimizerStep);
     instructions

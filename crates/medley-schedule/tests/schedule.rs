@@ -45,7 +45,7 @@ fn reshape(base: &Plan, shapes: &[(Vec<u32>, u32)]) -> Plan {
 /// [`reshape`] with `virtual_stages` chunks per rank: a replica's cuts make its virtual stages,
 /// and virtual stage j runs on the replica's device j mod p.
 fn reshape_interleaved(base: &Plan, virtual_stages: u32, shapes: &[(Vec<u32>, u32)]) -> Plan {
-    let mut plan = base.clone();
+    let mut plan = base.clone().into_parts();
     plan.virtual_stages = virtual_stages;
     plan.schedule = if virtual_stages > 1 { Schedule::Interleaved } else { Schedule::OneFOneB };
     let n_layers = plan.model.n_layers();
@@ -68,7 +68,7 @@ fn reshape_interleaved(base: &Plan, virtual_stages: u32, shapes: &[(Vec<u32>, u3
             Replica { n_micro_batches: *n_micro_batches, stages, boundaries }
         })
         .collect();
-    plan.global_batch = plan.n_micro_batches() * plan.micro_batch;
+    plan.global_batch = plan.replicas.iter().map(|replica| replica.n_micro_batches).sum::<u32>() * plan.micro_batch;
     plan.dp_groups = dp_layer_ranges(&plan.replicas)
         .into_iter()
         .map(|layers| {
@@ -80,8 +80,7 @@ fn reshape_interleaved(base: &Plan, virtual_stages: u32, shapes: &[(Vec<u32>, u3
             DpGroup { layers, route: route(base, &holders), algorithm: Algorithm::Ring }
         })
         .collect();
-    plan.validate().unwrap();
-    plan
+    Plan::new(plan).unwrap()
 }
 
 /// Plan schema v1's data-parallel layer ranges: the model cut wherever any replica cuts it.
@@ -100,7 +99,7 @@ fn route(plan: &Plan, stages: &[Stage]) -> Route {
     if stages.iter().all(|stage| plan.stage_vendor(stage) == vendor) {
         Route::Native { vendor }
     } else {
-        Route::Bridge { mode: plan.cluster.bridge().modes()[0] }
+        Route::Bridge { mode: plan.cluster().bridge().modes()[0] }
     }
 }
 
@@ -117,7 +116,7 @@ fn all_schedules() -> Vec<ScheduleKind> {
 
 /// The schedules that run `plan`: interleaved for several chunks per rank, else all the others.
 fn schedules_for(plan: &Plan) -> Vec<ScheduleKind> {
-    if plan.virtual_stages > 1 { vec![ScheduleKind::Interleaved] } else { all_schedules() }
+    if plan.virtual_stages() > 1 { vec![ScheduleKind::Interleaved] } else { all_schedules() }
 }
 
 // ---------------------------------------------------------------------------------------------
@@ -144,9 +143,8 @@ fn runs_to_completion(plan: &Plan, programs: &Programs) -> bool {
     // (activation?, micro-batch, sender's chunk, sender, receiver)
     let mut bag: Vec<(bool, u32, u32, RankId, RankId)> = Vec::new();
     let reached_all_reduce = |pcs: &[usize], dp_group: u32| {
-        let layers = plan.dp_groups[dp_group as usize].layers;
-        plan.holders(layers).iter().enumerate().all(|(replica_idx, &stage_idx)| {
-            let rank = RankId::new(replica_idx, plan.rank_of(&plan.replicas[replica_idx], stage_idx));
+        plan.holders(dp_group as usize).iter().enumerate().all(|(replica_idx, &stage_idx)| {
+            let rank = RankId::new(replica_idx, plan.rank_of(&plan.replicas()[replica_idx], stage_idx));
             let member = programs.iter().position(|program| program.rank == rank).unwrap();
             let at = programs[member].instructions.iter().position(
                 |ins| matches!(ins, Instruction::AllReduceGradients { dp_group: group, .. } if *group == dp_group),
@@ -255,7 +253,7 @@ fn a_large_step_generates_and_checks_quickly() {
 #[test]
 fn the_plans_own_schedule_is_generated() {
     let plan = megatron("16xh100", 4, 2, 8);
-    let programs = generate(&plan, plan.schedule.try_into().unwrap()).unwrap();
+    let programs = generate(&plan, plan.schedule().try_into().unwrap()).unwrap();
     assert_eq!(programs.schedule, ScheduleKind::OneFOneB);
     check(&plan, &programs).unwrap();
 }
@@ -289,7 +287,7 @@ fn interleaved_megatron_plans() {
     // 5 ranks × 2 chunks (uneven chunks: 2,2,1,…).
     for (pp, vpp, dp, global_batch) in [(2, 3, 2, 8), (4, 2, 1, 8), (4, 2, 2, 6), (5, 2, 1, 10), (3, 4, 1, 1)] {
         let plan = megatron_interleaved("16xh100", Degrees { vpp, ..Degrees::new(1, pp, dp) }, global_batch);
-        assert_eq!((plan.virtual_stages, plan.schedule), (vpp, Schedule::Interleaved));
+        assert_eq!((plan.virtual_stages(), plan.schedule()), (vpp, Schedule::Interleaved));
         check_all_schedules(&plan);
     }
 }

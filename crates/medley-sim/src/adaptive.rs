@@ -42,11 +42,11 @@ pub struct RunReport {
 /// most the largest micro-batch count, beyond which k changes nothing).
 pub fn max_k_within_memory(plan: &Plan, calibration: &Calibration) -> u32 {
     let setup = Setup::new(plan, calibration, &mut Network::<()>::new());
-    let max_m = plan.replicas.iter().map(|replica| replica.n_micro_batches).max().unwrap_or(1);
+    let max_m = plan.replicas().iter().map(|replica| replica.n_micro_batches).max().unwrap_or(1);
     let fits = |k: u32| {
         let kind = ScheduleKind::Kfkb { k: NonZeroU32::new(k).expect("k ≥ 1") };
         setup.ranks.iter().all(|rank| {
-            let replica = &plan.replicas[rank.id.replica_idx as usize];
+            let replica = &plan.replicas()[rank.id.replica_idx as usize];
             let n_ranks = plan.n_ranks(replica);
             let in_flight = kind.in_flight(rank.id.stage_idx as usize, n_ranks, 1, replica.n_micro_batches);
             let activations: f64 = rank.chunks.iter().map(|chunk| chunk.activation_bytes).sum();
@@ -85,7 +85,7 @@ pub fn simulate_steps(
     }
     simulation.finish()?;
     let total_s: f64 = steps.iter().map(|step| step.step_time_s).sum();
-    let tokens = f64::from(plan.seq_len) * f64::from(plan.global_batch) * steps.len() as f64;
+    let tokens = f64::from(plan.seq_len()) * f64::from(plan.global_batch()) * steps.len() as f64;
     Ok(RunReport {
         mean_step_time_s: total_s / steps.len() as f64,
         tokens_per_s: tokens / total_s,

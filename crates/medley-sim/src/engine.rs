@@ -589,7 +589,7 @@ impl<'s, 'p, 'w> StepRun<'s, 'p, 'w> {
                     let seq = next_seq(&mut collective.sent, member, to);
                     let key = MessageKey::Collective { group, from: member as u32, to: to as u32, seq };
                     let to_rank = collective.members[to];
-                    let route = self.sim.setup.plan.dp_groups[group_idx].route;
+                    let route = self.sim.setup.plan.dp_groups()[group_idx].route;
                     self.send(rank, to_rank, key, range.len() as f64 * ELEMENT_BYTES, route);
                 }
                 Step::Recv { from, .. } => {
@@ -620,7 +620,7 @@ impl<'s, 'p, 'w> StepRun<'s, 'p, 'w> {
     /// the members waiting for that.
     fn start_all_reduce(&mut self, group_idx: usize) -> Result<(), SimError> {
         let setup = &self.sim.setup;
-        let dp_group = &setup.plan.dp_groups[group_idx];
+        let dp_group = &setup.plan.dp_groups()[group_idx];
         let collective = &mut self.collectives[group_idx];
         let domains = collective.members.iter().map(|&m| DomainId(setup.ranks[m].vendor as u32)).collect();
         let group = Group::new(domains)?;

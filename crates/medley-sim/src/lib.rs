@@ -107,7 +107,6 @@ impl<'p, 'w> Simulation<'p, 'w> {
         config: &SimConfig,
         timeline: Option<&'w mut dyn Write>,
     ) -> Result<Self, SimError> {
-        plan.validate()?;
         let mut network = Network::new();
         let setup = Setup::new(plan, calibration, &mut network);
         let n_ranks = setup.ranks.len();

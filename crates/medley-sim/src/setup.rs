@@ -70,12 +70,12 @@ pub(crate) fn ns(seconds: f64) -> u64 {
 impl<'p> Setup<'p> {
     /// `network` receives every rank's ports.
     pub(crate) fn new<P>(plan: &'p Plan, calibration: &Calibration, network: &mut Network<P>) -> Self {
-        let cost = CostModel::new(&plan.model, plan.seq_len, calibration);
-        let setting = Setting { micro_batch: plan.micro_batch, tp: plan.tp, recompute: plan.recompute };
-        let slots = plan.cluster.devices();
-        let shards = if plan.zero1 { plan.replicas.len() as u32 } else { 1 };
+        let cost = CostModel::new(plan.model(), plan.seq_len(), calibration);
+        let setting = Setting { micro_batch: plan.micro_batch(), tp: plan.tp(), recompute: plan.recompute() };
+        let slots = plan.cluster().devices();
+        let shards = if plan.zero1() { plan.replicas().len() as u32 } else { 1 };
         let mut ranks = Vec::new();
-        for (replica_idx, replica) in plan.replicas.iter().enumerate() {
+        for (replica_idx, replica) in plan.replicas().iter().enumerate() {
             let n_ranks = plan.n_ranks(replica);
             let n_stages = replica.stages.len();
             for rank_idx in 0..n_ranks {
@@ -104,9 +104,9 @@ impl<'p> Setup<'p> {
                         }
                     })
                     .collect();
-                let params_per_device = cost.stage_params(rank_shape) / f64::from(plan.tp * shards);
+                let params_per_device = cost.stage_params(rank_shape) / f64::from(plan.tp() * shards);
                 let slot = slots[stage.devices[0] as usize];
-                let nic_gb_s = comm::nic_link(&plan.cluster, &[group]).gb_s;
+                let nic_gb_s = comm::nic_link(plan.cluster(), &[group]).gb_s;
                 let intra_gb_s = comm::intra_node_link(group).gb_s;
                 ranks.push(RankSetup {
                     id: RankId::new(replica_idx, rank_idx),
@@ -128,13 +128,12 @@ impl<'p> Setup<'p> {
             }
         }
         let index: BTreeMap<RankId, usize> = ranks.iter().enumerate().map(|(idx, rank)| (rank.id, idx)).collect();
-        let dp_members = plan
-            .dp_groups
-            .iter()
-            .map(|group| {
-                plan.holders(group.layers)
-                    .into_iter()
-                    .zip(&plan.replicas)
+        let dp_members = (0..plan.dp_groups().len())
+            .map(|group_idx| {
+                plan.holders(group_idx)
+                    .iter()
+                    .copied()
+                    .zip(plan.replicas())
                     .enumerate()
                     .map(|(replica_idx, (stage_idx, replica))| {
                         index[&RankId::new(replica_idx, plan.rank_of(replica, stage_idx))]
@@ -143,15 +142,15 @@ impl<'p> Setup<'p> {
             })
             .collect();
         let dp_bytes = plan
-            .dp_groups
+            .dp_groups()
             .iter()
             .map(|group| {
                 let shape = StageShape {
                     n_layers: group.layers.len(),
                     embedding: group.layers.start == 0,
-                    head: group.layers.end == plan.model.n_layers(),
+                    head: group.layers.end == plan.model().n_layers(),
                 };
-                ELEMENT_BYTES * cost.stage_params(shape) / f64::from(plan.tp)
+                ELEMENT_BYTES * cost.stage_params(shape) / f64::from(plan.tp())
             })
             .collect();
         Setup { plan, ranks, dp_members, boundary_bytes: cost.boundary_bytes(setting), dp_bytes }
@@ -170,7 +169,7 @@ impl<'p> Setup<'p> {
             Route::Bridge { mode } => mode,
             Route::Native { .. } => BridgeMode::DeviceDirect,
         };
-        let link = comm::link_between(&self.plan.cluster, a.slot, b.slot, mode);
+        let link = comm::link_between(self.plan.cluster(), a.slot, b.slot, mode);
         let resources = if a.slot.node_idx == b.slot.node_idx {
             vec![a.ports.intra_out, b.ports.intra_in]
         } else {
@@ -182,7 +181,7 @@ impl<'p> Setup<'p> {
     /// The route of a pipeline transfer that `sender` makes from its chunk `chunk`: forward to
     /// the next virtual stage, or backward to the previous one.
     pub(crate) fn boundary_route(&self, sender: RankId, chunk: u32, forward: bool) -> Route {
-        let replica = &self.plan.replicas[sender.replica_idx as usize];
+        let replica = &self.plan.replicas()[sender.replica_idx as usize];
         let virtual_stage = chunk as usize * self.plan.n_ranks(replica) + sender.stage_idx as usize;
         replica.boundaries[if forward { virtual_stage } else { virtual_stage - 1 }]
     }

@@ -137,10 +137,10 @@ fn an_idle_ring_all_reduce_takes_the_alpha_beta_time() {
     });
     let report = run(&plan, ScheduleKind::OneFOneB);
     let calibration = Calibration::default();
-    let cost = CostModel::new(&plan.model, plan.seq_len, &calibration);
+    let cost = CostModel::new(plan.model(), plan.seq_len(), &calibration);
     let setting = Setting { micro_batch: 1, tp: 8, recompute: Recompute::None };
-    let pass = cost.stage_time(&plan.cluster.groups()[0], medley_cost::StageShape::in_pipeline(0, 1, 16), setting);
-    let link: Link = comm::nic_link(&plan.cluster, &[&plan.cluster.groups()[0]]);
+    let pass = cost.stage_time(&plan.cluster().groups()[0], medley_cost::StageShape::in_pipeline(0, 1, 16), setting);
+    let link: Link = comm::nic_link(plan.cluster(), &[&plan.cluster().groups()[0]]);
     let bytes = 2.0 * cost.stage_params(medley_cost::StageShape::in_pipeline(0, 1, 16)) / 8.0;
     let all_reduce_s = comm::ring_all_reduce_s(bytes, 8, link);
     let rank = &report.ranks[0];
@@ -363,7 +363,7 @@ proptest::proptest! {
         let calibration = Calibration::default();
         for plan in searched_plans(8 * h100, other, global_batch) {
             let predicted = medley_plan::evaluate(&plan, &calibration);
-            let schedules = if plan.virtual_stages > 1 {
+            let schedules = if plan.virtual_stages() > 1 {
                 vec![ScheduleKind::Interleaved]
             } else {
                 vec![ScheduleKind::Gpipe, ScheduleKind::OneFOneB, kfkb(2), ScheduleKind::ZbH1]
@@ -376,7 +376,7 @@ proptest::proptest! {
                     proptest::prop_assert!(rank.idle_s >= 0.0);
                 }
                 proptest::prop_assert!(report.bubble_fraction >= 0.0);
-                if plan.schedule == schedule.into() {
+                if plan.schedule() == schedule.into() {
                     for (device, peak) in &report.peak_memory_by_device_gib {
                         let promised = predicted.peak_memory_gib[device];
                         // The schedule reaches its promise: the simulated peak is the priced one

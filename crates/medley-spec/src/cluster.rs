@@ -194,6 +194,9 @@ impl Cluster {
             }
             positive(source, &format!("group[{idx}].intra_link_gb_s"), group.intra_link_gb_s)?;
             positive(source, &format!("group[{idx}].nic_gbit_s"), group.nic_gbit_s)?;
+            // A cluster read back from a plan file carries its devices' rates: they are checked
+            // here as a user's [[device]] table is.
+            group.device.check(source)?;
         }
         let total: u64 = groups.iter().map(|group| u64::from(group.n_nodes) * u64::from(group.gpus_per_node)).sum();
         if total > u64::from(MAX_GPUS) {
@@ -543,5 +546,9 @@ mod serde_tests {
         let broken = json.replace("\"n_nodes\":2", "\"n_nodes\":0");
         let err = serde_json::from_str::<Cluster>(&broken).unwrap_err().to_string();
         assert!(err.contains("n_nodes"), "{err}");
+        let no_memory = json.replacen("\"hbm_tb_s\":3.35", "\"hbm_tb_s\":0.0", 1);
+        assert_ne!(no_memory, json, "the H100's bandwidth is in the file");
+        let err = serde_json::from_str::<Cluster>(&no_memory).unwrap_err().to_string();
+        assert!(err.contains("device.H100-SXM.hbm_tb_s") && err.contains("positive"), "{err}");
     }
 }

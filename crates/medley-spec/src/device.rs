@@ -97,6 +97,12 @@ impl DeviceSpec {
 
     /// Checks the invariant for a device declared by a user in `source`.
     pub(crate) fn validated(self, source: &str) -> Result<Self, SpecError> {
+        self.check(source)?;
+        Ok(self)
+    }
+
+    /// Every rate positive and finite, and a name.
+    pub(crate) fn check(&self, source: &str) -> Result<(), SpecError> {
         let field = |name: &str| format!("device.{}.{name}", self.name);
         if self.name.trim().is_empty() {
             return Err(SpecError::field(source, "device.name", "must not be empty"));
@@ -116,7 +122,7 @@ impl DeviceSpec {
                 return Err(SpecError::field(source, field(name), format!("must be a positive number, got {value}")));
             }
         }
-        Ok(self)
+        Ok(())
     }
 }
 

@@ -274,12 +274,12 @@ impl CitedRun {
     }
 
     fn device(&self, plan: &Plan) -> String {
-        plan.cluster.groups()[0].device.name.clone()
+        plan.cluster().groups()[0].device.name.clone()
     }
 }
 
 fn simulate_one(plan: &Plan, calibration: &Calibration) -> Result<StepReport> {
-    let policy = SchedulePolicy::from(plan.schedule);
+    let policy = SchedulePolicy::from(plan.schedule());
     Ok(simulate_steps(plan, calibration, &SimConfig::default(), policy, 1, None)?.last_step)
 }
 
@@ -330,7 +330,7 @@ pub fn bench_calibration(json: bool) -> Result<()> {
             source: run.source,
             run: run.label,
             cluster: run.cluster,
-            layout: format!("{}, {}", run.degrees, plan.recompute),
+            layout: format!("{}, {}", run.degrees, plan.recompute()),
             role: run.role,
             measured: run.measured,
             predicted_step_s: report.step_time_s,

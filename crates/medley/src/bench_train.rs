@@ -74,7 +74,7 @@ pub fn run(args: &TrainBenchArgs) -> Result<()> {
     for _ in 0..args.rounds.max(1) {
         for ((name, plan), runs) in plans.iter().zip(&mut runs) {
             let calibration = calibrate_here(&cluster, &model, args.seq_len, args.micro_batch)?;
-            let policy = SchedulePolicy::from(plan.schedule);
+            let policy = SchedulePolicy::from(plan.schedule());
             let predicted = simulate_steps(plan, &calibration, &SimConfig::default(), policy, 1, None)
                 .with_context(|| format!("simulating the {name} plan"))?
                 .mean_step_time_s;
@@ -93,7 +93,7 @@ pub fn run(args: &TrainBenchArgs) -> Result<()> {
             measured_step_s: measured,
             prediction_error: median(prediction_errors.clone()),
             prediction_errors,
-            tokens_per_s: f64::from(plan.global_batch * plan.seq_len) / measured,
+            tokens_per_s: f64::from(plan.global_batch() * plan.seq_len()) / measured,
             speedup_vs_uniform: 0.0,
         });
     }
@@ -246,7 +246,7 @@ pub fn run_kfkb(args: &KfkbBenchArgs) -> Result<()> {
         rows.push(KfkbRow {
             schedule: schedule.to_string(),
             mean_step_s,
-            tokens_per_s: f64::from(plan.global_batch * plan.seq_len) / mean_step_s,
+            tokens_per_s: f64::from(plan.global_batch() * plan.seq_len()) / mean_step_s,
             speedup_vs_1f1b: baseline / mean_step_s,
         });
     }
@@ -272,7 +272,7 @@ pub fn run_kfkb(args: &KfkbBenchArgs) -> Result<()> {
 
 /// Layers per stage and micro-batches per replica, e.g. `[5+3]×8 | [8]×4`.
 fn describe(plan: &Plan) -> String {
-    plan.replicas
+    plan.replicas()
         .iter()
         .map(|replica| {
             let layers: Vec<String> = replica.stages.iter().map(|stage| stage.layers.len().to_string()).collect();

@@ -10,7 +10,7 @@ use anyhow::{Context, Result, bail};
 use clap::Args;
 use medley_cost::Calibration;
 use medley_plan::baselines::{self, Degrees};
-use medley_plan::{Candidate, Plan, PlanError, SearchOptions, evaluate, search};
+use medley_plan::{Candidate, Plan, PlanError, PlanParts, SearchOptions, evaluate, search};
 use medley_sim::{SchedulePolicy, SimConfig, StepReport, simulate_steps};
 use medley_spec::{JobParts, JobSpec};
 use rayon::prelude::*;
@@ -132,7 +132,7 @@ fn confirm_by_simulation(candidates: Vec<Candidate>, calibration: &Calibration) 
         .par_iter()
         .map(|candidate| {
             let plan = &candidate.plan;
-            let policy = SchedulePolicy::from(plan.schedule);
+            let policy = SchedulePolicy::from(plan.schedule());
             simulate_steps(plan, calibration, &SimConfig::default(), policy, 1, None).map(|run| run.last_step)
         })
         .collect::<Result<_, _>>()
@@ -147,30 +147,31 @@ fn confirm_by_simulation(candidates: Vec<Candidate>, calibration: &Calibration) 
 /// The specs a plan file carries, with the calibration the flags name.
 pub(crate) fn specs_of_plan(args: &SpecArgs, path: &str, plan: &Plan) -> Result<Specs> {
     let parts = JobParts {
-        seq_len: plan.seq_len,
-        global_batch: plan.global_batch,
+        seq_len: plan.seq_len(),
+        global_batch: plan.global_batch(),
         micro_batch: None,
         precision: Default::default(),
-        zero1: plan.zero1,
+        zero1: plan.zero1(),
         recompute: None,
-        schedule: plan.schedule,
+        schedule: plan.schedule(),
     };
     Ok(Specs {
         job: JobSpec::new(parts, path)?,
-        cluster: plan.cluster.clone(),
-        model: plan.model.clone(),
+        cluster: plan.cluster().clone(),
+        model: plan.model().clone(),
         calibration: {
-            let calibration = args.resolve_calibration(&plan.model)?;
-            check_calibration_names(&calibration, &plan.cluster)?;
+            let calibration = args.resolve_calibration(plan.model())?;
+            check_calibration_names(&calibration, plan.cluster())?;
             calibration
         },
     })
 }
 
+/// A plan file: its parts read, then checked, so a hand edit that breaks the plan is named.
 pub(crate) fn load_plan(path: &str) -> Result<Plan> {
-    let plan: Plan = serde_json::from_str(&read(path)?).with_context(|| format!("{path} is not a medley plan"))?;
-    plan.validate().with_context(|| format!("in {path}"))?;
-    Ok(plan)
+    let parts: PlanParts =
+        serde_json::from_str(&read(path)?).with_context(|| format!("{path} is not a medley plan"))?;
+    Plan::new(parts).with_context(|| format!("in {path}"))
 }
 
 /// The layouts a plan is compared with.

@@ -168,10 +168,10 @@ fn candidates_table(candidates: &[Candidate], confirmed: &Confirmed) -> Table {
             right(percent(simulated.utilisation.hfu)),
             right(seconds(candidate.prediction.step_time_s)),
             right(candidate.prediction.n_gpus_used),
-            right(plan.tp),
-            right(plan.micro_batch),
-            Cell::new(plan.recompute),
-            right(plan.replicas.len()),
+            right(plan.tp()),
+            right(plan.micro_batch()),
+            Cell::new(plan.recompute()),
+            right(plan.replicas().len()),
             Cell::new(pipeline_summary(plan)),
         ];
         if let Some(details) = &details {
@@ -184,7 +184,7 @@ fn candidates_table(candidates: &[Candidate], confirmed: &Confirmed) -> Table {
 
 /// The columns of the candidates table a plan is told apart by.
 fn summary_columns(plan: &Plan) -> (u32, u32, String, usize, String) {
-    (plan.tp, plan.micro_batch, plan.recompute.to_string(), plan.replicas.len(), pipeline_summary(plan))
+    (plan.tp(), plan.micro_batch(), plan.recompute().to_string(), plan.replicas().len(), pipeline_summary(plan))
 }
 
 /// For candidates whose table columns coincide with another's, what differs between them: their
@@ -208,13 +208,13 @@ fn look_alike_details(candidates: &[Candidate]) -> Option<Vec<String>> {
             .map(|shape| shape.micro_batches.iter().map(u32::to_string).collect::<Vec<_>>().join("/"))
             .collect();
         // Where the first replica's pipeline ranks sit tells the placements apart.
-        let first = &plan.replicas[0];
+        let first = &plan.replicas()[0];
         let ranks = &first.stages[..plan.n_ranks(first)];
         let devices: Vec<String> = ranks.iter().map(|stage| stage.devices[0].to_string()).collect();
         [
             ("layers", layers.join(" + ")),
             ("micro-batches", shares.join(" + ")),
-            ("schedule", plan.schedule.to_string()),
+            ("schedule", plan.schedule().to_string()),
             ("replica 1 on devices", devices.join(",")),
         ]
     };
@@ -336,12 +336,12 @@ pub(crate) fn times(ratio: f64) -> String {
 /// `8× [H100-SXM:2, A100-80GB:4]`-style summary of the replica shapes: pipeline ranks per
 /// device type (with ` ×2 chunks` when ranks hold several virtual stages).
 fn pipeline_summary(plan: &Plan) -> String {
-    let chunks = if plan.virtual_stages > 1 { format!(" ×{} chunks", plan.virtual_stages) } else { String::new() };
+    let chunks = if plan.virtual_stages() > 1 { format!(" ×{} chunks", plan.virtual_stages()) } else { String::new() };
     plan.replica_shapes()
         .iter()
         .map(|shape| {
             let mut runs: Vec<(String, u32)> = Vec::new();
-            let n_ranks = shape.stages.len() / plan.virtual_stages as usize;
+            let n_ranks = shape.stages.len() / plan.virtual_stages() as usize;
             for (device, _) in &shape.stages[..n_ranks] {
                 match runs.last_mut() {
                     Some((last, count)) if last == device => *count += 1,
@@ -361,7 +361,7 @@ pub fn explain(plan: &Plan) -> String {
     for shape in plan.replica_shapes() {
         let layers: Vec<String> = shape.stages.iter().map(|(device, layers)| format!("{device}:{layers}")).collect();
         let shares: Vec<String> = shape.micro_batches.iter().map(u32::to_string).collect();
-        let stages = if plan.virtual_stages > 1 { "virtual stage" } else { "stage" };
+        let stages = if plan.virtual_stages() > 1 { "virtual stage" } else { "stage" };
         let _ = writeln!(
             out,
             "- {}, {} each (layers per stage: {}), {} of {} each",
@@ -369,28 +369,29 @@ pub fn explain(plan: &Plan) -> String {
             count(shape.stages.len(), stages),
             layers.join(" "),
             count_words(&shares.join("/"), shape.micro_batches.iter().sum::<u32>() as usize, "micro-batch"),
-            count(plan.micro_batch as usize, "sequence"),
+            count(plan.micro_batch() as usize, "sequence"),
         );
     }
-    let boundaries: Vec<Route> = plan.replicas.iter().flat_map(|replica| replica.boundaries.iter().copied()).collect();
+    let boundaries: Vec<Route> =
+        plan.replicas().iter().flat_map(|replica| replica.boundaries.iter().copied()).collect();
     let bridged = boundaries.iter().filter(|route| matches!(route, Route::Bridge { .. })).count();
     let _ = writeln!(
         out,
         "- tensor parallelism {} inside each node; {}, {bridged} of them across vendors{}",
-        plan.tp,
+        plan.tp(),
         count(boundaries.len(), "pipeline boundary"),
         first_bridge(&boundaries).map(|route| format!(" over {route}")).unwrap_or_default()
     );
     let bridged_groups: Vec<_> =
-        plan.dp_groups.iter().filter(|group| matches!(group.route, Route::Bridge { .. })).collect();
-    if plan.replicas.len() > 1 {
+        plan.dp_groups().iter().filter(|group| matches!(group.route, Route::Bridge { .. })).collect();
+    if plan.replicas().len() > 1 {
         let hierarchical = bridged_groups.iter().filter(|group| group.algorithm == Algorithm::Hierarchical).count();
         let _ = writeln!(
             out,
             "- gradients: {} over {}, {} native, {} across vendors ({hierarchical} hierarchical)",
-            count(plan.dp_groups.len(), "data-parallel group"),
-            count(plan.replicas.len(), "replica"),
-            plan.dp_groups.len() - bridged_groups.len(),
+            count(plan.dp_groups().len(), "data-parallel group"),
+            count(plan.replicas().len(), "replica"),
+            plan.dp_groups().len() - bridged_groups.len(),
             bridged_groups.len(),
         );
     }

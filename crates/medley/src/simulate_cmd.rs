@@ -75,15 +75,14 @@ pub fn run(args: &SimulateArgs) -> Result<ExitCode> {
         Some(path) => {
             let mut plan = load_plan(path)?;
             if let Some(schedule) = args.specs.schedule {
-                plan.schedule = schedule;
-                plan.validate().with_context(|| format!("--schedule {schedule} with {path}"))?;
+                plan = plan.with_schedule(schedule).with_context(|| format!("--schedule {schedule} with {path}"))?;
             }
             (specs_of_plan(&args.specs, path, &plan)?, plan)
         }
         None => what_if(args)?,
     };
     let config = SimConfig { network_trace: args.network_trace.as_deref().map(network_trace).transpose()? };
-    let policy = SchedulePolicy::from(plan.schedule);
+    let policy = SchedulePolicy::from(plan.schedule());
     let report = match &args.trace {
         Some(path) => {
             let file = File::create(path).with_context(|| format!("cannot create {}", path.display()))?;
@@ -167,14 +166,14 @@ fn what_if(args: &SimulateArgs) -> Result<(Specs, Plan)> {
 
 /// What the what-if layout chose where the flags left it open.
 fn chosen(what: &str, plan: &Plan) -> String {
-    let pp = plan.replicas.first().map_or(0, |replica| plan.n_ranks(replica));
-    let vpp = if plan.virtual_stages > 1 { format!(",vpp={}", plan.virtual_stages) } else { String::new() };
+    let pp = plan.replicas().first().map_or(0, |replica| plan.n_ranks(replica));
+    let vpp = if plan.virtual_stages() > 1 { format!(",vpp={}", plan.virtual_stages()) } else { String::new() };
     format!(
         "medley simulate: {what}: tp={},pp={pp},dp={}{vpp}, micro-batch {}, recompute {}",
-        plan.tp,
-        plan.replicas.len(),
-        plan.micro_batch,
-        plan.recompute
+        plan.tp(),
+        plan.replicas().len(),
+        plan.micro_batch(),
+        plan.recompute()
     )
 }
 
@@ -196,7 +195,7 @@ fn json(report: &RunReport) -> serde_json::Value {
 
 fn text(specs: &Specs, plan: &Plan, report: &RunReport) -> String {
     let last = &report.last_step;
-    let stages: Vec<usize> = plan.replicas.iter().map(|replica| replica.stages.len()).collect();
+    let stages: Vec<usize> = plan.replicas().iter().map(|replica| replica.stages.len()).collect();
     let (fewest, most) = (stages.iter().min().copied().unwrap_or(0), stages.iter().max().copied().unwrap_or(0));
     let stages = match fewest == most {
         true => count(most, "stage"),
@@ -204,11 +203,11 @@ fn text(specs: &Specs, plan: &Plan, report: &RunReport) -> String {
     };
     let mut out = format!(
         "medley simulate: {} on {} of {} GPUs, {} × {stages}, tp={}, {} per step\n\n",
-        plan.model.name(),
+        plan.model().name(),
         plan.used_devices().len(),
         specs.cluster.n_gpus(),
-        count(plan.replicas.len(), "replica"),
-        plan.tp,
+        count(plan.replicas().len(), "replica"),
+        plan.tp(),
         count(plan.n_micro_batches() as usize, "micro-batch"),
     );
     let mut summary = table(&["step time", "tokens/s", "model TFLOP/s/GPU", "MFU", "HFU", "bubble", "comm wait"]);

@@ -79,7 +79,7 @@ pub fn run(args: &TrainArgs) -> Result<ExitCode> {
     let run_dir = RunDir::claim(&out, args.resume.as_deref(), args.force)?;
     let (plan, calibration) = choose_plan(args)?;
     let layouts = RankLayout::all(&plan, &calibration)?;
-    check_workers_memory(&plan, &calibration, &layouts, args.worker.schedule.unwrap_or(plan.schedule))?;
+    check_workers_memory(&plan, &calibration, &layouts, args.worker.schedule.unwrap_or(plan.schedule()))?;
     if let Some(dir) = &args.resume {
         let (checkpoint, manifest) = read_latest(&dir.join(CHECKPOINTS))?;
         check_resumable(&checkpoint, &manifest, &plan)?;
@@ -113,7 +113,7 @@ const TIMEOUT_STEPS: f64 = 10.0;
 
 /// The simulator's step time for `plan` under the run's emulation profile.
 fn predict_step_s(plan: &Plan, calibration: &Calibration, run: &RunFlags) -> Result<f64> {
-    let policy = SchedulePolicy::from(run.schedule.unwrap_or(plan.schedule));
+    let policy = SchedulePolicy::from(run.schedule.unwrap_or(plan.schedule()));
     let predicted = simulate_steps(plan, calibration, &SimConfig::default(), policy, 1, None)?.mean_step_time_s;
     println!("the simulator predicts {} a step for this plan on this machine", seconds(predicted));
     Ok(predicted)
@@ -140,7 +140,7 @@ fn choose_plan(args: &TrainArgs) -> Result<(Plan, Calibration)> {
     };
     let given = |plan: Plan| -> Result<(Plan, Calibration)> {
         medley_runtime::check_runnable(&plan)?;
-        let calibration = calibration(&plan.cluster, &plan.model, plan.seq_len, plan.micro_batch)?;
+        let calibration = calibration(plan.cluster(), plan.model(), plan.seq_len(), plan.micro_batch())?;
         Ok((plan, calibration))
     };
     if let Some(path) = &args.plan {
@@ -155,7 +155,7 @@ fn choose_plan(args: &TrainArgs) -> Result<(Plan, Calibration)> {
     let cluster = Cluster::from_fleet(fleet)?;
     // Resuming on another fleet trains the checkpoint's model on its batches.
     let (model, seq_len, global_batch, micro_batch) = match resumed {
-        Some(plan) => (plan.model, plan.seq_len, plan.global_batch, plan.micro_batch),
+        Some(plan) => (plan.model().clone(), plan.seq_len(), plan.global_batch(), plan.micro_batch()),
         None => (load_model(&args.model)?, args.seq_len, args.global_batch, args.micro_batch),
     };
     let job = runtime_job(seq_len, global_batch, micro_batch, args.worker.schedule)?;
@@ -208,7 +208,7 @@ fn check_workers_memory(
         fixed => fixed,
     };
     let needs = layouts.iter().map(|layout| worker_memory(plan, layout, schedule)).collect::<Result<Vec<_>, _>>()?;
-    let what = format!("the {} of {}", crate::render::count(layouts.len(), "worker"), plan.model.name());
+    let what = format!("the {} of {}", crate::render::count(layouts.len(), "worker"), plan.model().name());
     check_memory(&what, &needs, SMALLER_RUN)
 }
 
@@ -241,7 +241,7 @@ fn workers_table(plan: &Plan, layouts: &[RankLayout], emulate: bool) -> String {
             right(&layout.device.name),
             right(layout.device.vendor),
             right(layers.join(" ")),
-            right(plan.replicas[layout.id.replica_idx as usize].n_micro_batches),
+            right(plan.replicas()[layout.id.replica_idx as usize].n_micro_batches),
             right(slowdown),
         ]);
     }

@@ -133,7 +133,7 @@ fn launch_vars(vars: impl IntoIterator<Item = (String, String)>) -> BTreeMap<Str
 pub fn run(args: &WorkerArgs) -> Result<()> {
     let env = LaunchEnv::from_vars(launch_vars(std::env::vars()))?;
     let plan = load_plan(&args.plan)?;
-    let policy = SchedulePolicy::from(args.run.schedule.unwrap_or(plan.schedule));
+    let policy = SchedulePolicy::from(args.run.schedule.unwrap_or(plan.schedule()));
     let options = WorkerOptions {
         seed: args.run.seed,
         adamw: AdamW { lr: args.run.lr, ..AdamW::default() },

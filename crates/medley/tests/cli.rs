@@ -114,6 +114,19 @@ fn a_broken_plan_file_is_bad_input() {
 }
 
 #[test]
+fn a_hand_edited_plan_file_is_refused_at_load_naming_the_field() {
+    let path = scratch("edited.json");
+    let path = path.to_str().unwrap();
+    check(&[&["plan"][..], &TINY_JOB, &["-o", path]].concat(), 0, "written");
+    let mut plan: serde_json::Value = serde_json::from_str(&std::fs::read_to_string(path).unwrap()).unwrap();
+    plan["replicas"][0]["stages"][0]["devices"][0] = serde_json::json!(99);
+    std::fs::write(path, plan.to_string()).unwrap();
+    let wanted = format!("in {path}: invalid plan: replica 0: stage 0: device 99 is not in the 4-GPU cluster");
+    check(&["plan", "--plan", path], 2, &wanted);
+    check(&["simulate", "--plan", path], 2, &wanted);
+}
+
+#[test]
 fn fixed_layouts_are_evaluated_or_refused() {
     check(&["plan", "--cluster", "16xh100", "--model", "llama3-8b", "--fix", "tp=2,pp=2,dp=4"], 0, "uniform");
     check(&["plan", "--cluster", "16xh100", "--model", "llama3-8b", "--fix", "tp=3"], 2, "one node");

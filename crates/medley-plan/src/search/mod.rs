@@ -338,7 +338,9 @@ impl Space<'_> {
             }
         }
         let schedule = if chunks > 1 { Schedule::Interleaved } else { self.job.schedule() };
-        Some(assemble(self.cluster, &self.cost, self.job, layout.setting, schedule, chunks, replicas))
+        let plan = assemble(self.cluster, &self.cost, self.job, layout.setting, schedule, chunks, replicas);
+        debug_assert!(plan.is_ok(), "the search assembled an invalid plan: {plan:?}");
+        plan.ok()
     }
 }
 
