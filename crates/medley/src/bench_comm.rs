@@ -7,9 +7,8 @@
 //! reduce-scatter, all-gather and all-to-all (n−1)/n, broadcast and reduce 1. Elements are f32,
 //! reductions sums; time is the slowest rank's mean over the timed iterations.
 
-use std::io::{BufRead, BufReader, Read};
-use std::net::TcpListener;
-use std::process::{Child, Command, Stdio};
+use std::ffi::OsString;
+use std::io::{BufRead, BufReader};
 use std::time::{Duration, Instant};
 
 use anyhow::{Context, Result, bail};
@@ -17,6 +16,7 @@ use clap::{Args, ValueEnum};
 use comfy_table::Cell;
 use medley_collective::{Algorithm, Counts, Op, ReduceOp};
 use medley_comm::{Communicator, Config, LaunchEnv, Route};
+use medley_launch::{LocalJob, RankCommand};
 use serde::{Deserialize, Serialize};
 
 use crate::inputs::parse_gb_s;
@@ -249,65 +249,35 @@ fn bridge_cap(args: &CommArgs, setup: Setup) -> Option<u64> {
     args.bridge_gb_s.filter(|_| setup == Setup::TwoDomain).map(|gb_s| (gb_s * 1e9) as u64)
 }
 
-fn free_port() -> Result<u16> {
-    Ok(TcpListener::bind("127.0.0.1:0")?.local_addr()?.port())
-}
-
 /// Starts `n_ranks` workers, collects rank 0's rows, and fails with a worker's stderr if any fails.
 fn run_workers(args: &CommArgs, setup: Setup, n_ranks: usize) -> Result<Vec<Row>> {
     let exe = std::env::current_exe().context("finding the medley binary to start workers")?;
-    let port = free_port()?;
-    let token = format!("{:x}{:x}", std::process::id(), Instant::now().elapsed().as_nanos() ^ u128::from(port));
     let ops: Vec<String> =
         args.ops.iter().map(|op| op.to_possible_value().expect("not skipped").get_name().to_string()).collect();
     let setup_name = setup.to_possible_value().expect("not skipped").get_name().to_string();
-    let mut children: Vec<Child> = (0..n_ranks)
-        .map(|rank| {
-            Command::new(&exe)
-                .args(["bench-comm-worker", "--setup", &setup_name, "--ops", &ops.join(",")])
-                .args(["--min-bytes", &args.min_bytes.to_string(), "--max-bytes", &args.max_bytes.to_string()])
-                .args(["--timeout-s", &args.timeout_s.to_string()])
-                .args(bridge_cap(args, setup).map(|cap| format!("--bridge-bytes-per-s={cap}")))
-                .env("RANK", rank.to_string())
-                .env("WORLD_SIZE", n_ranks.to_string())
-                .env("LOCAL_RANK", rank.to_string())
-                .env("LOCAL_WORLD_SIZE", n_ranks.to_string())
-                .env("MASTER_ADDR", "127.0.0.1")
-                .env("MASTER_PORT", port.to_string())
-                .env("MEDLEY_DOMAIN", setup.domain(rank, n_ranks))
-                .env("MEDLEY_TOKEN", &token)
-                .stdout(if rank == 0 { Stdio::piped() } else { Stdio::null() })
-                .stderr(Stdio::piped())
-                .spawn()
-                .context("starting a worker")
-        })
-        .collect::<Result<_>>()?;
-    let stdout = children[0].stdout.take().expect("piped");
-    let rows: Vec<Row> = BufReader::new(stdout)
+    let mut worker: Vec<String> =
+        ["bench-comm-worker", "--setup", &setup_name, "--ops", &ops.join(",")].into_iter().map(String::from).collect();
+    worker.extend([format!("--min-bytes={}", args.min_bytes), format!("--max-bytes={}", args.max_bytes)]);
+    worker.push(format!("--timeout-s={}", args.timeout_s));
+    worker.extend(bridge_cap(args, setup).map(|cap| format!("--bridge-bytes-per-s={cap}")));
+    let worker: Vec<OsString> = worker.into_iter().map(OsString::from).collect();
+    let ranks: Vec<RankCommand> = (0..n_ranks)
+        .map(|rank| RankCommand { args: worker.clone(), domain: setup.domain(rank, n_ranks).to_string() })
+        .collect();
+    let mut job = LocalJob::start(&exe, &ranks, None)?;
+    let stdout = job.take_rank0_stdout().expect("rank 0's output is piped");
+    let rows: Result<Vec<Row>> = BufReader::new(stdout)
         .lines()
         .map_while(Result::ok)
         .map(|line| serde_json::from_str(&line).with_context(|| format!("a worker printed {line:?}")))
-        .collect::<Result<_>>()?;
+        .collect();
     // Rank 0 closed its output: every rank is at most one timeout from done.
-    let deadline = Instant::now() + Duration::from_secs(args.timeout_s + 10);
-    for (rank, mut child) in children.into_iter().enumerate() {
-        let status = loop {
-            if let Some(status) = child.try_wait()? {
-                break status;
-            }
-            if Instant::now() > deadline {
-                child.kill().ok();
-                bail!("worker {rank} did not finish");
-            }
-            std::thread::sleep(Duration::from_millis(10));
-        };
-        if !status.success() {
-            let mut stderr = String::new();
-            child.stderr.take().expect("piped").read_to_string(&mut stderr).ok();
-            bail!("worker {rank} failed ({status}): {}", stderr.trim());
-        }
+    let timeout = Duration::from_secs(args.timeout_s + 10);
+    let end = job.wait(timeout, Some(Instant::now() + timeout));
+    if let Some(&rank) = end.failed_ranks().first() {
+        bail!("worker {rank} {}: {}", end.describe(rank), end.stderr[rank].join("\n").trim());
     }
-    Ok(rows)
+    rows
 }
 
 /// Warm-up runs batches of 1, 2, 4, ... calls until this much time is spent and at least

@@ -179,8 +179,8 @@ fn step_times(plan: &Plan, calibration: &Calibration, name: &str, steps: u64, tw
     let outcome = launch_and_watch(&args, &layouts, Progress::Quiet)?;
     drop(run_dir);
     std::fs::remove_dir_all(&dir).ok();
-    if !outcome.succeeded() {
-        bail!("the {name} run's workers failed: {}", outcome.first_error());
+    if !outcome.end.succeeded() {
+        bail!("the {name} run's workers failed: {}", outcome.end.first_error().unwrap_or("no error message"));
     }
     let times: Vec<f64> = outcome.steps[WARM_UP_STEPS as usize..]
         .iter()

@@ -2,17 +2,19 @@
 //! process per pipeline rank on this machine, shows progress and reports the outcome.
 
 use std::collections::BTreeMap;
+use std::ffi::OsString;
 use std::fs;
-use std::io::{BufRead, BufReader, Read};
+use std::io::{BufRead, BufReader};
 use std::num::NonZeroU32;
 use std::path::{Path, PathBuf};
-use std::process::{Child, ChildStderr, Command, ExitCode, Stdio};
+use std::process::ExitCode;
+use std::sync::Arc;
 use std::time::{Duration, Instant};
 
 use anyhow::{Context, Result};
 use clap::Args;
-use medley_comm::StoreServer;
 use medley_cost::Calibration;
+use medley_launch::{Echo, JobEnd, LocalJob, RankCommand};
 use medley_plan::{Plan, SearchOptions, search};
 use medley_runtime::{
     RankLayout, calibration_memory, check_resumable, emulation_calibration, measure_model_pass, read_latest,
@@ -248,67 +250,28 @@ fn workers_table(plan: &Plan, layouts: &[RankLayout], emulate: bool) -> String {
     format!("Workers (processes on this machine; device speeds are emulated by stretching each pass):\n{rows}")
 }
 
-/// How the workers ended.
+/// How the workers ended, and the steps rank 0 reported.
 pub(crate) struct Outcome {
-    /// Exit status per worker; `None` when it had to be killed.
-    statuses: Vec<Option<std::process::ExitStatus>>,
-    /// What each worker wrote to standard error.
-    errors: Vec<Vec<String>>,
+    pub end: JobEnd,
     pub steps: Vec<Value>,
-}
-
-impl Outcome {
-    pub(crate) fn succeeded(&self) -> bool {
-        self.statuses.iter().all(|status| status.is_some_and(|status| status.success()))
-    }
-
-    /// The last error line of the first worker that wrote one.
-    pub(crate) fn first_error(&self) -> String {
-        self.errors.iter().find_map(|lines| lines.last().cloned()).unwrap_or_else(|| "no error message".into())
-    }
 }
 
 /// Starts one worker per layout and watches them, reporting each step to `progress`.
 pub(crate) fn launch_and_watch(args: &WorkerArgs, layouts: &[RankLayout], progress: Progress) -> Result<Outcome> {
     let exe = std::env::current_exe().context("cannot find the medley executable to start workers")?;
-    let token = job_token();
-    // The launcher hosts the rendezvous store, on a port the kernel picks: two jobs on one
-    // machine never race for a port.
-    let store = StoreServer::bind("127.0.0.1:0", &token).context("cannot start the job's rendezvous store")?;
-    let port = store.port();
-    let world = layouts.len();
-    let mut children = Vec::new();
-    for layout in layouts {
-        let rank = layout.job_rank;
-        let mut command = Command::new(&exe);
-        command.arg("worker").args(worker_flags(args)).stdin(Stdio::null()).stderr(Stdio::piped());
-        command.stdout(if rank == 0 { Stdio::piped() } else { Stdio::null() });
-        command.envs([
-            ("RANK", rank.to_string()),
-            ("WORLD_SIZE", world.to_string()),
-            ("LOCAL_RANK", rank.to_string()),
-            ("LOCAL_WORLD_SIZE", world.to_string()),
-            ("MASTER_ADDR", "127.0.0.1".into()),
-            ("MASTER_PORT", port.to_string()),
-            ("MEDLEY_DOMAIN", layout.device.vendor.to_string()),
-            ("MEDLEY_TOKEN", token.clone()),
-            ("MEDLEY_STORE_HOST", "launcher".into()),
-        ]);
-        match command.spawn() {
-            Ok(child) => children.push(child),
-            Err(err) => {
-                for child in &mut children {
-                    child.kill().ok();
-                    child.wait().ok();
-                }
-                return Err(err).with_context(|| format!("cannot start worker {rank}"));
-            }
-        }
-    }
-    let errors: Vec<_> =
-        children.iter_mut().map(|child| collect_lines(child.stderr.take().expect("piped"), progress.clone())).collect();
+    let mut worker = vec![OsString::from("worker")];
+    worker.extend(worker_flags(args).into_iter().map(OsString::from));
+    let ranks: Vec<RankCommand> = layouts
+        .iter()
+        .map(|layout| RankCommand { args: worker.clone(), domain: layout.device.vendor.to_string() })
+        .collect();
+    let echo: Echo = {
+        let progress = progress.clone();
+        Arc::new(move |line: &str| progress.println(line))
+    };
+    let mut job = LocalJob::start(&exe, &ranks, Some(echo))?;
     let mut steps = Vec::new();
-    let stdout = children[0].stdout.take().expect("piped");
+    let stdout = job.take_rank0_stdout().expect("rank 0's output is piped");
     for line in BufReader::new(stdout).lines().map_while(Result::ok) {
         let Ok(step) = serde_json::from_str::<Value>(&line) else { continue };
         progress.step(
@@ -318,13 +281,9 @@ pub(crate) fn launch_and_watch(args: &WorkerArgs, layouts: &[RankLayout], progre
         );
         steps.push(step);
     }
-    let grace = Duration::from_secs(args.run.timeout_s + 15);
-    let statuses = wait_all(&mut children, grace, &store);
-    drop(store);
+    let end = job.wait(Duration::from_secs(args.run.timeout_s + 15), None);
     progress.finish();
-    // The pipes close when the workers exit: joining the readers gets every last line.
-    let errors = errors.into_iter().map(|reader| reader.join().unwrap_or_default()).collect();
-    Ok(Outcome { statuses, errors, steps })
+    Ok(Outcome { end, steps })
 }
 
 fn worker_flags(args: &WorkerArgs) -> Vec<String> {
@@ -337,64 +296,11 @@ fn worker_flags(args: &WorkerArgs) -> Vec<String> {
     flags
 }
 
-/// A fresh secret per job, so a stray process from another run cannot join this one.
-fn job_token() -> String {
-    let mut bytes = [0u8; 16];
-    let read = fs::File::open("/dev/urandom").and_then(|mut f| f.read_exact(&mut bytes));
-    if read.is_err() {
-        let nanos = std::time::SystemTime::now().duration_since(std::time::UNIX_EPOCH).unwrap_or_default();
-        bytes[..8].copy_from_slice(&(nanos.as_nanos() as u64 ^ u64::from(std::process::id())).to_le_bytes());
-    }
-    bytes.iter().map(|b| format!("{b:02x}")).collect()
-}
-
-/// Shows a worker's standard error lines above the progress and keeps them.
-fn collect_lines(stderr: ChildStderr, progress: Progress) -> std::thread::JoinHandle<Vec<String>> {
-    std::thread::spawn(move || {
-        BufReader::new(stderr).lines().map_while(Result::ok).inspect(|line| progress.println(line)).collect()
-    })
-}
-
-/// Waits for every worker; once one has failed, the store tells the others (which stop at once,
-/// naming it, even if it failed before joining them) and they get `grace` to report, then are
-/// killed.
-fn wait_all(children: &mut [Child], grace: Duration, store: &StoreServer) -> Vec<Option<std::process::ExitStatus>> {
-    let mut statuses = vec![None; children.len()];
-    let mut failed_at: Option<Instant> = None;
-    loop {
-        for (rank, (child, status)) in children.iter_mut().zip(statuses.iter_mut()).enumerate() {
-            if status.is_none()
-                && let Ok(Some(exit)) = child.try_wait()
-            {
-                if !exit.success() && failed_at.is_none() {
-                    failed_at = Some(Instant::now());
-                    store.report_failure(rank, &format!("worker {rank} {}", describe_exit(exit)));
-                }
-                *status = Some(exit);
-            }
-        }
-        if statuses.iter().all(Option::is_some) {
-            return statuses;
-        }
-        if failed_at.is_some_and(|at| at.elapsed() > grace) {
-            for (child, status) in children.iter_mut().zip(&statuses) {
-                if status.is_none() {
-                    child.kill().ok();
-                    child.wait().ok();
-                }
-            }
-            return statuses;
-        }
-        std::thread::sleep(Duration::from_millis(50));
-    }
-}
-
 /// The run's wall time and the simulator's predicted step time.
 type Timing = (Duration, f64);
 
 fn report(out: &Path, outcome: &Outcome, layouts: &[RankLayout], timing: Timing) -> Result<ExitCode> {
-    let failed: Vec<usize> =
-        (0..layouts.len()).filter(|&r| !outcome.statuses[r].is_some_and(|status| status.success())).collect();
+    let failed = outcome.end.failed_ranks();
     if failed.is_empty() {
         merge_timelines(out)?;
         print_summary(out, &outcome.steps, timing);
@@ -403,12 +309,8 @@ fn report(out: &Path, outcome: &Outcome, layouts: &[RankLayout], timing: Timing)
     eprintln!("training stopped:");
     for &rank in &failed {
         let layout = &layouts[rank];
-        let how = match outcome.statuses[rank] {
-            None => "did not stop after the others failed; killed".to_string(),
-            Some(status) => describe_exit(status),
-        };
-        eprintln!("  worker {rank} ({}, {}): {how}", layout.id, layout.device.name);
-        if let Some(last) = outcome.errors[rank].last() {
+        eprintln!("  worker {rank} ({}, {}): {}", layout.id, layout.device.name, outcome.end.describe(rank));
+        if let Some(last) = outcome.end.stderr[rank].last() {
             eprintln!("    {last}");
         }
     }
@@ -422,15 +324,6 @@ fn report(out: &Path, outcome: &Outcome, layouts: &[RankLayout], timing: Timing)
         Err(_) => eprintln!("no checkpoint was completed"),
     }
     Ok(ExitCode::from(1))
-}
-
-fn describe_exit(status: std::process::ExitStatus) -> String {
-    use std::os::unix::process::ExitStatusExt;
-    match (status.code(), status.signal()) {
-        (_, Some(signal)) => format!("killed by signal {signal}"),
-        (Some(code), _) => format!("exited with status {code}"),
-        _ => "ended".into(),
-    }
 }
 
 /// One Perfetto file of the whole run from the workers' per-rank files: each segment (the first
