@@ -2,10 +2,11 @@
 //! throughput, utilisation and memory come from. The search ranks its finalists with this too.
 
 use std::collections::BTreeMap;
+use std::num::NonZeroU32;
 
 use medley_cost::comm::{self, DomainPart, Link};
 use medley_cost::{Calibration, CostModel, GIB, PassTime, Setting, StageShape, flops};
-use medley_spec::{BridgeMode, Cluster, DeviceSlot, NodeGroup, Vendor};
+use medley_spec::{BridgeMode, Cluster, DeviceSlot, NodeGroup, Schedule, Vendor};
 use serde::Serialize;
 
 use crate::plan::{Algorithm, LayerRange, Plan, Replica, Route, Stage};
@@ -178,6 +179,36 @@ fn micro_batches_in_flight(plan: &Plan, replica: &Replica, rank: usize, n_ranks:
     let chunk_layers = replica.stages.iter().skip(rank).step_by(n_ranks).map(|stage| stage.layers.len());
     let (largest, total) = chunk_layers.fold((0, 0), |(largest, total), layers| (largest.max(layers), total + layers));
     f64::from(chunks) * f64::from(largest) / f64::from(total.max(1))
+}
+
+/// The largest k whose kFkB in-flight activations fit every device of `plan` (at least 1, at
+/// most the largest micro-batch count, beyond which k changes nothing): how far an adaptive
+/// schedule may raise k. The simulator and the runtime both bound their `StepSchedules` by it.
+pub fn max_k_within_memory(plan: &Plan, calibration: &Calibration) -> u32 {
+    let cost = CostModel::new(plan.model(), plan.seq_len(), calibration);
+    let (setting, shards) = (plan_setting(plan), optimizer_shards(plan));
+    let memory = |shape, in_flight| cost.stage_memory(shape, setting, in_flight, shards).total();
+    // Per rank: (its index and the pipeline's depth, micro-batches, bytes held with nothing in
+    // flight, bytes one more micro-batch through every chunk adds, capacity).
+    let mut ranks = Vec::new();
+    for replica in plan.replicas() {
+        let n_ranks = plan.n_ranks(replica);
+        let stages = stage_shapes(replica);
+        for (rank, (stage, shape)) in replica.stages.iter().zip(rank_shapes(plan, replica)).enumerate() {
+            let per_micro_batch: f64 =
+                stages.iter().skip(rank).step_by(n_ranks).map(|&chunk| memory(chunk, 1.0) - memory(chunk, 0.0)).sum();
+            let capacity = plan.stage_group(stage).device.hbm_gib * GIB;
+            ranks.push((rank, n_ranks, replica.n_micro_batches, memory(shape, 0.0), per_micro_batch, capacity));
+        }
+    }
+    let fits = |k: u32| {
+        ranks.iter().all(|&(rank, n_ranks, m, held, per_micro_batch, capacity)| {
+            let kfkb = Schedule::Kfkb { k: NonZeroU32::new(k).expect("k ≥ 1") };
+            held + f64::from(kfkb.in_flight(rank, n_ranks, 1, m)) * per_micro_batch <= capacity
+        })
+    };
+    let max_m = plan.replicas().iter().map(|replica| replica.n_micro_batches).max().unwrap_or(1);
+    (1..=max_m.max(1)).take_while(|&k| k == 1 || fits(k)).last().unwrap_or(1)
 }
 
 /// What each (virtual) stage of a replica holds: the embedding on the first, the head on the last.

@@ -3,8 +3,10 @@
 
 use std::path::PathBuf;
 
+use medley_plan::max_k_within_memory;
+use medley_schedule::SchedulePolicy;
 use medley_schedule::{ScheduleKind, StepSchedules, generate};
-use medley_sim::{SchedulePolicy, Timeline, max_k_within_memory};
+use medley_trace::Timeline;
 
 use crate::{RuntimeError, StepMetrics, Worker};
 

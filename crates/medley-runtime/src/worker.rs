@@ -10,8 +10,8 @@ use medley_model::params::ParamGroup;
 use medley_model::{AdamW, BurnStage, HostTensor, MicroBatch, ModelConfig, Stage, StageOutput};
 use medley_plan::{LayerRange, Plan};
 use medley_schedule::{Instruction, Programs, RankId};
-use medley_sim::timeline::{COLLECTIVE_TID, COMPUTE_TID};
-use medley_sim::{BandwidthTrace, Timeline, TraceWalker};
+use medley_trace::timeline::{COLLECTIVE_TID, COMPUTE_TID};
+use medley_trace::{BandwidthTrace, Timeline, TraceWalker};
 use serde_json::json;
 
 use crate::error::CommContext;

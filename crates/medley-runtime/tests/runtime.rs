@@ -10,8 +10,9 @@ use medley_model::{AdamW, HostTensor};
 use medley_plan::{Plan, ReplicaLayout, assemble, stages_from_counts};
 use medley_runtime::{LinkEmulation, StepMetrics, TrainOptions, Worker, WorkerOptions};
 use medley_schedule::ScheduleKind;
-use medley_sim::{BandwidthTrace, SchedulePolicy};
+use medley_schedule::SchedulePolicy;
 use medley_spec::{Cluster, JobParts, JobSpec, Recompute, Schedule, catalog_model};
+use medley_trace::BandwidthTrace;
 
 const SEQ_LEN: u32 = 32;
 const STEPS: u64 = 3;

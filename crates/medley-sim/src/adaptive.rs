@@ -3,15 +3,12 @@
 //! picks each step's schedule, adaptive kFkB's k from the steps before it.
 
 use std::io::Write;
-use std::num::NonZeroU32;
 
 use medley_cost::Calibration;
-use medley_plan::Plan;
-use medley_schedule::{ScheduleKind, SchedulePolicy, StepSchedules};
+use medley_plan::{Plan, max_k_within_memory};
+use medley_schedule::{SchedulePolicy, StepSchedules};
 use serde::Serialize;
 
-use crate::network::Network;
-use crate::setup::Setup;
 use crate::{SimConfig, SimError, Simulation, StepReport};
 
 /// One step of a run, in brief.
@@ -36,24 +33,6 @@ pub struct RunReport {
     pub fits: bool,
     /// The last step in full.
     pub last_step: StepReport,
-}
-
-/// The largest k whose kFkB in-flight activations fit every device of `plan` (at least 1, at
-/// most the largest micro-batch count, beyond which k changes nothing).
-pub fn max_k_within_memory(plan: &Plan, calibration: &Calibration) -> u32 {
-    let setup = Setup::new(plan, calibration, &mut Network::<()>::new());
-    let max_m = plan.replicas().iter().map(|replica| replica.n_micro_batches).max().unwrap_or(1);
-    let fits = |k: u32| {
-        let kind = ScheduleKind::Kfkb { k: NonZeroU32::new(k).expect("k ≥ 1") };
-        setup.ranks.iter().all(|rank| {
-            let replica = &plan.replicas()[rank.id.replica_idx as usize];
-            let n_ranks = plan.n_ranks(replica);
-            let in_flight = kind.in_flight(rank.id.stage_idx as usize, n_ranks, 1, replica.n_micro_batches);
-            let activations: f64 = rank.chunks.iter().map(|chunk| chunk.activation_bytes).sum();
-            rank.static_bytes + f64::from(in_flight) * activations <= rank.capacity_bytes
-        })
-    };
-    (1..=max_m.max(1)).take_while(|&k| k == 1 || fits(k)).last().unwrap_or(1)
 }
 
 /// Simulates `n_steps` steps of `plan` (at least one) under `policy`.

@@ -17,8 +17,8 @@ use serde_json::json;
 
 use crate::network::{DrainAt, FlowId};
 use crate::setup::{ELEMENT_BYTES, ns};
-use crate::timeline::{COLLECTIVE_TID, COMPUTE_TID, lane_tid};
 use crate::{SimError, Simulation};
+use medley_trace::timeline::{COLLECTIVE_TID, COMPUTE_TID, lane_tid};
 
 /// A message between ranks; receives match sends by key.
 #[derive(Clone, Copy, Debug, PartialEq, Eq, Hash)]

@@ -19,12 +19,10 @@
 //! shards over their own ports in lock step.
 
 mod adaptive;
-mod bandwidth;
 mod engine;
 mod network;
 mod report;
 mod setup;
-pub mod timeline;
 
 use std::io::Write;
 
@@ -32,16 +30,16 @@ use medley_cost::Calibration;
 use medley_plan::{Plan, PlanError};
 use medley_schedule::{Programs, ScheduleKind};
 
-pub use adaptive::{RunReport, StepSummary, max_k_within_memory, simulate_steps};
-pub use bandwidth::{BandwidthTrace, TraceWalker};
+pub use adaptive::{RunReport, StepSummary, simulate_steps};
 pub use medley_schedule::SchedulePolicy;
+pub use medley_trace::{BandwidthTrace, TraceWalker, timeline};
 pub use report::{RankReport, StepReport};
 
-use bandwidth::TraceCursor;
 use engine::{StepRun, Transfer};
+pub use medley_trace::Timeline;
+use medley_trace::TraceCursor;
 use network::Network;
 use setup::Setup;
-pub use timeline::Timeline;
 
 /// Why a simulation could not run.
 #[derive(Debug, thiserror::Error)]
@@ -71,7 +69,7 @@ pub enum SimError {
     #[error("lowering an all-reduce: {0}")]
     Collective(#[from] medley_collective::CollectiveError),
     #[error("{0}")]
-    Trace(String),
+    Trace(#[from] medley_trace::TraceError),
     #[error("writing the timeline: {0}")]
     Timeline(#[from] std::io::Error),
 }

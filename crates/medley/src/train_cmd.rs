@@ -15,13 +15,14 @@ use anyhow::{Context, Result};
 use clap::Args;
 use medley_cost::Calibration;
 use medley_launch::{Echo, JobEnd, LocalJob, RankCommand};
+use medley_plan::max_k_within_memory;
 use medley_plan::{Plan, SearchOptions, search};
 use medley_runtime::{
     RankLayout, calibration_memory, check_resumable, emulation_calibration, measure_model_pass, read_latest,
     worker_memory,
 };
 use medley_sim::timeline::{merge_segments, trace_events};
-use medley_sim::{SchedulePolicy, SimConfig, max_k_within_memory, simulate_steps};
+use medley_sim::{SchedulePolicy, SimConfig, simulate_steps};
 use medley_spec::{Cluster, JobParts, JobSpec, ModelSpec, Schedule};
 use serde_json::Value;
 

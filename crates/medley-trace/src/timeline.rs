@@ -19,7 +19,7 @@ pub const COMPUTE_TID: u32 = 1;
 pub const COLLECTIVE_TID: u32 = 2;
 const FIRST_LANE_TID: u32 = 10;
 
-pub(crate) fn lane_tid(lane: u32) -> u32 {
+pub fn lane_tid(lane: u32) -> u32 {
     FIRST_LANE_TID + lane
 }
 

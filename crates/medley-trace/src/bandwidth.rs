@@ -12,7 +12,10 @@ use std::str::FromStr;
 use rand::{Rng, SeedableRng};
 use rand_chacha::ChaCha8Rng;
 
-use crate::SimError;
+/// A bandwidth trace that does not parse, naming where and why.
+#[derive(Clone, Debug, PartialEq, Eq, thiserror::Error)]
+#[error("{0}")]
+pub struct TraceError(pub String);
 
 /// The fraction of a link's bandwidth that is available over time.
 #[derive(Clone, Debug, PartialEq)]
@@ -32,11 +35,11 @@ pub enum BandwidthTrace {
 impl BandwidthTrace {
     /// A trace from CSV text: one `time_s,fraction` row per line, times ascending; a header row
     /// and blank lines are skipped. `source` names the file in errors.
-    pub fn from_csv(text: &str, source: &str) -> Result<Self, SimError> {
+    pub fn from_csv(text: &str, source: &str) -> Result<Self, TraceError> {
         let mut points = Vec::new();
         for (line_idx, line) in text.lines().enumerate() {
             let line = line.trim();
-            let error = |message: String| SimError::Trace(format!("{source}:{}: {message}", line_idx + 1));
+            let error = |message: String| TraceError(format!("{source}:{}: {message}", line_idx + 1));
             let is_header =
                 line_idx == 0 && line.split(',').next().is_some_and(|first| first.trim().parse::<f64>().is_err());
             if line.is_empty() || is_header {
@@ -57,7 +60,7 @@ impl BandwidthTrace {
             points.push((time_ns, fraction));
         }
         if points.is_empty() {
-            return Err(SimError::Trace(format!("{source}: no time_s,fraction rows")));
+            return Err(TraceError(format!("{source}: no time_s,fraction rows")));
         }
         Ok(BandwidthTrace::Points(points))
     }
@@ -73,13 +76,13 @@ impl BandwidthTrace {
 }
 
 impl FromStr for BandwidthTrace {
-    type Err = SimError;
+    type Err = TraceError;
 
     /// `constant:F`, `on-off:full=T,reduced=T,fraction=F` or
     /// `random:seed=N,full=T,reduced=T,fraction=F`, with times like `2s`, `500ms`, `40us`.
     /// CSV traces come from [`BandwidthTrace::from_csv`].
-    fn from_str(text: &str) -> Result<Self, SimError> {
-        let error = |message: String| SimError::Trace(format!("network trace `{text}`: {message}"));
+    fn from_str(text: &str) -> Result<Self, TraceError> {
+        let error = |message: String| TraceError(format!("network trace `{text}`: {message}"));
         let (kind, rest) = text.split_once(':').unwrap_or((text, ""));
         match kind.trim() {
             "constant" => Ok(BandwidthTrace::Constant { fraction: parse_fraction(rest.trim()).map_err(error)? }),
@@ -196,7 +199,7 @@ fn seconds_to_ns(seconds: f64) -> u64 {
 }
 
 /// One link's walk through a trace: the fraction at time 0, then each change in order.
-pub(crate) struct TraceCursor {
+pub struct TraceCursor {
     state: CursorState,
 }
 
@@ -209,7 +212,7 @@ enum CursorState {
 
 impl TraceCursor {
     /// The cursor for link number `link` of `trace`, and the fraction the link starts with.
-    pub(crate) fn new(trace: &BandwidthTrace, link: u64) -> (f64, Self) {
+    pub fn new(trace: &BandwidthTrace, link: u64) -> (f64, Self) {
         match *trace {
             BandwidthTrace::Constant { fraction } => (fraction, TraceCursor { state: CursorState::Done }),
             BandwidthTrace::OnOff { full_ns, reduced_ns, fraction } => (
@@ -246,7 +249,7 @@ impl TraceCursor {
     }
 
     /// The next change: when it happens and the fraction from then on.
-    pub(crate) fn next_change(&mut self) -> Option<(u64, f64)> {
+    pub fn next_change(&mut self) -> Option<(u64, f64)> {
         match &mut self.state {
             CursorState::Done => None,
             CursorState::Periodic { next_ns, full, full_ns, reduced_ns, fraction } => {
