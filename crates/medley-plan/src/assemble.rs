@@ -28,7 +28,7 @@ pub fn stages_from_counts(device_groups: Vec<Vec<u32>>, counts: &[u32]) -> Vec<S
         .collect()
 }
 
-/// The plan of `layouts` with `schedule` over `virtual_stages` chunks per rank.
+/// The plan of `layouts` with `schedule` over `virtual_stages` chunks per rank, checked.
 pub fn assemble(
     cluster: &Cluster,
     cost: &CostModel,
@@ -38,6 +38,33 @@ pub fn assemble(
     virtual_stages: u32,
     layouts: Vec<ReplicaLayout>,
 ) -> Result<Plan, PlanError> {
+    Plan::new(plan_parts(cluster, cost, job, setting, schedule, virtual_stages, layouts))
+}
+
+/// [`assemble`] for layouts the planner built itself, correct by construction (see
+/// [`Plan::assembled`]).
+pub(crate) fn assemble_trusted(
+    cluster: &Cluster,
+    cost: &CostModel,
+    job: &JobSpec,
+    setting: Setting,
+    schedule: Schedule,
+    virtual_stages: u32,
+    layouts: Vec<ReplicaLayout>,
+) -> Plan {
+    Plan::assembled(plan_parts(cluster, cost, job, setting, schedule, virtual_stages, layouts))
+}
+
+/// The parts of a plan of `layouts`: each boundary's and data-parallel group's route chosen.
+fn plan_parts(
+    cluster: &Cluster,
+    cost: &CostModel,
+    job: &JobSpec,
+    setting: Setting,
+    schedule: Schedule,
+    virtual_stages: u32,
+    layouts: Vec<ReplicaLayout>,
+) -> PlanParts {
     let slots = cluster.devices();
     let vendor_of = |stage: &Stage| -> (DeviceSlot, Vendor) {
         let slot = slots[stage.devices[0] as usize];
@@ -72,7 +99,7 @@ pub fn assemble(
             DpGroup { layers, route, algorithm }
         })
         .collect();
-    Plan::new(PlanParts {
+    PlanParts {
         version: PLAN_VERSION,
         cluster: cluster.clone(),
         model: cost.model().clone(),
@@ -86,5 +113,5 @@ pub fn assemble(
         virtual_stages,
         replicas,
         dp_groups,
-    })
+    }
 }
