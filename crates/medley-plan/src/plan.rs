@@ -1,8 +1,9 @@
 //! The Plan: explicit, versioned data saying which devices run which layers of which replica, and
 //! how every parallel group communicates. The planner writes it; the schedule, simulator and
 //! runtime read it. Schema version 1 is documented field by field on [`PlanParts`] and in
-//! ARCHITECTURE.md. A [`Plan`] is its parts once checked: it cannot exist, be read from a file or
-//! be edited without passing [`Plan::new`], so nothing downstream checks it again.
+//! ARCHITECTURE.md. A [`Plan`] is its parts once checked: outside this crate it cannot be made,
+//! read from a file or edited without passing [`Plan::new`], so nothing downstream checks it
+//! again.
 
 use std::collections::BTreeSet;
 use std::fmt;
@@ -16,8 +17,9 @@ use crate::error::{InvalidPlan, PlanError, ReplicaProblem, RouteProblem};
 pub const PLAN_VERSION: u32 = 1;
 
 /// A complete training layout for one cluster, model and job, every invariant checked: built
-/// only through [`Plan::new`], which a plan file goes through too when it is read. Nothing
-/// downstream re-checks it, and nothing changes it but the edit methods, which check again.
+/// through [`Plan::new`], which a plan file goes through too when it is read (the planner's own
+/// assemblies, correct by construction, are checked in debug builds). Nothing downstream
+/// re-checks it, and nothing changes it but the edit methods, which check again.
 #[derive(Clone, Debug, PartialEq, Serialize, Deserialize)]
 #[serde(try_from = "PlanParts", into = "PlanParts")]
 pub struct Plan {
