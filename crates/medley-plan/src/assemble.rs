@@ -4,9 +4,8 @@
 use medley_cost::{CostModel, Setting};
 use medley_spec::{Cluster, DeviceSlot, JobSpec, Schedule, Vendor};
 
-use crate::error::PlanError;
 use crate::evaluate::{best_boundary_route, best_dp_route, dp_group_bytes};
-use crate::plan::{DpGroup, LayerRange, PLAN_VERSION, Plan, PlanParts, Replica, Stage, dp_layer_ranges};
+use crate::plan::{DpGroup, LayerRange, PLAN_VERSION, PlanParts, Replica, Stage, dp_layer_ranges};
 
 /// One replica before routing: its batch share and its (virtual) stages in model order.
 pub struct ReplicaLayout {
@@ -28,35 +27,9 @@ pub fn stages_from_counts(device_groups: Vec<Vec<u32>>, counts: &[u32]) -> Vec<S
         .collect()
 }
 
-/// The plan of `layouts` with `schedule` over `virtual_stages` chunks per rank, checked.
+/// The parts of the plan of `layouts` with `schedule` over `virtual_stages` chunks per rank, each
+/// boundary's and data-parallel group's route chosen; [`Plan::new`] makes them a plan.
 pub fn assemble(
-    cluster: &Cluster,
-    cost: &CostModel,
-    job: &JobSpec,
-    setting: Setting,
-    schedule: Schedule,
-    virtual_stages: u32,
-    layouts: Vec<ReplicaLayout>,
-) -> Result<Plan, PlanError> {
-    Plan::new(plan_parts(cluster, cost, job, setting, schedule, virtual_stages, layouts))
-}
-
-/// [`assemble`] for layouts the planner built itself, correct by construction (see
-/// [`Plan::assembled`]).
-pub(crate) fn assemble_trusted(
-    cluster: &Cluster,
-    cost: &CostModel,
-    job: &JobSpec,
-    setting: Setting,
-    schedule: Schedule,
-    virtual_stages: u32,
-    layouts: Vec<ReplicaLayout>,
-) -> Plan {
-    Plan::assembled(plan_parts(cluster, cost, job, setting, schedule, virtual_stages, layouts))
-}
-
-/// The parts of a plan of `layouts`: each boundary's and data-parallel group's route chosen.
-fn plan_parts(
     cluster: &Cluster,
     cost: &CostModel,
     job: &JobSpec,

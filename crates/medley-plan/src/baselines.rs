@@ -14,7 +14,7 @@ use medley_cost::{Calibration, CostModel, Setting};
 use medley_spec::{Cluster, JobSpec, ModelSpec, Schedule};
 use rayon::prelude::*;
 
-use crate::assemble::{ReplicaLayout, assemble_trusted, stages_from_counts};
+use crate::assemble::{ReplicaLayout, assemble, stages_from_counts};
 use crate::error::PlanError;
 use crate::evaluate::evaluate;
 use crate::plan::{Plan, tp_splits_heads};
@@ -113,7 +113,7 @@ pub fn megatron_plan(
             }
         })
         .collect();
-    Ok(assemble_trusted(cluster, cost, job, setting, schedule, degrees.vpp, replicas))
+    Ok(Plan::assembled(assemble(cluster, cost, job, setting, schedule, degrees.vpp, replicas)))
 }
 
 /// The schedule a Megatron-style plan with `vpp` chunks per rank runs: 1F1B over several

@@ -190,9 +190,9 @@ impl Plan {
         Ok(plan)
     }
 
-    /// A plan the planner assembled, correct by construction: its holders are found, its
-    /// invariants checked only in debug builds (the search assembles many plans, and checking
-    /// each would cost the planner a quarter of its time on 8,192 GPUs).
+    /// A plan the planner assembled from its own layouts, correct by construction: checked only
+    /// in debug builds (the search assembles many plans, and checking each cost the planner a
+    /// quarter of its time on 8,192 GPUs).
     pub(crate) fn assembled(parts: PlanParts) -> Plan {
         debug_assert!(Plan::new(parts.clone()).is_ok(), "the planner assembled an invalid plan: {parts:?}");
         Plan { parts }

@@ -40,7 +40,7 @@ fn plan(fleet: &str, replicas: &[(u32, &[u32])], chunks: u32) -> Plan {
         })
         .collect();
     let schedule = if chunks > 1 { Schedule::Interleaved } else { Schedule::OneFOneB };
-    assemble(&cluster, &cost, &job, setting, schedule, chunks, layouts).unwrap()
+    Plan::new(assemble(&cluster, &cost, &job, setting, schedule, chunks, layouts)).unwrap()
 }
 
 /// Losses per step and every rank's checkpoint tensors after `STEPS` steps of `plan`.

@@ -26,7 +26,7 @@ use medley_cost::{Calibration, CostModel, Setting};
 use medley_spec::{BridgeMode, Cluster, DeviceSlot, JobSpec, ModelSpec, NodeGroup, Recompute, Schedule};
 use rayon::prelude::*;
 
-use crate::assemble::{ReplicaLayout, assemble_trusted, stages_from_counts};
+use crate::assemble::{ReplicaLayout, assemble, stages_from_counts};
 use crate::error::PlanError;
 use crate::evaluate::{Prediction, evaluate};
 use crate::partition::{ClassShare, ReplicaClass, split_micro_batches};
@@ -338,7 +338,7 @@ impl Space<'_> {
             }
         }
         let schedule = if chunks > 1 { Schedule::Interleaved } else { self.job.schedule() };
-        Some(assemble_trusted(self.cluster, &self.cost, self.job, layout.setting, schedule, chunks, replicas))
+        Some(Plan::assembled(assemble(self.cluster, &self.cost, self.job, layout.setting, schedule, chunks, replicas)))
     }
 }
 
