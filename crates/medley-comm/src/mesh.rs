@@ -11,7 +11,7 @@ use medley_collective::{DomainId, Group};
 use crate::CommError;
 use crate::env::{Config, Route};
 use crate::session::Session;
-use crate::transport::shm::{Inbox, ShmTransport, inbox_path};
+use crate::transport::shm::{Inbox, ShmTransport, allow_reads_by, inbox_path};
 use crate::transport::tcp::TcpTransport;
 use crate::transport::window::{self, Windows, window_path};
 use crate::transport::{Links, Transport};
@@ -162,9 +162,7 @@ fn connect_shm(
         std::fs::remove_file(path).ok();
     }
     let windows = share_windows.then(|| Windows::new(me, maps.into_iter().flatten().collect(), members.to_vec()));
-    // Without this, Yama's ptrace scope 1 would refuse peers' process_vm_readv of this process.
-    // SAFETY: prctl with PR_SET_PTRACER only changes this process's ptrace policy.
-    unsafe { libc::prctl(libc::PR_SET_PTRACER, libc::PR_SET_PTRACER_ANY, 0, 0, 0) };
+    allow_reads_by(&peers.iter().map(|&p| infos[p].pid).collect::<Vec<_>>());
     Ok((ShmTransport::new(me, inbox, theirs), windows))
 }
 

@@ -12,9 +12,10 @@ use std::collections::VecDeque;
 use std::fs::OpenOptions;
 use std::os::fd::AsRawFd;
 use std::path::{Path, PathBuf};
+use std::sync::Mutex;
 use std::sync::atomic::{AtomicU32, AtomicU64, Ordering};
 
-use memmap2::MmapMut;
+use memmap2::MmapRaw;
 
 use super::{Sink, Ticket, Transport};
 use crate::CommError;
@@ -65,14 +66,14 @@ struct Mailbox {
 impl Mailbox {
     /// Eager buffer `idx`; only the sender writes it, and only while its last message is consumed.
     fn eager_buffer(&self, idx: usize) -> *mut u8 {
-        // SAFETY (of the pointer arithmetic): `idx` is reduced modulo the buffer count.
+        // SAFETY: `idx` is reduced modulo the buffer count, so the offset stays inside `eager`.
         unsafe { self.eager.get().cast::<u8>().add((idx % EAGER_SLOTS) * EAGER_BYTES) }
     }
 }
 
 /// A rank's inbox: one mailbox per possible sender, in a file every local rank maps.
 pub(crate) struct Inbox {
-    map: MmapMut,
+    map: MmapRaw,
     n_ranks: usize,
 }
 
@@ -93,8 +94,9 @@ impl Inbox {
 
     fn mailbox(&self, sender: usize) -> &Mailbox {
         assert!(sender < self.n_ranks, "sender {sender} outside the inbox");
-        // SAFETY: the mapping is page-aligned and holds `n_ranks` mailboxes, zero-initialised by
-        // `set_len` (all-zero atomics are valid); it lives as long as `self`.
+        // SAFETY: the mapping is page-aligned and holds `n_ranks` mailboxes, zero-filled when
+        // created (all-zero atomics are valid, and every field is an atomic, padding or bytes
+        // behind an `UnsafeCell`); it lives as long as `self`.
         unsafe { &*(self.map.as_ptr() as *const Mailbox).add(sender) }
     }
 }
@@ -102,7 +104,7 @@ impl Inbox {
 /// Maps the shared file at `path` of `len` bytes: created (or a stale one replaced) zero-filled
 /// and with its memory reserved when `create`, else opened, and then it must have exactly that
 /// size.
-pub(crate) fn map_shared(path: &Path, len: usize, create: bool) -> Result<MmapMut, CommError> {
+pub(crate) fn map_shared(path: &Path, len: usize, create: bool) -> Result<MmapRaw, CommError> {
     let what = if create { "creating" } else { "opening" };
     let io = |err: std::io::Error| CommError::io(format!("{what} {}", path.display()), &err);
     let file = OpenOptions::new().read(true).write(true).create(create).truncate(create).open(path).map_err(io)?;
@@ -122,9 +124,10 @@ pub(crate) fn map_shared(path: &Path, len: usize, create: bool) -> Result<MmapMu
             message: format!("{found} bytes, expected {len}"),
         });
     }
-    // SAFETY: the file is only ever accessed through mappings of ranks of one job, through
-    // atomics or in ranges their protocol hands from one rank to the other.
-    unsafe { MmapMut::map_mut(&file) }.map_err(|err| CommError::io(format!("mapping {}", path.display()), &err))
+    // A raw mapping: every access goes through a pointer, as atomics or in ranges the ranks'
+    // protocol hands from one to another, never through a Rust slice over the whole file that
+    // another process could change under it.
+    MmapRaw::map_raw(&file).map_err(|err| CommError::io(format!("mapping {}", path.display()), &err))
 }
 
 /// Where a rank's inbox lives.
@@ -225,6 +228,49 @@ pub(super) fn reached(value: u32, target: u32) -> bool {
     (value.wrapping_sub(target) as i32) >= 0
 }
 
+/// Who may read this process's memory, as far as this process has widened Yama's rule.
+enum Readers {
+    /// Yama's default: under ptrace scope 1, only ancestors.
+    Default,
+    One(u32),
+    AnyOfThisUser,
+}
+
+static READERS: Mutex<Readers> = Mutex::new(Readers::Default);
+
+/// Lets the processes `pids` (local peers, of this user) read this process's memory with
+/// `process_vm_readv` under Yama's ptrace scope 1, where by default only ancestors may. The
+/// effect lasts for the life of the process: Yama allows one exception per process, so it is
+/// that one peer while every communicator names the same one, and any process of this user
+/// (the rule without Yama) as soon as two peers need it. Without Yama or at scope 0 this does
+/// nothing; scopes 2 and 3 cannot be widened, and the first read then fails naming the scope.
+pub(crate) fn allow_reads_by(pids: &[u32]) {
+    if pids.is_empty() || yama_scope().as_deref() != Some("1") {
+        return;
+    }
+    let mut readers = READERS.lock().unwrap_or_else(|poisoned| poisoned.into_inner());
+    let wanted = match (&*readers, pids) {
+        (Readers::AnyOfThisUser, _) => return,
+        (Readers::One(set), [pid]) if set == pid => return,
+        (Readers::Default, [pid]) => Readers::One(*pid),
+        _ => Readers::AnyOfThisUser,
+    };
+    let ptracer = match wanted {
+        Readers::One(pid) => pid as libc::c_ulong,
+        _ => libc::PR_SET_PTRACER_ANY,
+    };
+    // SAFETY: PR_SET_PTRACER takes integers only and changes nothing but this process's
+    // Yama exception.
+    if unsafe { libc::prctl(libc::PR_SET_PTRACER, ptracer, 0, 0, 0) } == 0 {
+        *readers = wanted;
+    }
+}
+
+/// Yama's ptrace scope, where the kernel has Yama.
+fn yama_scope() -> Option<String> {
+    std::fs::read_to_string("/proc/sys/kernel/yama/ptrace_scope").ok().map(|scope| scope.trim().to_string())
+}
+
 /// Copies `into.len()` bytes at `addr` in process `pid` into `into`.
 fn read_from(pid: libc::pid_t, addr: u64, into: &mut [u8], rank: usize) -> Result<(), CommError> {
     let mut done = 0;
@@ -236,7 +282,14 @@ fn read_from(pid: libc::pid_t, addr: u64, into: &mut [u8], rank: usize) -> Resul
         let n = unsafe { libc::process_vm_readv(pid, &local, 1, &remote, 1, 0) };
         if n <= 0 {
             let err = std::io::Error::last_os_error();
-            return Err(CommError::PeerGone { rank, what: format!("reading its memory failed: {err}") });
+            let mut what = format!("reading its memory failed: {err}");
+            if let (Some(libc::EPERM), Some(scope)) = (err.raw_os_error(), yama_scope()) {
+                what += &format!(
+                    " (kernel.yama.ptrace_scope is {scope}; shared memory between ranks needs 0 or 1, \
+                     or a `Config` that routes these ranks over TCP)"
+                );
+            }
+            return Err(CommError::PeerGone { rank, what });
         }
         done += n as usize;
     }
