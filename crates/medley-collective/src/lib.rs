@@ -23,7 +23,10 @@ use serde::{Deserialize, Serialize};
 use std::num::NonZeroUsize;
 use std::ops::Range;
 
-pub use choose::{DIRECT_BYTES, LARGE_BYTES, SMALL_BYTES, choose, choose_with_windows};
+pub use choose::{
+    CHUNK_BYTES, Choice, DIRECT_BYTES, LARGE_BYTES, MAX_CHUNKS, SMALL_BYTES, WINDOW_SEGMENT_BYTES, choose, choose_call,
+    choose_with_windows,
+};
 pub use error::CollectiveError;
 pub use group::{DomainId, Group};
 pub use lower::as_messages;
@@ -80,6 +83,17 @@ pub enum Counts {
     PerRank(Vec<usize>),
     /// `[i][j]`: elements rank i sends to rank j.
     PerPair(Vec<Vec<usize>>),
+}
+
+impl Counts {
+    /// Elements of the whole buffer: one rank's where every rank's is the same, else every block.
+    pub fn total(&self) -> usize {
+        match self {
+            Counts::Same(len) => *len,
+            Counts::PerRank(sizes) => sizes.iter().sum(),
+            Counts::PerPair(matrix) => matrix.iter().flatten().sum(),
+        }
+    }
 }
 
 /// How the data moves.

@@ -2,12 +2,9 @@
 //! links, and turns any failure into the job's abort.
 
 use std::net::IpAddr;
-use std::num::NonZeroUsize;
 use std::sync::Arc;
 
-use medley_collective::{
-    Algorithm, Chunking, Counts, Group, Op, RankSteps, ReduceOp, choose, choose_with_windows, plan_steps,
-};
+use medley_collective::{Algorithm, Choice, Counts, Group, Op, RankSteps, ReduceOp, choose_call, plan_steps};
 
 use crate::CommError;
 use crate::dtype::{DType, Element};
@@ -15,8 +12,7 @@ use crate::env::{Config, LaunchEnv};
 use crate::exec::{Call, Scratch, execute};
 use crate::mesh;
 use crate::session::Session;
-use crate::transport::shm::MAILBOX_SLOTS;
-use crate::transport::window::{WINDOW_BYTES, Windows};
+use crate::transport::window::Windows;
 use crate::transport::{Links, Sink, Ticket};
 use crate::wait::{Blame, Waiter};
 use crate::wire::{FrameHeader, fingerprint};
@@ -68,7 +64,7 @@ struct PendingSend {
 struct PlanKey {
     op: Op,
     counts: Counts,
-    algorithm: Algorithm,
+    choice: Choice,
     dtype: DType,
 }
 
@@ -210,16 +206,15 @@ impl Communicator {
         self.windows.is_some()
     }
 
-    /// The algorithm a collective of `op` with `bytes` per rank runs unless the caller forces one:
-    /// [`choose_with_windows`]'s when the ranks share windows, else [`choose`]'s.
-    pub fn default_algorithm(&self, op: Op, bytes: usize) -> Algorithm {
-        match self.windows {
-            Some(_) => choose_with_windows(op, &self.group, bytes),
-            None => choose(op, &self.group, bytes),
-        }
+    /// How a collective of `op` over `counts` runs: `algorithm` if given, else the default one
+    /// for the group, its size and whether the ranks share windows, chunked as
+    /// [`choose_call`] says for [`Config::chunk_bytes`].
+    pub fn choice(&self, op: Op, counts: &Counts, algorithm: Option<Algorithm>, dtype: DType) -> Choice {
+        let (elem_bytes, windows) = (dtype.size_bytes(), self.windows.is_some());
+        choose_call(op, &self.group, counts, algorithm, elem_bytes, windows, self.config.chunk_bytes)
     }
 
-    /// Runs `op` with `algorithm` (or [`Communicator::default_algorithm`]'s). `output` is either
+    /// Runs `op` with `algorithm` (or the default of [`Communicator::choice`]). `output` is either
     /// the whole working buffer of the plan or just this rank's result.
     pub fn collective<T: Element>(
         &mut self,
@@ -231,14 +226,11 @@ impl Communicator {
     ) -> Result<(), CommError> {
         self.session.abort.check()?;
         let size = size_of::<T>();
-        let algorithm = match algorithm {
-            Some(algorithm) if algorithm.needs_windows() && self.windows.is_none() => {
-                return Err(CommError::NeedsWindows { algorithm });
-            }
-            Some(algorithm) => algorithm,
-            None => self.default_algorithm(op, size_of_val(input)),
-        };
-        let cached = self.plan(PlanKey { op, counts: counts.clone(), algorithm, dtype: T::DTYPE })?;
+        if let Some(algorithm) = algorithm.filter(|algorithm| algorithm.needs_windows() && self.windows.is_none()) {
+            return Err(CommError::NeedsWindows { algorithm });
+        }
+        let choice = self.choice(op, counts, algorithm, T::DTYPE);
+        let cached = self.plan(PlanKey { op, counts: counts.clone(), choice, dtype: T::DTYPE })?;
         let plan = &cached.steps;
         if input.len() != plan.input_len {
             return Err(CommError::BufferLength { what: "input", expected: plan.input_len, got: input.len() });
@@ -293,12 +285,9 @@ impl Communicator {
             let entry = self.plans.remove(at);
             self.plans.push(entry);
         } else {
-            let chunking = match key.algorithm.needs_windows() {
-                true => window_segments(key.dtype.size_bytes()),
-                false => self.chunking(&key.counts, key.dtype.size_bytes()),
-            };
-            let mut plans = plan_steps(key.op, &self.group, &key.counts, key.algorithm, chunking)?;
-            let PlanKey { op, counts, algorithm, dtype } = &key;
+            let Choice { algorithm, chunking } = key.choice;
+            let mut plans = plan_steps(key.op, &self.group, &key.counts, algorithm, chunking)?;
+            let PlanKey { op, counts, dtype, .. } = &key;
             let description = format!("{op:?}|{dtype:?}|{counts:?}|{algorithm:?}|{chunking:?}");
             let plan = CachedPlan { steps: plans.swap_remove(self.rank), fingerprint: fingerprint(&description) };
             if self.plans.len() == PLAN_CACHE {
@@ -307,18 +296,6 @@ impl Communicator {
             self.plans.push((key, Arc::new(plan)));
         }
         Ok(Arc::clone(&self.plans.last().expect("just pushed").1))
-    }
-
-    /// Chunks of at most [`Config::chunk_bytes`], but few enough per message stream that a
-    /// shared-memory mailbox never fills with one plan's sends.
-    fn chunking(&self, counts: &Counts, elem_bytes: usize) -> Chunking {
-        let total = match counts {
-            Counts::Same(len) => *len,
-            Counts::PerRank(sizes) => sizes.iter().sum(),
-            Counts::PerPair(matrix) => matrix.iter().flatten().sum(),
-        };
-        let elems = (self.config.chunk_bytes / elem_bytes).max(total.div_ceil(MAILBOX_SLOTS / 4)).max(1);
-        Chunking::MaxElems(NonZeroUsize::new(elems).expect("at least one"))
     }
 
     fn p2p_header<T: Element>(&self, len: usize, seq: u64) -> FrameHeader {
@@ -433,12 +410,3 @@ const _: fn() = || {
     fn movable<T: Send>() {}
     movable::<Communicator>();
 };
-
-/// Window plans go through the buffer in segments of half a window: every rank's part of a
-/// segment stays in cache between the fences. 64 MiB of floats on this 2-core machine, busbw
-/// in three alternating runs per size: 2 bound ranks 4.0–4.3 GB/s with 512 KiB segments,
-/// 3.2–3.6 with 8 MiB, 1.5–3.6 with 128 KiB; 4 ranks sharing the cores 1.8–2.6 with 512 KiB
-/// and 1.7–2.2 with 8 MiB.
-fn window_segments(elem_bytes: usize) -> Chunking {
-    Chunking::MaxElems(NonZeroUsize::new(WINDOW_BYTES / 2 / elem_bytes).expect("segments hold elements"))
-}

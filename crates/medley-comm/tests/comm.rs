@@ -12,7 +12,7 @@ use std::process::{Child, Command, Stdio};
 use std::time::{Duration, Instant};
 
 use medley_comm::{
-    Algorithm, CommError, Communicator, Config, Counts, Element, LaunchEnv, Op, ReduceOp, Route, bf16, f16,
+    Algorithm, CommError, Communicator, Config, Counts, DType, Element, LaunchEnv, Op, ReduceOp, Route, bf16, f16,
 };
 use proptest::prelude::*;
 
@@ -298,6 +298,26 @@ fn large_messages_stripe_and_pipeline() {
 
 /// All-reduces through windows, over several segments (so both window slots) and within one,
 /// every type and reduction; and the refusal where ranks cannot share windows.
+/// Ranks whose inputs lie on both sides of a size threshold still choose one algorithm: the
+/// choice is made on what every rank knows (the counts), not on each rank's own input.
+#[test]
+fn an_uneven_all_gather_across_the_small_message_threshold_runs_with_the_default_algorithm() {
+    let small = medley_collective::SMALL_BYTES / 4;
+    let sizes = [small / 8, small * 2, 3];
+    let results = job(&["nvidia"; 3], &quick_config(), |comm| -> Result<Vec<f32>, String> {
+        let rank = comm.rank();
+        let input: Vec<f32> = (0..sizes[rank]).map(|i| (rank * 1000 + i % 1000) as f32).collect();
+        let mut output = vec![0f32; sizes.iter().sum()];
+        comm.all_gather(&input, &mut output, &sizes).map_err(|err| err.to_string())?;
+        Ok(output)
+    });
+    let expected: Vec<f32> =
+        (0..3).flat_map(|rank| (0..sizes[rank]).map(move |i| (rank * 1000 + i % 1000) as f32)).collect();
+    for result in results {
+        assert!(result.as_ref().is_ok_and(|output| *output == expected), "{:?}", result.map(|output| output.len()));
+    }
+}
+
 #[test]
 fn window_all_reduces_match_the_reference() {
     let results = job(&["nvidia"; 3], &quick_config(), |comm| -> Result<(), String> {
@@ -313,8 +333,8 @@ fn window_all_reduces_match_the_reference() {
                 check_every_type(comm, call)?;
             }
         }
-        let (op, bytes) = (Op::AllReduce { op: ReduceOp::Sum }, 64 << 20);
-        assert_eq!(comm.default_algorithm(op, bytes), Algorithm::Direct);
+        let (op, floats) = (Op::AllReduce { op: ReduceOp::Sum }, Counts::Same((64 << 20) / 4));
+        assert_eq!(comm.choice(op, &floats, None, DType::F32).algorithm, Algorithm::Direct);
         Ok(())
     });
     assert!(results.iter().all(Result::is_ok), "{results:?}");

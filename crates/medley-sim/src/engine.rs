@@ -11,7 +11,7 @@
 use std::cmp::Reverse;
 use std::collections::{BinaryHeap, HashMap, HashSet, VecDeque};
 
-use medley_collective::{self as collective, Chunking, Counts, DomainId, Group, Op, RankSteps, ReduceOp, Step};
+use medley_collective::{self as collective, Choice, Counts, DomainId, Group, Op, RankSteps, ReduceOp, Step};
 use medley_schedule::{Instruction, Program, RankId};
 use serde_json::json;
 
@@ -627,7 +627,12 @@ impl<'s, 'p, 'w> StepRun<'s, 'p, 'w> {
         let algorithm = dp_group.algorithm.into();
         let n_elements = (setup.dp_bytes[group_idx] / ELEMENT_BYTES).round() as usize;
         let op = Op::AllReduce { op: ReduceOp::Sum };
-        let plans = collective::plan_steps(op, &group, &Counts::Same(n_elements), algorithm, Chunking::Whole)?;
+        let counts = Counts::Same(n_elements);
+        // Chunked as the communicator chunks it, so that both engines run the same step lists.
+        let elem_bytes = ELEMENT_BYTES as usize;
+        let Choice { algorithm, chunking } =
+            collective::choose_call(op, &group, &counts, Some(algorithm), elem_bytes, false, collective::CHUNK_BYTES);
+        let plans = collective::plan_steps(op, &group, &counts, algorithm, chunking)?;
         // Reads of a peer's window are transfers from that peer.
         collective.steps = Some(collective::as_messages(&plans)?);
         let members = collective.members.clone();

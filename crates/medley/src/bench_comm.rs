@@ -5,7 +5,9 @@
 //! prints one JSON row per measurement and the parent prints them as a table or as JSON. Sizes
 //! and bus-bandwidth factors follow nccl-tests (its PERFORMANCE.md): all-reduce 2(n−1)/n,
 //! reduce-scatter, all-gather and all-to-all (n−1)/n, broadcast and reduce 1. Elements are f32,
-//! reductions sums; time is the slowest rank's mean over the timed iterations.
+//! reductions sums; time is the slowest rank's mean over the timed iterations. After the timed
+//! calls every rank checks its output element by element (nccl-tests' `#wrong`), and the run
+//! fails if any is wrong.
 
 use std::ffi::OsString;
 use std::io::{BufRead, BufReader};
@@ -15,7 +17,7 @@ use anyhow::{Context, Result, bail};
 use clap::{Args, ValueEnum};
 use comfy_table::Cell;
 use medley_collective::{Algorithm, Counts, Op, ReduceOp};
-use medley_comm::{Communicator, Config, LaunchEnv, Route};
+use medley_comm::{Communicator, Config, DType, LaunchEnv, Route};
 use medley_launch::{LocalJob, RankCommand};
 use serde::{Deserialize, Serialize};
 
@@ -161,6 +163,16 @@ pub struct CommArgs {
     /// vendor-to-vendor path slower than the domains' own links.
     #[arg(long, value_parser = parse_gb_s)]
     bridge_gb_s: Option<f64>,
+    /// Time these algorithms side by side (e.g. ring,recursive-doubling,direct) wherever one
+    /// supports the operation, instead of the one medley chooses.
+    #[arg(long, value_delimiter = ',', value_parser = parse_algorithm)]
+    algorithms: Vec<Algorithm>,
+}
+
+fn parse_algorithm(text: &str) -> Result<Algorithm, String> {
+    serde_json::from_value(serde_json::Value::String(text.trim().to_string())).map_err(|_| {
+        format!("{text:?} is not an algorithm: ring, tree, hierarchical, recursive-doubling, direct or pairwise")
+    })
 }
 
 /// One rank of a benchmark run (started by `medley bench comm`, never by hand).
@@ -178,6 +190,8 @@ pub struct WorkerArgs {
     timeout_s: u64,
     #[arg(long)]
     bridge_bytes_per_s: Option<u64>,
+    #[arg(long, value_delimiter = ',', value_parser = parse_algorithm)]
+    algorithms: Vec<Algorithm>,
 }
 
 /// One measurement, as rank 0 prints it and `--json` reports it.
@@ -195,6 +209,8 @@ struct Row {
     time_us: f64,
     algbw_gbps: f64,
     busbw_gbps: f64,
+    /// Output elements, over every rank, that did not hold the right result after the timed calls.
+    wrong: u64,
     /// The bridge's cap per link, when `--bridge-gb-s` set one on a TCP bridge.
     #[serde(skip_serializing_if = "Option::is_none", default)]
     bridge_gbps: Option<f64>,
@@ -220,13 +236,33 @@ pub fn run(args: &CommArgs) -> Result<()> {
     if args.json {
         println!("{}", serde_json::to_string_pretty(&rows)?);
     }
+    let wrong: Vec<String> = rows
+        .iter()
+        .filter(|row| row.wrong > 0)
+        .map(|row| {
+            format!("{:?} of {} B on {} {:?} ranks ({} wrong)", row.op, row.bytes, row.ranks, row.transport, row.wrong)
+        })
+        .collect();
+    if !wrong.is_empty() {
+        bail!("wrong results: {}", wrong.join("; "));
+    }
     Ok(())
 }
 
 fn render(rows: &[Row]) -> String {
     let Some(first) = rows.first() else { return String::new() };
-    let mut out =
-        table(&["size (B)", "count", "type", "redop", "op", "algorithm", "time (us)", "algbw (GB/s)", "busbw (GB/s)"]);
+    let mut out = table(&[
+        "size (B)",
+        "count",
+        "type",
+        "redop",
+        "op",
+        "algorithm",
+        "time (us)",
+        "algbw (GB/s)",
+        "busbw (GB/s)",
+        "#wrong",
+    ]);
     for row in rows {
         out.add_row(vec![
             right(row.bytes),
@@ -238,6 +274,7 @@ fn render(rows: &[Row]) -> String {
             right(format!("{:.1}", row.time_us)),
             right(format!("{:.2}", row.algbw_gbps)),
             right(format!("{:.2}", row.busbw_gbps)),
+            right(row.wrong),
         ]);
     }
     let bridge = first.bridge_gbps.map(|gb_s| format!(", bridge capped at {gb_s} GB/s")).unwrap_or_default();
@@ -260,6 +297,15 @@ fn run_workers(args: &CommArgs, setup: Setup, n_ranks: usize) -> Result<Vec<Row>
     worker.extend([format!("--min-bytes={}", args.min_bytes), format!("--max-bytes={}", args.max_bytes)]);
     worker.push(format!("--timeout-s={}", args.timeout_s));
     worker.extend(bridge_cap(args, setup).map(|cap| format!("--bridge-bytes-per-s={cap}")));
+    if !args.algorithms.is_empty() {
+        let names: Vec<String> = args
+            .algorithms
+            .iter()
+            .map(|a| serde_json::to_value(a).expect("a name"))
+            .map(|v| v.as_str().expect("a string").to_string())
+            .collect();
+        worker.push(format!("--algorithms={}", names.join(",")));
+    }
     let worker: Vec<OsString> = worker.into_iter().map(OsString::from).collect();
     let ranks: Vec<RankCommand> = (0..n_ranks)
         .map(|rank| RankCommand { args: worker.clone(), domain: setup.domain(rank, n_ranks).to_string() })
@@ -302,32 +348,42 @@ pub fn worker(args: &WorkerArgs) -> Result<()> {
         let count = bytes / size_of::<f32>();
         for &op in &args.ops {
             let (coll, counts, input_len, output_len) = op.shape(count, n);
-            let input = vec![1f32; input_len];
+            let input: Vec<f32> = (0..input_len).map(|i| pattern(comm.rank(), i)).collect();
             let mut output = vec![0f32; output_len];
-            let forced = args.setup.two_domains()
+            let runnable = |algorithm: &&Algorithm| {
+                algorithm.supports(coll) && (!algorithm.needs_windows() || comm.shares_windows())
+            };
+            let asked: Vec<Algorithm> = args.algorithms.iter().filter(runnable).copied().collect();
+            let hierarchy_against_ring = args.setup.two_domains()
                 && matches!(op, BenchOp::AllReduce | BenchOp::ReduceScatter | BenchOp::AllGather);
-            let algorithms = if forced {
+            let algorithms = if !asked.is_empty() {
+                asked
+            } else if hierarchy_against_ring {
                 vec![Algorithm::Hierarchical, Algorithm::Ring]
             } else {
-                vec![comm.default_algorithm(coll, size_of_val(input.as_slice()))]
+                vec![comm.choice(coll, &counts, None, DType::F32).algorithm]
             };
             for algorithm in algorithms {
-                let mut calls = |comm: &mut Communicator, n: usize| -> Result<f64> {
+                let calls = |comm: &mut Communicator, output: &mut [f32], n: usize| -> Result<f64> {
                     let start = Instant::now();
                     for _ in 0..n {
-                        comm.collective(coll, &counts, Some(algorithm), &input, &mut output)?;
+                        comm.collective(coll, &counts, Some(algorithm), &input, output)?;
                     }
                     Ok(slowest(comm, start.elapsed().as_secs_f64())? / n as f64)
                 };
                 let (mut batch, mut warmed, mut per_call) = (1, 0.0, 0.0);
                 while (warmed < WARM_UP.as_secs_f64() || batch <= MIN_WARM_CALLS) && batch <= MAX_ITERS {
-                    per_call = calls(&mut comm, batch)?;
+                    per_call = calls(&mut comm, &mut output, batch)?;
                     warmed += per_call * batch as f64;
                     batch *= 2;
                 }
                 let iters = ((TIME_PER_SIZE.as_secs_f64() / per_call.max(1e-9)) as usize).clamp(1, MAX_ITERS);
+                // Poisoned, so a call that leaves any of it unwritten is counted wrong.
+                output.fill(f32::NAN);
                 comm.barrier()?;
-                let time_s = calls(&mut comm, iters)?;
+                let time_s = calls(&mut comm, &mut output, iters)?;
+                let wrong = count_wrong(op, &output, comm.rank(), n, count / n);
+                let wrong = sum_over_ranks(&mut comm, wrong)?;
                 if comm.rank() == 0 {
                     let bytes = op.bytes(count, n);
                     let algbw_gbps = bytes as f64 / time_s / 1e9;
@@ -343,6 +399,7 @@ pub fn worker(args: &WorkerArgs) -> Result<()> {
                         time_us: time_s * 1e6,
                         algbw_gbps,
                         busbw_gbps: algbw_gbps * op.bus_factor(n),
+                        wrong,
                         bridge_gbps: args.bridge_bytes_per_s.map(|cap| cap as f64 / 1e9),
                     };
                     println!("{}", serde_json::to_string(&row)?);
@@ -351,6 +408,38 @@ pub fn worker(args: &WorkerArgs) -> Result<()> {
         }
     }
     Ok(())
+}
+
+/// Input element `index` of `rank`: small integers, so that every sum of up to a million ranks
+/// is exact in f32 whatever order an algorithm adds in, and no two neighbouring ranks or
+/// elements agree everywhere.
+fn pattern(rank: usize, index: usize) -> f32 {
+    ((rank * 31 + index) % 17) as f32 - 8.0
+}
+
+/// Output elements of this rank that differ from what `op` must leave there after a call on
+/// [`pattern`] inputs (`per`: elements per rank where the operation splits), as nccl-tests'
+/// `#wrong` counts them. Outputs the operation leaves unspecified (a reduce's off the root)
+/// are not counted.
+fn count_wrong(op: BenchOp, output: &[f32], rank: usize, n: usize, per: usize) -> u64 {
+    let sum = |index: usize| (0..n).map(|r| pattern(r, index)).sum::<f32>();
+    let expected = |i: usize| match op {
+        BenchOp::AllReduce => Some(sum(i)),
+        BenchOp::Reduce => (rank == 0).then(|| sum(i)),
+        BenchOp::Broadcast => Some(pattern(0, i)),
+        BenchOp::ReduceScatter => Some(sum(rank * per + i)),
+        BenchOp::AllGather => Some(pattern(i / per, i % per)),
+        BenchOp::AllToAll => Some(pattern(i / per, rank * per + i % per)),
+    };
+    let wrong = output.iter().enumerate().filter(|&(i, &got)| expected(i).is_some_and(|want| got != want));
+    wrong.count() as u64
+}
+
+/// The sum of every rank's `count`.
+fn sum_over_ranks(comm: &mut Communicator, count: u64) -> Result<u64> {
+    let mut total = [0f64];
+    comm.all_reduce(&[count as f64], &mut total, ReduceOp::Sum)?;
+    Ok(total[0] as u64)
 }
 
 /// The largest of every rank's `seconds`.
@@ -394,6 +483,57 @@ mod tests {
             assert_eq!(op.bytes(1024, 4), 4096, "{op:?}");
             let (_, _, input, output) = op.shape(1024, 4);
             assert_eq!(input.max(output) * size_of::<f32>(), 4096, "{op:?}");
+        }
+    }
+
+    /// What each rank's output must hold, worked out from every rank's whole input buffer
+    /// (not from `count_wrong`'s index formulas).
+    fn reference_outputs(op: BenchOp, n: usize, count: usize) -> Vec<Vec<f32>> {
+        let (_, _, input_len, _) = op.shape(count, n);
+        let inputs: Vec<Vec<f32>> = (0..n).map(|r| (0..input_len).map(|i| pattern(r, i)).collect()).collect();
+        let per = count / n;
+        let sum = |range: std::ops::Range<usize>| -> Vec<f32> {
+            range.map(|i| inputs.iter().map(|input| input[i]).sum()).collect()
+        };
+        (0..n)
+            .map(|me| match op {
+                BenchOp::AllReduce => sum(0..count),
+                BenchOp::Reduce => {
+                    if me == 0 {
+                        sum(0..count)
+                    } else {
+                        vec![f32::NAN; count]
+                    }
+                }
+                BenchOp::Broadcast => inputs[0].clone(),
+                BenchOp::ReduceScatter => sum(me * per..(me + 1) * per),
+                BenchOp::AllGather => inputs.concat(),
+                BenchOp::AllToAll => inputs.iter().flat_map(|input| input[me * per..(me + 1) * per].to_vec()).collect(),
+            })
+            .collect()
+    }
+
+    #[test]
+    fn right_results_count_no_wrong_element_and_each_wrong_one_counts() {
+        let all = [
+            BenchOp::AllReduce,
+            BenchOp::ReduceScatter,
+            BenchOp::AllGather,
+            BenchOp::Broadcast,
+            BenchOp::Reduce,
+            BenchOp::AllToAll,
+        ];
+        for op in all {
+            for n in [1, 2, 3, 5] {
+                let count = 12 * n;
+                for (rank, mut output) in reference_outputs(op, n, count).into_iter().enumerate() {
+                    assert_eq!(count_wrong(op, &output, rank, n, count / n), 0, "{op:?} rank {rank} of {n}");
+                    let last = output.len() - 1;
+                    output[last] += 1.0;
+                    let counted = if op == BenchOp::Reduce && rank != 0 { 0 } else { 1 };
+                    assert_eq!(count_wrong(op, &output, rank, n, count / n), counted, "{op:?} rank {rank} of {n}");
+                }
+            }
         }
     }
 

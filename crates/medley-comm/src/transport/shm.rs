@@ -25,6 +25,7 @@ use crate::wire::FrameHeader;
 /// Messages a sender may post before the receiver consumes one. Plans issue at most one block's
 /// chunks ahead of a receive, and the communicator sizes chunks so that stays well below this.
 pub(crate) const MAILBOX_SLOTS: usize = 1024;
+const _: () = assert!(MAILBOX_SLOTS >= 4 * medley_collective::MAX_CHUNKS, "a plan's sends fit a mailbox");
 /// Bytes read from a peer before a reduce combines them: fits in L2 next to the destination.
 const REDUCE_PIECE_BYTES: usize = 128 << 10;
 /// Messages up to this size are copied into the mailbox: below it a copy costs less than the

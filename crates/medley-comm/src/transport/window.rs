@@ -16,7 +16,7 @@ use crate::CommError;
 use crate::wait::Waiter;
 
 /// Data bytes per window: two segments of the communicator's window plans.
-pub(crate) const WINDOW_BYTES: usize = 1 << 20;
+pub(crate) const WINDOW_BYTES: usize = 2 * medley_collective::WINDOW_SEGMENT_BYTES;
 /// Where the data starts: the fence counter has the first page to itself.
 const DATA_OFFSET: usize = 4096;
 
