@@ -9,6 +9,8 @@ use medley_plan::{Plan, SearchOptions, baselines, search};
 use medley_runtime::RankLayout;
 use medley_sim::{SchedulePolicy, SimConfig, simulate_steps};
 use medley_spec::{Cluster, Schedule, catalog_model};
+
+use crate::inputs::{JobFlags, load_model};
 use serde::Serialize;
 use serde_json::Value;
 
@@ -20,6 +22,12 @@ use crate::train_cmd::{calibrate_here, launch_and_watch, runtime_job, write_run_
 use crate::worker_cmd::{RunFlags, WorkerArgs};
 
 #[derive(Args, Debug)]
+#[command(
+    mut_arg("model", |arg| arg.default_value("tiny")),
+    mut_arg("seq_len", |arg| arg.default_value("128")),
+    mut_arg("global_batch", |arg| arg.default_value("12")),
+    mut_arg("micro_batch", |arg| arg.default_value("1"))
+)]
 pub struct TrainBenchArgs {
     /// The emulated fleet: by default an H100-PCIe and an L40S, a 2.1:1 speed mix when the cost
     /// model is calibrated to this machine (compute-bound).
@@ -31,12 +39,8 @@ pub struct TrainBenchArgs {
     /// Rounds; each calibrates afresh and runs both plans (this machine's speed drifts).
     #[arg(long, default_value_t = 3)]
     pub rounds: usize,
-    #[arg(long, default_value_t = 128)]
-    pub seq_len: u32,
-    #[arg(long, default_value_t = 12)]
-    pub global_batch: u32,
-    #[arg(long, default_value_t = 1)]
-    pub micro_batch: u32,
+    #[command(flatten)]
+    pub shape: JobFlags,
     /// Print the rows as JSON instead of a table.
     #[arg(long)]
     pub json: bool,
@@ -60,9 +64,10 @@ struct Row {
 
 pub fn run(args: &TrainBenchArgs) -> Result<()> {
     let cluster = Cluster::from_fleet(&args.fleet)?;
-    let model = catalog_model("tiny")?;
-    let job = runtime_job(args.seq_len, args.global_batch, args.micro_batch, None)?;
-    let calibration = calibrate_here(&cluster, &model, args.seq_len, args.micro_batch)?;
+    let shape = args.shape.shape()?;
+    let model = load_model(&shape.model)?;
+    let job = runtime_job(shape.seq_len, shape.global_batch, shape.micro_batch, None)?;
+    let calibration = calibrate_here(&cluster, &model, shape.seq_len, shape.micro_batch)?;
     let best = search(&cluster, &model, &job, &calibration, &SearchOptions { top: 1, ..SearchOptions::default() })?;
     let aware = best.candidates.into_iter().next().expect("at least one plan").plan;
     let Some(uniform) = baselines::uniform(&cluster, &model, &job, &calibration).map(|candidate| candidate.plan) else {
@@ -73,7 +78,7 @@ pub fn run(args: &TrainBenchArgs) -> Result<()> {
     let mut runs = vec![Vec::new(); plans.len()];
     for _ in 0..args.rounds.max(1) {
         for ((name, plan), runs) in plans.iter().zip(&mut runs) {
-            let calibration = calibrate_here(&cluster, &model, args.seq_len, args.micro_batch)?;
+            let calibration = calibrate_here(&cluster, &model, shape.seq_len, shape.micro_batch)?;
             let policy = SchedulePolicy::from(plan.schedule());
             let predicted = simulate_steps(plan, &calibration, &SimConfig::default(), policy, 1, None)
                 .with_context(|| format!("simulating the {name} plan"))?

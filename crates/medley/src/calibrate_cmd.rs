@@ -8,20 +8,24 @@ use anyhow::{Context, Result};
 use clap::Args;
 use medley_spec::Cluster;
 
-use crate::inputs::load_model;
+use crate::inputs::{JobFlags, load_model};
 use crate::train_cmd::{DEFAULT_FLEET, calibrate_here};
 
+/// Takes train's job flags and defaults, so that train's command line makes its profile.
 #[derive(Args, Debug)]
+#[command(
+    mut_arg("model", |arg| arg.default_value("tiny")),
+    mut_arg("seq_len", |arg| arg.default_value("128")),
+    mut_arg("global_batch", |arg| arg.default_value("16").help("Sequences per optimizer step: accepted as train takes it; a profile does not depend on it")),
+    mut_arg("micro_batch", |arg| arg.default_value("2"))
+)]
 pub struct CalibrateArgs {
     /// The emulated fleet the profile is for: COUNTxDEVICE,...
     #[arg(long, default_value = DEFAULT_FLEET)]
     pub fleet: String,
-    #[arg(long, default_value = "tiny")]
-    pub model: String,
-    #[arg(long, default_value_t = 128)]
-    pub seq_len: u32,
-    #[arg(long, default_value_t = 2)]
-    pub micro_batch: u32,
+    /// The model and the job's shape.
+    #[command(flatten)]
+    pub shape: JobFlags,
     /// Write the profile here instead of printing it.
     #[arg(short = 'o', long)]
     pub output: Option<PathBuf>,
@@ -29,14 +33,15 @@ pub struct CalibrateArgs {
 
 pub fn run(args: &CalibrateArgs) -> Result<()> {
     let cluster = Cluster::from_fleet(&args.fleet)?;
-    let model = load_model(&args.model)?;
-    let calibration = calibrate_here(&cluster, &model, args.seq_len, args.micro_batch)?;
+    let shape = args.shape.shape()?;
+    let model = load_model(&shape.model)?;
+    let calibration = calibrate_here(&cluster, &model, shape.seq_len, shape.micro_batch)?;
     let text = format!(
         "# medley calibrate --fleet {} --model {} --seq-len {} --micro-batch {}\n# Efficiencies under which the cost model runs the fleet at this machine's emulated speeds.\n{}",
         args.fleet,
-        args.model,
-        args.seq_len,
-        args.micro_batch,
+        shape.model,
+        shape.seq_len,
+        shape.micro_batch,
         calibration.to_toml()
     );
     match &args.output {

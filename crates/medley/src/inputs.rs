@@ -20,29 +20,63 @@ pub fn parse_gb_s(text: &str) -> Result<f64, String> {
     }
 }
 
+/// The job's shape, declared once for every command that takes one. `plan` and `simulate`
+/// leave unset values to a `--job` file, the job defaults or the planner; `train`, `calibrate`
+/// and `bench train` give their own defaults with `#[command(mut_arg(..))]`, which their
+/// `--help` shows, and read them through [`JobFlags::shape`].
+#[derive(Args, Debug, Clone)]
+pub struct JobFlags {
+    /// Model: a catalog name (tiny, llama3-8b, llama3-70b, llama3-405b, qwen2-7b, gpt3-175b,
+    /// mixtral-8x7b, ...) or a HuggingFace config.json (file or its folder).
+    #[arg(long)]
+    pub model: Option<String>,
+    /// Tokens per sequence.
+    #[arg(long)]
+    pub seq_len: Option<u32>,
+    /// Sequences per optimizer step.
+    #[arg(long)]
+    pub global_batch: Option<u32>,
+    /// Sequences per micro-batch.
+    #[arg(long)]
+    pub micro_batch: Option<u32>,
+}
+
+/// A job's shape with every value known.
+#[derive(Clone, Debug, PartialEq, Eq)]
+pub struct JobShape {
+    pub model: String,
+    pub seq_len: u32,
+    pub global_batch: u32,
+    pub micro_batch: u32,
+}
+
+impl JobFlags {
+    /// Every value, as given or as the command's defaults set them.
+    pub fn shape(&self) -> Result<JobShape> {
+        let given = |value: Option<u32>, flag: &str| value.with_context(|| format!("this command needs {flag}"));
+        Ok(JobShape {
+            model: self.model.clone().context("this command needs --model")?,
+            seq_len: given(self.seq_len, "--seq-len")?,
+            global_batch: given(self.global_batch, "--global-batch")?,
+            micro_batch: given(self.micro_batch, "--micro-batch")?,
+        })
+    }
+}
+
 /// Where the cluster, model and job come from.
 #[derive(Args, Debug, Clone)]
+#[command(mut_arg("model", |arg| arg.default_value(DEFAULT_MODEL)))]
 pub struct SpecArgs {
     /// Cluster: a TOML file, or inline `COUNTxDEVICE,...` (8 GPUs per node unless fewer).
     #[arg(long, default_value = DEFAULT_CLUSTER)]
     pub cluster: String,
-    /// Model: a catalog name (llama3-8b, llama3-70b, llama3-405b, qwen2-7b, gpt3-175b,
-    /// mixtral-8x7b, ...) or a HuggingFace config.json (file or its folder).
-    #[arg(long, default_value = DEFAULT_MODEL)]
-    pub model: String,
+    #[command(flatten)]
+    pub shape: JobFlags,
     /// A job TOML file (seq_len, global_batch, micro_batch, zero1, recompute, schedule); flags
-    /// given on the command line override it.
+    /// given on the command line override it. Without either, sequences of 4096 tokens, 1024 per
+    /// step, and the micro-batch and recompute the planner chooses.
     #[arg(long)]
     pub job: Option<String>,
-    /// Tokens per sequence [default: 4096].
-    #[arg(long)]
-    pub seq_len: Option<u32>,
-    /// Sequences per optimizer step [default: 1024].
-    #[arg(long)]
-    pub global_batch: Option<u32>,
-    /// Sequences per micro-batch [default: the planner chooses].
-    #[arg(long)]
-    pub micro_batch: Option<u32>,
     /// Activation recompute: none, selective or full [default: the planner chooses].
     #[arg(long)]
     pub recompute: Option<Recompute>,
@@ -91,7 +125,7 @@ pub struct Specs {
 impl SpecArgs {
     pub fn resolve(&self) -> Result<Specs> {
         let cluster = self.cluster()?;
-        let model = load_model(&self.model)?;
+        let model = load_model(self.shape.model.as_deref().unwrap_or(DEFAULT_MODEL))?;
         let calibration = self.resolve_calibration(&model)?;
         check_calibration_names(&calibration, &cluster)?;
         Ok(Specs { cluster, model, job: self.job_spec()?, calibration })
@@ -122,9 +156,9 @@ impl SpecArgs {
             Some(path) => (JobParts::from_toml(&read(path)?, path)?, path.as_str()),
             None => (JobParts::default(), "command line"),
         };
-        parts.seq_len = self.seq_len.unwrap_or(parts.seq_len);
-        parts.global_batch = self.global_batch.unwrap_or(parts.global_batch);
-        parts.micro_batch = self.micro_batch.or(parts.micro_batch);
+        parts.seq_len = self.shape.seq_len.unwrap_or(parts.seq_len);
+        parts.global_batch = self.shape.global_batch.unwrap_or(parts.global_batch);
+        parts.micro_batch = self.shape.micro_batch.or(parts.micro_batch);
         parts.recompute = self.recompute.or(parts.recompute);
         parts.schedule = self.schedule.unwrap_or(parts.schedule);
         parts.zero1 &= !self.no_zero1;

@@ -86,3 +86,39 @@ fn exit_quietly_on_closed_pipe() {
         libc::signal(libc::SIGPIPE, libc::SIG_DFL);
     }
 }
+
+#[cfg(test)]
+mod tests {
+    use clap::Parser;
+
+    use super::*;
+    use crate::inputs::{JobFlags, JobShape};
+
+    fn job_flags(command: &[&str]) -> JobFlags {
+        let cli = Cli::try_parse_from(std::iter::once("medley").chain(command.iter().copied())).unwrap();
+        match cli.command {
+            Command::Plan(args) => args.specs.shape,
+            Command::Train(args) => args.shape,
+            Command::Calibrate(args) => args.shape,
+            Command::Bench { which: bench::BenchCommand::Train(args) } => args.shape,
+            _ => panic!("{command:?} takes no job flags"),
+        }
+    }
+
+    fn shape(model: &str, seq_len: u32, global_batch: u32, micro_batch: u32) -> JobShape {
+        JobShape { model: model.into(), seq_len, global_batch, micro_batch }
+    }
+
+    #[test]
+    fn one_set_of_job_flags_takes_each_commands_defaults() {
+        assert_eq!(job_flags(&["train"]).shape().unwrap(), shape("tiny", 128, 16, 2));
+        assert_eq!(job_flags(&["calibrate"]).shape().unwrap(), shape("tiny", 128, 16, 2));
+        assert_eq!(job_flags(&["bench", "train"]).shape().unwrap(), shape("tiny", 128, 12, 1));
+        let given = ["train", "--model", "llama3-8b", "--seq-len", "64", "--global-batch", "8", "--micro-batch", "4"];
+        assert_eq!(job_flags(&given).shape().unwrap(), shape("llama3-8b", 64, 8, 4));
+        // The planning commands leave the shape to a job file, the job defaults or the planner.
+        let plan = job_flags(&["plan"]);
+        assert_eq!((plan.seq_len, plan.global_batch, plan.micro_batch), (None, None, None));
+        assert!(plan.shape().unwrap_err().to_string().contains("--seq-len"));
+    }
+}

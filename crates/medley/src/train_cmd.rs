@@ -27,7 +27,7 @@ use medley_spec::{Cluster, JobParts, JobSpec, ModelSpec, Schedule};
 use serde_json::Value;
 
 use crate::host::check_memory;
-use crate::inputs::{load_model, read_emulation_profile};
+use crate::inputs::{JobFlags, load_model, read_emulation_profile};
 use crate::progress::Progress;
 use crate::render::{percent, right, seconds, table};
 use crate::run_dir::{CALIBRATION, CHECKPOINTS, METRICS, PLAN, RunDir, TIMELINE, TIMELINES};
@@ -38,6 +38,12 @@ use crate::worker_cmd::{RunFlags, WorkerArgs, timeline_segment};
 pub const DEFAULT_FLEET: &str = "2xh100,2xmi250x";
 
 #[derive(Args, Debug)]
+#[command(
+    mut_arg("model", |arg| arg.default_value("tiny")),
+    mut_arg("seq_len", |arg| arg.default_value("128")),
+    mut_arg("global_batch", |arg| arg.default_value("16")),
+    mut_arg("micro_batch", |arg| arg.default_value("2"))
+)]
 pub struct TrainArgs {
     /// A plan file to train (as `medley plan -o` writes it) instead of planning the fleet.
     #[arg(long, conflicts_with = "fleet")]
@@ -46,18 +52,9 @@ pub struct TrainArgs {
     /// or the checkpoint's plan with --resume].
     #[arg(long)]
     pub fleet: Option<String>,
-    /// Model: a catalog name or a HuggingFace config.json (Llama-style decoders only).
-    #[arg(long, default_value = "tiny")]
-    pub model: String,
-    /// Tokens per sequence.
-    #[arg(long, default_value_t = 128)]
-    pub seq_len: u32,
-    /// Sequences per optimizer step.
-    #[arg(long, default_value_t = 16)]
-    pub global_batch: u32,
-    /// Sequences per micro-batch.
-    #[arg(long, default_value_t = 2)]
-    pub micro_batch: u32,
+    /// The model (Llama-style decoders only) and the job's shape.
+    #[command(flatten)]
+    pub shape: JobFlags,
     /// An emulation profile from `medley calibrate` [default: measure this machine now].
     #[arg(long)]
     pub calibration: Option<String>,
@@ -159,7 +156,10 @@ fn choose_plan(args: &TrainArgs) -> Result<(Plan, Calibration)> {
     // Resuming on another fleet trains the checkpoint's model on its batches.
     let (model, seq_len, global_batch, micro_batch) = match resumed {
         Some(plan) => (plan.model().clone(), plan.seq_len(), plan.global_batch(), plan.micro_batch()),
-        None => (load_model(&args.model)?, args.seq_len, args.global_batch, args.micro_batch),
+        None => {
+            let shape = args.shape.shape()?;
+            (load_model(&shape.model)?, shape.seq_len, shape.global_batch, shape.micro_batch)
+        }
     };
     let job = runtime_job(seq_len, global_batch, micro_batch, args.worker.schedule)?;
     let calibration = calibration(&cluster, &model, seq_len, micro_batch)?;
