@@ -28,7 +28,7 @@ pub fn stages_from_counts(device_groups: Vec<Vec<u32>>, counts: &[u32]) -> Vec<S
 }
 
 /// The parts of the plan of `layouts` with `schedule` over `virtual_stages` chunks per rank, each
-/// boundary's and data-parallel group's route chosen; [`Plan::new`] makes them a plan.
+/// boundary's and data-parallel group's route chosen; [`Plan::new`](crate::Plan::new) makes them a plan.
 pub fn assemble(
     cluster: &Cluster,
     cost: &CostModel,

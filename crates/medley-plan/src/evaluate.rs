@@ -71,7 +71,7 @@ fn plan_setting(plan: &Plan) -> Setting {
     Setting { micro_batch: plan.micro_batch(), tp: plan.tp(), recompute: plan.recompute() }
 }
 
-/// Prices `plan`, which must have passed [`Plan::validate`].
+/// Prices `plan` (valid by construction).
 pub fn evaluate(plan: &Plan, calibration: &Calibration) -> Prediction {
     let cost = &CostModel::new(plan.model(), plan.seq_len(), calibration);
     let slots = plan.cluster().devices();

@@ -59,10 +59,10 @@ pub fn worker_memory(
     schedule: medley_spec::Schedule,
 ) -> Result<HostMemory, RuntimeError> {
     let config = ModelConfig::from_spec(plan.model(), plan.seq_len())?;
-    let replica = &plan.replicas()[layout.id.replica_idx as usize];
+    let replica = &plan.replicas()[layout.id.replica as usize];
     let n_chunks = layout.chunks.len() as u32;
     let in_flight =
-        schedule.in_flight(layout.id.stage_idx as usize, layout.n_pipeline_ranks, n_chunks, replica.n_micro_batches);
+        schedule.in_flight(layout.id.pp_rank as usize, layout.n_pipeline_ranks, n_chunks, replica.n_micro_batches);
     let last_chunk = (n_chunks - 1) as usize;
     // The chunk-micro-batches in flight spread over the chunks; the last chunk's logits are
     // priced as if every one of them were on it, a bound that matters only with virtual stages.

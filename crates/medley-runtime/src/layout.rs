@@ -62,16 +62,16 @@ impl RankLayout {
         check_runnable(plan)?;
         let fastest_s = fastest_pass_time_s(plan, calibration);
         let layouts = rank_ids(plan).into_iter().enumerate().map(|(job_rank, id)| {
-            let replica = &plan.replicas()[id.replica_idx as usize];
+            let replica = &plan.replicas()[id.replica as usize];
             let p = plan.n_ranks(replica);
-            let chunks: Vec<Range<usize>> = (id.stage_idx as usize..replica.stages.len())
+            let chunks: Vec<Range<usize>> = (id.pp_rank as usize..replica.stages.len())
                 .step_by(p)
                 .map(|virtual_stage| {
                     let layers = replica.stages[virtual_stage].layers;
                     layers.start as usize..layers.end as usize
                 })
                 .collect();
-            let group = plan.stage_group(&replica.stages[id.stage_idx as usize]);
+            let group = plan.stage_group(&replica.stages[id.pp_rank as usize]);
             let slowdown = pass_time_s(plan, group, calibration) / fastest_s;
             let device = EmulatedDevice { name: group.device.name.clone(), vendor: group.device.vendor, slowdown };
             RankLayout { id, job_rank, n_pipeline_ranks: p, chunks, device }
@@ -81,22 +81,22 @@ impl RankLayout {
 
     /// Whether chunk `chunk` is the replica's first virtual stage (it embeds tokens).
     pub fn is_first(&self, chunk: u32) -> bool {
-        chunk == 0 && self.id.stage_idx == 0
+        chunk == 0 && self.id.pp_rank == 0
     }
 
     /// Whether chunk `chunk` is the replica's last virtual stage (it computes the loss).
     pub fn is_last(&self, chunk: u32) -> bool {
-        chunk as usize + 1 == self.chunks.len() && self.id.stage_idx as usize + 1 == self.n_pipeline_ranks
+        chunk as usize + 1 == self.chunks.len() && self.id.pp_rank as usize + 1 == self.n_pipeline_ranks
     }
 
     /// The sending chunk of the activations chunk `chunk` consumes (the previous virtual stage).
     pub fn input_sender_chunk(&self, chunk: u32) -> u32 {
-        if self.id.stage_idx == 0 { chunk - 1 } else { chunk }
+        if self.id.pp_rank == 0 { chunk - 1 } else { chunk }
     }
 
     /// The sending chunk of the gradient chunk `chunk`'s backward consumes (the next virtual stage).
     pub fn gradient_sender_chunk(&self, chunk: u32) -> u32 {
-        if self.id.stage_idx as usize + 1 == self.n_pipeline_ranks { chunk + 1 } else { chunk }
+        if self.id.pp_rank as usize + 1 == self.n_pipeline_ranks { chunk + 1 } else { chunk }
     }
 }
 

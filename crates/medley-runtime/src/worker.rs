@@ -319,7 +319,7 @@ impl Worker {
         let counts: Vec<u32> = self.plan.replicas().iter().map(|replica| replica.n_micro_batches).collect();
         let starts = step_layout(&counts, self.plan.micro_batch(), self.step);
         let scale = loss_scale(u64::from(self.plan.global_batch()), self.config.seq_len);
-        starts[self.layout.id.replica_idx as usize]
+        starts[self.layout.id.replica as usize]
             .iter()
             .map(|&first| self.dataset.micro_batch(first, self.plan.micro_batch() as usize, scale))
             .collect()
@@ -409,11 +409,11 @@ fn split_dp_groups(
         .iter()
         .enumerate()
         .map(|(group_idx, group)| {
-            let holder = plan.holders(group_idx)[id.replica_idx as usize];
-            let replica = &plan.replicas()[id.replica_idx as usize];
-            let member = plan.rank_of(replica, holder) == id.stage_idx as usize;
+            let holder = plan.holders(group_idx)[id.replica as usize];
+            let replica = &plan.replicas()[id.replica as usize];
+            let member = plan.rank_of(replica, holder) == id.pp_rank as usize;
             world
-                .split(member.then_some(0), i64::from(id.replica_idx))
+                .split(member.then_some(0), i64::from(id.replica))
                 .during(|| format!("forming the data-parallel group of layers {}", group.layers))
         })
         .collect()

@@ -1,14 +1,15 @@
 //! Lowering: a schedule's order of compute passes becomes each rank's program, with the
 //! point-to-point transfers around every pass and the gradient synchronisation at the end.
 
-use medley_plan::{Plan, Replica};
+use medley_plan::Plan;
 
-use crate::check::ScheduleError;
+use crate::error::ScheduleError;
+use crate::geometry::{VirtualPipeline, check_chunks, rank_dp_groups};
 use crate::program::{Instruction, Program, Programs, RankId};
 use crate::schedules::{ChunkPass, Pass, ScheduleKind};
 
-/// Every rank's program for one step of `plan` under `schedule`. The plan must have passed
-/// [`Plan::validate`]; replicas may differ in depth, layer split and micro-batch count, each
+/// Every rank's program for one step of `plan` under `schedule` (a [`Plan`] is valid by
+/// construction); replicas may differ in depth, layer split and micro-batch count, each
 /// running its own pipeline. Fails when the schedule does not run the plan's chunks per rank
 /// (interleaved needs `virtual_stages` > 1, every other kind exactly 1), and for interleaved when
 /// a replica's micro-batch count is neither a multiple of its rank count nor below it.
@@ -34,58 +35,14 @@ pub fn generate(plan: &Plan, schedule: ScheduleKind) -> Result<Programs, Schedul
     Ok(Programs { schedule, programs })
 }
 
-/// Whether `schedule` runs `plan`'s chunks per rank.
-pub(crate) fn check_chunks(plan: &Plan, schedule: ScheduleKind) -> Result<(), ScheduleError> {
-    if schedule.runs_chunks(plan.virtual_stages()) {
-        Ok(())
-    } else {
-        Err(ScheduleError::ChunkMismatch { schedule, virtual_stages: plan.virtual_stages() })
-    }
-}
-
-/// A replica's pipeline as ranks and chunks: virtual stage j = chunk·p + rank, so chunk c of
-/// rank i feeds chunk c of rank i + 1, and the last rank's chunk c feeds rank 0's chunk c + 1.
-#[derive(Clone, Copy, Debug)]
-pub(crate) struct VirtualPipeline {
-    pub n_ranks: usize,
-    pub n_chunks: u32,
-}
-
-impl VirtualPipeline {
-    pub fn of(plan: &Plan, replica: &Replica) -> Self {
-        VirtualPipeline { n_ranks: plan.n_ranks(replica), n_chunks: plan.virtual_stages() }
-    }
-
-    /// The virtual stage chunk `chunk` of rank `rank_idx` runs.
-    pub fn stage_idx(self, rank_idx: usize, chunk: u32) -> usize {
-        chunk as usize * self.n_ranks + rank_idx
-    }
-
-    /// The (rank, chunk) running virtual stage `stage_idx`, if the pipeline has it.
-    fn position(self, stage_idx: usize) -> Option<(usize, u32)> {
-        (stage_idx < self.n_ranks * self.n_chunks as usize)
-            .then(|| (stage_idx % self.n_ranks, (stage_idx / self.n_ranks) as u32))
-    }
-
-    /// Who feeds rank `rank_idx`'s chunk `chunk` its activations.
-    pub fn previous(self, rank_idx: usize, chunk: u32) -> Option<(usize, u32)> {
-        self.stage_idx(rank_idx, chunk).checked_sub(1).and_then(|stage_idx| self.position(stage_idx))
-    }
-
-    /// Who rank `rank_idx`'s chunk `chunk` feeds its activations.
-    pub fn next(self, rank_idx: usize, chunk: u32) -> Option<(usize, u32)> {
-        self.position(self.stage_idx(rank_idx, chunk) + 1)
-    }
-}
-
 /// Wraps each pass in the transfers it needs: a forward receives its input from the previous
 /// virtual stage and sends its output to the next; a backward receives its output gradient from
 /// the next and sends its input gradient to the previous. A transfer names the sender's chunk on
 /// both ends, so both name the same message. The weight-gradient half of a split backward reads
 /// only local tensors.
 fn lower_passes(rank: RankId, pipeline: VirtualPipeline, passes: &[ChunkPass]) -> Vec<Instruction> {
-    let rank_idx = rank.stage_idx as usize;
-    let peer = |(stage_idx, chunk): (usize, u32)| (RankId { stage_idx: stage_idx as u32, ..rank }, chunk);
+    let rank_idx = rank.pp_rank as usize;
+    let peer = |(pp_rank, chunk): (usize, u32)| (RankId { pp_rank: pp_rank as u32, ..rank }, chunk);
     let mut instructions = Vec::with_capacity(passes.len() * 3 + 2);
     for &ChunkPass { pass, chunk } in passes {
         let previous = pipeline.previous(rank_idx, chunk).map(peer);
@@ -118,17 +75,6 @@ fn lower_passes(rank: RankId, pipeline: VirtualPipeline, passes: &[ChunkPass]) -
         }
     }
     instructions
-}
-
-/// The data-parallel groups whose layers rank `rank` holds in any of its chunks, ascending.
-pub(crate) fn rank_dp_groups(plan: &Plan, rank: RankId) -> Vec<u32> {
-    let replica = &plan.replicas()[rank.replica_idx as usize];
-    let chunks: Vec<_> = replica.stages.iter().skip(rank.stage_idx as usize).step_by(plan.n_ranks(replica)).collect();
-    (0..plan.dp_groups().len() as u32)
-        .filter(|&dp_group| {
-            chunks.iter().any(|stage| stage.layers.contains(plan.dp_groups()[dp_group as usize].layers))
-        })
-        .collect()
 }
 
 /// The end of a step: one all-reduce per data-parallel group whose layers the rank holds, last

@@ -53,12 +53,15 @@
 
 pub mod adaptive;
 mod check;
+mod error;
 mod generate;
+mod geometry;
 mod program;
 mod schedules;
 
 pub use adaptive::{AdaptiveK, SchedulePolicy, StepObservation, StepSchedules};
-pub use check::{ScheduleError, check};
+pub use check::check;
+pub use error::ScheduleError;
 pub use generate::generate;
 pub use program::{Instruction, Program, Programs, RankId};
 pub use schedules::ScheduleKind;

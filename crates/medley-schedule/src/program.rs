@@ -14,19 +14,22 @@ use crate::schedules::ScheduleKind;
 #[derive(Clone, Copy, Debug, PartialEq, Eq, PartialOrd, Ord, Hash, Serialize, Deserialize)]
 #[serde(deny_unknown_fields)]
 pub struct RankId {
-    pub replica_idx: u32,
-    pub stage_idx: u32,
+    /// Which replica (data-parallel copy of the pipeline) the rank belongs to.
+    pub replica: u32,
+    /// Its place in the replica's pipeline, 0 first; with virtual stages it runs chunks
+    /// `pp_rank`, `pp_rank + p`, ...
+    pub pp_rank: u32,
 }
 
 impl RankId {
-    pub fn new(replica_idx: usize, stage_idx: usize) -> Self {
-        RankId { replica_idx: replica_idx as u32, stage_idx: stage_idx as u32 }
+    pub fn new(replica: usize, pp_rank: usize) -> Self {
+        RankId { replica: replica as u32, pp_rank: pp_rank as u32 }
     }
 }
 
 impl fmt::Display for RankId {
     fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
-        write!(f, "r{}s{}", self.replica_idx, self.stage_idx)
+        write!(f, "r{}s{}", self.replica, self.pp_rank)
     }
 }
 

@@ -7,8 +7,6 @@ use std::num::NonZeroU32;
 
 use serde::{Deserialize, Serialize};
 
-use crate::check::ScheduleError;
-
 /// A pipeline schedule the generators know.
 #[derive(Clone, Copy, Debug, PartialEq, Eq, PartialOrd, Ord, Hash, Serialize, Deserialize)]
 #[serde(tag = "kind", rename_all = "kebab-case", deny_unknown_fields)]
@@ -72,22 +70,6 @@ impl From<ScheduleKind> for medley_spec::Schedule {
             ScheduleKind::Kfkb { k } => medley_spec::Schedule::Kfkb { k },
             ScheduleKind::ZbH1 => medley_spec::Schedule::ZbH1,
             ScheduleKind::Interleaved => medley_spec::Schedule::Interleaved,
-        }
-    }
-}
-
-/// The concrete kind of a user's schedule; `adaptive` is not one (a simulator policy picks
-/// kFkB's k per step).
-impl TryFrom<medley_spec::Schedule> for ScheduleKind {
-    type Error = ScheduleError;
-    fn try_from(schedule: medley_spec::Schedule) -> Result<Self, ScheduleError> {
-        match schedule {
-            medley_spec::Schedule::Gpipe => Ok(ScheduleKind::Gpipe),
-            medley_spec::Schedule::OneFOneB => Ok(ScheduleKind::OneFOneB),
-            medley_spec::Schedule::Kfkb { k } => Ok(ScheduleKind::Kfkb { k }),
-            medley_spec::Schedule::ZbH1 => Ok(ScheduleKind::ZbH1),
-            medley_spec::Schedule::Interleaved => Ok(ScheduleKind::Interleaved),
-            medley_spec::Schedule::Adaptive => Err(ScheduleError::NotConcrete { schedule }),
         }
     }
 }
@@ -217,6 +199,7 @@ fn interleaved(rank_idx: usize, n_ranks: usize, n_chunks: u32, m: u32) -> Vec<Ch
 #[cfg(test)]
 mod tests {
     use super::*;
+    use crate::error::ScheduleError;
 
     fn render(passes: &[Pass]) -> String {
         let words: Vec<String> = passes

@@ -112,7 +112,7 @@ fn bubble_fraction(run: &StepRun) -> f64 {
     let setup = &run.sim().setup;
     let mut replica_end_ns: BTreeMap<u32, u64> = BTreeMap::new();
     for (rank, state) in setup.ranks.iter().zip(&run.ranks) {
-        let end = replica_end_ns.entry(rank.id.replica_idx).or_insert(0);
+        let end = replica_end_ns.entry(rank.id.replica).or_insert(0);
         *end = (*end).max(state.last_pass_end_ns);
     }
     let ratios: Vec<f64> = setup
@@ -121,7 +121,7 @@ fn bubble_fraction(run: &StepRun) -> f64 {
         .zip(&run.ranks)
         .filter(|(_, state)| state.pass_ns > 0)
         .map(|(rank, state)| {
-            let span_ns = replica_end_ns[&rank.id.replica_idx] - run.start_ns;
+            let span_ns = replica_end_ns[&rank.id.replica] - run.start_ns;
             (span_ns - state.pass_ns) as f64 / state.pass_ns as f64
         })
         .collect();

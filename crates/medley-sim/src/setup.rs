@@ -181,8 +181,8 @@ impl<'p> Setup<'p> {
     /// The route of a pipeline transfer that `sender` makes from its chunk `chunk`: forward to
     /// the next virtual stage, or backward to the previous one.
     pub(crate) fn boundary_route(&self, sender: RankId, chunk: u32, forward: bool) -> Route {
-        let replica = &self.plan.replicas()[sender.replica_idx as usize];
-        let virtual_stage = chunk as usize * self.plan.n_ranks(replica) + sender.stage_idx as usize;
+        let replica = &self.plan.replicas()[sender.replica as usize];
+        let virtual_stage = chunk as usize * self.plan.n_ranks(replica) + sender.pp_rank as usize;
         replica.boundaries[if forward { virtual_stage } else { virtual_stage - 1 }]
     }
 }

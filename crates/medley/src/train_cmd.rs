@@ -244,7 +244,7 @@ fn workers_table(plan: &Plan, layouts: &[RankLayout], emulate: bool) -> String {
             right(&layout.device.name),
             right(layout.device.vendor),
             right(layers.join(" ")),
-            right(plan.replicas()[layout.id.replica_idx as usize].n_micro_batches),
+            right(plan.replicas()[layout.id.replica as usize].n_micro_batches),
             right(slowdown),
         ]);
     }
