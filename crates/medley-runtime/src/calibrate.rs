@@ -10,6 +10,7 @@ use medley_cost::{Calibration, CostModel, Efficiency, Setting, StageShape};
 use medley_model::data::{Dataset, loss_scale};
 use medley_model::{AdamW, BurnStage, ModelConfig, Stage};
 use medley_spec::{Cluster, ModelSpec, NodeGroup, Recompute};
+use statrs::statistics::{Data, OrderStatistics};
 
 use crate::RuntimeError;
 
@@ -49,7 +50,7 @@ pub fn measure_model_pass(
         passes.extend(pass);
         updates.extend(update);
     }
-    Ok(Measured { pass_s: median(passes), optimizer_s: median(updates), micro_batch })
+    Ok(Measured { pass_s: Data::new(passes).median(), optimizer_s: Data::new(updates).median(), micro_batch })
 }
 
 /// One thread's pass times and optimizer-step times, seconds.
@@ -74,11 +75,6 @@ fn time_passes(config: &ModelConfig, micro_batch: u32, repeats: usize) -> Result
         }
     }
     Ok((passes, updates))
-}
-
-fn median(mut values: Vec<f64>) -> f64 {
-    values.sort_by(f64::total_cmp);
-    values[values.len() / 2]
 }
 
 /// The profile that makes the cost model match `measured` on `cluster`'s fastest device type:

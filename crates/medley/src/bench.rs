@@ -4,7 +4,6 @@
 //! large clusters against targets, then compares the best plan with the uniform and
 //! best-homogeneous baselines on a suite of mixed clusters, all under the same cost model.
 
-use std::fs;
 use std::time::Instant;
 
 use anyhow::{Context, Result};
@@ -14,6 +13,8 @@ use medley_cost::Calibration;
 use medley_plan::{Candidate, SearchOptions, search};
 use medley_spec::{Bridge, Cluster, Fabric, JobParts, JobSpec, catalog_model};
 use serde::Serialize;
+
+use medley_bench::stats::{arithmetic_mean, geometric_mean, median, peak_rss_mib};
 
 use crate::inputs::Specs;
 use crate::plan_cmd::Baselines;
@@ -334,33 +335,6 @@ fn optional<T, S: ToString>(value: Option<T>, absent: &str, show: impl FnOnce(T)
     value.map_or_else(|| absent.to_string(), |value| show(value).to_string())
 }
 
-pub(crate) fn median(mut values: Vec<f64>) -> f64 {
-    values.sort_by(f64::total_cmp);
-    let mid = values.len() / 2;
-    if values.len() % 2 == 1 { values[mid] } else { (values[mid - 1] + values[mid]) / 2.0 }
-}
-
-fn arithmetic_mean(values: &[f64]) -> f64 {
-    values.iter().sum::<f64>() / values.len() as f64
-}
-
-/// The mean for ratios: a 2× gain and a 2× loss average to 1×.
-fn geometric_mean(values: &[f64]) -> f64 {
-    (values.iter().map(|value| value.ln()).sum::<f64>() / values.len() as f64).exp()
-}
-
-/// The process's peak resident memory so far, MiB; `None` where there is no /proc (not Linux).
-pub(crate) fn peak_rss_mib() -> Option<f64> {
-    vm_hwm_mib(&fs::read_to_string("/proc/self/status").ok()?)
-}
-
-/// The `VmHWM:` (high-water mark of resident memory) line of a /proc/PID/status text, in MiB.
-fn vm_hwm_mib(status: &str) -> Option<f64> {
-    let value = status.lines().find_map(|line| line.strip_prefix("VmHWM:"))?;
-    let kib: f64 = value.trim().strip_suffix("kB")?.trim().parse().ok()?;
-    Some(kib / 1024.0)
-}
-
 #[cfg(test)]
 mod tests {
     use super::*;
@@ -378,24 +352,5 @@ mod tests {
             assert!((2..=4).contains(&types.len()), "{}", case.cluster);
             assert!((32..=1024).contains(&specs.cluster.n_gpus()), "{}", case.cluster);
         }
-    }
-
-    #[test]
-    fn median_takes_the_middle_or_the_mean_of_the_two_middles() {
-        assert_eq!(median(vec![3.0, 1.0, 2.0]), 2.0);
-        assert_eq!(median(vec![4.0, 1.0, 3.0, 2.0]), 2.5);
-    }
-
-    #[test]
-    fn geometric_mean_of_reciprocals_is_one() {
-        assert!((geometric_mean(&[2.0, 0.5]) - 1.0).abs() < 1e-12);
-        assert_eq!(arithmetic_mean(&[2.0, 0.5]), 1.25);
-    }
-
-    #[test]
-    fn vm_hwm_is_read_in_mib() {
-        let status = "Name:\tmedley\nVmPeak:\t  9000 kB\nVmHWM:\t    2048 kB\nVmRSS:\t 1024 kB\n";
-        assert_eq!(vm_hwm_mib(status), Some(2.0));
-        assert_eq!(vm_hwm_mib("Name:\tmedley\n"), None);
     }
 }

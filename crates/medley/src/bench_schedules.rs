@@ -17,8 +17,8 @@ use medley_sim::{SchedulePolicy, SimConfig, simulate, simulate_steps};
 use medley_spec::{Bridge, Cluster, Fabric, JobParts, JobSpec, Recompute, catalog_model};
 use serde::Serialize;
 
-use crate::bench::{median, peak_rss_mib};
 use crate::render::{right, table, times};
+use medley_bench::stats::{median, peak_rss_mib};
 
 /// A cluster: inline, or TOML text with a short name for the tables.
 #[derive(Clone, Copy)]

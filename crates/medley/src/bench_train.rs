@@ -14,12 +14,12 @@ use crate::inputs::{JobFlags, load_model};
 use serde::Serialize;
 use serde_json::Value;
 
-use crate::bench::median;
 use crate::progress::Progress;
 use crate::render::{percent, right, table, times};
 use crate::run_dir::RunDir;
 use crate::train_cmd::{calibrate_here, launch_and_watch, runtime_job, write_run_inputs};
 use crate::worker_cmd::{RunFlags, WorkerArgs};
+use medley_bench::stats::median;
 
 #[derive(Args, Debug)]
 #[command(

@@ -372,7 +372,7 @@ fn print_summary(out: &Path, steps: &[Value], (wall, predicted_step_s): Timing) 
     rows.add_row(vec![right("steps"), right(format!("{} → {}", field(first, "step") - 1.0, field(last, "step")))]);
     rows.add_row(vec![right("loss"), right(format!("{:.3} → {:.3}", field(first, "loss"), field(last, "loss")))]);
     rows.add_row(vec![right("tokens/s (mean after step 1)"), right(format!("{mean_tokens_per_s:.0}"))]);
-    let measured = crate::bench::median(steady.iter().map(|s| field(s, "step_time_s")).collect());
+    let measured = medley_bench::stats::median(steady.iter().map(|s| field(s, "step_time_s")).collect());
     rows.add_row(vec![
         right("step time (median after step 1)"),
         right(format!(

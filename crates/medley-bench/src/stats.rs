@@ -1,0 +1,56 @@
+//! The statistics every benchmark reports with: one median rule, the means for times and for
+//! ratios, and the process's peak memory.
+
+use statrs::statistics::{Data, OrderStatistics, Statistics};
+
+/// The middle value, or the mean of the two middle ones for an even count (NaN for none): the
+/// one rule for every repeated measurement medley reports.
+pub fn median(values: Vec<f64>) -> f64 {
+    Data::new(values).median()
+}
+
+pub fn arithmetic_mean(values: &[f64]) -> f64 {
+    values.mean()
+}
+
+/// The mean for ratios: a 2× gain and a 2× loss average to 1×.
+pub fn geometric_mean(values: &[f64]) -> f64 {
+    values.geometric_mean()
+}
+
+/// The process's peak resident memory so far, MiB; `None` where there is no /proc (not Linux).
+pub fn peak_rss_mib() -> Option<f64> {
+    vm_hwm_mib(&std::fs::read_to_string("/proc/self/status").ok()?)
+}
+
+/// The `VmHWM:` (high-water mark of resident memory) line of a /proc/PID/status text, in MiB.
+fn vm_hwm_mib(status: &str) -> Option<f64> {
+    let value = status.lines().find_map(|line| line.strip_prefix("VmHWM:"))?;
+    let kib: f64 = value.trim().strip_suffix("kB")?.trim().parse().ok()?;
+    Some(kib / 1024.0)
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn median_takes_the_middle_or_the_mean_of_the_two_middles() {
+        assert_eq!(median(vec![3.0, 1.0, 2.0]), 2.0);
+        assert_eq!(median(vec![4.0, 1.0, 3.0, 2.0]), 2.5);
+        assert!(median(Vec::new()).is_nan());
+    }
+
+    #[test]
+    fn geometric_mean_of_reciprocals_is_one() {
+        assert!((geometric_mean(&[2.0, 0.5]) - 1.0).abs() < 1e-12);
+        assert_eq!(arithmetic_mean(&[2.0, 0.5]), 1.25);
+    }
+
+    #[test]
+    fn vm_hwm_is_read_in_mib() {
+        let status = "Name:\tmedley\nVmPeak:\t  9000 kB\nVmHWM:\t    2048 kB\nVmRSS:\t 1024 kB\n";
+        assert_eq!(vm_hwm_mib(status), Some(2.0));
+        assert_eq!(vm_hwm_mib("Name:\tmedley\n"), None);
+    }
+}
