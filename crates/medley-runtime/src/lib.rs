@@ -30,6 +30,6 @@ pub use checkpoint::{Manifest, check_resumable, read_latest};
 pub use error::RuntimeError;
 pub use host_memory::{HostMemory, calibration_memory, worker_memory};
 pub use layout::{EmulatedDevice, RankLayout, check_runnable, rank_ids};
-pub use metrics::{RankMetrics, RankTimes, StepMetrics};
+pub use metrics::{RankMetrics, StepMetrics};
 pub use train::TrainOptions;
 pub use worker::{LinkEmulation, Worker, WorkerOptions};

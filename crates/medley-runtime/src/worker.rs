@@ -15,7 +15,7 @@ use medley_trace::{BandwidthTrace, Timeline, TraceWalker};
 use serde_json::json;
 
 use crate::error::CommContext;
-use crate::metrics::{RankMetrics, RankTimes, StepMetrics};
+use crate::metrics::{StepClock, StepMetrics};
 use crate::p2p::{Kind, Mailbox, Tag};
 use crate::{RankLayout, RuntimeError};
 
@@ -95,7 +95,7 @@ struct StepState {
     /// Outputs waiting to be sent, by this rank's chunk.
     to_send: BTreeMap<(Kind, u32, u32), HostTensor>,
     loss_sum: f64,
-    times: RankTimes,
+    clock: StepClock,
 }
 
 impl Worker {
@@ -196,7 +196,7 @@ impl Worker {
             }
         }
         self.mailbox.finish_step()?;
-        state.times.busy_s = started.elapsed().as_secs_f64();
+        state.clock.busy_s = started.elapsed().as_secs_f64();
         self.step += 1;
         self.gather_metrics(&state, programs)
     }
@@ -219,7 +219,7 @@ impl Worker {
                     .transpose()?;
                 let batch = &state.batches[micro_batch as usize];
                 let stage = &mut self.stages[chunk as usize];
-                let output = timed(&mut state.times.compute_s, stretch, || stage.forward(micro_batch, batch, input))?;
+                let output = stretched(stretch, || stage.forward(micro_batch, batch, input))?;
                 match output {
                     StageOutput::Activations(out) => {
                         state.to_send.insert((Kind::Activation, micro_batch, chunk), out);
@@ -239,7 +239,7 @@ impl Worker {
                     })
                     .transpose()?;
                 let stage = &mut self.stages[chunk as usize];
-                let input_grad = timed(&mut state.times.compute_s, stretch, || stage.backward(micro_batch, upstream))?;
+                let input_grad = stretched(stretch, || stage.backward(micro_batch, upstream))?;
                 if let Some(grad) = input_grad {
                     state.to_send.insert((Kind::Gradient, micro_batch, chunk), grad);
                 }
@@ -272,9 +272,10 @@ impl Worker {
                 let wire_us = message.arrival_us.saturating_sub(self.clock.now_us());
                 std::thread::sleep(Duration::from_micros(wire_us));
                 let done_us = self.clock.now_us();
-                state.times.idle_s += done_us.saturating_sub(asked_us) as f64 * 1e-6;
                 // Waiting for a message already posted is a transfer stall; before that, a bubble.
-                state.times.transfer_wait_s += done_us.saturating_sub(asked_us.max(message.posted_us)) as f64 * 1e-6;
+                let posted_us = asked_us.max(message.posted_us).min(done_us);
+                state.clock.peer_wait_s += (posted_us - asked_us) as f64 * 1e-6;
+                state.clock.transfer_wait_s += (done_us - posted_us) as f64 * 1e-6;
                 let shape = vec![self.plan.micro_batch() as usize, self.config.seq_len, self.config.hidden];
                 state.received.insert((kind, micro_batch, chunk), HostTensor::new(shape, message.data));
                 Ok("wait")
@@ -282,17 +283,15 @@ impl Worker {
             Instruction::AllReduceGradients { dp_group, layers } => {
                 let started = Instant::now();
                 self.all_reduce_gradients(dp_group as usize, layers)?;
-                state.times.comm_s += started.elapsed().as_secs_f64();
+                state.clock.collective_s += started.elapsed().as_secs_f64();
                 Ok("collective")
             }
             Instruction::OptimizerStep => {
                 let started = Instant::now();
                 self.world.wait_sends().during(|| "finishing the step's sends".into())?;
-                state.times.comm_s += started.elapsed().as_secs_f64();
+                state.clock.collective_s += started.elapsed().as_secs_f64();
                 let adamw = self.options.adamw;
-                timed(&mut state.times.compute_s, 1.0, || {
-                    self.stages.iter_mut().try_for_each(|stage| stage.optimizer_step(&adamw))
-                })?;
+                stretched(1.0, || self.stages.iter_mut().try_for_each(|stage| stage.optimizer_step(&adamw)))?;
                 Ok("compute")
             }
         }
@@ -358,29 +357,27 @@ impl Worker {
     /// Every rank's times and losses, gathered so that each rank reports (and adapts to) the same
     /// numbers.
     fn gather_metrics(&mut self, state: &StepState, programs: &Programs) -> Result<StepMetrics, RuntimeError> {
-        let mine = state.times.to_words(state.loss_sum);
+        let mine = state.clock.to_words(state.loss_sum);
         let n = self.layouts.len();
         let mut all = vec![0f64; n * mine.len()];
         self.world
             .all_gather(&mine, &mut all, &vec![mine.len(); n])
             .during(|| "gathering the step's metrics".into())?;
-        let per_rank: Vec<(RankTimes, f64)> = all.chunks(mine.len()).map(RankTimes::from_words).collect();
-        let ranks =
-            per_rank.iter().zip(&self.layouts).map(|((times, _), layout)| RankMetrics::new(layout, times)).collect();
+        let (clocks, losses): (Vec<StepClock>, Vec<f64>) = all.chunks(mine.len()).map(StepClock::from_words).unzip();
         let tokens = u64::from(self.plan.global_batch()) * u64::from(self.plan.seq_len());
-        Ok(StepMetrics::new(self.step, per_rank.iter().map(|(_, loss)| loss).sum(), tokens, programs.schedule, ranks))
+        let loss = losses.iter().sum();
+        Ok(StepMetrics::new(self.step, loss, tokens, programs.schedule, &clocks, &self.layouts))
     }
 }
 
-/// Runs a pass and adds its time to `total_s`, stretched to `stretch` times what it took here by
-/// sleeping, so a slower emulated device's pass really takes longer.
-fn timed<T>(total_s: &mut f64, stretch: f64, pass: impl FnOnce() -> T) -> T {
+/// Runs a pass, stretched to `stretch` times what it took here by sleeping, so a slower
+/// emulated device's pass really takes longer.
+fn stretched<T>(stretch: f64, pass: impl FnOnce() -> T) -> T {
     let started = Instant::now();
     let result = pass();
     if stretch > 1.0 {
         std::thread::sleep(started.elapsed().mul_f64(stretch - 1.0));
     }
-    *total_s += started.elapsed().as_secs_f64();
     result
 }
 

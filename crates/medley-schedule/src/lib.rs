@@ -58,6 +58,7 @@ mod generate;
 mod geometry;
 mod program;
 mod schedules;
+mod times;
 
 pub use adaptive::{AdaptiveK, SchedulePolicy, StepObservation, StepSchedules};
 pub use check::check;
@@ -65,3 +66,4 @@ pub use error::ScheduleError;
 pub use generate::generate;
 pub use program::{Instruction, Program, Programs, RankId};
 pub use schedules::ScheduleKind;
+pub use times::RankTimes;

@@ -5,6 +5,7 @@ use std::collections::BTreeMap;
 
 use medley_cost::GIB;
 use medley_plan::Utilisation;
+use medley_schedule::RankTimes;
 use serde::Serialize;
 
 use crate::engine::StepRun;
@@ -42,14 +43,8 @@ pub struct RankReport {
     pub rank: String,
     pub device: String,
     pub devices: Vec<u32>,
-    pub compute_s: f64,
-    /// Blocked on data already sent to it (or on its own sends draining).
-    pub comm_wait_s: f64,
-    /// Blocked on a peer that had not sent yet, or on all-reduce members still to arrive:
-    /// pipeline bubbles, load imbalance, stragglers.
-    pub peer_wait_s: f64,
-    /// Neither computing nor waiting: finished before the slowest rank.
-    pub idle_s: f64,
+    #[serde(flatten)]
+    pub times: RankTimes,
     pub peak_memory_gib: f64,
 }
 
@@ -69,11 +64,14 @@ impl StepReport {
                 rank: setup.id.to_string(),
                 device: setup.device_name.clone(),
                 devices: setup.devices.clone(),
-                compute_s: state.compute_ns as f64 * 1e-9,
-                comm_wait_s: state.transfer_wait_ns as f64 * 1e-9,
-                peer_wait_s: state.peer_wait_ns as f64 * 1e-9,
-                idle_s: step_ns.saturating_sub(state.compute_ns + state.transfer_wait_ns + state.peer_wait_ns) as f64
-                    * 1e-9,
+                times: RankTimes {
+                    compute_s: state.compute_ns as f64 * 1e-9,
+                    comm_wait_s: state.transfer_wait_ns as f64 * 1e-9,
+                    peer_wait_s: state.peer_wait_ns as f64 * 1e-9,
+                    idle_s: step_ns.saturating_sub(state.compute_ns + state.transfer_wait_ns + state.peer_wait_ns)
+                        as f64
+                        * 1e-9,
+                },
                 peak_memory_gib: state.peak_memory_bytes / GIB,
             })
             .collect();

@@ -145,8 +145,12 @@ fn an_idle_ring_all_reduce_takes_the_alpha_beta_time() {
     let all_reduce_s = comm::ring_all_reduce_s(bytes, 8, link);
     let rank = &report.ranks[0];
     // Every rank computes the same and waits only for the all-reduce.
-    assert!((rank.comm_wait_s - all_reduce_s).abs() < 0.01 * all_reduce_s, "{} vs {all_reduce_s}", rank.comm_wait_s);
-    assert!((rank.compute_s - pass.total_s()).abs() < 0.05 * pass.total_s() + 1e-3, "{rank:?}");
+    assert!(
+        (rank.times.comm_wait_s - all_reduce_s).abs() < 0.01 * all_reduce_s,
+        "{} vs {all_reduce_s}",
+        rank.times.comm_wait_s
+    );
+    assert!((rank.times.compute_s - pass.total_s()).abs() < 0.05 * pass.total_s() + 1e-3, "{rank:?}");
 }
 
 // ---------------------------------------------------------------------------------------------
@@ -371,10 +375,10 @@ proptest::proptest! {
             for schedule in schedules {
                 let report = run(&plan, schedule);
                 for rank in &report.ranks {
-                    let busy_s = rank.compute_s + rank.comm_wait_s + rank.peer_wait_s;
+                    let busy_s = rank.times.compute_s + rank.times.comm_wait_s + rank.times.peer_wait_s;
                     proptest::prop_assert!(busy_s <= report.step_time_s + 1e-9, "{rank:?}");
                     // A rank's time adds up: what it did, waited and idled is the step.
-                    let accounted_s = busy_s + rank.idle_s;
+                    let accounted_s = busy_s + rank.times.idle_s;
                     proptest::prop_assert!((accounted_s - report.step_time_s).abs() <= 1e-9, "{rank:?}");
                 }
                 // A pipeline of several ranks cannot start its last rank before the first has

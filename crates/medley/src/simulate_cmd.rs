@@ -252,10 +252,10 @@ fn breakdown(report: &medley_sim::StepReport) -> comfy_table::Table {
         table.add_row(vec![
             Cell::new(device),
             right(ranks.len()),
-            right(seconds(mean(|r| r.compute_s))),
-            right(seconds(mean(|r| r.comm_wait_s))),
-            right(seconds(mean(|r| r.peer_wait_s))),
-            right(seconds(mean(|r| r.idle_s))),
+            right(seconds(mean(|r| r.times.compute_s))),
+            right(seconds(mean(|r| r.times.comm_wait_s))),
+            right(seconds(mean(|r| r.times.peer_wait_s))),
+            right(seconds(mean(|r| r.times.idle_s))),
             right(format!("{:.1} GiB", report.peak_memory_by_device_gib[device])),
             right(format!("{:.0} GiB", report.capacity_gib[device])),
         ]);
