@@ -6,7 +6,7 @@ use serde::Serialize;
 use crate::RankLayout;
 
 /// What a rank clocks during a step; [`StepMetrics`] turns every rank's into [`RankTimes`].
-#[derive(Clone, Copy, Debug, Default, PartialEq)]
+#[derive(Clone, Debug, Default, PartialEq)]
 pub(crate) struct StepClock {
     /// Pipeline receives of messages the peer had already posted.
     pub transfer_wait_s: f64,
@@ -16,30 +16,71 @@ pub(crate) struct StepClock {
     pub peer_wait_s: f64,
     /// From the step's first instruction to the end of the optimizer step.
     pub busy_s: f64,
+    /// When the rank reached each DP group's all-reduce, µs of the job clock; NaN for the groups
+    /// it is not a member of.
+    pub all_reduce_arrivals_us: Vec<f64>,
 }
 
 impl StepClock {
-    /// The clock and the rank's summed loss as words for an all-gather.
-    pub(crate) fn to_words(self, loss_sum: f64) -> [f64; 5] {
-        [self.transfer_wait_s, self.collective_s, self.peer_wait_s, self.busy_s, loss_sum]
+    /// A clock for a plan of `n_dp_groups` DP groups.
+    pub(crate) fn new(n_dp_groups: usize) -> StepClock {
+        StepClock { all_reduce_arrivals_us: vec![f64::NAN; n_dp_groups], ..StepClock::default() }
+    }
+
+    /// The clock and the rank's summed loss as words for an all-gather: the same count on every
+    /// rank of a job.
+    pub(crate) fn to_words(&self, loss_sum: f64) -> Vec<f64> {
+        let mut words = vec![self.transfer_wait_s, self.collective_s, self.peer_wait_s, self.busy_s, loss_sum];
+        words.extend(&self.all_reduce_arrivals_us);
+        words
     }
 
     pub(crate) fn from_words(words: &[f64]) -> (StepClock, f64) {
-        let clock =
-            StepClock { transfer_wait_s: words[0], collective_s: words[1], peer_wait_s: words[2], busy_s: words[3] };
+        let clock = StepClock {
+            transfer_wait_s: words[0],
+            collective_s: words[1],
+            peer_wait_s: words[2],
+            busy_s: words[3],
+            all_reduce_arrivals_us: words[5..].to_vec(),
+        };
         (clock, words[4])
     }
 
-    /// The rank's times in a step whose slowest rank took `step_s`.
-    fn times(&self, step_s: f64) -> RankTimes {
-        let comm_wait_s = self.transfer_wait_s + self.collective_s;
+    /// The rank's times in a step whose slowest rank took `step_s`, where `members_late_s` of
+    /// its all-reduce time went on waiting for the last member to arrive.
+    fn times(&self, step_s: f64, members_late_s: f64) -> RankTimes {
+        let members_late_s = members_late_s.min(self.collective_s);
+        let comm_wait_s = self.transfer_wait_s + self.collective_s - members_late_s;
+        let peer_wait_s = self.peer_wait_s + members_late_s;
         RankTimes {
-            compute_s: (self.busy_s - comm_wait_s - self.peer_wait_s).max(0.0),
+            compute_s: (self.busy_s - comm_wait_s - peer_wait_s).max(0.0),
             comm_wait_s,
-            peer_wait_s: self.peer_wait_s,
+            peer_wait_s,
             idle_s: step_s - self.busy_s,
         }
     }
+}
+
+/// Per rank, the seconds its all-reduces waited for their last member to arrive: a member
+/// cannot finish before that, so the wait is the straggler's, not the network's.
+fn members_late_s(clocks: &[StepClock]) -> Vec<f64> {
+    let n_groups = clocks.first().map_or(0, |clock| clock.all_reduce_arrivals_us.len());
+    let last: Vec<f64> = (0..n_groups)
+        .map(|group| {
+            clocks
+                .iter()
+                .map(|clock| clock.all_reduce_arrivals_us[group])
+                .filter(|at| at.is_finite())
+                .fold(f64::NAN, f64::max)
+        })
+        .collect();
+    clocks
+        .iter()
+        .map(|clock| {
+            let late_us = clock.all_reduce_arrivals_us.iter().zip(&last).filter(|(at, _)| at.is_finite());
+            late_us.map(|(at, last)| (last - at).max(0.0)).sum::<f64>() * 1e-6
+        })
+        .collect()
 }
 
 /// One rank's line in a step's metrics.
@@ -90,10 +131,9 @@ impl StepMetrics {
         let step_time_s = clocks.iter().map(|clock| clock.busy_s).fold(0.0, f64::max);
         let stalls: f64 = clocks.iter().map(|clock| clock.transfer_wait_s).sum();
         let pipeline_wait_fraction = if step_time_s > 0.0 { stalls / clocks.len() as f64 / step_time_s } else { 0.0 };
-        let ranks = clocks
-            .iter()
-            .zip(layouts)
-            .map(|(clock, layout)| RankMetrics::new(layout, clock.times(step_time_s)))
+        let late_s = members_late_s(clocks);
+        let ranks = (clocks.iter().zip(&late_s).zip(layouts))
+            .map(|((clock, &late_s), layout)| RankMetrics::new(layout, clock.times(step_time_s, late_s)))
             .collect();
         StepMetrics {
             step,
@@ -113,11 +153,21 @@ mod tests {
 
     #[test]
     fn a_ranks_times_add_up_to_the_slowest_ranks_step() {
-        let clock = StepClock { transfer_wait_s: 0.5, collective_s: 1.0, peer_wait_s: 2.0, busy_s: 6.0 };
-        let times = clock.times(8.0);
-        assert_eq!(times, RankTimes { compute_s: 2.5, comm_wait_s: 1.5, peer_wait_s: 2.0, idle_s: 2.0 });
+        let clock =
+            StepClock { transfer_wait_s: 0.5, collective_s: 1.0, peer_wait_s: 2.0, busy_s: 6.0, ..StepClock::new(1) };
+        let times = clock.times(8.0, 0.25);
+        assert_eq!(times, RankTimes { compute_s: 2.5, comm_wait_s: 1.25, peer_wait_s: 2.25, idle_s: 2.0 });
         assert_eq!(times.step_s(), 8.0);
         let (back, loss) = StepClock::from_words(&clock.to_words(3.0));
-        assert_eq!((back, loss), (clock, 3.0));
+        assert_eq!(back.busy_s, clock.busy_s);
+        assert_eq!(loss, 3.0);
+    }
+
+    #[test]
+    fn an_all_reduce_waits_for_its_last_member_and_only_members_count() {
+        let arrivals = |at: [f64; 2]| StepClock { all_reduce_arrivals_us: at.to_vec(), ..StepClock::new(2) };
+        // Group 0: ranks 0 and 1, rank 1 2 ms late; group 1: ranks 1 and 2, rank 1 last.
+        let clocks = [arrivals([1_000.0, f64::NAN]), arrivals([3_000.0, 5_000.0]), arrivals([f64::NAN, 4_500.0])];
+        assert_eq!(members_late_s(&clocks), [0.002, 0.0, 0.0005]);
     }
 }

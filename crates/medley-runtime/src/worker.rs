@@ -184,7 +184,8 @@ impl Worker {
             RuntimeError::Program { rank: self.layout.id.to_string(), reason: "the programs have none for it".into() }
         })?;
         let started = Instant::now();
-        let mut state = StepState { batches: self.micro_batches(), ..StepState::default() };
+        let clock = StepClock::new(self.plan.dp_groups().len());
+        let mut state = StepState { batches: self.micro_batches(), clock, ..StepState::default() };
         for instruction in &program.instructions {
             let begin_us = self.clock.now_us();
             let category = self.execute(*instruction, &mut state)?;
@@ -281,6 +282,7 @@ impl Worker {
                 Ok("wait")
             }
             Instruction::AllReduceGradients { dp_group, layers } => {
+                state.clock.all_reduce_arrivals_us[dp_group as usize] = self.clock.now_us() as f64;
                 let started = Instant::now();
                 self.all_reduce_gradients(dp_group as usize, layers)?;
                 state.clock.collective_s += started.elapsed().as_secs_f64();

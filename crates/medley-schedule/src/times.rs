@@ -10,11 +10,10 @@ pub struct RankTimes {
     /// include the bookkeeping around them).
     pub compute_s: f64,
     /// Blocked on data already on its way: a pipeline message its peer had sent, its own sends
-    /// draining, a gradient all-reduce's transfers (in the runtime, the whole all-reduce: it
-    /// cannot tell the members' late arrival from their transfers).
+    /// draining, a gradient all-reduce once every member has arrived.
     pub comm_wait_s: f64,
-    /// Blocked on a peer that had not sent yet, or (in the simulator) on all-reduce members still
-    /// to arrive: pipeline bubbles, imbalance, stragglers.
+    /// Blocked on a peer that had not sent yet, or on all-reduce members still to arrive:
+    /// pipeline bubbles, imbalance, stragglers.
     pub peer_wait_s: f64,
     /// Done with the step, until its slowest rank was.
     pub idle_s: f64,
