@@ -3,7 +3,7 @@
 use std::borrow::Cow;
 use std::collections::HashMap;
 use std::fs::{self, File};
-use std::path::{Path, PathBuf};
+use std::path::Path;
 
 use memmap2::Mmap;
 use safetensors::tensor::{Dtype, SafeTensors, View};
@@ -88,24 +88,19 @@ pub fn write_atomically(path: &Path, bytes: &[u8]) -> Result<(), ModelError> {
     publish_atomically(path, |tmp| fs::write(tmp, bytes).map_err(|error| ModelError::Io { path: path.into(), error }))
 }
 
-/// Has `write` fill a temporary file beside `path`, then fsyncs it, renames it over `path` and
-/// fsyncs the directory.
+/// Has `write` fill a temporary file beside `path` (tempfile's: a fresh name, removed again if
+/// anything fails before it is published), then fsyncs it, renames it over `path` and fsyncs
+/// the directory.
 fn publish_atomically(path: &Path, write: impl FnOnce(&Path) -> Result<(), ModelError>) -> Result<(), ModelError> {
     let io = |error| ModelError::Io { path: path.into(), error };
-    let tmp = temporary_path(path);
-    write(&tmp)?;
-    File::open(&tmp).and_then(|file| file.sync_all()).map_err(io)?;
-    fs::rename(&tmp, path).map_err(io)?;
-    if let Some(dir) = path.parent().filter(|dir| !dir.as_os_str().is_empty()) {
-        File::open(dir).and_then(|dir| dir.sync_all()).map_err(io)?;
-    }
+    let dir = path.parent().filter(|dir| !dir.as_os_str().is_empty()).unwrap_or(Path::new("."));
+    let name = path.file_name().unwrap_or_default().to_string_lossy();
+    let tmp = tempfile::Builder::new().prefix(&format!(".{name}.")).tempfile_in(dir).map_err(io)?;
+    write(tmp.path())?;
+    tmp.as_file().sync_all().map_err(io)?;
+    tmp.persist(path).map_err(|err| io(err.error))?;
+    File::open(dir).and_then(|dir| dir.sync_all()).map_err(io)?;
     Ok(())
-}
-
-fn temporary_path(path: &Path) -> PathBuf {
-    let mut name = path.file_name().unwrap_or_default().to_os_string();
-    name.push(format!(".tmp{}", std::process::id()));
-    path.with_file_name(name)
 }
 
 fn checkpoint_error(path: &Path, err: impl std::fmt::Display) -> ModelError {
@@ -140,5 +135,20 @@ mod tests {
         fs::write(&path, &bytes[..bytes.len() - 10]).unwrap();
         let err = load_tensors(&path).unwrap_err().to_string();
         assert!(err.contains("stage.safetensors"), "{err}");
+    }
+
+    #[test]
+    fn a_failed_write_publishes_nothing_and_leaves_no_temporary_file() {
+        let dir = tempfile::tempdir().unwrap();
+        let path = dir.path().join("latest");
+        let failed = publish_atomically(&path, |tmp| {
+            fs::write(tmp, b"half").unwrap();
+            Err(ModelError::Checkpoint { path: tmp.into(), reason: "disk full".into() })
+        });
+        assert!(failed.is_err());
+        assert_eq!(fs::read_dir(dir.path()).unwrap().count(), 0);
+        write_atomically(&path, b"whole").unwrap();
+        assert_eq!(fs::read(&path).unwrap(), b"whole");
+        assert_eq!(fs::read_dir(dir.path()).unwrap().count(), 1);
     }
 }

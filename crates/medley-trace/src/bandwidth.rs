@@ -179,19 +179,9 @@ fn parse_fraction(text: &str) -> Result<f64, String> {
     }
 }
 
-/// `2s`, `1.5s`, `500ms`, `40us`, `100ns`.
+/// `2s`, `1.5s`, `500ms`, `40us`, `100ns`: humantime's durations.
 fn parse_duration_ns(text: &str) -> Option<u64> {
-    let split = text.find(|c: char| c.is_ascii_alphabetic())?;
-    let (number, unit) = text.split_at(split);
-    let value: f64 = number.trim().parse().ok()?;
-    let scale = match unit {
-        "s" => 1e9,
-        "ms" => 1e6,
-        "us" => 1e3,
-        "ns" => 1.0,
-        _ => return None,
-    };
-    (value.is_finite() && value >= 0.0).then(|| (value * scale).round() as u64)
+    humantime::parse_duration(text).ok().and_then(|duration| u64::try_from(duration.as_nanos()).ok())
 }
 
 fn seconds_to_ns(seconds: f64) -> u64 {
@@ -316,6 +306,9 @@ impl TraceWalker {
 }
 
 /// An exponentially distributed duration with mean `mean_ns`, at least 1 ns so time advances.
+/// By the inverse of the distribution function, not `rand_distr::Exp`: its ziggurat draws
+/// other numbers from the same seed, and every seeded trace (and the figures measured on one)
+/// would change.
 fn exponential_ns(rng: &mut ChaCha8Rng, mean_ns: f64) -> u64 {
     let uniform: f64 = rng.random();
     ((-(1.0 - uniform).ln() * mean_ns).round() as u64).max(1)
