@@ -113,7 +113,7 @@ impl LaunchEnv {
 
 /// Which transport carries messages between two ranks on one host.
 #[derive(Clone, Copy, Debug, PartialEq, Eq)]
-pub enum Route {
+pub enum TransportKind {
     /// Single-copy shared memory (the native backend on this machine).
     Shm,
     Tcp,
@@ -129,9 +129,9 @@ pub struct Config {
     /// Parallel TCP streams per peer pair; big messages are striped over them.
     pub tcp_streams: usize,
     /// Between ranks of one domain on one host.
-    pub intra_domain: Route,
+    pub intra_domain: TransportKind,
     /// Between ranks of different domains on one host (always TCP across hosts).
-    pub bridge: Route,
+    pub bridge: TransportKind,
     /// The largest message pipelined algorithms send.
     pub chunk_bytes: usize,
     /// Emulates a slower bridge: caps each TCP link between ranks of different domains at this
@@ -146,8 +146,8 @@ impl Default for Config {
             timeout: Duration::from_secs(30),
             connect_timeout: Duration::from_secs(60),
             tcp_streams: 2,
-            intra_domain: Route::Shm,
-            bridge: Route::Tcp,
+            intra_domain: TransportKind::Shm,
+            bridge: TransportKind::Tcp,
             chunk_bytes: 1 << 20,
             bridge_bytes_per_s: None,
         }

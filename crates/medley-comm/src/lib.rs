@@ -33,7 +33,7 @@ mod wire;
 
 pub use comm::Communicator;
 pub use dtype::{DType, Element};
-pub use env::{Config, CpuBinding, LaunchEnv, Route, StoreHost};
+pub use env::{Config, CpuBinding, LaunchEnv, StoreHost, TransportKind};
 pub use error::CommError;
 pub use half::{bf16, f16};
 pub use medley_collective::{Algorithm, Counts, Op, ReduceOp};

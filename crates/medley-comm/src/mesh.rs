@@ -9,7 +9,7 @@ use std::time::{Duration, Instant};
 use medley_collective::{DomainId, Group};
 
 use crate::CommError;
-use crate::env::{Config, Route};
+use crate::env::{Config, TransportKind};
 use crate::session::Session;
 use crate::transport::shm::{Inbox, ShmTransport, allow_reads_by, inbox_path};
 use crate::transport::tcp::TcpTransport;
@@ -90,10 +90,10 @@ pub(crate) fn connect(
     let route_to = |peer: usize| {
         let (a, b) = (&infos[me], &infos[peer]);
         let wanted = if a.domain == b.domain { config.intra_domain } else { config.bridge };
-        if a.host == b.host { wanted } else { Route::Tcp }
+        if a.host == b.host { wanted } else { TransportKind::Tcp }
     };
-    let shm_peers: Vec<usize> = (0..n).filter(|&p| p != me && route_to(p) == Route::Shm).collect();
-    let tcp_peers: Vec<usize> = (0..n).filter(|&p| p != me && route_to(p) == Route::Tcp).collect();
+    let shm_peers: Vec<usize> = (0..n).filter(|&p| p != me && route_to(p) == TransportKind::Shm).collect();
+    let tcp_peers: Vec<usize> = (0..n).filter(|&p| p != me && route_to(p) == TransportKind::Tcp).collect();
 
     let joining = Joining { session, ns, members, me, infos: &infos };
     let mut transports: Vec<Box<dyn Transport>> = Vec::new();

@@ -12,7 +12,8 @@ use std::process::{Child, Command, Stdio};
 use std::time::{Duration, Instant};
 
 use medley_comm::{
-    Algorithm, CommError, Communicator, Config, Counts, DType, Element, LaunchEnv, Op, ReduceOp, Route, bf16, f16,
+    Algorithm, CommError, Communicator, Config, Counts, DType, Element, LaunchEnv, Op, ReduceOp, TransportKind, bf16,
+    f16,
 };
 use proptest::prelude::*;
 
@@ -201,8 +202,8 @@ struct JobCase {
     matrix: Vec<Vec<usize>>,
     root: usize,
     seed: u64,
-    intra_domain: Route,
-    bridge: Route,
+    intra_domain: TransportKind,
+    bridge: TransportKind,
     chunk_bytes: usize,
     tcp_streams: usize,
 }
@@ -210,7 +211,7 @@ struct JobCase {
 fn job_case() -> impl Strategy<Value = JobCase> {
     (1usize..=8, 0usize..3)
         .prop_flat_map(|(n, n_amd)| {
-            let route = prop_oneof![Just(Route::Shm), Just(Route::Tcp)];
+            let route = prop_oneof![Just(TransportKind::Shm), Just(TransportKind::Tcp)];
             (
                 Just(n),
                 Just(n_amd.min(n - 1)),
@@ -276,7 +277,7 @@ proptest! {
 fn large_messages_stripe_and_pipeline() {
     let sizes = [300_001usize, 0, 170_000];
     let matrix = vec![vec![70_000, 1, 90_000]; 3];
-    for bridge in [Route::Tcp, Route::Shm] {
+    for bridge in [TransportKind::Tcp, TransportKind::Shm] {
         let config = Config { bridge, tcp_streams: 3, chunk_bytes: 256 << 10, ..quick_config() };
         let results = job(&["nvidia", "amd", "nvidia"], &config, |comm| -> Result<(), String> {
             let ops = [
@@ -338,8 +339,9 @@ fn window_all_reduces_match_the_reference() {
         Ok(())
     });
     assert!(results.iter().all(Result::is_ok), "{results:?}");
-    for (domains, intra_domain) in [(["nvidia", "nvidia"], Route::Tcp), (["nvidia", "amd"], Route::Shm)] {
-        let config = Config { intra_domain, bridge: Route::Shm, ..quick_config() };
+    for (domains, intra_domain) in [(["nvidia", "nvidia"], TransportKind::Tcp), (["nvidia", "amd"], TransportKind::Shm)]
+    {
+        let config = Config { intra_domain, bridge: TransportKind::Shm, ..quick_config() };
         let results = job(&domains, &config, |comm| {
             let counts = Counts::Same(4);
             let mut out = [0f32; 4];
@@ -386,7 +388,7 @@ fn a_capped_bridge_is_slow_but_exact() {
 /// taken, or both wait on each other until the timeout.
 #[test]
 fn large_exchanges_do_not_wait_on_each_other() {
-    for intra_domain in [Route::Shm, Route::Tcp] {
+    for intra_domain in [TransportKind::Shm, TransportKind::Tcp] {
         let config = Config { intra_domain, chunk_bytes: 64 << 10, ..quick_config() };
         let results = job(&["nvidia"; 4], &config, |comm| -> Result<(), String> {
             for len in [1, 3_000, 200_001] {
@@ -404,7 +406,7 @@ fn asynchronous_sends_let_every_rank_send_before_it_receives() {
     // Messages above the eager size go single-copy, where a blocking send would wait for the
     // receiver: with every rank sending first, only asynchronous sends finish.
     const LEN: usize = 50_000;
-    for intra_domain in [Route::Shm, Route::Tcp] {
+    for intra_domain in [TransportKind::Shm, TransportKind::Tcp] {
         let config = Config { intra_domain, ..quick_config() };
         let results = job(&["nvidia", "nvidia", "amd"], &config, |comm| {
             let (rank, n) = (comm.rank(), comm.n_ranks());
@@ -497,7 +499,8 @@ fn assert_all_blame(results: &[(Result<(), CommError>, Duration)], blamed: usize
 
 #[test]
 fn mismatched_calls_are_reported_on_every_rank() {
-    let setups = [(Route::Shm, None), (Route::Tcp, None), (Route::Shm, Some(Algorithm::Direct))];
+    let setups =
+        [(TransportKind::Shm, None), (TransportKind::Tcp, None), (TransportKind::Shm, Some(Algorithm::Direct))];
     for (intra_domain, algorithm) in setups {
         let config = Config { intra_domain, timeout: Duration::from_secs(5), ..quick_config() };
         let results = job(&["a", "a", "a"], &config, |comm| {
@@ -520,7 +523,7 @@ fn mismatched_calls_are_reported_on_every_rank() {
 
 #[test]
 fn a_silent_peer_is_blamed_within_the_timeout() {
-    for intra_domain in [Route::Shm, Route::Tcp] {
+    for intra_domain in [TransportKind::Shm, TransportKind::Tcp] {
         let timeout = Duration::from_millis(800);
         let config = Config { intra_domain, timeout, ..quick_config() };
         let results = job(&["a", "a", "a"], &config, |comm| {

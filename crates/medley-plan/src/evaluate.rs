@@ -9,7 +9,7 @@ use medley_cost::{Calibration, CostModel, GIB, PassTime, Setting, StageShape, fl
 use medley_spec::{BridgeMode, Cluster, DeviceSlot, NodeGroup, Schedule, Vendor};
 use serde::Serialize;
 
-use crate::plan::{Algorithm, LayerRange, Plan, Replica, Route, Stage};
+use crate::plan::{GradientAlgorithm, LayerRange, Plan, Replica, Route, Stage};
 
 /// What a plan is predicted to do per optimizer step.
 #[derive(Clone, Debug, PartialEq, Serialize)]
@@ -333,15 +333,15 @@ pub fn dp_group_time_s(
     members: &[(DeviceSlot, Vendor)],
     bytes: f64,
     route: Route,
-    algorithm: Algorithm,
+    algorithm: GradientAlgorithm,
 ) -> f64 {
     let mode = route_mode(route);
     match algorithm {
-        Algorithm::Ring => {
+        GradientAlgorithm::Ring => {
             let slots: Vec<DeviceSlot> = members.iter().map(|(slot, _)| *slot).collect();
             comm::ring_all_reduce_s(bytes, members.len() as u32, ring_link(cluster, &slots, mode))
         }
-        Algorithm::Hierarchical => {
+        GradientAlgorithm::Hierarchical => {
             let mut vendors: Vec<Vendor> = members.iter().map(|(_, vendor)| *vendor).collect();
             vendors.sort();
             vendors.dedup();
@@ -369,14 +369,14 @@ fn ring_link(cluster: &Cluster, slots: &[DeviceSlot], mode: BridgeMode) -> Link 
 }
 
 /// The cheapest route and algorithm for a DP group whose members are `members`.
-pub fn best_dp_route(cluster: &Cluster, members: &[(DeviceSlot, Vendor)], bytes: f64) -> (Route, Algorithm) {
+pub fn best_dp_route(cluster: &Cluster, members: &[(DeviceSlot, Vendor)], bytes: f64) -> (Route, GradientAlgorithm) {
     let first = members[0].1;
     if members.iter().all(|(_, vendor)| *vendor == first) {
-        return (Route::Native { vendor: first }, Algorithm::Ring);
+        return (Route::Native { vendor: first }, GradientAlgorithm::Ring);
     }
-    let mut best: Option<(f64, Route, Algorithm)> = None;
+    let mut best: Option<(f64, Route, GradientAlgorithm)> = None;
     for mode in cluster.bridge().modes() {
-        for algorithm in [Algorithm::Hierarchical, Algorithm::Ring] {
+        for algorithm in [GradientAlgorithm::Hierarchical, GradientAlgorithm::Ring] {
             let route = Route::Bridge { mode };
             let time_s = dp_group_time_s(cluster, members, bytes, route, algorithm);
             if best.is_none_or(|(best_s, _, _)| time_s < best_s) {

@@ -154,20 +154,20 @@ impl fmt::Display for Route {
 /// Collective algorithm for a gradient synchronisation group.
 #[derive(Clone, Copy, Debug, PartialEq, Eq, Hash, Serialize, Deserialize)]
 #[serde(rename_all = "kebab-case")]
-pub enum Algorithm {
+pub enum GradientAlgorithm {
     /// One ring through every member.
     Ring,
     /// Reduce-scatter inside each vendor domain, exchange 1/n shares across the bridge, all-gather.
     Hierarchical,
 }
 
-impl From<Algorithm> for medley_collective::Algorithm {
+impl From<GradientAlgorithm> for medley_collective::Algorithm {
     /// The collective algorithm that runs a gradient group: the simulator lowers it, the
     /// runtime's communicator executes it.
-    fn from(algorithm: Algorithm) -> Self {
+    fn from(algorithm: GradientAlgorithm) -> Self {
         match algorithm {
-            Algorithm::Ring => medley_collective::Algorithm::Ring,
-            Algorithm::Hierarchical => medley_collective::Algorithm::Hierarchical,
+            GradientAlgorithm::Ring => medley_collective::Algorithm::Ring,
+            GradientAlgorithm::Hierarchical => medley_collective::Algorithm::Hierarchical,
         }
     }
 }
@@ -179,7 +179,7 @@ impl From<Algorithm> for medley_collective::Algorithm {
 pub struct DpGroup {
     pub layers: LayerRange,
     pub route: Route,
-    pub algorithm: Algorithm,
+    pub algorithm: GradientAlgorithm,
 }
 
 impl Plan {

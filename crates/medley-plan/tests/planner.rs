@@ -8,7 +8,7 @@ use std::collections::BTreeSet;
 use medley_cost::{Calibration, CostModel, Setting};
 use medley_plan::baselines::{self, Degrees};
 use medley_plan::{
-    Algorithm, Candidate, DpGroup, LayerRange, Plan, PlanError, PlanParts, Replica, Route, SearchOptions,
+    Candidate, DpGroup, GradientAlgorithm, LayerRange, Plan, PlanError, PlanParts, Replica, Route, SearchOptions,
     SearchOutcome, Stage, evaluate, search,
 };
 use medley_spec::{
@@ -371,7 +371,7 @@ fn hand_plan() -> Plan {
     let dp_group = |start, end, vendor| DpGroup {
         layers: LayerRange { start, end },
         route: Route::Native { vendor },
-        algorithm: Algorithm::Ring,
+        algorithm: GradientAlgorithm::Ring,
     };
     plan.dp_groups = vec![dp_group(0, 4, Vendor::Nvidia), dp_group(4, 8, Vendor::Amd)];
     Plan::new(plan).unwrap()

@@ -5,7 +5,7 @@ use std::num::NonZeroU32;
 
 use medley_cost::{Calibration, CostModel, Setting};
 use medley_plan::baselines::{Degrees, megatron_plan};
-use medley_plan::{Algorithm, DpGroup, LayerRange, Plan, Replica, Route, SearchOptions, Stage, search};
+use medley_plan::{DpGroup, GradientAlgorithm, LayerRange, Plan, Replica, Route, SearchOptions, Stage, search};
 use medley_schedule::{Instruction, Programs, RankId, ScheduleError, ScheduleKind, check, generate};
 use medley_spec::{Bridge, Cluster, Fabric, JobParts, JobSpec, Recompute, Schedule, catalog_model};
 use proptest::prelude::*;
@@ -77,7 +77,7 @@ fn reshape_interleaved(base: &Plan, virtual_stages: u32, shapes: &[(Vec<u32>, u3
                 .iter()
                 .map(|replica| replica.stages.iter().find(|stage| stage.layers.contains(layers)).unwrap().clone())
                 .collect();
-            DpGroup { layers, route: route(base, &holders), algorithm: Algorithm::Ring }
+            DpGroup { layers, route: route(base, &holders), algorithm: GradientAlgorithm::Ring }
         })
         .collect();
     Plan::new(plan).unwrap()

@@ -17,7 +17,7 @@ use anyhow::{Context, Result, bail};
 use clap::{Args, ValueEnum};
 use comfy_table::Cell;
 use medley_collective::{Algorithm, Counts, Op, ReduceOp};
-use medley_comm::{Communicator, Config, DType, LaunchEnv, Route};
+use medley_comm::{Communicator, Config, DType, LaunchEnv, TransportKind};
 use medley_launch::{LocalJob, RankCommand};
 use serde::{Deserialize, Serialize};
 
@@ -41,9 +41,9 @@ pub enum Setup {
 impl Setup {
     fn config(self, timeout: Duration, bridge_bytes_per_s: Option<u64>) -> Config {
         let (intra_domain, bridge) = match self {
-            Setup::Shm | Setup::TwoDomainShmBridge => (Route::Shm, Route::Shm),
-            Setup::Tcp => (Route::Tcp, Route::Tcp),
-            Setup::TwoDomain => (Route::Shm, Route::Tcp),
+            Setup::Shm | Setup::TwoDomainShmBridge => (TransportKind::Shm, TransportKind::Shm),
+            Setup::Tcp => (TransportKind::Tcp, TransportKind::Tcp),
+            Setup::TwoDomain => (TransportKind::Shm, TransportKind::Tcp),
         };
         Config { timeout, intra_domain, bridge, bridge_bytes_per_s, ..Config::default() }
     }

@@ -5,7 +5,7 @@ use std::fmt::Write;
 use comfy_table::presets::UTF8_BORDERS_ONLY;
 use comfy_table::{Cell, CellAlignment, Table};
 use medley_cost::params::total_params;
-use medley_plan::{Algorithm, Candidate, Plan, Route};
+use medley_plan::{Candidate, GradientAlgorithm, Plan, Route};
 use serde_json::{Value, json};
 
 use crate::inputs::Specs;
@@ -385,7 +385,8 @@ pub fn explain(plan: &Plan) -> String {
     let bridged_groups: Vec<_> =
         plan.dp_groups().iter().filter(|group| matches!(group.route, Route::Bridge { .. })).collect();
     if plan.replicas().len() > 1 {
-        let hierarchical = bridged_groups.iter().filter(|group| group.algorithm == Algorithm::Hierarchical).count();
+        let hierarchical =
+            bridged_groups.iter().filter(|group| group.algorithm == GradientAlgorithm::Hierarchical).count();
         let _ = writeln!(
             out,
             "- gradients: {} over {}, {} native, {} across vendors ({hierarchical} hierarchical)",
