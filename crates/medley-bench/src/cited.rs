@@ -10,7 +10,7 @@
 use medley_cost::{Calibration, CostModel, Efficiency, Setting};
 use medley_plan::Plan;
 use medley_plan::baselines::{Degrees, megatron_plan};
-use medley_sim::{SchedulePolicy, SimConfig, StepReport, simulate_steps};
+use medley_sim::{SimConfig, StepReport, simulate_steps};
 use medley_spec::{Bridge, Cluster, Fabric, JobParts, JobSpec, ModelSpec, Recompute, catalog_device, catalog_model};
 use serde::Serialize;
 
@@ -327,7 +327,7 @@ pub fn fit_devices(runs: &[(&'static CitedRun, Plan)]) -> Result<Vec<Fit>, Bench
 }
 
 fn simulate_one(plan: &Plan, calibration: &Calibration) -> Result<StepReport, BenchError> {
-    let policy = SchedulePolicy::from(plan.schedule());
+    let policy = plan.schedule();
     let report = simulate_steps(plan, calibration, &SimConfig::default(), policy, 1, None)
         .map_err(|err| BenchError::Simulation(err.to_string()))?;
     Ok(report.last_step)

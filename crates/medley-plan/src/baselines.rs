@@ -11,7 +11,7 @@ use std::fmt;
 use std::str::FromStr;
 
 use medley_cost::{Calibration, CostModel, Setting};
-use medley_spec::{Cluster, JobSpec, ModelSpec, Schedule};
+use medley_spec::{Cluster, JobSpec, ModelSpec, Schedule, ScheduleKind};
 use rayon::prelude::*;
 
 use crate::assemble::{ReplicaLayout, assemble, stages_from_counts};
@@ -121,8 +121,12 @@ pub fn megatron_plan(
 /// needs several.
 fn chunked_schedule(schedule: Schedule, vpp: u32) -> Result<Schedule, PlanError> {
     match (schedule, vpp) {
-        (Schedule::OneFOneB | Schedule::Interleaved, 2..) => Ok(Schedule::Interleaved),
-        (Schedule::Interleaved, _) | (_, 2..) => Err(PlanError::ScheduleMismatch { schedule, virtual_stages: vpp }),
+        (Schedule::Fixed(ScheduleKind::OneFOneB) | Schedule::Fixed(ScheduleKind::Interleaved), 2..) => {
+            Ok(Schedule::Fixed(ScheduleKind::Interleaved))
+        }
+        (Schedule::Fixed(ScheduleKind::Interleaved), _) | (_, 2..) => {
+            Err(PlanError::ScheduleMismatch { schedule, virtual_stages: vpp })
+        }
         _ => Ok(schedule),
     }
 }

@@ -6,7 +6,7 @@ use std::num::NonZeroU32;
 
 use medley_cost::comm::{self, DomainPart, Link};
 use medley_cost::{Calibration, CostModel, GIB, PassTime, Setting, StageShape, flops};
-use medley_spec::{BridgeMode, Cluster, DeviceSlot, NodeGroup, Schedule, Vendor};
+use medley_spec::{BridgeMode, Cluster, DeviceSlot, NodeGroup, Schedule, ScheduleKind, Vendor};
 use serde::Serialize;
 
 use crate::plan::{GradientAlgorithm, LayerRange, Plan, Replica, Route, Stage};
@@ -203,7 +203,7 @@ pub fn max_k_within_memory(plan: &Plan, calibration: &Calibration) -> u32 {
     }
     let fits = |k: u32| {
         ranks.iter().all(|&(rank, n_ranks, m, held, per_micro_batch, capacity)| {
-            let kfkb = Schedule::Kfkb { k: NonZeroU32::new(k).expect("k ≥ 1") };
+            let kfkb = Schedule::Fixed(ScheduleKind::Kfkb { k: NonZeroU32::new(k).expect("k ≥ 1") });
             held + f64::from(kfkb.in_flight(rank, n_ranks, 1, m)) * per_micro_batch <= capacity
         })
     };

@@ -8,7 +8,7 @@
 use std::collections::BTreeSet;
 use std::fmt;
 
-use medley_spec::{BridgeMode, Cluster, DeviceId, ModelSpec, Recompute, Schedule, Vendor};
+use medley_spec::{BridgeMode, Cluster, DeviceId, ModelSpec, Recompute, Schedule, ScheduleKind, Vendor};
 use serde::{Deserialize, Serialize};
 
 use crate::error::{InvalidPlan, PlanError, ReplicaProblem, RouteProblem};
@@ -317,7 +317,7 @@ impl Plan {
                 return Err(InvalidPlan::Zero { field }.into());
             }
         }
-        if (parts.schedule == Schedule::Interleaved) != (parts.virtual_stages > 1) {
+        if (parts.schedule == Schedule::Fixed(ScheduleKind::Interleaved)) != (parts.virtual_stages > 1) {
             return Err(PlanError::ScheduleMismatch { schedule: parts.schedule, virtual_stages: parts.virtual_stages });
         }
         let sequences: u64 = parts.replicas.iter().map(|replica| u64::from(replica.n_micro_batches)).sum::<u64>()

@@ -13,7 +13,7 @@ use medley_plan::{
 };
 use medley_spec::{
     Bridge, BridgeMode, Cluster, Fabric, JobParts, JobSpec, MlpKind, ModelParts, ModelSpec, Recompute, Schedule,
-    Vendor, catalog_model,
+    ScheduleKind, Vendor, catalog_model,
 };
 use proptest::prelude::*;
 
@@ -52,7 +52,8 @@ fn job(seq_len: u32, global_batch: u32, micro_batch: Option<u32>, recompute: Opt
 
 /// A GPipe job: its plans hold one chunk per rank, as hand edits of stage devices assume.
 fn gpipe_job(seq_len: u32, global_batch: u32) -> JobSpec {
-    let parts = JobParts { seq_len, global_batch, schedule: Schedule::Gpipe, ..JobParts::default() };
+    let parts =
+        JobParts { seq_len, global_batch, schedule: Schedule::Fixed(ScheduleKind::Gpipe), ..JobParts::default() };
     JobSpec::new(parts, "test").unwrap()
 }
 
@@ -112,7 +113,7 @@ fn check_candidate(cluster: &Cluster, model: &ModelSpec, job: &JobSpec, candidat
     Plan::new(plan.clone().into_parts()).unwrap_or_else(|err| panic!("{err}: {context}"));
     assert_eq!((plan.cluster(), plan.model()), (cluster, model));
     // 1F1B over several chunks per rank is interleaved 1F1B.
-    let schedule = if plan.virtual_stages() > 1 { Schedule::Interleaved } else { job.schedule() };
+    let schedule = if plan.virtual_stages() > 1 { Schedule::Fixed(ScheduleKind::Interleaved) } else { job.schedule() };
     assert_eq!((plan.seq_len(), plan.schedule(), plan.zero1()), (job.seq_len(), schedule, job.zero1()));
     if let Some(micro_batch) = job.micro_batch() {
         assert_eq!(plan.micro_batch(), micro_batch);
@@ -207,7 +208,7 @@ fn job_strategy() -> impl Strategy<Value = JobSpec> {
         prop::sample::select(vec![16u32, 32, 64, 128]),
         prop::sample::select(vec![None, Some(1u32), Some(2), Some(4)]),
         prop::option::of(prop::sample::select(Recompute::ALL.to_vec())),
-        prop::sample::select(vec![Schedule::OneFOneB, Schedule::Gpipe]),
+        prop::sample::select(vec![Schedule::Fixed(ScheduleKind::OneFOneB), Schedule::Fixed(ScheduleKind::Gpipe)]),
         any::<bool>(),
     )
         .prop_map(|(seq_len, global_batch, micro_batch, recompute, schedule, zero1)| {
@@ -360,7 +361,7 @@ fn hand_plan() -> Plan {
     let stage = |device, start, end| Stage { devices: vec![device], layers: LayerRange { start, end } };
     let bridge = Route::Bridge { mode: BridgeMode::DeviceDirect };
     plan.tp = 1;
-    (plan.schedule, plan.virtual_stages) = (Schedule::OneFOneB, 1);
+    (plan.schedule, plan.virtual_stages) = (Schedule::Fixed(ScheduleKind::OneFOneB), 1);
     plan.replicas = [(0, 2), (1, 3)]
         .map(|(first, second)| Replica {
             n_micro_batches: 4,
@@ -458,9 +459,12 @@ fn a_plan_is_checked_when_read_and_whenever_it_is_edited() {
     parts.replicas[0].stages[0].devices[0] = 9;
     let err = serde_json::from_str::<Plan>(&serde_json::to_string(&parts).unwrap()).unwrap_err().to_string();
     assert!(err.contains("replica 0: stage 0: device 9 is not in the 4-GPU cluster"), "{err}");
-    let interleaved = plan.clone().with_schedule(Schedule::Interleaved);
+    let interleaved = plan.clone().with_schedule(Schedule::Fixed(ScheduleKind::Interleaved));
     assert!(matches!(interleaved, Err(PlanError::ScheduleMismatch { virtual_stages: 1, .. })), "{interleaved:?}");
-    assert_eq!(plan.with_schedule(Schedule::Gpipe).unwrap().schedule(), Schedule::Gpipe);
+    assert_eq!(
+        plan.with_schedule(Schedule::Fixed(ScheduleKind::Gpipe)).unwrap().schedule(),
+        Schedule::Fixed(ScheduleKind::Gpipe)
+    );
 }
 
 /// A plan file with `"tp": 0` and empty device lists is malformed; validate() must say so
@@ -625,7 +629,10 @@ fn interleaved_plans_are_validated() {
     check(|p| p.replicas[0].stages[5].devices = vec![0, 1], "virtual stage 5 runs on devices [0, 1], but rank 1");
     check(|p| p.virtual_stages = 3, "8 virtual stages do not split into virtual_stages=3");
     check(|p| p.virtual_stages = 0, "virtual_stages must be at least 1");
-    check(|p| p.schedule = Schedule::OneFOneB, "schedule 1f1b does not run plans with 2 virtual stage(s)");
+    check(
+        |p| p.schedule = Schedule::Fixed(ScheduleKind::OneFOneB),
+        "schedule 1f1b does not run plans with 2 virtual stage(s)",
+    );
     // Rank 1 (virtual stages 1 and 5) on rank 0's devices.
     check(
         |p| {

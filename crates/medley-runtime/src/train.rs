@@ -4,8 +4,8 @@
 use std::path::PathBuf;
 
 use medley_plan::max_k_within_memory;
-use medley_schedule::SchedulePolicy;
 use medley_schedule::{ScheduleKind, StepSchedules, generate};
+use medley_spec::Schedule;
 use medley_trace::Timeline;
 
 use crate::{RuntimeError, StepMetrics, Worker};
@@ -15,7 +15,7 @@ use crate::{RuntimeError, StepMetrics, Worker};
 pub struct TrainOptions {
     /// Train until this many steps are done (counting steps before a resume).
     pub until_step: u64,
-    pub policy: SchedulePolicy,
+    pub policy: Schedule,
     /// Where checkpoints go; none keeps none.
     pub checkpoint_dir: Option<PathBuf>,
     /// Steps between checkpoints (0: only after the last step).
@@ -33,7 +33,7 @@ impl Worker {
         mut timeline: Option<&mut Timeline>,
         mut on_step: impl FnMut(&StepMetrics) -> Result<(), RuntimeError>,
     ) -> Result<(), RuntimeError> {
-        if options.policy == SchedulePolicy::Fixed(ScheduleKind::ZbH1) {
+        if options.policy == Schedule::Fixed(ScheduleKind::ZbH1) {
             return Err(RuntimeError::zero_bubble());
         }
         let k_max = max_k_within_memory(&self.plan, &self.options.calibration);

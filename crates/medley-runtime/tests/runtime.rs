@@ -10,7 +10,6 @@ use medley_model::{AdamW, HostTensor};
 use medley_plan::{Plan, ReplicaLayout, assemble, stages_from_counts};
 use medley_runtime::{LinkEmulation, StepMetrics, TrainOptions, Worker, WorkerOptions};
 use medley_schedule::ScheduleKind;
-use medley_schedule::SchedulePolicy;
 use medley_spec::{Cluster, JobParts, JobSpec, Recompute, Schedule, catalog_model};
 use medley_trace::BandwidthTrace;
 
@@ -39,20 +38,17 @@ fn plan(fleet: &str, replicas: &[(u32, &[u32])], chunks: u32) -> Plan {
             ReplicaLayout { n_micro_batches, stages: stages_from_counts(devices, counts) }
         })
         .collect();
-    let schedule = if chunks > 1 { Schedule::Interleaved } else { Schedule::OneFOneB };
+    let schedule =
+        if chunks > 1 { Schedule::Fixed(ScheduleKind::Interleaved) } else { Schedule::Fixed(ScheduleKind::OneFOneB) };
     Plan::new(assemble(&cluster, &cost, &job, setting, schedule, chunks, layouts)).unwrap()
 }
 
 /// Losses per step and every rank's checkpoint tensors after `STEPS` steps of `plan`.
-fn train(plan: &Plan, policy: SchedulePolicy) -> (Vec<f64>, Vec<(String, HostTensor)>) {
+fn train(plan: &Plan, policy: Schedule) -> (Vec<f64>, Vec<(String, HostTensor)>) {
     train_over(plan, policy, None)
 }
 
-fn train_over(
-    plan: &Plan,
-    policy: SchedulePolicy,
-    link: Option<LinkEmulation>,
-) -> (Vec<f64>, Vec<(String, HostTensor)>) {
+fn train_over(plan: &Plan, policy: Schedule, link: Option<LinkEmulation>) -> (Vec<f64>, Vec<(String, HostTensor)>) {
     let world = medley_runtime::rank_ids(plan).len();
     let port = TcpListener::bind("127.0.0.1:0").unwrap().local_addr().unwrap().port();
     let options = WorkerOptions {
@@ -123,8 +119,8 @@ fn max_relative_difference(a: &[(String, HostTensor)], b: &[(String, HostTensor)
     worst
 }
 
-fn one_f_one_b() -> SchedulePolicy {
-    SchedulePolicy::Fixed(ScheduleKind::OneFOneB)
+fn one_f_one_b() -> Schedule {
+    Schedule::Fixed(ScheduleKind::OneFOneB)
 }
 
 /// Tolerances (relative: to the reference loss, to each tensor's largest weight) for plans whose
@@ -141,28 +137,23 @@ const REORDERED_WEIGHTS: f64 = 2e-4;
 fn plans_train_like_one_process() {
     let reference = train(&plan("1xh100", &[(4, &[8])], 1), one_f_one_b());
     assert!(reference.0[STEPS as usize - 1] < reference.0[0] - 0.05, "the loss falls: {:?}", reference.0);
-    let kfkb = |k: u32| SchedulePolicy::Fixed(ScheduleKind::Kfkb { k: k.try_into().unwrap() });
+    let kfkb = |k: u32| Schedule::Fixed(ScheduleKind::Kfkb { k: k.try_into().unwrap() });
     // (name, plan, schedule, whether the gradient sums keep one process's order exactly): a
     // replica boundary after the first replica's micro-batches keeps it, for two replicas.
-    let cases: Vec<(&str, Plan, SchedulePolicy, bool)> = vec![
+    let cases: Vec<(&str, Plan, Schedule, bool)> = vec![
         ("uneven pipeline", plan("3xh100", &[(4, &[1, 2, 5])], 1), one_f_one_b(), true),
         ("uneven data parallel", plan("2xh100", &[(3, &[8]), (1, &[8])], 1), one_f_one_b(), true),
         ("three uneven replicas", plan("3xh100", &[(1, &[8]), (2, &[8]), (1, &[8])], 1), one_f_one_b(), false),
         ("both, across vendors", plan("2xh100,2xmi300x", &[(3, &[3, 5]), (1, &[5, 3])], 1), one_f_one_b(), true),
         ("kfkb", plan("2xh100", &[(4, &[3, 5])], 1), kfkb(2), true),
         ("kfkb with data parallel", plan("4xh100", &[(1, &[2, 6]), (3, &[7, 1])], 1), kfkb(3), false),
-        ("gpipe", plan("2xh100", &[(4, &[6, 2])], 1), SchedulePolicy::Fixed(ScheduleKind::Gpipe), true),
-        (
-            "interleaved",
-            plan("2xh100", &[(4, &[2, 2, 1, 3])], 2),
-            SchedulePolicy::Fixed(ScheduleKind::Interleaved),
-            true,
-        ),
-        ("adaptive", plan("2xh100", &[(4, &[4, 4])], 1), SchedulePolicy::Adaptive, true),
+        ("gpipe", plan("2xh100", &[(4, &[6, 2])], 1), Schedule::Fixed(ScheduleKind::Gpipe), true),
+        ("interleaved", plan("2xh100", &[(4, &[2, 2, 1, 3])], 2), Schedule::Fixed(ScheduleKind::Interleaved), true),
+        ("adaptive", plan("2xh100", &[(4, &[4, 4])], 1), Schedule::Adaptive, true),
         (
             "interleaved with data parallel",
             plan("2xh100,2xmi300x", &[(2, &[1, 3, 2, 2]), (2, &[3, 1, 1, 3])], 2),
-            SchedulePolicy::Fixed(ScheduleKind::Interleaved),
+            Schedule::Fixed(ScheduleKind::Interleaved),
             false,
         ),
     ];
@@ -187,7 +178,7 @@ fn a_throttled_link_slows_transfers_but_not_the_result() {
     let trace = BandwidthTrace::OnOff { full_ns: 1_000_000, reduced_ns: 1_000_000, fraction: 0.5 };
     let link = LinkEmulation { full_bytes_per_s: 4e6, trace };
     let started = std::time::Instant::now();
-    let (losses, weights) = train_over(&plan, SchedulePolicy::Adaptive, Some(link));
+    let (losses, weights) = train_over(&plan, Schedule::Adaptive, Some(link));
     // 3 steps of 4 activations and 4 gradients, each at least 4 ms over its link.
     assert!(started.elapsed() >= Duration::from_millis(3 * 4 * 4), "{:?}", started.elapsed());
     assert_eq!((losses, weights), (fast_losses, fast_weights));

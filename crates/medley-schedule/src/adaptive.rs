@@ -12,47 +12,27 @@
 use std::collections::BTreeMap;
 use std::num::NonZeroU32;
 
-use medley_spec::Schedule;
+use medley_spec::{Schedule, ScheduleKind};
 
-use crate::ScheduleKind;
-
-/// How each step's schedule is chosen.
-#[derive(Clone, Copy, Debug, PartialEq, Eq)]
-pub enum SchedulePolicy {
-    Fixed(ScheduleKind),
-    /// kFkB with k chosen between steps by [`AdaptiveK`], within memory.
-    Adaptive,
-}
-
-impl From<Schedule> for SchedulePolicy {
-    fn from(schedule: Schedule) -> Self {
-        match ScheduleKind::try_from(schedule) {
-            Ok(kind) => SchedulePolicy::Fixed(kind),
-            // The one schedule name that is not a concrete order.
-            Err(_) => SchedulePolicy::Adaptive,
-        }
-    }
-}
-
-/// The schedule of each step of a run under a policy: the loop the simulator and the runtime
-/// share. Ask [`StepSchedules::next`] before a step, tell [`StepSchedules::observe`] after it.
+/// The fixed order of each step of a run under a [`Schedule`]: the loop the simulator and the
+/// runtime share; adaptive kFkB's k comes from [`AdaptiveK`]. Ask [`StepSchedules::next`] before a step, tell [`StepSchedules::observe`] after it.
 #[derive(Clone, Debug, PartialEq)]
 pub struct StepSchedules {
-    policy: SchedulePolicy,
+    schedule: Schedule,
     adaptive: AdaptiveK,
 }
 
 impl StepSchedules {
-    /// Steps under `policy`; adaptive kFkB never exceeds `k_max` (the caller's memory check).
-    pub fn new(policy: SchedulePolicy, k_max: u32) -> Self {
-        StepSchedules { policy, adaptive: AdaptiveK::new(k_max) }
+    /// Steps under `schedule`; adaptive kFkB never exceeds `k_max` (the caller's memory check).
+    pub fn new(schedule: Schedule, k_max: u32) -> Self {
+        StepSchedules { schedule, adaptive: AdaptiveK::new(k_max) }
     }
 
     /// The next step's schedule.
     pub fn next(&self) -> ScheduleKind {
-        match self.policy {
-            SchedulePolicy::Fixed(kind) => kind,
-            SchedulePolicy::Adaptive => ScheduleKind::Kfkb { k: NonZeroU32::new(self.adaptive.k()).expect("k ≥ 1") },
+        match self.schedule {
+            Schedule::Fixed(kind) => kind,
+            Schedule::Adaptive => ScheduleKind::Kfkb { k: NonZeroU32::new(self.adaptive.k()).expect("k ≥ 1") },
         }
     }
 

@@ -1,16 +1,13 @@
 //! Why a plan's schedule cannot be generated or its programs are wrong.
 
+use medley_spec::ScheduleKind;
 use thiserror::Error;
 
 use crate::program::{Instruction, RankId};
-use crate::schedules::ScheduleKind;
 
 /// Why a step's programs are wrong.
 #[derive(Clone, Debug, Error, PartialEq, Eq)]
 pub enum ScheduleError {
-    /// A user's schedule that is a policy, not one order of passes.
-    #[error("schedule {schedule} chooses its order per step; a program needs a concrete schedule")]
-    NotConcrete { schedule: medley_spec::Schedule },
     /// A schedule that does not run the plan's chunks per rank.
     #[error(
         "schedule {schedule} does not run a plan with {virtual_stages} virtual stage(s) per rank: interleaved needs more than one, every other schedule exactly one"
@@ -43,20 +40,4 @@ pub enum ScheduleError {
     /// No rank can make progress before every program has finished.
     #[error("deadlock: no rank can progress; blocked: {blocked}")]
     Deadlock { blocked: String },
-}
-
-/// The concrete kind of a user's schedule; `adaptive` is not one (a simulator policy picks
-/// kFkB's k per step). Beside the error it fails with, so that the kinds import no errors.
-impl TryFrom<medley_spec::Schedule> for ScheduleKind {
-    type Error = ScheduleError;
-    fn try_from(schedule: medley_spec::Schedule) -> Result<Self, ScheduleError> {
-        match schedule {
-            medley_spec::Schedule::Gpipe => Ok(ScheduleKind::Gpipe),
-            medley_spec::Schedule::OneFOneB => Ok(ScheduleKind::OneFOneB),
-            medley_spec::Schedule::Kfkb { k } => Ok(ScheduleKind::Kfkb { k }),
-            medley_spec::Schedule::ZbH1 => Ok(ScheduleKind::ZbH1),
-            medley_spec::Schedule::Interleaved => Ok(ScheduleKind::Interleaved),
-            medley_spec::Schedule::Adaptive => Err(ScheduleError::NotConcrete { schedule }),
-        }
-    }
 }

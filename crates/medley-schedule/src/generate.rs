@@ -2,11 +2,12 @@
 //! point-to-point transfers around every pass and the gradient synchronisation at the end.
 
 use medley_plan::Plan;
+use medley_spec::ScheduleKind;
 
 use crate::error::ScheduleError;
 use crate::geometry::{VirtualPipeline, check_chunks, rank_dp_groups};
 use crate::program::{Instruction, Program, Programs, RankId};
-use crate::schedules::{ChunkPass, Pass, ScheduleKind};
+use crate::schedules::{ChunkPass, Pass, passes};
 
 /// Every rank's program for one step of `plan` under `schedule` (a [`Plan`] is valid by
 /// construction); replicas may differ in depth, layer split and micro-batch count, each
@@ -26,7 +27,7 @@ pub fn generate(plan: &Plan, schedule: ScheduleKind) -> Result<Programs, Schedul
         }
         for rank_idx in 0..pipeline.n_ranks {
             let rank = RankId::new(replica_idx, rank_idx);
-            let passes = schedule.passes(rank_idx, pipeline.n_ranks, pipeline.n_chunks, replica.n_micro_batches);
+            let passes = passes(schedule, rank_idx, pipeline.n_ranks, pipeline.n_chunks, replica.n_micro_batches);
             let mut instructions = lower_passes(rank, pipeline, &passes);
             instructions.extend(synchronise(plan, rank));
             programs.push(Program { rank, instructions });

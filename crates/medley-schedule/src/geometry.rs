@@ -2,10 +2,10 @@
 //! neighbours are, and which data-parallel groups it synchronises.
 
 use medley_plan::{Plan, Replica};
+use medley_spec::ScheduleKind;
 
 use crate::error::ScheduleError;
 use crate::program::RankId;
-use crate::schedules::ScheduleKind;
 
 /// Whether `schedule` runs `plan`'s chunks per rank.
 pub(crate) fn check_chunks(plan: &Plan, schedule: ScheduleKind) -> Result<(), ScheduleError> {

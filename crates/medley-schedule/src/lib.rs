@@ -49,7 +49,8 @@
 //! gradient all-reduces), on plans with one chunk per rank; interleaved 1F1B (Megatron-LM's
 //! order) on plans with `virtual_stages` > 1, for micro-batch counts that are a multiple of the
 //! replica's ranks or below it. [`generate`] refuses other combinations with a typed error.
-//! `adaptive` is a policy over kFkB, not a kind: `ScheduleKind::try_from` refuses it.
+//! `adaptive` ([`medley_spec::Schedule::Adaptive`]) is no kind but a choice of kFkB's k before
+//! each step: [`StepSchedules`].
 
 pub mod adaptive;
 mod check;
@@ -60,10 +61,10 @@ mod program;
 mod schedules;
 mod times;
 
-pub use adaptive::{AdaptiveK, SchedulePolicy, StepObservation, StepSchedules};
+pub use adaptive::{AdaptiveK, StepObservation, StepSchedules};
 pub use check::check;
 pub use error::ScheduleError;
 pub use generate::generate;
+pub use medley_spec::{Schedule, ScheduleKind};
 pub use program::{Instruction, Program, Programs, RankId};
-pub use schedules::ScheduleKind;
 pub use times::RankTimes;

@@ -3,9 +3,8 @@
 use std::fmt;
 
 use medley_plan::LayerRange;
+use medley_spec::ScheduleKind;
 use serde::{Deserialize, Serialize};
-
-use crate::schedules::ScheduleKind;
 
 /// A pipeline rank: physical stage `stage_idx` of replica `replica_idx` (with several chunks per
 /// rank, the rank that runs virtual stages stage_idx, stage_idx + p, …). Every tensor-parallel

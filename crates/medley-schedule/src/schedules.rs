@@ -2,81 +2,18 @@
 //! function of (rank, ranks, chunks, micro-batches) with its phases named; [`crate::generate`]
 //! lowers the order into a program with its sends, receives and gradient synchronisation.
 
-use std::fmt;
-use std::num::NonZeroU32;
+use medley_spec::ScheduleKind;
 
-use serde::{Deserialize, Serialize};
-
-/// A pipeline schedule the generators know.
-#[derive(Clone, Copy, Debug, PartialEq, Eq, PartialOrd, Ord, Hash, Serialize, Deserialize)]
-#[serde(tag = "kind", rename_all = "kebab-case", deny_unknown_fields)]
-pub enum ScheduleKind {
-    /// All forwards, then all backwards (Huang et al. 2019, arXiv 1811.06965).
-    Gpipe,
-    /// PipeDream-Flush (Narayanan et al. 2021, arXiv 2006.09503): warm-up forwards, then one
-    /// forward and one backward alternately.
-    #[serde(rename = "1f1b")]
-    OneFOneB,
-    /// 1F1B over groups of `k` micro-batches (Ada-Grouper, Wang et al. 2023, arXiv 2303.01675):
-    /// fewer, larger communication windows at the price of `k` times the in-flight activations.
-    /// `k = 1` is 1F1B.
-    Kfkb { k: NonZeroU32 },
-    /// ZB-H1 (Qi et al. 2023, arXiv 2401.10241, section 2.1): 1F1B's order of forwards and
-    /// input-gradient passes, with weight-gradient passes deferred so that every stage keeps as
-    /// many micro-batches in flight as 1F1B's first stage, and the deferred ones fill the
-    /// cool-down bubble.
-    ZbH1,
-    /// Interleaved 1F1B (Narayanan et al. SC'21, arXiv 2104.04473) over the plan's
-    /// `virtual_stages` chunks per rank, in Megatron-LM's order. Only for plans with more than
-    /// one chunk per rank; every other kind needs exactly one.
-    Interleaved,
-}
-
-impl ScheduleKind {
-    /// Chunk-micro-batches rank `rank_idx` of `n_ranks`, holding `n_chunks` chunks, may hold in
-    /// flight at once with `m` micro-batches: forwarded and not yet through their whole backward
-    /// (for a split backward, its weight-gradient half). The promise is
-    /// [`medley_spec::Schedule::in_flight`], which the cost model prices. ZB-H1's deferred
-    /// micro-batches hold only what the weight gradient reads, less than a whole backward, which
-    /// is why its peak memory stays within 1F1B's first stage's.
-    pub fn in_flight(self, rank_idx: usize, n_ranks: usize, n_chunks: u32, m: u32) -> u32 {
-        medley_spec::Schedule::from(self).in_flight(rank_idx, n_ranks, n_chunks, m)
-    }
-
-    /// Whether the kind runs plans with `virtual_stages` chunks per rank.
-    pub fn runs_chunks(self, virtual_stages: u32) -> bool {
-        (self == ScheduleKind::Interleaved) == (virtual_stages > 1)
-    }
-
-    /// The order of rank `rank_idx`'s passes over `m` micro-batches in a pipeline of `n_ranks`
-    /// ranks holding `n_chunks` chunks each.
-    pub(crate) fn passes(self, rank_idx: usize, n_ranks: usize, n_chunks: u32, m: u32) -> Vec<ChunkPass> {
-        let on_one_chunk = |passes: Vec<Pass>| passes.into_iter().map(|pass| ChunkPass { pass, chunk: 0 }).collect();
-        match self {
-            ScheduleKind::Gpipe => on_one_chunk(gpipe(m)),
-            ScheduleKind::OneFOneB => on_one_chunk(kfkb(rank_idx, n_ranks, m, 1)),
-            ScheduleKind::Kfkb { k } => on_one_chunk(kfkb(rank_idx, n_ranks, m, k.get())),
-            ScheduleKind::ZbH1 => on_one_chunk(zb_h1(rank_idx, n_ranks, m)),
-            ScheduleKind::Interleaved => interleaved(rank_idx, n_ranks, n_chunks, m),
-        }
-    }
-}
-
-impl From<ScheduleKind> for medley_spec::Schedule {
-    fn from(kind: ScheduleKind) -> Self {
-        match kind {
-            ScheduleKind::Gpipe => medley_spec::Schedule::Gpipe,
-            ScheduleKind::OneFOneB => medley_spec::Schedule::OneFOneB,
-            ScheduleKind::Kfkb { k } => medley_spec::Schedule::Kfkb { k },
-            ScheduleKind::ZbH1 => medley_spec::Schedule::ZbH1,
-            ScheduleKind::Interleaved => medley_spec::Schedule::Interleaved,
-        }
-    }
-}
-
-impl fmt::Display for ScheduleKind {
-    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
-        medley_spec::Schedule::from(*self).fmt(f)
+/// The order of rank `rank_idx`'s passes under `kind` over `m` micro-batches in a pipeline of
+/// `n_ranks` ranks holding `n_chunks` chunks each.
+pub(crate) fn passes(kind: ScheduleKind, rank_idx: usize, n_ranks: usize, n_chunks: u32, m: u32) -> Vec<ChunkPass> {
+    let on_one_chunk = |passes: Vec<Pass>| passes.into_iter().map(|pass| ChunkPass { pass, chunk: 0 }).collect();
+    match kind {
+        ScheduleKind::Gpipe => on_one_chunk(gpipe(m)),
+        ScheduleKind::OneFOneB => on_one_chunk(kfkb(rank_idx, n_ranks, m, 1)),
+        ScheduleKind::Kfkb { k } => on_one_chunk(kfkb(rank_idx, n_ranks, m, k.get())),
+        ScheduleKind::ZbH1 => on_one_chunk(zb_h1(rank_idx, n_ranks, m)),
+        ScheduleKind::Interleaved => interleaved(rank_idx, n_ranks, n_chunks, m),
     }
 }
 
@@ -199,7 +136,7 @@ fn interleaved(rank_idx: usize, n_ranks: usize, n_chunks: u32, m: u32) -> Vec<Ch
 #[cfg(test)]
 mod tests {
     use super::*;
-    use crate::error::ScheduleError;
+    use std::num::NonZeroU32;
 
     fn render(passes: &[Pass]) -> String {
         let words: Vec<String> = passes
@@ -216,13 +153,13 @@ mod tests {
 
     fn check(kind: ScheduleKind, stage_idx: usize, n_stages: usize, m: u32, expected: &str) {
         let passes: Vec<Pass> =
-            kind.passes(stage_idx, n_stages, 1, m).into_iter().map(|chunk_pass| chunk_pass.pass).collect();
+            passes(kind, stage_idx, n_stages, 1, m).into_iter().map(|chunk_pass| chunk_pass.pass).collect();
         assert_eq!(render(&passes), expected, "{kind} stage {stage_idx}/{n_stages} m={m}");
     }
 
     /// Interleaved passes as `F<micro-batch>.<chunk>`.
     fn check_interleaved(rank_idx: usize, n_ranks: usize, n_chunks: u32, m: u32, expected: &str) {
-        let passes = ScheduleKind::Interleaved.passes(rank_idx, n_ranks, n_chunks, m);
+        let passes = passes(ScheduleKind::Interleaved, rank_idx, n_ranks, n_chunks, m);
         let words: Vec<String> =
             passes.iter().map(|chunk_pass| format!("{}.{}", render(&[chunk_pass.pass]), chunk_pass.chunk)).collect();
         assert_eq!(words.join(" "), expected, "rank {rank_idx}/{n_ranks} v={n_chunks} m={m}");
@@ -249,8 +186,8 @@ mod tests {
     fn kfkb_with_k_one_is_1f1b() {
         for (stage_idx, n_stages, m) in [(0, 4, 6), (2, 4, 6), (0, 1, 3), (1, 3, 1)] {
             assert_eq!(
-                k(1).passes(stage_idx, n_stages, 1, m),
-                ScheduleKind::OneFOneB.passes(stage_idx, n_stages, 1, m)
+                passes(k(1), stage_idx, n_stages, 1, m),
+                passes(ScheduleKind::OneFOneB, stage_idx, n_stages, 1, m)
             );
         }
     }
@@ -290,16 +227,5 @@ mod tests {
         check_interleaved(1, 2, 2, 3, "F0.0 F1.0 F0.1 B0.1 F1.1 B1.1 F2.0 B0.0 F2.1 B1.0 B2.1 B2.0");
         // Fewer chunk-micro-batches than the warm-up: all forwards, then all backwards.
         check_interleaved(0, 4, 2, 1, "F0.0 F0.1 B0.1 B0.0");
-    }
-
-    #[test]
-    fn kinds_convert_to_and_from_user_schedules() {
-        assert_eq!(ScheduleKind::try_from(medley_spec::Schedule::OneFOneB).unwrap().to_string(), "1f1b");
-        assert_eq!(k(4).to_string(), "kfkb:4");
-        for kind in [ScheduleKind::Gpipe, ScheduleKind::OneFOneB, ScheduleKind::Interleaved, ScheduleKind::ZbH1, k(3)] {
-            assert_eq!(ScheduleKind::try_from(medley_spec::Schedule::from(kind)), Ok(kind));
-        }
-        let adaptive = medley_spec::Schedule::Adaptive;
-        assert_eq!(ScheduleKind::try_from(adaptive), Err(ScheduleError::NotConcrete { schedule: adaptive }));
     }
 }

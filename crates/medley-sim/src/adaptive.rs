@@ -6,7 +6,8 @@ use std::io::Write;
 
 use medley_cost::Calibration;
 use medley_plan::{Plan, max_k_within_memory};
-use medley_schedule::{SchedulePolicy, StepSchedules};
+use medley_schedule::StepSchedules;
+use medley_spec::Schedule;
 use serde::Serialize;
 
 use crate::{SimConfig, SimError, Simulation, StepReport};
@@ -40,7 +41,7 @@ pub fn simulate_steps(
     plan: &Plan,
     calibration: &Calibration,
     config: &SimConfig,
-    policy: SchedulePolicy,
+    policy: Schedule,
     n_steps: u32,
     timeline: Option<&mut dyn Write>,
 ) -> Result<RunReport, SimError> {

@@ -8,8 +8,8 @@ use medley_cost::comm::{self, Link};
 use medley_cost::{Calibration, CostModel, Setting};
 use medley_plan::Plan;
 use medley_plan::baselines::{Degrees, megatron_plan};
-use medley_schedule::{Instruction, ScheduleKind, generate};
-use medley_sim::{BandwidthTrace, SchedulePolicy, SimConfig, SimError, Simulation, simulate, simulate_steps};
+use medley_schedule::{Instruction, Schedule, ScheduleKind, generate};
+use medley_sim::{BandwidthTrace, SimConfig, SimError, Simulation, simulate, simulate_steps};
 use medley_spec::{Bridge, Cluster, Fabric, JobParts, JobSpec, ModelSpec, Recompute, catalog_model};
 use serde_json::Value;
 
@@ -215,11 +215,11 @@ fn on_a_preempted_network_kfkb_beats_1f1b_and_adaptive_k_comes_close_to_the_best
     let config =
         SimConfig { network_trace: Some("random:seed=5,full=200ms,reduced=200ms,fraction=0.05".parse().unwrap()) };
     let mean = |policy| simulate_steps(&plan, &calibration, &config, policy, 12, None).unwrap().mean_step_time_s;
-    let one_f_one_b = mean(SchedulePolicy::Fixed(ScheduleKind::OneFOneB));
-    let fixed: BTreeMap<u32, f64> = [2, 4, 8].map(|k| (k, mean(SchedulePolicy::Fixed(kfkb(k))))).into();
+    let one_f_one_b = mean(Schedule::Fixed(ScheduleKind::OneFOneB));
+    let fixed: BTreeMap<u32, f64> = [2, 4, 8].map(|k| (k, mean(Schedule::Fixed(kfkb(k))))).into();
     let best = fixed.values().copied().fold(f64::INFINITY, f64::min);
     assert!(one_f_one_b >= 1.10 * best, "1F1B {one_f_one_b} vs kFkB {fixed:?}");
-    let adaptive = mean(SchedulePolicy::Adaptive);
+    let adaptive = mean(Schedule::Adaptive);
     assert!(adaptive <= 1.10 * best, "adaptive {adaptive} vs fixed {fixed:?}");
 }
 

@@ -12,8 +12,8 @@ use comfy_table::Cell;
 use medley_cost::{Calibration, CostModel, Setting};
 use medley_plan::Plan;
 use medley_plan::baselines::{Degrees, megatron_plan};
-use medley_schedule::ScheduleKind;
-use medley_sim::{SchedulePolicy, SimConfig, simulate, simulate_steps};
+use medley_schedule::{Schedule, ScheduleKind};
+use medley_sim::{SimConfig, simulate, simulate_steps};
 use medley_spec::{Bridge, Cluster, Fabric, JobParts, JobSpec, Recompute, catalog_model};
 use serde::Serialize;
 
@@ -223,7 +223,7 @@ fn kfkb(k: u32) -> ScheduleKind {
 }
 
 /// Mean step time of `policy` over the network experiment's steps.
-fn network_run(plan: &Plan, trace: Option<&str>, policy: SchedulePolicy) -> Result<f64> {
+fn network_run(plan: &Plan, trace: Option<&str>, policy: Schedule) -> Result<f64> {
     let config = SimConfig { network_trace: trace.map(str::parse).transpose()? };
     Ok(simulate_steps(plan, &Calibration::default(), &config, policy, NETWORK_STEPS, None)?.mean_step_time_s)
 }
@@ -289,10 +289,10 @@ fn orderings() -> Result<Vec<OrderingRow>> {
     // The Ada-Grouper setting: a cross-node pipeline whose links lose most of their bandwidth
     // for periods.
     let plan = CROSS_NODE.plan()?;
-    let one_f_one_b = network_run(&plan, Some(PREEMPTED), SchedulePolicy::Fixed(ScheduleKind::OneFOneB))?;
+    let one_f_one_b = network_run(&plan, Some(PREEMPTED), Schedule::Fixed(ScheduleKind::OneFOneB))?;
     let fixed: Vec<(u32, f64)> = [2, 4, 8, 16]
         .into_iter()
-        .map(|k| Ok((k, network_run(&plan, Some(PREEMPTED), SchedulePolicy::Fixed(kfkb(k)))?)))
+        .map(|k| Ok((k, network_run(&plan, Some(PREEMPTED), Schedule::Fixed(kfkb(k)))?)))
         .collect::<Result<_>>()?;
     let &(best_k, best_s) = fixed.iter().min_by(|a, b| a.1.total_cmp(&b.1)).expect("candidates");
     row(
@@ -304,7 +304,7 @@ fn orderings() -> Result<Vec<OrderingRow>> {
         ("1f1b".into(), one_f_one_b),
         1.10,
     );
-    let adaptive = network_run(&plan, Some(PREEMPTED), SchedulePolicy::Adaptive)?;
+    let adaptive = network_run(&plan, Some(PREEMPTED), Schedule::Adaptive)?;
     row(
         "adaptive k ≈ best fixed k",
         'C',
@@ -314,8 +314,8 @@ fn orderings() -> Result<Vec<OrderingRow>> {
         (format!("kfkb:{best_k}"), best_s),
         0.9,
     );
-    let quiet_adaptive = network_run(&plan, None, SchedulePolicy::Adaptive)?;
-    let quiet_one_f = network_run(&plan, None, SchedulePolicy::Fixed(ScheduleKind::OneFOneB))?;
+    let quiet_adaptive = network_run(&plan, None, Schedule::Adaptive)?;
+    let quiet_one_f = network_run(&plan, None, Schedule::Fixed(ScheduleKind::OneFOneB))?;
     row(
         "adaptive k costs little when idle",
         'D',

@@ -7,7 +7,7 @@ use clap::Args;
 use medley_cost::Calibration;
 use medley_plan::{Plan, SearchOptions, baselines, search};
 use medley_runtime::RankLayout;
-use medley_sim::{SchedulePolicy, SimConfig, simulate_steps};
+use medley_sim::{SimConfig, simulate_steps};
 use medley_spec::{Cluster, Schedule, catalog_model};
 
 use crate::inputs::{JobFlags, load_model};
@@ -79,7 +79,7 @@ pub fn run(args: &TrainBenchArgs) -> Result<()> {
     for _ in 0..args.rounds.max(1) {
         for ((name, plan), runs) in plans.iter().zip(&mut runs) {
             let calibration = calibrate_here(&cluster, &model, shape.seq_len, shape.micro_batch)?;
-            let policy = SchedulePolicy::from(plan.schedule());
+            let policy = plan.schedule();
             let predicted = simulate_steps(plan, &calibration, &SimConfig::default(), policy, 1, None)
                 .with_context(|| format!("simulating the {name} plan"))?
                 .mean_step_time_s;

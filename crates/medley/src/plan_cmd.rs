@@ -11,7 +11,7 @@ use clap::Args;
 use medley_cost::Calibration;
 use medley_plan::baselines::{self, Degrees};
 use medley_plan::{Candidate, Plan, PlanError, PlanParts, SearchOptions, evaluate, search};
-use medley_sim::{SchedulePolicy, SimConfig, StepReport, simulate_steps};
+use medley_sim::{SimConfig, StepReport, simulate_steps};
 use medley_spec::{JobParts, JobSpec};
 use rayon::prelude::*;
 use serde_json::json;
@@ -132,7 +132,7 @@ fn confirm_by_simulation(candidates: Vec<Candidate>, calibration: &Calibration) 
         .par_iter()
         .map(|candidate| {
             let plan = &candidate.plan;
-            let policy = SchedulePolicy::from(plan.schedule());
+            let policy = plan.schedule();
             simulate_steps(plan, calibration, &SimConfig::default(), policy, 1, None).map(|run| run.last_step)
         })
         .collect::<Result<_, _>>()

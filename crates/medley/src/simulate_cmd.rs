@@ -11,7 +11,7 @@ use comfy_table::Cell;
 use medley_cost::{CostModel, Setting};
 use medley_plan::baselines::{self, Degrees, megatron_plan};
 use medley_plan::{Plan, PlanError};
-use medley_sim::{BandwidthTrace, RunReport, SchedulePolicy, SimConfig, simulate_steps};
+use medley_sim::{BandwidthTrace, RunReport, SimConfig, simulate_steps};
 use medley_spec::Recompute;
 
 use crate::inputs::{SpecArgs, Specs, read};
@@ -82,7 +82,7 @@ pub fn run(args: &SimulateArgs) -> Result<ExitCode> {
         None => what_if(args)?,
     };
     let config = SimConfig { network_trace: args.network_trace.as_deref().map(network_trace).transpose()? };
-    let policy = SchedulePolicy::from(plan.schedule());
+    let policy = plan.schedule();
     let report = match &args.trace {
         Some(path) => {
             let file = File::create(path).with_context(|| format!("cannot create {}", path.display()))?;

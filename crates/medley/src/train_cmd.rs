@@ -22,8 +22,8 @@ use medley_runtime::{
     worker_memory,
 };
 use medley_sim::timeline::{merge_segments, trace_events};
-use medley_sim::{SchedulePolicy, SimConfig, simulate_steps};
-use medley_spec::{Cluster, JobParts, JobSpec, ModelSpec, Schedule};
+use medley_sim::{SimConfig, simulate_steps};
+use medley_spec::{Cluster, JobParts, JobSpec, ModelSpec, Schedule, ScheduleKind};
 use serde_json::Value;
 
 use crate::host::check_memory;
@@ -113,7 +113,7 @@ const TIMEOUT_STEPS: f64 = 10.0;
 
 /// The simulator's step time for `plan` under the run's emulation profile.
 fn predict_step_s(plan: &Plan, calibration: &Calibration, run: &RunFlags) -> Result<f64> {
-    let policy = SchedulePolicy::from(run.schedule.unwrap_or(plan.schedule()));
+    let policy = run.schedule.unwrap_or(plan.schedule());
     let predicted = simulate_steps(plan, calibration, &SimConfig::default(), policy, 1, None)?.mean_step_time_s;
     println!("the simulator predicts {} a step for this plan on this machine", seconds(predicted));
     Ok(predicted)
@@ -205,9 +205,8 @@ fn check_workers_memory(
     schedule: Schedule,
 ) -> Result<()> {
     let schedule = match schedule {
-        Schedule::Adaptive => {
-            NonZeroU32::new(max_k_within_memory(plan, calibration)).map_or(Schedule::OneFOneB, |k| Schedule::Kfkb { k })
-        }
+        Schedule::Adaptive => NonZeroU32::new(max_k_within_memory(plan, calibration))
+            .map_or(Schedule::Fixed(ScheduleKind::OneFOneB), |k| Schedule::Fixed(ScheduleKind::Kfkb { k })),
         fixed => fixed,
     };
     let needs = layouts.iter().map(|layout| worker_memory(plan, layout, schedule)).collect::<Result<Vec<_>, _>>()?;

@@ -15,7 +15,7 @@ use medley_comm::{Config, LaunchEnv};
 use medley_cost::Calibration;
 use medley_model::AdamW;
 use medley_runtime::{LinkEmulation, RuntimeError, StepMetrics, TrainOptions, Worker, WorkerOptions};
-use medley_sim::{BandwidthTrace, SchedulePolicy, Timeline};
+use medley_sim::{BandwidthTrace, Timeline};
 use medley_spec::Schedule;
 
 use crate::plan_cmd::load_plan;
@@ -133,7 +133,7 @@ fn launch_vars(vars: impl IntoIterator<Item = (String, String)>) -> BTreeMap<Str
 pub fn run(args: &WorkerArgs) -> Result<()> {
     let env = LaunchEnv::from_vars(launch_vars(std::env::vars()))?;
     let plan = load_plan(&args.plan)?;
-    let policy = SchedulePolicy::from(args.run.schedule.unwrap_or(plan.schedule()));
+    let policy = args.run.schedule.unwrap_or(plan.schedule());
     let options = WorkerOptions {
         seed: args.run.seed,
         adamw: AdamW { lr: args.run.lr, ..AdamW::default() },
@@ -186,7 +186,7 @@ pub fn run(args: &WorkerArgs) -> Result<()> {
 }
 
 /// Resumes if asked, trains, and writes the timeline and (rank 0) the metrics.
-fn train_joined(worker: &mut Worker, args: &WorkerArgs, policy: SchedulePolicy) -> Result<()> {
+fn train_joined(worker: &mut Worker, args: &WorkerArgs, policy: Schedule) -> Result<()> {
     let rank = worker.layout().job_rank;
     let resumed_at = match &args.resume {
         Some(dir) => Some(worker.resume(&dir.join(CHECKPOINTS))?.step),

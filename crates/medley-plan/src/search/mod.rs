@@ -23,7 +23,7 @@ use std::collections::BTreeMap;
 
 use medley_cost::comm::{self, Link};
 use medley_cost::{Calibration, CostModel, Setting};
-use medley_spec::{BridgeMode, Cluster, DeviceSlot, JobSpec, ModelSpec, NodeGroup, Recompute, Schedule};
+use medley_spec::{BridgeMode, Cluster, DeviceSlot, JobSpec, ModelSpec, NodeGroup, Recompute, Schedule, ScheduleKind};
 use rayon::prelude::*;
 
 use crate::assemble::{ReplicaLayout, assemble, stages_from_counts};
@@ -113,8 +113,8 @@ pub fn search(
     // 1F1B lets every finalist also run interleaved, when that is faster (fewer micro-batches
     // than the pipeline is deep make the fill and drain dominate; Narayanan et al. 2021).
     let chunk_counts: &[u32] = match job.schedule() {
-        Schedule::OneFOneB => &[1, INTERLEAVED_CHUNKS],
-        Schedule::Interleaved => &[INTERLEAVED_CHUNKS],
+        Schedule::Fixed(ScheduleKind::OneFOneB) => &[1, INTERLEAVED_CHUNKS],
+        Schedule::Fixed(ScheduleKind::Interleaved) => &[INTERLEAVED_CHUNKS],
         _ => &[1],
     };
     let mut candidates: Vec<Candidate> = finalists
@@ -337,7 +337,7 @@ impl Space<'_> {
                 replicas.push(ReplicaLayout { n_micro_batches, stages: stages_from_counts(device_groups, &counts) });
             }
         }
-        let schedule = if chunks > 1 { Schedule::Interleaved } else { self.job.schedule() };
+        let schedule = if chunks > 1 { Schedule::Fixed(ScheduleKind::Interleaved) } else { self.job.schedule() };
         Some(Plan::assembled(assemble(self.cluster, &self.cost, self.job, layout.setting, schedule, chunks, replicas)))
     }
 }
@@ -395,7 +395,7 @@ fn nothing_fits_hint(
         if job.micro_batch().is_some_and(|mb| mb > 1) {
             hints.push("--micro-batch 1".to_string());
         }
-        if job.schedule() == Schedule::Gpipe {
+        if job.schedule() == Schedule::Fixed(ScheduleKind::Gpipe) {
             hints.push("--schedule 1f1b (GPipe keeps every micro-batch's activations)".to_string());
         }
         if seq_len > 1024 {
