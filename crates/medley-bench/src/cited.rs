@@ -328,8 +328,7 @@ pub fn fit_devices(runs: &[(&'static CitedRun, Plan)]) -> Result<Vec<Fit>, Bench
 
 fn simulate_one(plan: &Plan, calibration: &Calibration) -> Result<StepReport, BenchError> {
     let policy = plan.schedule();
-    let report = simulate_steps(plan, calibration, &SimConfig::default(), policy, 1, None)
-        .map_err(|err| BenchError::Simulation(err.to_string()))?;
+    let report = simulate_steps(plan, calibration, &SimConfig::default(), policy, 1, None)?;
     Ok(report.last_step)
 }
 

@@ -1,7 +1,11 @@
-//! What medley's benchmarks rest on, apart from the tables the CLI prints: the statistics they
-//! report with, and the published runs the cost model's default efficiencies are fitted on.
+//! medley's benchmark suites, apart from the tables the CLI prints: what each suite runs and
+//! measures ([`planner`], [`schedules`], [`comm`]), the statistics they report with, and the
+//! published runs the cost model's default efficiencies are fitted on ([`cited`]).
 
 pub mod cited;
+pub mod comm;
+pub mod planner;
+pub mod schedules;
 pub mod stats;
 
 use thiserror::Error;
@@ -12,6 +16,14 @@ pub enum BenchError {
     CitedRun { run: &'static str, message: String },
     #[error("fitting {device}'s efficiencies: {message}")]
     Fit { device: String, message: String },
-    #[error("simulating a cited run: {0}")]
-    Simulation(String),
+    #[error("bench case {case}: {message}")]
+    Case { case: String, message: String },
+    #[error("simulating: {0}")]
+    Simulation(#[from] medley_sim::SimError),
+    #[error(transparent)]
+    Comm(#[from] medley_comm::CommError),
+    #[error("network trace: {0}")]
+    Trace(#[from] medley_trace::TraceError),
+    #[error("{context}: {source}")]
+    Io { context: &'static str, source: std::io::Error },
 }

@@ -249,6 +249,26 @@ pub fn best_homogeneous(
         .min_by(|a, b| a.1.prediction.step_time_s.total_cmp(&b.1.prediction.step_time_s))
 }
 
+/// The layouts a searched plan is compared with.
+#[derive(Clone, Debug)]
+pub struct Baselines {
+    /// [`uniform`].
+    pub uniform: Option<Candidate>,
+    /// [`best_homogeneous`]: the fastest plan on one device type, with that type's name.
+    pub homogeneous: Option<(String, Candidate)>,
+}
+
+impl Baselines {
+    /// Both baselines, computed side by side.
+    pub fn compute(cluster: &Cluster, model: &ModelSpec, job: &JobSpec, calibration: &Calibration) -> Self {
+        let (uniform, homogeneous) = rayon::join(
+            || uniform(cluster, model, job, calibration),
+            || best_homogeneous(cluster, model, job, calibration),
+        );
+        Baselines { uniform, homogeneous }
+    }
+}
+
 #[cfg(test)]
 mod tests {
     use super::*;

@@ -4,20 +4,15 @@
 //! large clusters against targets, then compares the best plan with the uniform and
 //! best-homogeneous baselines on a suite of mixed clusters, all under the same cost model.
 
-use std::time::Instant;
-
-use anyhow::{Context, Result};
+use anyhow::Result;
 use clap::Subcommand;
 use comfy_table::{Cell, Table};
-use medley_cost::Calibration;
-use medley_plan::{Candidate, SearchOptions, search};
-use medley_spec::{Bridge, Cluster, Fabric, JobParts, JobSpec, catalog_model};
+use medley_bench::planner::{
+    CaseInfo, QUALITY_CASES, QualityRow, SEQ_LEN, SPEED_CASES, SPEED_RUNS, SpeedRow, quality_row, quality_summary,
+    speed_row,
+};
 use serde::Serialize;
 
-use medley_bench::stats::{arithmetic_mean, geometric_mean, median, peak_rss_mib};
-
-use crate::inputs::Specs;
-use crate::plan_cmd::Baselines;
 use crate::render::{percent, right, table, times};
 
 #[derive(Subcommand, Debug)]
@@ -60,115 +55,6 @@ pub fn run(which: &BenchCommand) -> Result<()> {
     }
 }
 
-/// Tokens per sequence in every case.
-const SEQ_LEN: u32 = 4096;
-/// Timed runs of each speed case; the median is reported.
-const SPEED_RUNS: usize = 3;
-
-/// A planning problem: an inline cluster (default fabric and bridge) and a catalog model.
-struct Case {
-    cluster: &'static str,
-    model: &'static str,
-    global_batch: u32,
-}
-
-struct SpeedCase {
-    case: Case,
-    target_s: f64,
-    memory_target_mib: Option<f64>,
-}
-
-const SPEED_CASES: [SpeedCase; 2] = [
-    SpeedCase {
-        case: Case { cluster: "512xh100,256xa100,256xmi300x", model: "llama3-70b", global_batch: 1024 },
-        target_s: 1.0,
-        memory_target_mib: None,
-    },
-    SpeedCase {
-        case: Case { cluster: "4096xh100,2048xa100,2048xmi300x", model: "llama3-405b", global_batch: 4096 },
-        target_s: 10.0,
-        memory_target_mib: Some(500.0),
-    },
-];
-
-/// Mixed clusters of 2–4 device types and 32–1024 GPUs, models from 7B to 405B parameters. The
-/// last two put a 405B and a 175B model on clusters whose 24 GiB cards cannot hold an even share.
-const QUALITY_CASES: [Case; 12] = [
-    Case { cluster: "16xh100,16xa100", model: "llama3-8b", global_batch: 1024 },
-    Case { cluster: "32xh100,32xmi300x", model: "qwen2-7b", global_batch: 1024 },
-    Case { cluster: "64xa100,32xh100,32xmi300x", model: "llama3-70b", global_batch: 1024 },
-    Case { cluster: "128xh100,64xl40s", model: "mixtral-8x7b", global_batch: 1024 },
-    Case { cluster: "256xa100,128xh100,128xmi250x", model: "gpt3-175b", global_batch: 1024 },
-    Case { cluster: "512xh100,256xa100,256xmi300x", model: "llama3-70b", global_batch: 1024 },
-    Case { cluster: "512xh200,256xmi325x,128xv100", model: "llama3-405b", global_batch: 1024 },
-    Case { cluster: "64xh100,64xa100-40gb,32xrtx-4090,32xmi300x", model: "llama3-8b", global_batch: 1024 },
-    Case { cluster: "512xh100,512xmi300x", model: "llama3-405b", global_batch: 1024 },
-    Case { cluster: "64xh100,64xrtx-4090", model: "llama3-70b", global_batch: 1024 },
-    Case { cluster: "64xh200,64xmi325x,64xrtx-4090", model: "llama3-405b", global_batch: 1024 },
-    Case { cluster: "64xh100,32xrtx-4090", model: "gpt3-175b", global_batch: 1024 },
-];
-
-impl Case {
-    fn specs(&self) -> Result<Specs> {
-        let parts = JobParts { seq_len: SEQ_LEN, global_batch: self.global_batch, ..JobParts::default() };
-        Ok(Specs {
-            cluster: Cluster::from_inline(self.cluster, Fabric::default(), Bridge::default())?,
-            model: catalog_model(self.model)?,
-            job: JobSpec::new(parts, "medley bench plan")?,
-            calibration: Calibration::default(),
-        })
-    }
-
-    fn info(&self, specs: &Specs) -> CaseInfo {
-        CaseInfo {
-            cluster: self.cluster,
-            model: self.model,
-            n_gpus: specs.cluster.n_gpus(),
-            seq_len: SEQ_LEN,
-            global_batch: self.global_batch,
-        }
-    }
-}
-
-/// The columns every row starts with.
-#[derive(Serialize)]
-struct CaseInfo {
-    cluster: &'static str,
-    model: &'static str,
-    n_gpus: u32,
-    seq_len: u32,
-    global_batch: u32,
-}
-
-#[derive(Serialize)]
-struct SpeedRow {
-    #[serde(flatten)]
-    case: CaseInfo,
-    runs: usize,
-    median_s: f64,
-    target_s: f64,
-    /// target_s / median_s: at least 1 passes.
-    speed_ratio: f64,
-    /// The process's peak resident memory after the case ran; `None` off Linux.
-    peak_rss_mib: Option<f64>,
-    memory_target_mib: Option<f64>,
-}
-
-#[derive(Serialize)]
-struct QualityRow {
-    #[serde(flatten)]
-    case: CaseInfo,
-    best_tokens_per_s: f64,
-    best_mfu: f64,
-    /// `None` when no uniform layout fits.
-    uniform_tokens_per_s: Option<f64>,
-    /// best_tokens_per_s / uniform_tokens_per_s.
-    uniform_ratio: Option<f64>,
-    homogeneous_device: Option<String>,
-    homogeneous_tokens_per_s: Option<f64>,
-    homogeneous_ratio: Option<f64>,
-}
-
 /// One row of either table, tagged with its table in JSON.
 #[derive(Serialize)]
 #[serde(tag = "table", rename_all = "lowercase")]
@@ -179,8 +65,8 @@ enum Row<'a> {
 
 fn bench_plan(json: bool) -> Result<()> {
     // The speed cases run first and one at a time, so nothing else competes for the cores.
-    let speed: Vec<SpeedRow> = SPEED_CASES.iter().map(speed_row).collect::<Result<_>>()?;
-    let quality: Vec<QualityRow> = QUALITY_CASES.iter().map(quality_row).collect::<Result<_>>()?;
+    let speed: Vec<SpeedRow> = SPEED_CASES.iter().map(speed_row).collect::<Result<_, _>>()?;
+    let quality: Vec<QualityRow> = QUALITY_CASES.iter().map(quality_row).collect::<Result<_, _>>()?;
     if json {
         let rows: Vec<Row> = speed.iter().map(Row::Speed).chain(quality.iter().map(Row::Quality)).collect();
         println!("{}", serde_json::to_string_pretty(&rows)?);
@@ -189,58 +75,9 @@ fn bench_plan(json: bool) -> Result<()> {
         println!("{}\n", speed_table(&speed));
         println!("Plan quality against the baselines (same cost model, {SEQ_LEN}-token sequences)");
         println!("{}", quality_table(&quality));
-        println!("{}", quality_summary(&quality));
+        println!("{}", quality_summary_text(&quality));
     }
     Ok(())
-}
-
-/// What `medley plan` computes when it searches: the best plan and the baselines.
-fn plan(case: &Case, specs: &Specs) -> Result<(Candidate, Baselines)> {
-    let outcome = search(&specs.cluster, &specs.model, &specs.job, &specs.calibration, &SearchOptions::default())
-        .with_context(|| format!("planning {} on {}", case.model, case.cluster))?;
-    let best = outcome.candidates.into_iter().next().expect("a successful search returns at least one plan");
-    Ok((best, Baselines::compute(specs)))
-}
-
-fn speed_row(speed: &SpeedCase) -> Result<SpeedRow> {
-    let specs = speed.case.specs()?;
-    let mut runs_s = Vec::with_capacity(SPEED_RUNS);
-    for _ in 0..SPEED_RUNS {
-        let started = Instant::now();
-        plan(&speed.case, &specs)?;
-        runs_s.push(started.elapsed().as_secs_f64());
-    }
-    let median_s = median(runs_s);
-    Ok(SpeedRow {
-        case: speed.case.info(&specs),
-        runs: SPEED_RUNS,
-        median_s,
-        target_s: speed.target_s,
-        speed_ratio: speed.target_s / median_s,
-        peak_rss_mib: peak_rss_mib(),
-        memory_target_mib: speed.memory_target_mib,
-    })
-}
-
-fn quality_row(case: &Case) -> Result<QualityRow> {
-    let specs = case.specs()?;
-    let (best, baselines) = plan(case, &specs)?;
-    let best_tokens_per_s = best.prediction.utilisation.tokens_per_s;
-    let uniform_tokens_per_s = baselines.uniform.map(|uniform| uniform.prediction.utilisation.tokens_per_s);
-    let (homogeneous_device, homogeneous_tokens_per_s) = baselines
-        .homogeneous
-        .map(|(device, candidate)| (device, candidate.prediction.utilisation.tokens_per_s))
-        .unzip();
-    Ok(QualityRow {
-        case: case.info(&specs),
-        best_tokens_per_s,
-        best_mfu: best.prediction.utilisation.mfu,
-        uniform_tokens_per_s,
-        uniform_ratio: uniform_tokens_per_s.map(|tokens_per_s| best_tokens_per_s / tokens_per_s),
-        homogeneous_device,
-        homogeneous_tokens_per_s,
-        homogeneous_ratio: homogeneous_tokens_per_s.map(|tokens_per_s| best_tokens_per_s / tokens_per_s),
-    })
 }
 
 fn case_cells(case: &CaseInfo) -> Vec<Cell> {
@@ -310,20 +147,18 @@ fn quality_table(rows: &[QualityRow]) -> Table {
 }
 
 /// The means of best/uniform over the cases where uniform fits, and how often it does not.
-fn quality_summary(rows: &[QualityRow]) -> String {
-    let ratios: Vec<f64> = rows.iter().filter_map(|row| row.uniform_ratio).collect();
-    let misfits = rows.len() - ratios.len();
-    let fit_part = if ratios.is_empty() {
-        "uniform fits in no case".to_string()
-    } else {
-        format!(
+fn quality_summary_text(rows: &[QualityRow]) -> String {
+    let summary = quality_summary(rows);
+    let fit_part = match summary.arithmetic_mean.zip(summary.geometric_mean) {
+        None => "uniform fits in no case".to_string(),
+        Some((arithmetic, geometric)) => format!(
             "best/uniform over the {} cases where uniform fits: arithmetic mean {}, geometric mean {}",
-            ratios.len(),
-            times(arithmetic_mean(&ratios)),
-            times(geometric_mean(&ratios)),
-        )
+            summary.n_fit,
+            times(arithmetic),
+            times(geometric),
+        ),
     };
-    format!("{fit_part}\nuniform does not fit at all in {misfits} of {} cases", rows.len())
+    format!("{fit_part}\nuniform does not fit at all in {} of {} cases", summary.n_misfit, rows.len())
 }
 
 fn verdict(passes: bool) -> &'static str {
@@ -333,24 +168,4 @@ fn verdict(passes: bool) -> &'static str {
 /// `value` shown by `show`, or `absent` when there is none.
 fn optional<T, S: ToString>(value: Option<T>, absent: &str, show: impl FnOnce(T) -> S) -> String {
     value.map_or_else(|| absent.to_string(), |value| show(value).to_string())
-}
-
-#[cfg(test)]
-mod tests {
-    use super::*;
-
-    #[test]
-    fn every_case_resolves_and_the_quality_suite_is_mixed() {
-        for speed in &SPEED_CASES {
-            speed.case.specs().unwrap();
-        }
-        for case in &QUALITY_CASES {
-            let specs = case.specs().unwrap();
-            let mut types: Vec<&str> = specs.cluster.groups().iter().map(|group| group.device.name.as_str()).collect();
-            types.sort_unstable();
-            types.dedup();
-            assert!((2..=4).contains(&types.len()), "{}", case.cluster);
-            assert!((32..=1024).contains(&specs.cluster.n_gpus()), "{}", case.cluster);
-        }
-    }
 }

@@ -9,7 +9,7 @@ use std::io::Write;
 use anyhow::{Context, Result, bail};
 use clap::Args;
 use medley_cost::Calibration;
-use medley_plan::baselines::{self, Degrees};
+use medley_plan::baselines::{self, Baselines, Degrees};
 use medley_plan::{Candidate, Plan, PlanError, PlanParts, SearchOptions, evaluate, search};
 use medley_sim::{SimConfig, StepReport, simulate_steps};
 use medley_spec::{JobParts, JobSpec};
@@ -84,7 +84,7 @@ pub fn run(args: &PlanArgs) -> Result<ExitCode> {
     if picked >= candidates.len() {
         bail!("--pick {}: only {} to pick from", args.pick, render::count(candidates.len(), "ranked plan"));
     }
-    let baselines = Baselines::compute(&specs).into_rows();
+    let baselines = baseline_rows(Baselines::compute(&specs.cluster, &specs.model, &specs.job, &specs.calibration));
     if let Some(path) = &args.output {
         let json = serde_json::to_string_pretty(&candidates[picked].plan)?;
         fs::write(path, json + "\n").with_context(|| format!("cannot write {}", path.display()))?;
@@ -174,32 +174,14 @@ pub(crate) fn load_plan(path: &str) -> Result<Plan> {
     Plan::new(parts).with_context(|| format!("in {path}"))
 }
 
-/// The layouts a plan is compared with.
-pub(crate) struct Baselines {
-    pub uniform: Option<Candidate>,
-    /// The fastest plan on one device type, with that type's name.
-    pub homogeneous: Option<(String, Candidate)>,
-}
-
-impl Baselines {
-    /// Both baselines, computed side by side.
-    pub(crate) fn compute(specs: &Specs) -> Self {
-        let (uniform, homogeneous) = rayon::join(
-            || baselines::uniform(&specs.cluster, &specs.model, &specs.job, &specs.calibration),
-            || baselines::best_homogeneous(&specs.cluster, &specs.model, &specs.job, &specs.calibration),
-        );
-        Baselines { uniform, homogeneous }
-    }
-
-    /// The rows of the report's baselines table.
-    fn into_rows(self) -> Vec<Baseline> {
-        vec![
-            Baseline { name: "uniform".into(), detail: None, candidate: self.uniform },
-            Baseline {
-                name: "best-homogeneous".into(),
-                detail: self.homogeneous.as_ref().map(|(device, _)| device.clone()),
-                candidate: self.homogeneous.map(|(_, candidate)| candidate),
-            },
-        ]
-    }
+/// The rows of the report's baselines table.
+fn baseline_rows(baselines: Baselines) -> Vec<Baseline> {
+    vec![
+        Baseline { name: "uniform".into(), detail: None, candidate: baselines.uniform },
+        Baseline {
+            name: "best-homogeneous".into(),
+            detail: baselines.homogeneous.as_ref().map(|(device, _)| device.clone()),
+            candidate: baselines.homogeneous.map(|(_, candidate)| candidate),
+        },
+    ]
 }
