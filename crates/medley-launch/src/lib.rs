@@ -135,7 +135,10 @@ impl LocalJob {
                 .stderr(Stdio::piped())
                 .spawn();
             match spawned {
-                Ok(child) => children.push(child),
+                Ok(child) => {
+                    tracing::debug!(rank, pid = child.id(), domain = %command.domain, "started");
+                    children.push(child);
+                }
                 Err(error) => {
                     for child in &mut children {
                         child.kill().ok();
@@ -165,6 +168,7 @@ impl LocalJob {
                 if status.is_none()
                     && let Ok(Some(exit)) = child.try_wait()
                 {
+                    tracing::debug!(rank, "{}", describe_exit(exit));
                     if !exit.success() && failed_at.is_none() {
                         failed_at = Some(Instant::now());
                         self.store.report_failure(rank, &format!("worker {rank} {}", describe_exit(exit)));
@@ -179,8 +183,9 @@ impl LocalJob {
             }
             std::thread::sleep(Duration::from_millis(20));
         }
-        for (child, status) in self.children.iter_mut().zip(&statuses) {
+        for (rank, (child, status)) in self.children.iter_mut().zip(&statuses).enumerate() {
             if status.is_none() {
+                tracing::debug!(rank, "still running: killed");
                 child.kill().ok();
                 child.wait().ok();
             }

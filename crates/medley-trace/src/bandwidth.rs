@@ -34,25 +34,31 @@ pub enum BandwidthTrace {
 
 impl BandwidthTrace {
     /// A trace from CSV text: one `time_s,fraction` row per line, times ascending; a header row
-    /// and blank lines are skipped. `source` names the file in errors.
+    /// and blank lines are skipped, fields may be quoted (as spreadsheet and monitoring exports
+    /// write them). `source` names the file in errors.
     pub fn from_csv(text: &str, source: &str) -> Result<Self, TraceError> {
+        let mut reader = csv::ReaderBuilder::new()
+            .has_headers(false)
+            .flexible(true)
+            .trim(csv::Trim::All)
+            .from_reader(text.as_bytes());
         let mut points = Vec::new();
-        for (line_idx, line) in text.lines().enumerate() {
-            let line = line.trim();
-            let error = |message: String| TraceError(format!("{source}:{}: {message}", line_idx + 1));
-            let is_header =
-                line_idx == 0 && line.split(',').next().is_some_and(|first| first.trim().parse::<f64>().is_err());
-            if line.is_empty() || is_header {
+        for (row_idx, row) in reader.records().enumerate() {
+            let row = row.map_err(|err| TraceError(format!("{source}: {err}")))?;
+            let line = row.position().map_or(row_idx as u64 + 1, csv::Position::line);
+            let error = |message: String| TraceError(format!("{source}:{line}: {message}"));
+            let is_header = row_idx == 0 && row.get(0).is_some_and(|first| first.parse::<f64>().is_err());
+            if is_header {
                 continue;
             }
-            let (time, fraction) =
-                line.split_once(',').ok_or_else(|| error(format!("`{line}`: expected time_s,fraction")))?;
-            let time_s: f64 =
-                time.trim().parse().map_err(|_| error(format!("`{}` is not a time in seconds", time.trim())))?;
+            let (Some(time), Some(fraction), None) = (row.get(0), row.get(1), row.get(2)) else {
+                return Err(error(format!("`{}`: expected time_s,fraction", row.iter().collect::<Vec<_>>().join(","))));
+            };
+            let time_s: f64 = time.parse().map_err(|_| error(format!("`{time}` is not a time in seconds")))?;
             if !(time_s.is_finite() && time_s >= 0.0) {
                 return Err(error(format!("time {time_s} must be a non-negative number of seconds")));
             }
-            let fraction = parse_fraction(fraction.trim()).map_err(error)?;
+            let fraction = parse_fraction(fraction).map_err(error)?;
             let time_ns = seconds_to_ns(time_s);
             if points.last().is_some_and(|&(last, _)| time_ns < last) {
                 return Err(error(format!("time {time_s} s comes before the previous row's; times must ascend")));
@@ -386,5 +392,16 @@ mod tests {
         assert!(err.contains("t.csv:2") && err.contains("from 0 to 1"), "{err}");
         let err = BandwidthTrace::from_csv("1,0.5\n0.5,1\n", "t.csv").unwrap_err().to_string();
         assert!(err.contains("ascend"), "{err}");
+    }
+
+    #[test]
+    fn csv_exports_with_quotes_and_crlf_read_and_extra_columns_are_refused() {
+        let exported = "\"time_s\",\"fraction\"\r\n\"0\",\"0.5\"\r\n\"2\",\"1\"\r\n";
+        let trace = BandwidthTrace::from_csv(exported, "t.csv").unwrap();
+        assert_eq!(trace, BandwidthTrace::Points(vec![(0, 0.5), (2_000_000_000, 1.0)]));
+        let err = BandwidthTrace::from_csv("0,0.5\n1,0.5,9\n", "t.csv").unwrap_err().to_string();
+        assert!(err.contains("t.csv:2") && err.contains("expected time_s,fraction"), "{err}");
+        let err = BandwidthTrace::from_csv("0\n", "t.csv").unwrap_err().to_string();
+        assert!(err.contains("t.csv:1") && err.contains("expected time_s,fraction"), "{err}");
     }
 }

@@ -8,6 +8,7 @@ mod bench_train;
 mod calibrate_cmd;
 mod host;
 mod inputs;
+mod log;
 mod plan_cmd;
 mod progress;
 mod render;
@@ -26,6 +27,12 @@ use clap::{Parser, Subcommand};
 struct Cli {
     #[command(subcommand)]
     command: Command,
+    /// Say more: debug events with -v, everything with -vv (or set MEDLEY_LOG, e.g. medley_comm=debug).
+    #[arg(short, long, action = clap::ArgAction::Count, global = true)]
+    verbose: u8,
+    /// Say only warnings and errors: no notes, no progress.
+    #[arg(short, long, global = true, conflicts_with = "verbose")]
+    quiet: bool,
 }
 
 #[derive(Subcommand)]
@@ -54,6 +61,7 @@ enum Command {
 
 fn main() -> ExitCode {
     let cli = Cli::parse();
+    log::init(log::level(cli.verbose, cli.quiet));
     let result = match cli.command {
         Command::Plan(args) => {
             exit_quietly_on_closed_pipe();

@@ -72,7 +72,7 @@ pub fn run(args: &PlanArgs) -> Result<ExitCode> {
             if args.json {
                 println!("{}", serde_json::to_string_pretty(&json!({"fits": false, "error": err.to_string()}))?);
             }
-            eprintln!("medley plan: {err}");
+            tracing::error!("{err}");
             return Ok(ExitCode::from(1));
         }
         Err(err) => return Err(err.into()),
@@ -102,17 +102,18 @@ pub fn run(args: &PlanArgs) -> Result<ExitCode> {
         println!("{}", serde_json::to_string_pretty(&render::json(&report))?);
     } else {
         print!("{}", render::text(&report));
+        std::io::stdout().flush()?;
         match &args.output {
-            Some(path) => println!("\nplan #{} written to {}", args.pick, path.display()),
-            None => println!(
-                "\nwrite this plan as JSON with -o plan.json, another with --pick N (or print everything with --json)"
+            Some(path) => tracing::info!("plan #{} written to {}", args.pick, path.display()),
+            None => tracing::info!(
+                "write this plan as JSON with -o plan.json, another with --pick N (or print everything with --json)"
             ),
         }
     }
     // Only a given plan can fail to fit here: the search and --fix return fitting plans.
     if !candidates[picked].prediction.fits {
         std::io::stdout().flush()?;
-        eprintln!("medley plan: this plan does not fit in memory (see the peak memory per device type)");
+        tracing::error!("this plan does not fit in memory (see the peak memory per device type)");
         return Ok(ExitCode::from(1));
     }
     Ok(ExitCode::SUCCESS)

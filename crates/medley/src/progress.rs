@@ -27,8 +27,11 @@ pub struct Lines {
 }
 
 impl Progress {
-    /// A bar when standard error is a terminal, lines otherwise.
+    /// A bar when standard error is a terminal, lines otherwise; none under `-q`.
     pub fn new(total_steps: u64) -> Progress {
+        if !tracing::enabled!(tracing::Level::INFO) {
+            return Progress::Quiet;
+        }
         if std::io::stderr().is_terminal() {
             let bar = ProgressBar::new(total_steps);
             let style = ProgressStyle::with_template("step {pos}/{len} [{bar:30}] {msg} · ETA {eta}")

@@ -98,12 +98,13 @@ pub fn run(args: &SimulateArgs) -> Result<ExitCode> {
     } else {
         println!("{}", text(&specs, &plan, &report));
         if let Some(path) = &args.trace {
-            println!("\ntimeline written to {} (open it at https://ui.perfetto.dev)", path.display());
+            std::io::stdout().flush()?;
+            tracing::info!("timeline written to {} (open it at https://ui.perfetto.dev)", path.display());
         }
     }
     if !report.fits {
         std::io::stdout().flush()?;
-        eprintln!("medley simulate: the plan does not fit in memory (see peak memory per device type)");
+        tracing::error!("the plan does not fit in memory (see peak memory per device type)");
         return Ok(ExitCode::from(1));
     }
     Ok(ExitCode::SUCCESS)
@@ -124,7 +125,7 @@ fn what_if(args: &SimulateArgs) -> Result<(Specs, Plan)> {
                 specs.model.name()
             );
         };
-        eprintln!("{}", chosen("the best uniform layout", &uniform.plan));
+        tracing::info!("{}", chosen("the best uniform layout", &uniform.plan));
         return Ok((specs, uniform.plan));
     }
     let (tp, pp) = (args.tp.unwrap_or(1), args.pp.unwrap_or(1));
@@ -141,7 +142,7 @@ fn what_if(args: &SimulateArgs) -> Result<(Specs, Plan)> {
     match baselines::fixed(&specs.cluster, &specs.model, &specs.job, &specs.calibration, degrees) {
         Ok(candidate) => {
             if open {
-                eprintln!("{}", chosen("the fastest setting that fits", &candidate.plan));
+                tracing::info!("{}", chosen("the fastest setting that fits", &candidate.plan));
             }
             Ok((specs, candidate.plan))
         }
@@ -152,9 +153,10 @@ fn what_if(args: &SimulateArgs) -> Result<(Specs, Plan)> {
                 tp,
                 recompute: specs.job.recompute().unwrap_or(Recompute::Full),
             };
-            eprintln!(
-                "medley simulate: {reason}; simulated at micro-batch {} and recompute {}",
-                setting.micro_batch, setting.recompute
+            tracing::warn!(
+                "{reason}; simulated at micro-batch {} and recompute {}",
+                setting.micro_batch,
+                setting.recompute
             );
             let cost = CostModel::new(&specs.model, specs.job.seq_len(), &specs.calibration);
             let plan = megatron_plan(&specs.cluster, &cost, &specs.job, setting, degrees)?;

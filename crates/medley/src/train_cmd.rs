@@ -115,7 +115,7 @@ const TIMEOUT_STEPS: f64 = 10.0;
 fn predict_step_s(plan: &Plan, calibration: &Calibration, run: &RunFlags) -> Result<f64> {
     let policy = run.schedule.unwrap_or(plan.schedule());
     let predicted = simulate_steps(plan, calibration, &SimConfig::default(), policy, 1, None)?.mean_step_time_s;
-    println!("the simulator predicts {} a step for this plan on this machine", seconds(predicted));
+    tracing::info!("the simulator predicts {} a step for this plan on this machine", seconds(predicted));
     Ok(predicted)
 }
 
@@ -124,7 +124,7 @@ fn predict_step_s(plan: &Plan, calibration: &Calibration, run: &RunFlags) -> Res
 fn timeout_for(predicted_step_s: f64, run: &RunFlags) -> u64 {
     let needed = (TIMEOUT_STEPS * predicted_step_s).ceil() as u64;
     if needed > run.timeout_s {
-        println!(
+        tracing::info!(
             "a silent worker is given {needed} s (ten predicted steps) before it is named, not {} s",
             run.timeout_s
         );
@@ -223,7 +223,7 @@ pub fn calibrate_here(cluster: &Cluster, model: &ModelSpec, seq_len: u32, micro_
     let what = format!("calibrating {} ({concurrency} whole models at once)", model.name());
     check_memory(&what, &[need], SMALLER_RUN)?;
     let measured = measure_model_pass(model, seq_len, micro_batch, 6, concurrency)?;
-    println!(
+    tracing::info!(
         "calibrated: one micro-batch ({micro_batch}×{seq_len} tokens) through {} takes {:.1} ms forward and backward here with {concurrency} at once, an optimizer step {:.1} ms; the fleet's fastest device is emulated at that speed",
         model.name(),
         measured.pass_s * 1e3,
@@ -306,23 +306,22 @@ fn report(out: &Path, outcome: &Outcome, layouts: &[RankLayout], timing: Timing)
         print_summary(out, &outcome.steps, timing);
         return Ok(ExitCode::SUCCESS);
     }
-    eprintln!("training stopped:");
+    let mut lines = vec!["training stopped:".to_string()];
     for &rank in &failed {
         let layout = &layouts[rank];
-        eprintln!("  worker {rank} ({}, {}): {}", layout.id, layout.device.name, outcome.end.describe(rank));
-        if let Some(last) = outcome.end.stderr[rank].last() {
-            eprintln!("    {last}");
-        }
+        lines.push(format!("  worker {rank} ({}, {}): {}", layout.id, layout.device.name, outcome.end.describe(rank)));
+        lines.extend(outcome.end.stderr[rank].last().map(|last| format!("    {last}")));
     }
-    match read_latest(&out.join(CHECKPOINTS)) {
-        Ok((dir, manifest)) => eprintln!(
+    lines.push(match read_latest(&out.join(CHECKPOINTS)) {
+        Ok((dir, manifest)) => format!(
             "the last complete checkpoint is {} (step {}); continue with `medley train --resume {}`",
             dir.display(),
             manifest.step,
             out.display()
         ),
-        Err(_) => eprintln!("no checkpoint was completed"),
-    }
+        Err(_) => "no checkpoint was completed".to_string(),
+    });
+    tracing::error!("{}", lines.join("\n"));
     Ok(ExitCode::from(1))
 }
 
@@ -361,7 +360,7 @@ fn merge_timelines(out: &Path) -> Result<()> {
 fn print_summary(out: &Path, steps: &[Value], (wall, predicted_step_s): Timing) {
     let field = |step: &Value, name: &str| step[name].as_f64().unwrap_or(f64::NAN);
     let (Some(first), Some(last)) = (steps.first(), steps.last()) else {
-        println!("nothing to train: the run is already at the requested step");
+        tracing::info!("nothing to train: the run is already at the requested step");
         return;
     };
     // The first step includes the workers' start-up and first-touch costs.

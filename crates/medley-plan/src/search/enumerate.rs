@@ -1,6 +1,7 @@
 //! Enumerations the search walks: type orders, stages-per-type vectors, set partitions, layer
 //! compositions and block combinations.
 
+use itertools::Itertools;
 use medley_spec::NodeGroup;
 
 use super::template::BlockConfig;
@@ -10,7 +11,7 @@ use crate::partition::StageLoad;
 /// beyond that, vendors kept contiguous (one bridge crossing) largest memory first, and reversed.
 pub(super) fn type_orders(groups: &[NodeGroup], block: &[usize]) -> Vec<Vec<usize>> {
     if block.len() <= 4 {
-        return permutations(block);
+        return block.iter().copied().permutations(block.len()).collect();
     }
     let mut order = block.to_vec();
     order.sort_by(|&a, &b| {
@@ -19,22 +20,6 @@ pub(super) fn type_orders(groups: &[NodeGroup], block: &[usize]) -> Vec<Vec<usiz
     });
     let reversed = order.iter().rev().copied().collect();
     vec![order, reversed]
-}
-
-fn permutations(items: &[usize]) -> Vec<Vec<usize>> {
-    if items.len() <= 1 {
-        return vec![items.to_vec()];
-    }
-    (0..items.len())
-        .flat_map(|idx| {
-            let mut rest = items.to_vec();
-            let first = rest.remove(idx);
-            permutations(&rest).into_iter().map(move |mut tail| {
-                tail.insert(0, first);
-                tail
-            })
-        })
-        .collect()
 }
 
 /// Distinct stages-per-group vectors `units[g] / d` for replica counts `d`, each with the largest

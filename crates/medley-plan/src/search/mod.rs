@@ -21,6 +21,7 @@ mod template;
 
 use std::collections::BTreeMap;
 
+use itertools::iproduct;
 use medley_cost::comm::{self, Link};
 use medley_cost::{Calibration, CostModel, Setting};
 use medley_spec::{BridgeMode, Cluster, DeviceSlot, JobSpec, ModelSpec, NodeGroup, Recompute, Schedule, ScheduleKind};
@@ -156,9 +157,8 @@ pub(crate) fn settings_with_tp(job: &JobSpec, tp: u32) -> Vec<Setting> {
         None => MICRO_BATCHES.into_iter().filter(|mb| job.global_batch().is_multiple_of(*mb)).collect(),
     };
     let recomputes: Vec<Recompute> = job.recompute().map_or(Recompute::ALL.to_vec(), |recompute| vec![recompute]);
-    micro_batches
-        .iter()
-        .flat_map(|&micro_batch| recomputes.iter().map(move |&recompute| Setting { micro_batch, tp, recompute }))
+    iproduct!(micro_batches, recomputes)
+        .map(|(micro_batch, recompute)| Setting { micro_batch, tp, recompute })
         .collect()
 }
 
