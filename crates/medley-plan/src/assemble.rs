@@ -5,7 +5,8 @@ use medley_cost::{CostModel, Setting};
 use medley_spec::{Cluster, DeviceSlot, JobSpec, Schedule, Vendor};
 
 use crate::evaluate::{best_boundary_route, best_dp_route, dp_group_bytes};
-use crate::plan::{DpGroup, LayerRange, PLAN_VERSION, PlanParts, Replica, Stage, dp_layer_ranges};
+use crate::layers::LayerRange;
+use crate::plan::{DpGroup, PLAN_VERSION, PlanParts, Replica, Stage, dp_layer_ranges};
 
 /// One replica before routing: its batch share and its (virtual) stages in model order.
 pub struct ReplicaLayout {

@@ -3,7 +3,7 @@
 use medley_spec::{BridgeMode, DeviceId, Schedule, Vendor};
 use thiserror::Error;
 
-use crate::plan::LayerRange;
+use crate::layers::LayerRange;
 
 #[derive(Debug, Error, PartialEq)]
 pub enum PlanError {

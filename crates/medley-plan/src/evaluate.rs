@@ -9,7 +9,8 @@ use medley_cost::{Calibration, CostModel, GIB, PassTime, Setting, StageShape, fl
 use medley_spec::{BridgeMode, Cluster, DeviceSlot, NodeGroup, Schedule, ScheduleKind, Vendor};
 use serde::Serialize;
 
-use crate::plan::{GradientAlgorithm, LayerRange, Plan, Replica, Route, Stage};
+use crate::layers::LayerRange;
+use crate::plan::{GradientAlgorithm, Plan, Replica, Route, Stage};
 
 /// What a plan is predicted to do per optimizer step.
 #[derive(Clone, Debug, PartialEq, Serialize)]

@@ -9,6 +9,7 @@ mod assemble;
 pub mod baselines;
 mod error;
 mod evaluate;
+mod layers;
 mod partition;
 mod plan;
 mod search;
@@ -16,8 +17,7 @@ mod search;
 pub use assemble::{ReplicaLayout, assemble, stages_from_counts};
 pub use error::{InvalidPlan, PlanError, ReplicaProblem, RouteProblem};
 pub use evaluate::{PipelineTiming, Prediction, Utilisation, evaluate, max_k_within_memory};
+pub use layers::LayerRange;
 pub use partition::{ClassShare, ReplicaClass, StageLoad, min_max_layers, split_micro_batches};
-pub use plan::{
-    DpGroup, GradientAlgorithm, LayerRange, PLAN_VERSION, Plan, PlanParts, Replica, ReplicaShape, Route, Stage,
-};
+pub use plan::{DpGroup, GradientAlgorithm, PLAN_VERSION, Plan, PlanParts, Replica, ReplicaShape, Route, Stage};
 pub use search::{Candidate, MAX_GROUPS, SearchOptions, SearchOutcome, search};

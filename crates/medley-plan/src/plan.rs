@@ -12,6 +12,7 @@ use medley_spec::{BridgeMode, Cluster, DeviceId, ModelSpec, Recompute, Schedule,
 use serde::{Deserialize, Serialize};
 
 use crate::error::{InvalidPlan, PlanError, ReplicaProblem, RouteProblem};
+use crate::layers::LayerRange;
 
 /// The plan schema this build reads and writes.
 pub const PLAN_VERSION: u32 = 1;
@@ -101,34 +102,6 @@ pub struct Stage {
     /// Transformer layers `layers.start..layers.end`; the first stage also holds the embedding,
     /// the last the final norm and output head.
     pub layers: LayerRange,
-}
-
-/// A half-open range of transformer layers.
-#[derive(Clone, Copy, Debug, PartialEq, Eq, PartialOrd, Ord, Hash, Serialize, Deserialize)]
-#[serde(deny_unknown_fields)]
-pub struct LayerRange {
-    pub start: u32,
-    pub end: u32,
-}
-
-impl LayerRange {
-    pub fn len(self) -> u32 {
-        self.end - self.start
-    }
-
-    pub fn is_empty(self) -> bool {
-        self.end <= self.start
-    }
-
-    pub fn contains(self, other: LayerRange) -> bool {
-        self.start <= other.start && other.end <= self.end
-    }
-}
-
-impl fmt::Display for LayerRange {
-    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
-        write!(f, "{}..{}", self.start, self.end)
-    }
 }
 
 /// How a point-to-point transfer or collective travels.

@@ -17,7 +17,7 @@ use rayon::prelude::*;
 use serde_json::json;
 
 use crate::inputs::{SpecArgs, Specs, check_calibration_names, read};
-use crate::render::{self, Baseline, Report};
+use crate::render::{self, Baseline, Confirmed, Report};
 
 #[derive(Args, Debug)]
 pub struct PlanArgs {
@@ -117,15 +117,6 @@ pub fn run(args: &PlanArgs) -> Result<ExitCode> {
         return Ok(ExitCode::from(1));
     }
     Ok(ExitCode::SUCCESS)
-}
-
-/// The candidates ranked by simulated step time (analytical search first, simulation to
-/// confirm), and the cost model's rank of each.
-pub(crate) struct Confirmed {
-    pub candidates: Vec<Candidate>,
-    pub simulated: Vec<StepReport>,
-    /// `analytical_rank[i]`: where the cost model ranked candidate i (0 = first).
-    pub analytical_rank: Vec<usize>,
 }
 
 fn confirm_by_simulation(candidates: Vec<Candidate>, calibration: &Calibration) -> Result<Confirmed> {

@@ -6,10 +6,19 @@ use comfy_table::presets::UTF8_BORDERS_ONLY;
 use comfy_table::{Cell, CellAlignment, Table};
 use medley_cost::params::total_params;
 use medley_plan::{Candidate, GradientAlgorithm, Plan, Route};
+use medley_sim::StepReport;
 use serde_json::{Value, json};
 
 use crate::inputs::Specs;
-use crate::plan_cmd::Confirmed;
+
+/// The candidates ranked by simulated step time (analytical search first, simulation to
+/// confirm), and the cost model's rank of each.
+pub struct Confirmed {
+    pub candidates: Vec<Candidate>,
+    pub simulated: Vec<StepReport>,
+    /// `analytical_rank[i]`: where the cost model ranked candidate i (0 = first).
+    pub analytical_rank: Vec<usize>,
+}
 
 /// A baseline layout, absent when it does not fit.
 pub struct Baseline {

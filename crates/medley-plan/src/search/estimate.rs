@@ -8,7 +8,7 @@ use medley_spec::Vendor;
 use super::Space;
 use super::template::BlockConfig;
 use crate::evaluate::dp_group_bytes;
-use crate::plan::LayerRange;
+use crate::layers::LayerRange;
 
 impl Space<'_> {
     /// One gradient group per range of layers between any block's stage cuts, each held by one
