@@ -1,6 +1,9 @@
-//! The `medley` binary as a person or script runs it: exit codes, JSON shape, plan files.
+//! The `medley` binary as a person or script runs it: exit codes, JSON shape, plan files; and, at
+//! the end, the invariants of ARCHITECTURE.md that the workspace's sources show.
 
-use std::path::PathBuf;
+use std::collections::{BTreeMap, BTreeSet};
+use std::fs;
+use std::path::{Path, PathBuf};
 use std::process::{Child, Command, Output, Stdio};
 use std::time::{Duration, Instant};
 
@@ -713,4 +716,121 @@ fn a_worker_that_fails_on_its_own_stops_the_others_at_once() {
     assert!(started.elapsed() < Duration::from_secs(30), "the others waited for the 60 s timeout:\n{text}");
     assert!(text.contains("rank-1.safetensors"), "{text}");
     assert!(text.contains("worker 0: ") && text.contains("rank 1 failed"), "worker 0 does not name worker 1:\n{text}");
+}
+
+// ---------------------------------------------------------------------------------------------
+// ARCHITECTURE.md's invariants that the sources themselves can show: no crate's modules import
+// each other in a cycle, and the runtime does not depend on the simulator.
+
+fn crates_dir() -> PathBuf {
+    Path::new(env!("CARGO_MANIFEST_DIR")).join("..")
+}
+
+/// Every `.rs` file under `dir`.
+fn sources(dir: &Path) -> Vec<PathBuf> {
+    let mut files = Vec::new();
+    for entry in fs::read_dir(dir).unwrap() {
+        let path = entry.unwrap().path();
+        if path.is_dir() {
+            files.extend(sources(&path));
+        } else if path.extension().is_some_and(|ext| ext == "rs") {
+            files.push(path);
+        }
+    }
+    files
+}
+
+/// The top-level module a file belongs to (`lib` for the crate root), `None` for binaries.
+fn module_of(src: &Path, file: &Path) -> Option<String> {
+    let relative = file.strip_prefix(src).unwrap();
+    let first = relative.components().next()?.as_os_str().to_str()?.trim_end_matches(".rs").to_string();
+    match first.as_str() {
+        "bin" => None,
+        "lib" | "main" => Some("lib".into()),
+        _ => Some(first),
+    }
+}
+
+/// Top-level modules each module's non-test code names through `crate::module`.
+fn module_imports(src: &Path) -> BTreeMap<String, BTreeSet<String>> {
+    let modules: BTreeSet<String> = sources(src).iter().filter_map(|file| module_of(src, file)).collect();
+    let mut imports: BTreeMap<String, BTreeSet<String>> = BTreeMap::new();
+    for file in sources(src) {
+        let Some(module) = module_of(src, &file) else { continue };
+        let text = fs::read_to_string(&file).unwrap();
+        let code = text.split("#[cfg(test)]").next().unwrap();
+        for line in code.lines().map(|line| line.split("//").next().unwrap()) {
+            for (idx, _) in line.match_indices("crate::") {
+                let name: String =
+                    line[idx + 7..].chars().take_while(|c| c.is_ascii_lowercase() || *c == '_').collect();
+                if name != module && modules.contains(&name) {
+                    imports.entry(module.clone()).or_default().insert(name);
+                }
+            }
+        }
+    }
+    imports
+}
+
+/// A cycle among `imports`, if there is one.
+fn find_cycle(imports: &BTreeMap<String, BTreeSet<String>>) -> Option<Vec<String>> {
+    fn visit(
+        module: &str,
+        imports: &BTreeMap<String, BTreeSet<String>>,
+        path: &mut Vec<String>,
+        done: &mut BTreeSet<String>,
+    ) -> Option<Vec<String>> {
+        if let Some(start) = path.iter().position(|seen| seen == module) {
+            let mut cycle = path[start..].to_vec();
+            cycle.push(module.to_string());
+            return Some(cycle);
+        }
+        if !done.insert(module.to_string()) {
+            return None;
+        }
+        path.push(module.to_string());
+        for next in imports.get(module).into_iter().flatten() {
+            if let Some(cycle) = visit(next, imports, path, done) {
+                return Some(cycle);
+            }
+        }
+        path.pop();
+        None
+    }
+    let mut done = BTreeSet::new();
+    imports.keys().find_map(|module| visit(module, imports, &mut Vec::new(), &mut done))
+}
+
+#[test]
+fn no_crate_has_a_module_cycle() {
+    let mut checked = 0;
+    for entry in fs::read_dir(crates_dir()).unwrap() {
+        let src = entry.unwrap().path().join("src");
+        if !src.is_dir() {
+            continue;
+        }
+        let imports = module_imports(&src);
+        assert_eq!(find_cycle(&imports), None, "{}: modules import each other in a cycle", src.display());
+        checked += 1;
+    }
+    assert!(checked >= 13, "only {checked} crates found");
+}
+
+#[test]
+fn the_cycle_finder_finds_cycles() {
+    let edges = |pairs: &[(&str, &str)]| {
+        let mut imports: BTreeMap<String, BTreeSet<String>> = BTreeMap::new();
+        for (from, to) in pairs {
+            imports.entry(from.to_string()).or_default().insert(to.to_string());
+        }
+        imports
+    };
+    assert_eq!(find_cycle(&edges(&[("a", "b"), ("b", "c"), ("a", "c")])), None);
+    assert_eq!(find_cycle(&edges(&[("a", "b"), ("b", "c"), ("c", "a")])).map(|cycle| cycle.len()), Some(4));
+}
+
+#[test]
+fn the_runtime_does_not_depend_on_the_simulator() {
+    let manifest = fs::read_to_string(crates_dir().join("medley-runtime/Cargo.toml")).unwrap();
+    assert!(!manifest.contains("medley-sim"), "medley-runtime/Cargo.toml names medley-sim");
 }
