@@ -19,7 +19,7 @@ use crate::BenchError;
 /// What a source reports.
 #[derive(Clone, Copy, Debug, Serialize)]
 #[serde(rename_all = "snake_case")]
-pub enum Measured {
+pub enum Reported {
     StepS(f64),
     /// Counting recomputation, as Megatron's papers do.
     HardwareTflopsPerGpu(f64),
@@ -47,7 +47,7 @@ pub struct CitedRun {
     pub degrees: Degrees,
     pub recompute: Recompute,
     pub zero1: bool,
-    pub measured: Measured,
+    pub measured: Reported,
     pub role: Role,
 }
 
@@ -92,7 +92,7 @@ const fn korthikanti(
         degrees,
         recompute,
         zero1: false,
-        measured: Measured::StepS(step_s),
+        measured: Reported::StepS(step_s),
         role,
     }
 }
@@ -109,7 +109,7 @@ const fn narayanan(cluster: &'static str, dp: u32, tflops: f64) -> CitedRun {
         degrees: degrees(8, 12, dp, 1),
         recompute: Recompute::Full,
         zero1: false,
-        measured: Measured::HardwareTflopsPerGpu(tflops),
+        measured: Reported::HardwareTflopsPerGpu(tflops),
         role: Role::Check,
     }
 }
@@ -126,7 +126,7 @@ const fn llama3(cluster: &'static str, dp: u32, tflops: f64) -> CitedRun {
         degrees: degrees(8, 16, dp, 1),
         recompute: Recompute::Selective,
         zero1: true,
-        measured: Measured::ModelTflopsPerGpu(tflops),
+        measured: Reported::ModelTflopsPerGpu(tflops),
         role: Role::Check,
     }
 }
@@ -213,7 +213,7 @@ pub const RUNS: [CitedRun; 14] = [
         degrees: degrees(4, 8, 4, 12),
         recompute: Recompute::Selective,
         zero1: true,
-        measured: Measured::StepS(8.309),
+        measured: Reported::StepS(8.309),
         role: Role::Tune,
     },
     llama3("8192xh100", 64, 430.0),
@@ -222,13 +222,13 @@ pub const RUNS: [CitedRun; 14] = [
 
 /// The simulator's prediction of one cited run.
 #[derive(Clone, Debug, Serialize)]
-pub struct Prediction {
+pub struct CitedPrediction {
     pub source: &'static str,
     pub run: &'static str,
     pub cluster: &'static str,
     pub layout: String,
     pub role: Role,
-    pub measured: Measured,
+    pub measured: Reported,
     pub predicted_step_s: f64,
     /// Predicted over measured step time: above 1, the model is pessimistic.
     pub time_ratio: f64,
@@ -273,9 +273,9 @@ impl CitedRun {
     /// Predicted over measured step time.
     pub fn time_ratio(&self, report: &StepReport) -> f64 {
         match self.measured {
-            Measured::StepS(step_s) => report.step_time_s / step_s,
-            Measured::HardwareTflopsPerGpu(tflops) => tflops / report.utilisation.hardware_tflops_per_gpu,
-            Measured::ModelTflopsPerGpu(tflops) => tflops / report.utilisation.model_tflops_per_gpu,
+            Reported::StepS(step_s) => report.step_time_s / step_s,
+            Reported::HardwareTflopsPerGpu(tflops) => tflops / report.utilisation.hardware_tflops_per_gpu,
+            Reported::ModelTflopsPerGpu(tflops) => tflops / report.utilisation.model_tflops_per_gpu,
         }
     }
 
@@ -291,11 +291,14 @@ pub fn planned_runs() -> Result<Vec<(&'static CitedRun, Plan)>, BenchError> {
 }
 
 /// The simulator's prediction of every run under `calibration`.
-pub fn predict(runs: &[(&'static CitedRun, Plan)], calibration: &Calibration) -> Result<Vec<Prediction>, BenchError> {
+pub fn predict(
+    runs: &[(&'static CitedRun, Plan)],
+    calibration: &Calibration,
+) -> Result<Vec<CitedPrediction>, BenchError> {
     runs.iter()
         .map(|(run, plan)| {
             let report = simulate_one(plan, calibration)?;
-            Ok(Prediction {
+            Ok(CitedPrediction {
                 source: run.source,
                 run: run.label,
                 cluster: run.cluster,
@@ -327,8 +330,7 @@ pub fn fit_devices(runs: &[(&'static CitedRun, Plan)]) -> Result<Vec<Fit>, Bench
 }
 
 fn simulate_one(plan: &Plan, calibration: &Calibration) -> Result<StepReport, BenchError> {
-    let policy = plan.schedule();
-    let report = simulate_steps(plan, calibration, &SimConfig::default(), policy, 1, None)?;
+    let report = simulate_steps(plan, calibration, &SimConfig::default(), plan.schedule(), 1, None)?;
     Ok(report.last_step)
 }
 

@@ -16,7 +16,7 @@ use crate::BenchError;
 /// Which links the ranks use.
 #[derive(Clone, Copy, Debug, PartialEq, Eq, Serialize, Deserialize)]
 #[serde(rename_all = "kebab-case")]
-pub enum Setup {
+pub enum CommSetup {
     /// One domain, single-copy shared memory.
     Shm,
     /// One domain, TCP over loopback.
@@ -27,25 +27,25 @@ pub enum Setup {
     TwoDomainShmBridge,
 }
 
-impl Setup {
+impl CommSetup {
     pub fn config(self, timeout: Duration, bridge_bytes_per_s: Option<u64>) -> Config {
         let (intra_domain, bridge) = match self {
-            Setup::Shm | Setup::TwoDomainShmBridge => (TransportKind::Shm, TransportKind::Shm),
-            Setup::Tcp => (TransportKind::Tcp, TransportKind::Tcp),
-            Setup::TwoDomain => (TransportKind::Shm, TransportKind::Tcp),
+            CommSetup::Shm | CommSetup::TwoDomainShmBridge => (TransportKind::Shm, TransportKind::Shm),
+            CommSetup::Tcp => (TransportKind::Tcp, TransportKind::Tcp),
+            CommSetup::TwoDomain => (TransportKind::Shm, TransportKind::Tcp),
         };
         Config { timeout, intra_domain, bridge, bridge_bytes_per_s, ..Config::default() }
     }
 
     pub fn domain(self, rank: usize, n_ranks: usize) -> &'static str {
         match self {
-            Setup::TwoDomain | Setup::TwoDomainShmBridge if rank >= n_ranks / 2 => "amd",
+            CommSetup::TwoDomain | CommSetup::TwoDomainShmBridge if rank >= n_ranks / 2 => "amd",
             _ => "nvidia",
         }
     }
 
     pub fn two_domains(self) -> bool {
-        matches!(self, Setup::TwoDomain | Setup::TwoDomainShmBridge)
+        matches!(self, CommSetup::TwoDomain | CommSetup::TwoDomainShmBridge)
     }
 }
 
@@ -116,7 +116,7 @@ pub struct Row {
     pub dtype: String,
     pub redop: String,
     pub ranks: usize,
-    pub transport: Setup,
+    pub transport: CommSetup,
     pub algorithm: Algorithm,
     pub time_us: f64,
     pub algbw_gbps: f64,
@@ -142,7 +142,7 @@ const MAX_ITERS: usize = 10_000;
 /// What one run of the benchmark measures, on every rank alike.
 #[derive(Clone, Debug, PartialEq)]
 pub struct Sweep {
-    pub setup: Setup,
+    pub setup: CommSetup,
     pub ops: Vec<BenchOp>,
     /// Sizes grow ×4 from `min_bytes` up to `max_bytes`.
     pub min_bytes: usize,

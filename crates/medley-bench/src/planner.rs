@@ -3,7 +3,6 @@
 //! best-homogeneous baselines on mixed clusters, all under the same cost model.
 
 use std::fmt::Display;
-use std::time::Instant;
 
 use medley_cost::Calibration;
 use medley_plan::baselines::Baselines;
@@ -12,12 +11,10 @@ use medley_spec::{Bridge, Cluster, Fabric, JobParts, JobSpec, ModelSpec, catalog
 use serde::Serialize;
 
 use crate::BenchError;
-use crate::stats::{arithmetic_mean, geometric_mean, median, peak_rss_mib};
+use crate::stats::{TIMED_RUNS, arithmetic_mean, geometric_mean, peak_rss_mib, timed_median};
 
 /// Tokens per sequence in every case.
 pub const SEQ_LEN: u32 = 4096;
-/// Timed runs of each speed case; the median is reported.
-pub const SPEED_RUNS: usize = 3;
 
 /// A planning problem: an inline cluster (default fabric and bridge) and a catalog model.
 #[derive(Clone, Copy, Debug)]
@@ -117,7 +114,7 @@ pub struct CaseInfo {
 }
 
 #[derive(Clone, Debug, Serialize)]
-pub struct SpeedRow {
+pub struct PlannerSpeedRow {
     #[serde(flatten)]
     pub case: CaseInfo,
     pub runs: usize,
@@ -145,20 +142,14 @@ pub struct QualityRow {
     pub homogeneous_ratio: Option<f64>,
 }
 
-/// Times `SPEED_RUNS` plannings of `speed`'s case. Run the speed cases first and one at a time,
+/// Times [`TIMED_RUNS`] plannings of `speed`'s case. Run the speed cases first and one at a time,
 /// so that nothing else competes for the cores and the peak RSS is the planner's.
-pub fn speed_row(speed: &SpeedCase) -> Result<SpeedRow, BenchError> {
+pub fn speed_row(speed: &SpeedCase) -> Result<PlannerSpeedRow, BenchError> {
     let specs = speed.case.specs()?;
-    let mut runs_s = Vec::with_capacity(SPEED_RUNS);
-    for _ in 0..SPEED_RUNS {
-        let started = Instant::now();
-        speed.case.plan(&specs)?;
-        runs_s.push(started.elapsed().as_secs_f64());
-    }
-    let median_s = median(runs_s);
-    Ok(SpeedRow {
+    let (median_s, _) = timed_median(|| speed.case.plan(&specs))?;
+    Ok(PlannerSpeedRow {
         case: speed.case.info(&specs),
-        runs: SPEED_RUNS,
+        runs: TIMED_RUNS,
         median_s,
         target_s: speed.target_s,
         speed_ratio: speed.target_s / median_s,

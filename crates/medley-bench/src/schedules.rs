@@ -6,7 +6,6 @@ use std::fmt::Display;
 use std::fs::File;
 use std::io::BufWriter;
 use std::num::NonZeroU32;
-use std::time::Instant;
 
 use medley_cost::{Calibration, CostModel, Setting};
 use medley_plan::Plan;
@@ -17,7 +16,7 @@ use medley_spec::{Bridge, Cluster, Fabric, JobParts, JobSpec, Recompute, catalog
 use serde::Serialize;
 
 use crate::BenchError;
-use crate::stats::{median, peak_rss_mib};
+use crate::stats::{peak_rss_mib, timed_median};
 
 /// A cluster: inline, or TOML text with a short name for the tables.
 #[derive(Clone, Copy)]
@@ -82,7 +81,6 @@ const SPEED_LAYOUT: Layout = Layout {
 };
 pub const SPEED_TARGET_S: f64 = 0.5;
 pub const MEMORY_TARGET_MIB: f64 = 1024.0;
-pub const SPEED_RUNS: usize = 3;
 
 /// The Ada-Grouper setting (Wang et al. 2023): a pipeline across nodes of a shared cluster, one
 /// A100 per node behind one 100 Gb/s NIC, so pipeline transfers are a fair share of the step.
@@ -99,11 +97,11 @@ const CROSS_NODE: Layout = Layout {
 };
 /// Other jobs take 95% of a link's bandwidth for periods of 200 ms on average, half the time.
 pub const PREEMPTED: &str = "random:seed=7,full=200ms,reduced=200ms,fraction=0.05";
-/// Steps per network experiment: enough for the adaptive policy to settle.
+/// Steps per network experiment: enough for the adaptive schedule to settle.
 pub const NETWORK_STEPS: u32 = 16;
 
 #[derive(Clone, Debug, Serialize)]
-pub struct SpeedRow {
+pub struct SimulatorSpeedRow {
     pub layout: String,
     pub n_gpus: u32,
     pub timeline: bool,
@@ -134,27 +132,22 @@ pub struct OrderingRow {
     pub holds: bool,
 }
 
-/// Times `SPEED_RUNS` simulations of the 1024-GPU step, with its timeline streamed to a
+/// Times [`TIMED_RUNS`](crate::stats::TIMED_RUNS) simulations of the 1024-GPU step, with its timeline streamed to a
 /// temporary file or without one. Run it alone, so that the peak RSS is the simulator's.
-pub fn speed_row(with_timeline: bool) -> Result<SpeedRow, BenchError> {
+pub fn speed_row(with_timeline: bool) -> Result<SimulatorSpeedRow, BenchError> {
     let plan = SPEED_LAYOUT.plan()?;
     let calibration = Calibration::default();
     let timeline_path = std::env::temp_dir().join(format!("medley-bench-timeline-{}.json", std::process::id()));
-    let mut runs_s = Vec::with_capacity(SPEED_RUNS);
-    let mut events = 0;
-    for _ in 0..SPEED_RUNS {
-        let started = Instant::now();
-        let report = if with_timeline {
+    let (median_s, report) = timed_median(|| -> Result<_, BenchError> {
+        Ok(if with_timeline {
             let file = File::create(&timeline_path)
                 .map_err(|source| BenchError::Io { context: "creating the benchmark's timeline file", source })?;
             let mut out = BufWriter::new(file);
             simulate(&plan, ScheduleKind::OneFOneB, &calibration, &SimConfig::default(), Some(&mut out))?
         } else {
             simulate(&plan, ScheduleKind::OneFOneB, &calibration, &SimConfig::default(), None)?
-        };
-        runs_s.push(started.elapsed().as_secs_f64());
-        events = report.events;
-    }
+        })
+    })?;
     let timeline_mib = with_timeline
         .then(|| std::fs::metadata(&timeline_path).map(|meta| meta.len() as f64 / (1 << 20) as f64))
         .transpose()
@@ -162,15 +155,14 @@ pub fn speed_row(with_timeline: bool) -> Result<SpeedRow, BenchError> {
     if with_timeline {
         std::fs::remove_file(&timeline_path).ok();
     }
-    let median_s = median(runs_s);
-    Ok(SpeedRow {
+    Ok(SimulatorSpeedRow {
         layout: SPEED_LAYOUT.describe(),
         n_gpus: plan.used_devices().len() as u32,
         timeline: with_timeline,
         median_s,
         target_s: SPEED_TARGET_S,
         speed_ratio: SPEED_TARGET_S / median_s,
-        events,
+        events: report.events,
         peak_rss_mib: peak_rss_mib(),
         memory_target_mib: MEMORY_TARGET_MIB,
         timeline_mib,
@@ -181,10 +173,10 @@ fn kfkb(k: u32) -> ScheduleKind {
     ScheduleKind::Kfkb { k: NonZeroU32::new(k).expect("k ≥ 1") }
 }
 
-/// Mean step time of `policy` over the network experiment's steps.
-fn network_run(plan: &Plan, trace: Option<&str>, policy: Schedule) -> Result<f64, BenchError> {
+/// Mean step time of `schedule` over the network experiment's steps.
+fn network_run(plan: &Plan, trace: Option<&str>, schedule: Schedule) -> Result<f64, BenchError> {
     let config = SimConfig { network_trace: trace.map(str::parse).transpose()? };
-    Ok(simulate_steps(plan, &Calibration::default(), &config, policy, NETWORK_STEPS, None)?.mean_step_time_s)
+    Ok(simulate_steps(plan, &Calibration::default(), &config, schedule, NETWORK_STEPS, None)?.mean_step_time_s)
 }
 
 /// Each ordering claim, simulated side by side with its baseline.

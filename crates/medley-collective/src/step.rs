@@ -124,11 +124,6 @@ pub struct RankSteps {
 }
 
 impl RankSteps {
-    /// Elements this rank sends, in total.
-    pub fn sent_elems(&self) -> usize {
-        self.sends().map(|(_, range)| range.len()).sum()
-    }
-
     /// Every send as (peer, range), in order.
     pub fn sends(&self) -> impl Iterator<Item = (usize, Range<usize>)> + '_ {
         self.steps.iter().filter_map(|step| match step {

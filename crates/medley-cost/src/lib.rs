@@ -2,7 +2,7 @@
 //! memory it needs, and what communication costs, from the model's shape and datasheet rates.
 //!
 //! Pure functions of specs: nothing here reads files or the clock. The planner prices candidate
-//! plans with it; the simulator (a later crate) takes its compute times per instruction.
+//! plans with it; the simulator takes its compute times per instruction.
 
 pub mod comm;
 mod efficiency;

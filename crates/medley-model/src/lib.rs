@@ -9,7 +9,7 @@
 //!   external upstream gradient, accumulated parameter gradients, loading parameters).
 //!   [`BurnStage`] implements it with burn's CPU backend; a GPU library slots in behind the same
 //!   trait.
-//! - [`Stage`]: one rank's parameters, gradients and AdamW state on the host, with safetensors
+//! - [`StageState`]: one rank's parameters, gradients and AdamW state on the host, with safetensors
 //!   checkpoints, driving a `StageCompute`.
 //! - [`data`]: the byte-level tokenizer, the shipped corpus and deterministic sample indexing.
 //!
@@ -32,4 +32,4 @@ pub use compute::{HostTensor, MicroBatch, StageCompute, StageOutput};
 pub use config::ModelConfig;
 pub use error::ModelError;
 pub use optim::{AdamW, AdamWState};
-pub use stage::Stage;
+pub use stage::StageState;

@@ -11,8 +11,9 @@ use crate::{
 /// Checkpoint names of the optimizer moments: `adamw.m.<param>` and `adamw.v.<param>`.
 const MOMENT_PREFIXES: [&str; 2] = ["adamw.m.", "adamw.v."];
 
-pub struct Stage {
-    layers: Range<usize>,
+/// The training state of one stage's (or chunk's) layers: what a plan's `Stage` places on its
+/// devices, here with its weights.
+pub struct StageState {
     specs: Vec<ParamSpec>,
     params: Vec<HostTensor>,
     grads: Vec<HostTensor>,
@@ -20,7 +21,7 @@ pub struct Stage {
     compute: Box<dyn StageCompute>,
 }
 
-impl Stage {
+impl StageState {
     /// The stage holding `layers`, at its seeded initial weights.
     pub fn new(
         config: &ModelConfig,
@@ -28,20 +29,12 @@ impl Stage {
         seed: u64,
         mut compute: Box<dyn StageCompute>,
     ) -> Result<Self, ModelError> {
-        let specs = stage_params(config, layers.clone());
+        let specs = stage_params(config, layers);
         let params: Vec<HostTensor> = specs.iter().map(|spec| spec.initial_value(seed)).collect();
         compute.load_parameters(&params)?;
         let grads = params.iter().map(|p| HostTensor::zeros(p.shape.clone())).collect();
         let optimizer = AdamWState::zeros_like(&params);
-        Ok(Stage { layers, specs, params, grads, optimizer, compute })
-    }
-
-    pub fn layers(&self) -> Range<usize> {
-        self.layers.clone()
-    }
-
-    pub fn specs(&self) -> &[ParamSpec] {
-        &self.specs
+        Ok(StageState { specs, params, grads, optimizer, compute })
     }
 
     pub fn params(&self) -> &[HostTensor] {
@@ -99,7 +92,7 @@ impl Stage {
         params.chain(moments).collect()
     }
 
-    /// Whether `name` is one of the checkpoint tensors [`Stage::restore`] takes.
+    /// Whether `name` is one of the checkpoint tensors [`StageState::restore`] takes.
     pub fn restores(&self, name: &str) -> bool {
         let param = MOMENT_PREFIXES.iter().find_map(|prefix| name.strip_prefix(prefix)).unwrap_or(name);
         self.specs.iter().any(|spec| spec.name == param)

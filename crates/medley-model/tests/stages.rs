@@ -1,11 +1,11 @@
-//! Stage-wise compute against whole-model compute, gradients against finite differences, and
+//! StageState-wise compute against whole-model compute, gradients against finite differences, and
 //! checkpoints across plans.
 
 use std::collections::HashMap;
 use std::ops::Range;
 
 use medley_model::data::Dataset;
-use medley_model::{AdamW, BurnStage, HostTensor, MicroBatch, ModelConfig, Stage, StageOutput};
+use medley_model::{AdamW, BurnStage, HostTensor, MicroBatch, ModelConfig, StageOutput, StageState};
 
 const SEED: u64 = 42;
 
@@ -23,8 +23,8 @@ fn small_config() -> ModelConfig {
     }
 }
 
-fn stage(config: &ModelConfig, layers: Range<usize>) -> Stage {
-    Stage::new(config, layers.clone(), SEED, Box::new(BurnStage::new(config, layers))).unwrap()
+fn stage(config: &ModelConfig, layers: Range<usize>) -> StageState {
+    StageState::new(config, layers.clone(), SEED, Box::new(BurnStage::new(config, layers))).unwrap()
 }
 
 fn batch(config: &ModelConfig, first: u64, count: usize) -> MicroBatch {
@@ -33,7 +33,7 @@ fn batch(config: &ModelConfig, first: u64, count: usize) -> MicroBatch {
 }
 
 /// Runs forward and backward of one micro-batch through `stages` in order; returns the loss.
-fn train_micro_batch(stages: &mut [Stage], micro_batch: u32, batch: &MicroBatch) -> f64 {
+fn train_micro_batch(stages: &mut [StageState], micro_batch: u32, batch: &MicroBatch) -> f64 {
     let mut input = None;
     let mut loss = None;
     for stage in stages.iter_mut() {
@@ -49,7 +49,7 @@ fn train_micro_batch(stages: &mut [Stage], micro_batch: u32, batch: &MicroBatch)
     loss.unwrap()
 }
 
-fn all_grads(stages: &[Stage]) -> Vec<HostTensor> {
+fn all_grads(stages: &[StageState]) -> Vec<HostTensor> {
     stages.iter().flat_map(|stage| stage.grads().to_vec()).collect()
 }
 

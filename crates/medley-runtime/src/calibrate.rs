@@ -8,7 +8,7 @@ use std::time::Instant;
 
 use medley_cost::{Calibration, CostModel, Efficiency, Setting, StageShape};
 use medley_model::data::{Dataset, loss_scale};
-use medley_model::{AdamW, BurnStage, ModelConfig, Stage};
+use medley_model::{AdamW, BurnStage, ModelConfig, StageState};
 use medley_spec::{Cluster, ModelSpec, NodeGroup, Recompute};
 use statrs::statistics::{Data, OrderStatistics};
 
@@ -58,7 +58,7 @@ type Timings = (Vec<f64>, Vec<f64>);
 
 fn time_passes(config: &ModelConfig, micro_batch: u32, repeats: usize) -> Result<Timings, RuntimeError> {
     let layers = 0..config.n_layers;
-    let mut stage = Stage::new(config, layers.clone(), 0, Box::new(BurnStage::new(config, layers)))?;
+    let mut stage = StageState::new(config, layers.clone(), 0, Box::new(BurnStage::new(config, layers)))?;
     let dataset = Dataset::shakespeare(config.seq_len, 0)?;
     let scale = loss_scale(u64::from(micro_batch), config.seq_len);
     let (mut passes, mut updates) = (Vec::new(), Vec::new());

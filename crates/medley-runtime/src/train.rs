@@ -1,5 +1,5 @@
 //! The training loop around [`Worker::step`]: the schedule of each step (fixed, or adaptive kFkB
-//! from the same policy the simulator runs), checkpoints, and a callback per step.
+//! from the same schedule the simulator runs), checkpoints, and a callback per step.
 
 use std::path::PathBuf;
 
@@ -15,7 +15,7 @@ use crate::{RuntimeError, StepMetrics, Worker};
 pub struct TrainOptions {
     /// Train until this many steps are done (counting steps before a resume).
     pub until_step: u64,
-    pub policy: Schedule,
+    pub schedule: Schedule,
     /// Where checkpoints go; none keeps none.
     pub checkpoint_dir: Option<PathBuf>,
     /// Steps between checkpoints (0: only after the last step).
@@ -33,11 +33,11 @@ impl Worker {
         mut timeline: Option<&mut Timeline>,
         mut on_step: impl FnMut(&StepMetrics) -> Result<(), RuntimeError>,
     ) -> Result<(), RuntimeError> {
-        if options.policy == Schedule::Fixed(ScheduleKind::ZbH1) {
+        if options.schedule == Schedule::Fixed(ScheduleKind::ZbH1) {
             return Err(RuntimeError::zero_bubble());
         }
         let k_max = max_k_within_memory(&self.plan, &self.options.calibration);
-        let mut schedules = StepSchedules::new(options.policy, k_max);
+        let mut schedules = StepSchedules::new(options.schedule, k_max);
         while self.step < options.until_step {
             let kind = schedules.next();
             let programs = generate(&self.plan, kind)?;

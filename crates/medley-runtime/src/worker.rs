@@ -7,7 +7,7 @@ use medley_comm::{Communicator, Config, Counts, LaunchEnv, Op, ReduceOp};
 use medley_cost::Calibration;
 use medley_model::data::{Dataset, loss_scale, step_layout};
 use medley_model::params::ParamGroup;
-use medley_model::{AdamW, BurnStage, HostTensor, MicroBatch, ModelConfig, Stage, StageOutput};
+use medley_model::{AdamW, BurnStage, HostTensor, MicroBatch, ModelConfig, StageOutput, StageState};
 use medley_plan::{LayerRange, Plan};
 use medley_schedule::{Instruction, Programs, RankId};
 use medley_trace::timeline::{COLLECTIVE_TID, COMPUTE_TID};
@@ -59,7 +59,7 @@ pub struct Worker {
     pub(crate) world: Communicator,
     /// One communicator per plan DP group this rank is a member of (none for one replica).
     dp: Vec<Option<Communicator>>,
-    pub(crate) stages: Vec<Stage>,
+    pub(crate) stages: Vec<StageState>,
     pub(crate) dataset: Dataset,
     pub(crate) options: WorkerOptions,
     mailbox: Mailbox,
@@ -127,7 +127,7 @@ impl Worker {
             .iter()
             .map(|layers| {
                 let compute = Box::new(BurnStage::new(&config, layers.clone()));
-                Stage::new(&config, layers.clone(), options.seed, compute)
+                StageState::new(&config, layers.clone(), options.seed, compute)
             })
             .collect::<Result<Vec<_>, _>>()?;
         let dataset = Dataset::shakespeare(config.seq_len, options.seed)?;
@@ -169,7 +169,7 @@ impl Worker {
     }
 
     /// This rank's stages, one per model chunk.
-    pub fn stages(&self) -> &[Stage] {
+    pub fn stages(&self) -> &[StageState] {
         &self.stages
     }
 

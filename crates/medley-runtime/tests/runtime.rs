@@ -44,11 +44,11 @@ fn plan(fleet: &str, replicas: &[(u32, &[u32])], chunks: u32) -> Plan {
 }
 
 /// Losses per step and every rank's checkpoint tensors after `STEPS` steps of `plan`.
-fn train(plan: &Plan, policy: Schedule) -> (Vec<f64>, Vec<(String, HostTensor)>) {
-    train_over(plan, policy, None)
+fn train(plan: &Plan, schedule: Schedule) -> (Vec<f64>, Vec<(String, HostTensor)>) {
+    train_over(plan, schedule, None)
 }
 
-fn train_over(plan: &Plan, policy: Schedule, link: Option<LinkEmulation>) -> (Vec<f64>, Vec<(String, HostTensor)>) {
+fn train_over(plan: &Plan, schedule: Schedule, link: Option<LinkEmulation>) -> (Vec<f64>, Vec<(String, HostTensor)>) {
     let world = medley_runtime::rank_ids(plan).len();
     let port = TcpListener::bind("127.0.0.1:0").unwrap().local_addr().unwrap().port();
     let options = WorkerOptions {
@@ -60,7 +60,7 @@ fn train_over(plan: &Plan, policy: Schedule, link: Option<LinkEmulation>) -> (Ve
         link,
     };
     let train =
-        TrainOptions { until_step: STEPS, policy, checkpoint_dir: None, checkpoint_every: 0, keep_checkpoints: 1 };
+        TrainOptions { until_step: STEPS, schedule, checkpoint_dir: None, checkpoint_every: 0, keep_checkpoints: 1 };
     let results: Vec<_> = std::thread::scope(|scope| {
         let workers: Vec<_> = (0..world)
             .map(|rank| {
@@ -157,8 +157,8 @@ fn plans_train_like_one_process() {
             false,
         ),
     ];
-    for (name, plan, policy, same_order) in cases {
-        let (losses, tensors) = train(&plan, policy);
+    for (name, plan, schedule, same_order) in cases {
+        let (losses, tensors) = train(&plan, schedule);
         let weights = f64::from(max_relative_difference(&reference.1, &tensors));
         let loss = losses.iter().zip(&reference.0).fold(0f64, |m, (a, b)| m.max((a - b).abs() / b.abs()));
         let (loss_tolerance, weight_tolerance) =

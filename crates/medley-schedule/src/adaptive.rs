@@ -37,9 +37,9 @@ impl StepSchedules {
     }
 
     /// Books what a step run under `kind` showed; kFkB steps teach the adaptive policy.
-    pub fn observe(&mut self, kind: ScheduleKind, step_time_s: f64, comm_wait_fraction: f64) {
+    pub fn observe(&mut self, kind: ScheduleKind, step_time_s: f64, pipeline_wait_fraction: f64) {
         if let ScheduleKind::Kfkb { k } = kind {
-            self.adaptive.observe(StepObservation { k: k.get(), step_time_s, comm_wait_fraction });
+            self.adaptive.observe(StepObservation { k: k.get(), step_time_s, pipeline_wait_fraction });
         }
     }
 }
@@ -51,7 +51,7 @@ pub struct StepObservation {
     pub step_time_s: f64,
     /// Share of the step the average rank was blocked on pipeline transfers already on their
     /// way (not on bubbles, and not on gradient all-reduces, which k does not change).
-    pub comm_wait_fraction: f64,
+    pub pipeline_wait_fraction: f64,
 }
 
 /// The adaptive group-size policy.
@@ -90,7 +90,7 @@ impl AdaptiveK {
         self.steps_since_probe += 1;
         let best = self.best();
         let larger = self.larger(observation.k);
-        self.k = if observation.comm_wait_fraction > STALLED && !self.step_time_s.contains_key(&larger) {
+        self.k = if observation.pipeline_wait_fraction > STALLED && !self.step_time_s.contains_key(&larger) {
             larger
         } else if self.steps_since_probe >= PROBE_PERIOD {
             self.steps_since_probe = 0;
@@ -127,7 +127,7 @@ mod tests {
         for _ in 0..steps {
             let k = policy.k();
             chosen.push(k);
-            policy.observe(StepObservation { k, step_time_s: step_time_s(k), comm_wait_fraction: waits(k) });
+            policy.observe(StepObservation { k, step_time_s: step_time_s(k), pipeline_wait_fraction: waits(k) });
         }
         chosen
     }

@@ -2,8 +2,8 @@
 //!
 //! A [`Plan`](medley_plan::Plan) says who holds which layers; this crate says what each of them
 //! executes, in order, in one training step. [`generate`] turns a validated plan and a
-//! [`ScheduleKind`] into [`Programs`]: one [`Program`] per pipeline rank ([`RankId`]: replica,
-//! physical stage, which runs all of its model chunks when the plan has several), a list of
+//! [`ScheduleKind`] into [`Programs`]: one [`Program`] per pipeline rank ([`RankId`]: replica and
+//! pipeline rank, which runs all of its model chunks when the plan has several), a list of
 //! [`Instruction`]s. [`check`] proves a step's programs correct. The simulator
 //! executes the programs in simulated time and the runtime executes the very same programs for
 //! real; neither reorders them.

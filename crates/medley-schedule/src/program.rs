@@ -6,8 +6,8 @@ use medley_plan::LayerRange;
 use medley_spec::ScheduleKind;
 use serde::{Deserialize, Serialize};
 
-/// A pipeline rank: physical stage `stage_idx` of replica `replica_idx` (with several chunks per
-/// rank, the rank that runs virtual stages stage_idx, stage_idx + p, …). Every tensor-parallel
+/// A pipeline rank: place `pp_rank` in the pipeline of replica `replica` (with several chunks per
+/// rank, the rank that runs virtual stages pp_rank, pp_rank + p, …). Every tensor-parallel
 /// rank of the stage runs the same program; tensor-parallel collectives happen inside the
 /// compute passes.
 #[derive(Clone, Copy, Debug, PartialEq, Eq, PartialOrd, Ord, Hash, Serialize, Deserialize)]
@@ -117,13 +117,6 @@ impl fmt::Display for Program {
 pub struct Programs {
     pub schedule: ScheduleKind,
     pub programs: Vec<Program>,
-}
-
-impl Programs {
-    /// The program of `rank`, if the step has one.
-    pub fn program(&self, rank: RankId) -> Option<&Program> {
-        self.programs.binary_search_by_key(&rank, |program| program.rank).ok().map(|idx| &self.programs[idx])
-    }
 }
 
 impl fmt::Display for Programs {

@@ -45,9 +45,9 @@ fn gpipe(m: u32) -> Vec<Pass> {
 /// Stage i of p runs k·(p − i − 1) warm-up forwards, then alternates k forwards and k backwards,
 /// then runs the backwards left. With k = 1 this is 1F1B, and stage i holds at most
 /// min(m, k·(p − i)) micro-batches' activations.
-fn kfkb(stage_idx: usize, n_stages: usize, m: u32, k: u32) -> Vec<Pass> {
+fn kfkb(rank_idx: usize, n_ranks: usize, m: u32, k: u32) -> Vec<Pass> {
     let mut passes = Vec::with_capacity(2 * m as usize);
-    let warm_up = m.min(k.saturating_mul((n_stages - stage_idx - 1) as u32));
+    let warm_up = m.min(k.saturating_mul((n_ranks - rank_idx - 1) as u32));
     // Warm-up: fill the pipeline below this stage.
     passes.extend((0..warm_up).map(Pass::Forward));
     let (mut forwarded, mut backwarded) = (warm_up, 0);
@@ -71,10 +71,10 @@ fn kfkb(stage_idx: usize, n_stages: usize, m: u32, k: u32) -> Vec<Pass> {
 /// the next stage's input gradients, travel back sooner. In cool-down every input-gradient pass
 /// is followed by one deferred weight-gradient pass, filling the wait for the next gradient; the
 /// rest run at the end.
-fn zb_h1(stage_idx: usize, n_stages: usize, m: u32) -> Vec<Pass> {
+fn zb_h1(rank_idx: usize, n_ranks: usize, m: u32) -> Vec<Pass> {
     let mut passes = Vec::with_capacity(3 * m as usize);
-    let max_deferred = stage_idx as u32;
-    let warm_up = m.min((n_stages - stage_idx - 1) as u32);
+    let max_deferred = rank_idx as u32;
+    let warm_up = m.min((n_ranks - rank_idx - 1) as u32);
     // Warm-up: as in 1F1B.
     passes.extend((0..warm_up).map(Pass::Forward));
     let mut weights_done = 0;
@@ -151,10 +151,10 @@ mod tests {
         words.join(" ")
     }
 
-    fn check(kind: ScheduleKind, stage_idx: usize, n_stages: usize, m: u32, expected: &str) {
+    fn check(kind: ScheduleKind, rank_idx: usize, n_ranks: usize, m: u32, expected: &str) {
         let passes: Vec<Pass> =
-            passes(kind, stage_idx, n_stages, 1, m).into_iter().map(|chunk_pass| chunk_pass.pass).collect();
-        assert_eq!(render(&passes), expected, "{kind} stage {stage_idx}/{n_stages} m={m}");
+            passes(kind, rank_idx, n_ranks, 1, m).into_iter().map(|chunk_pass| chunk_pass.pass).collect();
+        assert_eq!(render(&passes), expected, "{kind} stage {rank_idx}/{n_ranks} m={m}");
     }
 
     /// Interleaved passes as `F<micro-batch>.<chunk>`.
@@ -184,11 +184,8 @@ mod tests {
 
     #[test]
     fn kfkb_with_k_one_is_1f1b() {
-        for (stage_idx, n_stages, m) in [(0, 4, 6), (2, 4, 6), (0, 1, 3), (1, 3, 1)] {
-            assert_eq!(
-                passes(k(1), stage_idx, n_stages, 1, m),
-                passes(ScheduleKind::OneFOneB, stage_idx, n_stages, 1, m)
-            );
+        for (rank_idx, n_ranks, m) in [(0, 4, 6), (2, 4, 6), (0, 1, 3), (1, 3, 1)] {
+            assert_eq!(passes(k(1), rank_idx, n_ranks, 1, m), passes(ScheduleKind::OneFOneB, rank_idx, n_ranks, 1, m));
         }
     }
 

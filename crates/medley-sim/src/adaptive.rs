@@ -36,17 +36,17 @@ pub struct RunReport {
     pub last_step: StepReport,
 }
 
-/// Simulates `n_steps` steps of `plan` (at least one) under `policy`.
+/// Simulates `n_steps` steps of `plan` (at least one) under `schedule`.
 pub fn simulate_steps(
     plan: &Plan,
     calibration: &Calibration,
     config: &SimConfig,
-    policy: Schedule,
+    schedule: Schedule,
     n_steps: u32,
     timeline: Option<&mut dyn Write>,
 ) -> Result<RunReport, SimError> {
     let mut simulation = Simulation::new(plan, calibration, config, timeline)?;
-    let mut schedules = StepSchedules::new(policy, max_k_within_memory(plan, calibration));
+    let mut schedules = StepSchedules::new(schedule, max_k_within_memory(plan, calibration));
     let mut steps = Vec::new();
     let mut last_step = None;
     for step in 0..n_steps.max(1) {

@@ -31,7 +31,7 @@ use medley_plan::{Plan, PlanError};
 use medley_schedule::{Programs, ScheduleKind};
 
 pub use adaptive::{RunReport, StepSummary, simulate_steps};
-pub use medley_trace::{BandwidthTrace, TraceWalker, timeline};
+pub use medley_trace::{BandwidthTrace, timeline};
 pub use report::{RankReport, StepReport};
 
 use engine::{StepRun, Transfer};

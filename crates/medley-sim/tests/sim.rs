@@ -214,7 +214,7 @@ fn on_a_preempted_network_kfkb_beats_1f1b_and_adaptive_k_comes_close_to_the_best
     let calibration = Calibration::default();
     let config =
         SimConfig { network_trace: Some("random:seed=5,full=200ms,reduced=200ms,fraction=0.05".parse().unwrap()) };
-    let mean = |policy| simulate_steps(&plan, &calibration, &config, policy, 12, None).unwrap().mean_step_time_s;
+    let mean = |schedule| simulate_steps(&plan, &calibration, &config, schedule, 12, None).unwrap().mean_step_time_s;
     let one_f_one_b = mean(Schedule::Fixed(ScheduleKind::OneFOneB));
     let fixed: BTreeMap<u32, f64> = [2, 4, 8].map(|k| (k, mean(Schedule::Fixed(kfkb(k))))).into();
     let best = fixed.values().copied().fold(f64::INFINITY, f64::min);

@@ -70,15 +70,6 @@ impl BandwidthTrace {
         }
         Ok(BandwidthTrace::Points(points))
     }
-
-    /// The lowest fraction the trace ever gives.
-    pub fn min_fraction(&self) -> f64 {
-        match self {
-            BandwidthTrace::Constant { fraction } => *fraction,
-            BandwidthTrace::OnOff { fraction, .. } | BandwidthTrace::Random { fraction, .. } => fraction.min(1.0),
-            BandwidthTrace::Points(points) => points.iter().map(|&(_, f)| f).fold(1.0, f64::min),
-        }
-    }
 }
 
 impl FromStr for BandwidthTrace {

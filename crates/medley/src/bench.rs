@@ -8,9 +8,9 @@ use anyhow::Result;
 use clap::Subcommand;
 use comfy_table::{Cell, Table};
 use medley_bench::planner::{
-    CaseInfo, QUALITY_CASES, QualityRow, SEQ_LEN, SPEED_CASES, SPEED_RUNS, SpeedRow, quality_row, quality_summary,
-    speed_row,
+    CaseInfo, PlannerSpeedRow, QUALITY_CASES, QualityRow, SEQ_LEN, SPEED_CASES, quality_row, quality_summary, speed_row,
 };
+use medley_bench::stats::TIMED_RUNS;
 use serde::Serialize;
 
 use crate::render::{percent, right, table, times};
@@ -59,19 +59,19 @@ pub fn run(which: &BenchCommand) -> Result<()> {
 #[derive(Serialize)]
 #[serde(tag = "table", rename_all = "lowercase")]
 enum Row<'a> {
-    Speed(&'a SpeedRow),
+    Speed(&'a PlannerSpeedRow),
     Quality(&'a QualityRow),
 }
 
 fn bench_plan(json: bool) -> Result<()> {
     // The speed cases run first and one at a time, so nothing else competes for the cores.
-    let speed: Vec<SpeedRow> = SPEED_CASES.iter().map(speed_row).collect::<Result<_, _>>()?;
+    let speed: Vec<PlannerSpeedRow> = SPEED_CASES.iter().map(speed_row).collect::<Result<_, _>>()?;
     let quality: Vec<QualityRow> = QUALITY_CASES.iter().map(quality_row).collect::<Result<_, _>>()?;
     if json {
         let rows: Vec<Row> = speed.iter().map(Row::Speed).chain(quality.iter().map(Row::Quality)).collect();
         println!("{}", serde_json::to_string_pretty(&rows)?);
     } else {
-        println!("Planner speed: search and both baselines, median of {SPEED_RUNS} runs, {SEQ_LEN}-token sequences");
+        println!("Planner speed: search and both baselines, median of {TIMED_RUNS} runs, {SEQ_LEN}-token sequences");
         println!("{}\n", speed_table(&speed));
         println!("Plan quality against the baselines (same cost model, {SEQ_LEN}-token sequences)");
         println!("{}", quality_table(&quality));
@@ -84,7 +84,7 @@ fn case_cells(case: &CaseInfo) -> Vec<Cell> {
     vec![Cell::new(case.cluster), Cell::new(case.model), right(case.n_gpus), right(case.global_batch)]
 }
 
-fn speed_table(rows: &[SpeedRow]) -> Table {
+fn speed_table(rows: &[PlannerSpeedRow]) -> Table {
     let mut table = table(&[
         "cluster",
         "model",

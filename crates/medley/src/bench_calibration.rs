@@ -6,7 +6,7 @@ use std::fmt::Write as _;
 
 use anyhow::Result;
 use comfy_table::Cell;
-use medley_bench::cited::{Fit, Measured, Prediction, Role, SOURCES, fit_devices, planned_runs, predict};
+use medley_bench::cited::{CitedPrediction, Fit, Reported, Role, SOURCES, fit_devices, planned_runs, predict};
 use medley_bench::stats::geometric_mean;
 use medley_cost::Calibration;
 use serde::Serialize;
@@ -20,7 +20,7 @@ pub fn bench_calibration(json: bool) -> Result<()> {
     if json {
         #[derive(Serialize)]
         struct Out<'a> {
-            runs: &'a [Prediction],
+            runs: &'a [CitedPrediction],
             fits: &'a [Fit],
         }
         println!("{}", serde_json::to_string_pretty(&Out { runs: &rows, fits: &fits })?);
@@ -30,7 +30,7 @@ pub fn bench_calibration(json: bool) -> Result<()> {
     Ok(())
 }
 
-fn text(rows: &[Prediction], fits: &[Fit]) -> String {
+fn text(rows: &[CitedPrediction], fits: &[Fit]) -> String {
     let mut out = String::from(
         "Simulated steps against published measurements, with the default efficiencies\n\
          (time ratio = predicted / measured step time; above 1 the model is pessimistic)\n",
@@ -38,9 +38,9 @@ fn text(rows: &[Prediction], fits: &[Fit]) -> String {
     let mut runs = table(&["run", "cluster", "layout", "role", "measured", "predicted step", "time ratio"]);
     for row in rows {
         let measured = match row.measured {
-            Measured::StepS(step_s) => format!("{step_s:.2} s"),
-            Measured::HardwareTflopsPerGpu(tflops) => format!("{tflops:.0} TFLOP/s (hw)"),
-            Measured::ModelTflopsPerGpu(tflops) => format!("{tflops:.0} TFLOP/s (model)"),
+            Reported::StepS(step_s) => format!("{step_s:.2} s"),
+            Reported::HardwareTflopsPerGpu(tflops) => format!("{tflops:.0} TFLOP/s (hw)"),
+            Reported::ModelTflopsPerGpu(tflops) => format!("{tflops:.0} TFLOP/s (model)"),
         };
         runs.add_row(vec![
             Cell::new(row.run),

@@ -12,7 +12,7 @@ use std::time::{Duration, Instant};
 use anyhow::{Context, Result, bail};
 use clap::Args;
 use comfy_table::Cell;
-use medley_bench::comm::{BenchOp, Row, Setup, Sweep};
+use medley_bench::comm::{BenchOp, CommSetup, Row, Sweep};
 use medley_collective::Algorithm;
 use medley_comm::{Communicator, LaunchEnv};
 use medley_launch::{LocalJob, RankCommand};
@@ -47,7 +47,7 @@ pub struct CommArgs {
     ranks: Vec<usize>,
     /// Setups to run.
     #[arg(long, value_parser = parse_setup, value_delimiter = ',', default_value = "shm,tcp,two-domain")]
-    setups: Vec<Setup>,
+    setups: Vec<CommSetup>,
     /// Operations to run.
     #[arg(
         long,
@@ -90,7 +90,7 @@ fn parse_algorithm(text: &str) -> Result<Algorithm, String> {
     parse_name(text, "ring, tree, hierarchical, recursive-doubling, direct or pairwise")
 }
 
-fn parse_setup(text: &str) -> Result<Setup, String> {
+fn parse_setup(text: &str) -> Result<CommSetup, String> {
     parse_name(text, "shm, tcp, two-domain or two-domain-shm-bridge")
 }
 
@@ -102,7 +102,7 @@ fn parse_op(text: &str) -> Result<BenchOp, String> {
 #[derive(Args, Debug)]
 pub struct WorkerArgs {
     #[arg(long, value_parser = parse_setup)]
-    setup: Setup,
+    setup: CommSetup,
     #[arg(long, value_parser = parse_op, value_delimiter = ',')]
     ops: Vec<BenchOp>,
     #[arg(long)]
@@ -183,12 +183,12 @@ fn render(rows: &[Row]) -> String {
 }
 
 /// The bridge cap (bytes/s) a setup runs with: only a TCP bridge is capped.
-fn bridge_cap(args: &CommArgs, setup: Setup) -> Option<u64> {
-    args.bridge_gb_s.filter(|_| setup == Setup::TwoDomain).map(|gb_s| (gb_s * 1e9) as u64)
+fn bridge_cap(args: &CommArgs, setup: CommSetup) -> Option<u64> {
+    args.bridge_gb_s.filter(|_| setup == CommSetup::TwoDomain).map(|gb_s| (gb_s * 1e9) as u64)
 }
 
 /// Starts `n_ranks` workers, collects rank 0's rows, and fails with a worker's stderr if any fails.
-fn run_workers(args: &CommArgs, setup: Setup, n_ranks: usize) -> Result<Vec<Row>> {
+fn run_workers(args: &CommArgs, setup: CommSetup, n_ranks: usize) -> Result<Vec<Row>> {
     let exe = std::env::current_exe().context("finding the medley binary to start workers")?;
     let ops: Vec<String> = args.ops.iter().map(name_of).collect();
     let setup_name = name_of(&setup);
@@ -258,8 +258,8 @@ mod tests {
             comm: CommArgs,
         }
         let args = <Cli as clap::Parser>::try_parse_from(["comm", "--bridge-gb-s", "0.5"]).unwrap().comm;
-        assert_eq!(bridge_cap(&args, Setup::TwoDomain), Some(500_000_000));
-        assert_eq!(bridge_cap(&args, Setup::TwoDomainShmBridge), None);
+        assert_eq!(bridge_cap(&args, CommSetup::TwoDomain), Some(500_000_000));
+        assert_eq!(bridge_cap(&args, CommSetup::TwoDomainShmBridge), None);
     }
 
     #[test]

@@ -3,7 +3,8 @@
 
 use anyhow::Result;
 use comfy_table::Cell;
-use medley_bench::schedules::{OrderingRow, SPEED_RUNS, SpeedRow, orderings, speed_row};
+use medley_bench::schedules::{OrderingRow, SimulatorSpeedRow, orderings, speed_row};
+use medley_bench::stats::TIMED_RUNS;
 use serde::Serialize;
 
 use crate::render::{right, table, times};
@@ -15,13 +16,13 @@ pub fn bench_schedules(json: bool) -> Result<()> {
     if json {
         #[derive(Serialize)]
         struct Rows<'a> {
-            speed: &'a [SpeedRow],
+            speed: &'a [SimulatorSpeedRow],
             orderings: &'a [OrderingRow],
         }
         println!("{}", serde_json::to_string_pretty(&Rows { speed: &speed, orderings: &orderings })?);
         return Ok(());
     }
-    println!("Simulator speed: one step, median of {SPEED_RUNS} runs");
+    println!("Simulator speed: one step, median of {TIMED_RUNS} runs");
     let mut table_ = table(&["layout", "timeline", "median", "target", "target/median", "events", "peak RSS"]);
     for row in &speed {
         table_.add_row(vec![

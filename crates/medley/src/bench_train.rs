@@ -79,8 +79,7 @@ pub fn run(args: &TrainBenchArgs) -> Result<()> {
     for _ in 0..args.rounds.max(1) {
         for ((name, plan), runs) in plans.iter().zip(&mut runs) {
             let calibration = calibrate_here(&cluster, &model, shape.seq_len, shape.micro_batch)?;
-            let policy = plan.schedule();
-            let predicted = simulate_steps(plan, &calibration, &SimConfig::default(), policy, 1, None)
+            let predicted = simulate_steps(plan, &calibration, &SimConfig::default(), plan.schedule(), 1, None)
                 .with_context(|| format!("simulating the {name} plan"))?
                 .mean_step_time_s;
             runs.push((predicted, measure(plan, &calibration, name, args.steps)?));

@@ -124,8 +124,7 @@ fn confirm_by_simulation(candidates: Vec<Candidate>, calibration: &Calibration) 
         .par_iter()
         .map(|candidate| {
             let plan = &candidate.plan;
-            let policy = plan.schedule();
-            simulate_steps(plan, calibration, &SimConfig::default(), policy, 1, None).map(|run| run.last_step)
+            simulate_steps(plan, calibration, &SimConfig::default(), plan.schedule(), 1, None).map(|run| run.last_step)
         })
         .collect::<Result<_, _>>()
         .context("simulating the candidates")?;

@@ -82,16 +82,16 @@ pub fn run(args: &SimulateArgs) -> Result<ExitCode> {
         None => what_if(args)?,
     };
     let config = SimConfig { network_trace: args.network_trace.as_deref().map(network_trace).transpose()? };
-    let policy = plan.schedule();
+    let schedule = plan.schedule();
     let report = match &args.trace {
         Some(path) => {
             let file = File::create(path).with_context(|| format!("cannot create {}", path.display()))?;
             let mut out = BufWriter::new(file);
-            let report = simulate_steps(&plan, &specs.calibration, &config, policy, args.steps, Some(&mut out));
+            let report = simulate_steps(&plan, &specs.calibration, &config, schedule, args.steps, Some(&mut out));
             out.flush().with_context(|| format!("cannot write {}", path.display()))?;
             report
         }
-        None => simulate_steps(&plan, &specs.calibration, &config, policy, args.steps, None),
+        None => simulate_steps(&plan, &specs.calibration, &config, schedule, args.steps, None),
     }?;
     if args.json {
         println!("{}", serde_json::to_string_pretty(&json(&report))?);

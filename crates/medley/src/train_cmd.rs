@@ -113,8 +113,8 @@ const TIMEOUT_STEPS: f64 = 10.0;
 
 /// The simulator's step time for `plan` under the run's emulation profile.
 fn predict_step_s(plan: &Plan, calibration: &Calibration, run: &RunFlags) -> Result<f64> {
-    let policy = run.schedule.unwrap_or(plan.schedule());
-    let predicted = simulate_steps(plan, calibration, &SimConfig::default(), policy, 1, None)?.mean_step_time_s;
+    let schedule = run.schedule.unwrap_or(plan.schedule());
+    let predicted = simulate_steps(plan, calibration, &SimConfig::default(), schedule, 1, None)?.mean_step_time_s;
     tracing::info!("the simulator predicts {} a step for this plan on this machine", seconds(predicted));
     Ok(predicted)
 }

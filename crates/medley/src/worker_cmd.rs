@@ -133,7 +133,7 @@ fn launch_vars(vars: impl IntoIterator<Item = (String, String)>) -> BTreeMap<Str
 pub fn run(args: &WorkerArgs) -> Result<()> {
     let env = LaunchEnv::from_vars(launch_vars(std::env::vars()))?;
     let plan = load_plan(&args.plan)?;
-    let policy = args.run.schedule.unwrap_or(plan.schedule());
+    let schedule = args.run.schedule.unwrap_or(plan.schedule());
     let options = WorkerOptions {
         seed: args.run.seed,
         adamw: AdamW { lr: args.run.lr, ..AdamW::default() },
@@ -169,7 +169,7 @@ pub fn run(args: &WorkerArgs) -> Result<()> {
         (false, _) => refuse_a_run_over_another(&args.out, args.resume.as_deref(), false).map(|_| None)?,
     };
     let mut worker = Worker::join(plan, env, options).map_err(|err| blame(err, rank))?;
-    let result = train_joined(&mut worker, args, policy);
+    let result = train_joined(&mut worker, args, schedule);
     let Err(err) = result else { return Ok(()) };
     let err = match err.downcast::<RuntimeError>() {
         Ok(err) => err,
@@ -186,7 +186,7 @@ pub fn run(args: &WorkerArgs) -> Result<()> {
 }
 
 /// Resumes if asked, trains, and writes the timeline and (rank 0) the metrics.
-fn train_joined(worker: &mut Worker, args: &WorkerArgs, policy: Schedule) -> Result<()> {
+fn train_joined(worker: &mut Worker, args: &WorkerArgs, schedule: Schedule) -> Result<()> {
     let rank = worker.layout().job_rank;
     let resumed_at = match &args.resume {
         Some(dir) => Some(worker.resume(&dir.join(CHECKPOINTS))?.step),
@@ -194,7 +194,7 @@ fn train_joined(worker: &mut Worker, args: &WorkerArgs, policy: Schedule) -> Res
     };
     let train = TrainOptions {
         until_step: args.run.steps,
-        policy,
+        schedule,
         checkpoint_dir: Some(args.out.join(CHECKPOINTS)),
         checkpoint_every: args.run.checkpoint_every,
         keep_checkpoints: args.run.keep_checkpoints as usize,
