@@ -93,11 +93,13 @@ pub fn hardware_flops_per_step(model: &ModelSpec, seq_len: u32, global_batch: u3
 }
 
 #[cfg(test)]
-mod tests {
+pub(crate) mod tests {
     use super::*;
     use medley_spec::{MlpKind, ModelParts};
 
-    fn gpt(layers: u32, hidden: u32, heads: u32, vocab: u32) -> ModelSpec {
+    /// A GPT-style model (GELU MLP of 4h, full multi-head attention, tied embeddings), the shape
+    /// Korthikanti et al. and Narayanan et al. count with.
+    pub(crate) fn gpt(layers: u32, hidden: u32, heads: u32, vocab: u32) -> ModelSpec {
         let parts = ModelParts {
             name: "gpt".into(),
             n_layers: layers,

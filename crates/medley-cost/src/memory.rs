@@ -96,23 +96,9 @@ pub fn logits_bytes(model: &ModelSpec, seq_len: u32, micro_batch: u32, tp: u32) 
 #[cfg(test)]
 mod tests {
     use super::*;
-    use medley_spec::ModelParts;
 
     fn gpt3_like() -> ModelSpec {
-        let parts = ModelParts {
-            name: "gpt".into(),
-            n_layers: 96,
-            hidden: 12288,
-            n_heads: 96,
-            n_kv_heads: 96,
-            ffn_hidden: 4 * 12288,
-            vocab: 51200,
-            mlp: MlpKind::Gelu,
-            experts: None,
-            tie_embeddings: true,
-            ..ModelParts::default()
-        };
-        ModelSpec::new(parts, "test").unwrap()
+        crate::flops::tests::gpt(96, 12288, 96, 51200)
     }
 
     #[test]
