@@ -5,6 +5,7 @@
 //! plans with it; the simulator takes its compute times per instruction.
 
 pub mod comm;
+pub mod context;
 mod efficiency;
 pub mod flops;
 pub mod memory;

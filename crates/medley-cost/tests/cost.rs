@@ -1,5 +1,6 @@
 //! The cost model's properties over many shapes, and one published measurement to compare with.
 
+use medley_cost::context::{HeadSplit, HeadTailShards, KvExchange, Traffic, kv_traffic, ulysses_traffic};
 use medley_cost::params::{active_params, total_params};
 use medley_cost::{Calibration, CostModel, Setting, StageShape};
 use medley_spec::{MlpKind, ModelParts, ModelSpec, NodeGroup, Recompute, catalog_device, catalog_model};
@@ -124,5 +125,44 @@ proptest! {
                 prop_assert!(cost.stage_memory(shape(n_layers), wider, 2.0, 1).total() < memory(n_layers, 2.0));
             }
         }
+    }
+}
+
+// ---------------------------------------------------------------------------------------------
+// Long context: uneven head–tail shards and head splits
+
+proptest! {
+    /// Any weights: shards cover the sequence in whole blocks, every shard's causal work is exactly
+    /// tokens · (N + 1) / 2, and what the devices send is what they receive.
+    #[test]
+    fn uneven_context_splits_conserve_tokens_work_and_bytes(
+        weights in proptest::collection::vec(0.05f64..8.0, 1..9),
+        blocks_per_unit in 1u64..64,
+        n_heads_weights in proptest::collection::vec(0.1f64..4.0, 1..17),
+    ) {
+        let block = 128;
+        let n_tokens = 2 * block * (weights.len() as u64 + blocks_per_unit);
+        let shards = HeadTailShards::proportional(n_tokens, &weights, block).unwrap();
+        prop_assert_eq!(shards.counts().iter().sum::<u64>(), n_tokens);
+        let mut pairs = 0;
+        for (shard, &tokens) in shards.counts().iter().enumerate() {
+            prop_assert!(tokens > 0 && tokens % (2 * block) == 0);
+            prop_assert_eq!(shards.pairs(shard) * 2, tokens * (n_tokens + 1));
+            pairs += shards.pairs(shard);
+        }
+        prop_assert_eq!(pairs, n_tokens * (n_tokens + 1) / 2);
+
+        let model = catalog_model("llama3-8b").unwrap();
+        for exchange in [KvExchange::Ring, KvExchange::AllGather] {
+            let traffic: Vec<Traffic> =
+                (0..weights.len()).map(|g| kv_traffic(&model, &shards, g, 8, exchange, 2)).collect();
+            prop_assert_eq!(traffic.iter().map(|t| t.sent).sum::<u64>(), traffic.iter().map(|t| t.received).sum::<u64>());
+        }
+        let heads = HeadSplit::proportional(&model, &n_heads_weights).unwrap();
+        prop_assert_eq!(heads.shares().iter().map(|share| share.q_heads).sum::<u32>(), model.n_heads());
+        let tokens: Vec<u64> = shards.counts().iter().cycle().take(n_heads_weights.len()).copied().collect();
+        let traffic: Vec<Traffic> =
+            (0..tokens.len()).map(|me| ulysses_traffic(&model, &tokens, heads.shares(), me, 2)).collect();
+        prop_assert_eq!(traffic.iter().map(|t| t.sent).sum::<u64>(), traffic.iter().map(|t| t.received).sum::<u64>());
     }
 }

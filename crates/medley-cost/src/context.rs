@@ -1,0 +1,350 @@
+//! Long-context attention split over devices: context parallelism (CP: each group of devices holds
+//! a shard of the sequence, and keys and values travel between the groups, around a ring or as an
+//! all-gather) and head parallelism inside a group (HP, Ulysses: an all-to-all gives each device
+//! every token of the group's shard for some heads). Shards, token shares and heads may all be
+//! uneven, as a mixed fleet needs; volumes follow ../shared/reference/formulas.md ("Long context").
+//!
+//! Shards are head–tail (zigzag, Megatron-LM's and torchtitan's "headtail"): shard i takes the i-th
+//! run of tokens from the front of the sequence and its mirror from the back. Under a causal mask
+//! query q attends to q + 1 keys, and q and its mirror N − 1 − q attend to N + 1 together, so a
+//! head–tail shard of n tokens computes exactly n·(N + 1)/2 query–key pairs: its attention work is
+//! linear in its tokens, whatever its place, which is what lets a planner split a sequence by
+//! device speed with a linear program. Contiguous shards instead do work ∝ 2i + 1.
+
+use std::ops::Range;
+
+use medley_spec::ModelSpec;
+use thiserror::Error;
+
+/// Why a split of a sequence or of the heads cannot be made.
+#[derive(Clone, Debug, Error, PartialEq, Eq)]
+pub enum ContextError {
+    #[error("shards of {counts:?} tokens do not add up to the sequence's {n_tokens}")]
+    ShardSum { n_tokens: u64, counts: Vec<u64> },
+    #[error("shard {shard} holds {tokens} tokens: a head–tail shard needs a positive, even count")]
+    OddShard { shard: usize, tokens: u64 },
+    #[error("{n_tokens} tokens cannot be split into {n_shards} head–tail shards of whole {block}-token blocks")]
+    TooShort { n_tokens: u64, n_shards: usize, block: u64 },
+    #[error("{n_devices} devices cannot share {n_heads} attention heads")]
+    TooFewHeads { n_devices: usize, n_heads: u32 },
+    #[error("head shares {shares:?} must be positive and add up to {total}")]
+    HeadSum { total: u32, shares: Vec<u32> },
+}
+
+/// Query–key pairs the queries of `positions` compute under a causal mask: query q attends to
+/// the q + 1 keys 0..=q.
+pub fn causal_pairs(positions: Range<u64>) -> u64 {
+    let triangle = |n: u64| n * (n + 1) / 2;
+    triangle(positions.end) - triangle(positions.start)
+}
+
+/// A sequence of `n_tokens` split into head–tail shards.
+#[derive(Clone, Debug, PartialEq, Eq)]
+pub struct HeadTailShards {
+    n_tokens: u64,
+    /// Tokens of each shard, in shard order; each even, adding up to `n_tokens`.
+    counts: Vec<u64>,
+}
+
+impl HeadTailShards {
+    /// Shards of `counts` tokens, in order: shard i holds `counts[i] / 2` tokens from the front,
+    /// after shard i − 1's, and as many from the back, before shard i − 1's.
+    pub fn new(n_tokens: u64, counts: Vec<u64>) -> Result<Self, ContextError> {
+        if let Some((shard, &tokens)) = counts.iter().enumerate().find(|(_, tokens)| **tokens == 0 || *tokens % 2 == 1)
+        {
+            return Err(ContextError::OddShard { shard, tokens });
+        }
+        if counts.iter().sum::<u64>() != n_tokens {
+            return Err(ContextError::ShardSum { n_tokens, counts });
+        }
+        Ok(HeadTailShards { n_tokens, counts })
+    }
+
+    /// `n_shards` equal shards, as Megatron-LM cuts a sequence into 2·cp chunks: `n_tokens` must
+    /// be a multiple of 2·n_shards·block.
+    pub fn even(n_tokens: u64, n_shards: usize, block: u64) -> Result<Self, ContextError> {
+        Self::proportional(n_tokens, &vec![1.0; n_shards], block)
+    }
+
+    /// Shards as near `weights`' proportions as whole pairs of `block`-token blocks allow (each
+    /// shard at least one pair; largest remainders first, ties to the earlier shard). `n_tokens`
+    /// must be a multiple of 2·block.
+    pub fn proportional(n_tokens: u64, weights: &[f64], block: u64) -> Result<Self, ContextError> {
+        let unit = 2 * block.max(1);
+        let units = n_tokens / unit;
+        let too_short = || ContextError::TooShort { n_tokens, n_shards: weights.len(), block };
+        if weights.is_empty() || !n_tokens.is_multiple_of(unit) || units < weights.len() as u64 {
+            return Err(too_short());
+        }
+        // One unit each, then the rest by weight.
+        let spare = units - weights.len() as u64;
+        let total: f64 = weights.iter().map(|w| w.max(0.0)).sum();
+        let ideal: Vec<f64> = weights
+            .iter()
+            .map(|w| if total > 0.0 { spare as f64 * w.max(0.0) / total } else { spare as f64 / weights.len() as f64 })
+            .collect();
+        let mut shares: Vec<u64> = ideal.iter().map(|x| x.floor() as u64).collect();
+        let mut order: Vec<usize> = (0..weights.len()).collect();
+        order.sort_by(|&a, &b| (ideal[b] - ideal[b].floor()).total_cmp(&(ideal[a] - ideal[a].floor())).then(a.cmp(&b)));
+        let left = spare - shares.iter().sum::<u64>();
+        for &shard in order.iter().take(left as usize) {
+            shares[shard] += 1;
+        }
+        Self::new(n_tokens, shares.iter().map(|share| (share + 1) * unit).collect())
+    }
+
+    pub fn n_tokens(&self) -> u64 {
+        self.n_tokens
+    }
+
+    pub fn counts(&self) -> &[u64] {
+        &self.counts
+    }
+
+    /// Shard `shard`'s two runs of positions: from the front and from the back.
+    pub fn ranges(&self, shard: usize) -> [Range<u64>; 2] {
+        let before: u64 = self.counts[..shard].iter().sum::<u64>() / 2;
+        let half = self.counts[shard] / 2;
+        [before..before + half, self.n_tokens - before - half..self.n_tokens - before]
+    }
+
+    /// Query–key pairs shard `shard`'s queries compute under the causal mask: exactly
+    /// `tokens · (N + 1) / 2`.
+    pub fn pairs(&self, shard: usize) -> u64 {
+        self.ranges(shard).into_iter().map(causal_pairs).sum()
+    }
+}
+
+/// Query–key pairs of each of `n_shards` contiguous, equal shards (the split without zigzag),
+/// for comparison: shard i does work ∝ 2i + 1.
+pub fn contiguous_pairs(n_tokens: u64, n_shards: usize) -> Vec<u64> {
+    let size = n_tokens / n_shards as u64;
+    (0..n_shards as u64)
+        .map(|i| {
+            let end = if i + 1 == n_shards as u64 { n_tokens } else { (i + 1) * size };
+            causal_pairs(i * size..end)
+        })
+        .collect()
+}
+
+/// One device's heads in a head-parallel group.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub struct HeadShare {
+    /// Query heads the device computes attention for.
+    pub q_heads: u32,
+    /// Key/value heads it holds for them: its grouped-query units' own, or, when the group has
+    /// more devices than KV heads, the ones its query heads read (a KV head then lives on several
+    /// devices, and its keys and values travel to each).
+    pub kv_heads: u32,
+}
+
+/// How a group shares the attention heads.
+#[derive(Clone, Debug, PartialEq, Eq)]
+pub enum HeadSplit {
+    /// Whole grouped-query units (one KV head with its H/H_kv query heads) per device.
+    Units(Vec<HeadShare>),
+    /// More devices than KV heads: query heads split, each device holding the KV heads they read.
+    ReplicatedKv(Vec<HeadShare>),
+}
+
+impl HeadSplit {
+    pub fn shares(&self) -> &[HeadShare] {
+        match self {
+            HeadSplit::Units(shares) | HeadSplit::ReplicatedKv(shares) => shares,
+        }
+    }
+
+    /// Splits `model`'s heads over a group in proportion to `weights`: grouped-query units when
+    /// there are at least as many KV heads as devices, else query heads with their KV heads
+    /// replicated. Every device gets at least one unit (one query head).
+    pub fn proportional(model: &ModelSpec, weights: &[f64]) -> Result<Self, ContextError> {
+        let (n_heads, n_kv) = (model.n_heads(), model.n_kv_heads());
+        let group = n_heads / n_kv;
+        if weights.len() as u32 <= n_kv {
+            let units = split_whole(n_kv, weights)?;
+            let shares = units.iter().map(|&units| HeadShare { q_heads: units * group, kv_heads: units }).collect();
+            return Ok(HeadSplit::Units(shares));
+        }
+        let q_heads = split_whole(n_heads, weights)?;
+        let mut first = 0;
+        let shares = q_heads
+            .iter()
+            .map(|&q| {
+                let kv_heads = (first + q - 1) / group - first / group + 1;
+                first += q;
+                HeadShare { q_heads: q, kv_heads }
+            })
+            .collect();
+        Ok(HeadSplit::ReplicatedKv(shares))
+    }
+}
+
+/// `total` whole items over `weights`, at least one each, largest remainders first.
+fn split_whole(total: u32, weights: &[f64]) -> Result<Vec<u32>, ContextError> {
+    if weights.is_empty() || weights.len() as u32 > total {
+        return Err(ContextError::TooFewHeads { n_devices: weights.len(), n_heads: total });
+    }
+    let units = HeadTailShards::proportional(u64::from(total) * 2, weights, 1)?;
+    Ok(units.counts().iter().map(|&count| (count / 2) as u32).collect())
+}
+
+/// Bytes one device sends and receives in one layer's forward pass.
+#[derive(Clone, Copy, Debug, Default, PartialEq, Eq)]
+pub struct Traffic {
+    pub sent: u64,
+    pub received: u64,
+}
+
+/// Ulysses' two all-to-alls (Jacobs et al. 2023, arXiv 2309.14509) for device `me` of a group
+/// whose devices hold `tokens[j]` tokens of the group's shard for the token-parallel layers and
+/// `heads[j]` heads for attention: before attention Q, K and V of its tokens go to the devices
+/// holding their heads, and it receives its heads' Q, K and V for the other devices' tokens;
+/// after attention the outputs go back. `bytes` per element.
+pub fn ulysses_traffic(model: &ModelSpec, tokens: &[u64], heads: &[HeadShare], me: usize, bytes: u64) -> Traffic {
+    let head_dim = u64::from(model.head_dim());
+    let width = |share: &HeadShare| (u64::from(share.q_heads) + 2 * u64::from(share.kv_heads)) * head_dim;
+    let others = |value: &dyn Fn(usize) -> u64| (0..tokens.len()).filter(|&j| j != me).map(value).sum::<u64>();
+    let mine = &heads[me];
+    // Q, K, V out for the others' heads; the attention output back for the others' query heads.
+    let qkv_out = tokens[me] * others(&|j| width(&heads[j]));
+    let o_in = tokens[me] * others(&|j| u64::from(heads[j].q_heads) * head_dim);
+    // Q, K, V in for my heads from the others' tokens; my heads' output back to them.
+    let qkv_in = others(&|j| tokens[j]) * width(mine);
+    let o_out = others(&|j| tokens[j]) * u64::from(mine.q_heads) * head_dim;
+    Traffic { sent: (qkv_out + o_out) * bytes, received: (qkv_in + o_in) * bytes }
+}
+
+/// How keys and values reach the other context-parallel groups.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub enum KvExchange {
+    /// Around a ring, overlapping attention on the block at hand (Ring Attention, Liu et al.
+    /// arXiv 2310.01889; Megatron-LM `cp_comm_type p2p`).
+    Ring,
+    /// One all-gather before attention (Megatron-LM `allgather`, Llama 3's long-context training).
+    AllGather,
+}
+
+/// Keys and values device `me` of group `group` exchanges with the other groups of a context-
+/// parallel split for the `kv_heads` it holds. Either way it receives every other group's K/V;
+/// around a ring it forwards every block but the next group's, while an all-gather sends its own
+/// shard to each other group.
+pub fn kv_traffic(
+    model: &ModelSpec,
+    shards: &HeadTailShards,
+    group: usize,
+    kv_heads: u32,
+    exchange: KvExchange,
+    bytes: u64,
+) -> Traffic {
+    let per_token = 2 * u64::from(kv_heads) * u64::from(model.head_dim()) * bytes;
+    let counts = shards.counts();
+    let n_groups = counts.len();
+    let own = counts[group];
+    let sent_tokens = match exchange {
+        KvExchange::Ring if n_groups > 1 => shards.n_tokens() - counts[(group + 1) % n_groups],
+        KvExchange::Ring => 0,
+        KvExchange::AllGather => own * (n_groups as u64 - 1),
+    };
+    Traffic { sent: sent_tokens * per_token, received: (shards.n_tokens() - own) * per_token }
+}
+
+/// Forward FLOPs of the attention core for `q_heads` query heads over shard `shard`'s queries:
+/// QKᵀ and score·V, two FLOPs per multiply-add each, per causal pair and head dimension.
+pub fn attention_core_flops(model: &ModelSpec, shards: &HeadTailShards, shard: usize, q_heads: u32) -> f64 {
+    4.0 * shards.pairs(shard) as f64 * f64::from(q_heads) * f64::from(model.head_dim())
+}
+
+#[cfg(test)]
+mod tests {
+    use medley_spec::catalog_model;
+
+    use super::*;
+
+    #[test]
+    fn zigzag_balances_the_causal_work_exactly() {
+        let shards = HeadTailShards::even(4096, 4, 64).unwrap();
+        let pairs: Vec<u64> = (0..4).map(|i| shards.pairs(i)).collect();
+        assert!(pairs.iter().all(|&p| p == pairs[0]), "{pairs:?}");
+        assert_eq!(pairs.iter().sum::<u64>(), causal_pairs(0..4096));
+        assert_eq!(shards.ranges(1), [512..1024, 3072..3584]);
+        // Uneven shards: work stays exactly tokens · (N + 1) / 2.
+        let uneven = HeadTailShards::new(4096, vec![2048, 1024, 512, 512]).unwrap();
+        for (i, &tokens) in uneven.counts().iter().enumerate() {
+            assert_eq!(uneven.pairs(i) * 2, tokens * 4097, "shard {i}");
+        }
+        // Contiguous shards do work ∝ 2i + 1 (up to the diagonal's share).
+        let contiguous = contiguous_pairs(4096, 4);
+        assert!(contiguous[3] > 6 * contiguous[0], "{contiguous:?}");
+        assert_eq!(contiguous.iter().sum::<u64>(), causal_pairs(0..4096));
+    }
+
+    #[test]
+    fn proportional_shards_are_whole_blocks_near_their_weights() {
+        let shards = HeadTailShards::proportional(131_072, &[2.0, 1.0, 1.0], 128).unwrap();
+        assert_eq!(shards.counts().iter().sum::<u64>(), 131_072);
+        assert!(shards.counts().iter().all(|count| count % 256 == 0), "{:?}", shards.counts());
+        assert_eq!(shards.counts()[0], 65_536);
+        let err = HeadTailShards::proportional(1000, &[1.0, 1.0], 128).unwrap_err();
+        assert!(err.to_string().contains("1000 tokens"), "{err}");
+        assert!(HeadTailShards::new(10, vec![5, 5]).is_err());
+        assert!(HeadTailShards::new(10, vec![4, 4]).is_err());
+    }
+
+    #[test]
+    fn heads_keep_grouped_query_units_whole_or_replicate_kv() {
+        let model = catalog_model("llama3-8b").unwrap(); // 32 query heads, 8 KV heads
+        let units = HeadSplit::proportional(&model, &[3.0, 1.0]).unwrap();
+        assert_eq!(
+            units,
+            HeadSplit::Units(vec![HeadShare { q_heads: 24, kv_heads: 6 }, HeadShare { q_heads: 8, kv_heads: 2 }])
+        );
+        let replicated = HeadSplit::proportional(&model, &[1.0; 16]).unwrap();
+        let HeadSplit::ReplicatedKv(shares) = &replicated else { panic!("{replicated:?}") };
+        assert!(shares.iter().all(|share| *share == HeadShare { q_heads: 2, kv_heads: 1 }), "{shares:?}");
+        // Uneven query heads may straddle two KV heads' groups.
+        let straddling = HeadSplit::proportional(&model, &[3.0, 1.0, 1.0, 1.0, 1.0, 1.0, 1.0, 1.0, 1.0, 1.0]).unwrap();
+        let total: u32 = straddling.shares().iter().map(|share| share.q_heads).sum();
+        assert_eq!(total, 32);
+        assert!(straddling.shares().iter().any(|share| share.kv_heads == 2), "{straddling:?}");
+        assert!(HeadSplit::proportional(&model, &[1.0; 33]).is_err());
+    }
+
+    #[test]
+    fn even_volumes_equal_the_closed_forms() {
+        let model = catalog_model("llama3-8b").unwrap();
+        let (d, d_kv, b) = (model.q_width(), model.kv_width(), 2u64);
+        let n = 131_072u64;
+        for p in [2usize, 4, 8] {
+            // Ulysses over p devices holding the whole sequence: (P − 1)/P · (N/P) · (2d + 2d_kv) · b.
+            let heads = HeadSplit::proportional(&model, &vec![1.0; p]).unwrap();
+            let tokens = vec![n / p as u64; p];
+            let traffic = ulysses_traffic(&model, &tokens, heads.shares(), 0, b);
+            let closed = (p as u64 - 1) * (n / p as u64) * (2 * d + 2 * d_kv) * b / p as u64;
+            assert_eq!(traffic.sent, closed, "ulysses p={p}");
+            assert_eq!(traffic.received, closed, "ulysses p={p}");
+            // Ring and all-gather of K/V over p groups: (P − 1) · (N/P) · 2·d_kv · b each way.
+            let shards = HeadTailShards::even(n, p, 128).unwrap();
+            let closed = (p as u64 - 1) * (n / p as u64) * 2 * d_kv * b;
+            for exchange in [KvExchange::Ring, KvExchange::AllGather] {
+                let traffic = kv_traffic(&model, &shards, 1, model.n_kv_heads(), exchange, b);
+                assert_eq!(traffic, Traffic { sent: closed, received: closed }, "{exchange:?} p={p}");
+            }
+        }
+        // USP 2-D, u-way Ulysses inside r ring groups: the ring part is (r − 1)/r · N · 2·d_kv/u · b.
+        let (u, r) = (4u64, 2usize);
+        let shards = HeadTailShards::even(n, r, 128).unwrap();
+        let traffic = kv_traffic(&model, &shards, 0, model.n_kv_heads() / u as u32, KvExchange::Ring, b);
+        assert_eq!(traffic.received, (r as u64 - 1) * n / r as u64 * 2 * d_kv / u * b);
+    }
+
+    #[test]
+    fn attention_flops_follow_the_pairs() {
+        let model = catalog_model("llama3-8b").unwrap();
+        let n = 8192;
+        let whole = HeadTailShards::new(n, vec![n]).unwrap();
+        // About 2·N²·d forward for the full causal sequence.
+        let flops = attention_core_flops(&model, &whole, 0, model.n_heads());
+        let closed = 2.0 * (n as f64).powi(2) * model.q_width() as f64;
+        assert!((flops / closed - 1.0).abs() < 1e-3, "{flops} vs {closed}");
+    }
+}
