@@ -14,6 +14,7 @@
 use std::ops::Range;
 
 use medley_spec::ModelSpec;
+use serde::{Deserialize, Serialize};
 use thiserror::Error;
 
 /// Why a split of a sequence or of the heads cannot be made.
@@ -27,8 +28,13 @@ pub enum ContextError {
     TooShort { n_tokens: u64, n_shards: usize, block: u64 },
     #[error("{n_devices} devices cannot share {n_heads} attention heads")]
     TooFewHeads { n_devices: usize, n_heads: u32 },
-    #[error("head shares {shares:?} must be positive and add up to {total}")]
+    #[error("query heads {shares:?} per device must be positive and add up to the model's {total}")]
     HeadSum { total: u32, shares: Vec<u32> },
+    #[error(
+        "query heads {shares:?}: with no more devices than the {n_kv_heads} KV heads, each device holds whole \
+         grouped-query units of {unit} query heads"
+    )]
+    SplitUnit { shares: Vec<u32>, n_kv_heads: u32, unit: u32 },
 }
 
 /// Query–key pairs the queries of `positions` compute under a causal mask: query q attends to
@@ -159,13 +165,29 @@ impl HeadSplit {
     /// replicated. Every device gets at least one unit (one query head).
     pub fn proportional(model: &ModelSpec, weights: &[f64]) -> Result<Self, ContextError> {
         let (n_heads, n_kv) = (model.n_heads(), model.n_kv_heads());
+        let q_heads = match weights.len() as u32 <= n_kv {
+            true => split_whole(n_kv, weights)?.iter().map(|units| units * (n_heads / n_kv)).collect(),
+            false => split_whole(n_heads, weights)?,
+        };
+        Self::from_q_heads(model, &q_heads)
+    }
+
+    /// The split that gives device j `q_heads[j]` query heads, in head order: whole grouped-query
+    /// units when the group has at most as many devices as KV heads, else with the KV heads each
+    /// device's query heads read.
+    pub fn from_q_heads(model: &ModelSpec, q_heads: &[u32]) -> Result<Self, ContextError> {
+        let (n_heads, n_kv) = (model.n_heads(), model.n_kv_heads());
         let group = n_heads / n_kv;
-        if weights.len() as u32 <= n_kv {
-            let units = split_whole(n_kv, weights)?;
-            let shares = units.iter().map(|&units| HeadShare { q_heads: units * group, kv_heads: units }).collect();
+        if q_heads.contains(&0) || q_heads.iter().sum::<u32>() != n_heads {
+            return Err(ContextError::HeadSum { total: n_heads, shares: q_heads.to_vec() });
+        }
+        if q_heads.len() as u32 <= n_kv {
+            if q_heads.iter().any(|q| q % group != 0) {
+                return Err(ContextError::SplitUnit { shares: q_heads.to_vec(), n_kv_heads: n_kv, unit: group });
+            }
+            let shares = q_heads.iter().map(|&q| HeadShare { q_heads: q, kv_heads: q / group }).collect();
             return Ok(HeadSplit::Units(shares));
         }
-        let q_heads = split_whole(n_heads, weights)?;
         let mut first = 0;
         let shares = q_heads
             .iter()
@@ -215,7 +237,8 @@ pub fn ulysses_traffic(model: &ModelSpec, tokens: &[u64], heads: &[HeadShare], m
 }
 
 /// How keys and values reach the other context-parallel groups.
-#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+#[derive(Clone, Copy, Debug, PartialEq, Eq, Serialize, Deserialize)]
+#[serde(rename_all = "kebab-case")]
 pub enum KvExchange {
     /// Around a ring, overlapping attention on the block at hand (Ring Attention, Liu et al.
     /// arXiv 2310.01889; Megatron-LM `cp_comm_type p2p`).
@@ -307,6 +330,9 @@ mod tests {
         assert_eq!(total, 32);
         assert!(straddling.shares().iter().any(|share| share.kv_heads == 2), "{straddling:?}");
         assert!(HeadSplit::proportional(&model, &[1.0; 33]).is_err());
+        let err = HeadSplit::from_q_heads(&model, &[18, 14]).unwrap_err().to_string();
+        assert!(err.contains("units of 4 query heads"), "{err}");
+        assert!(HeadSplit::from_q_heads(&model, &[16, 8]).unwrap_err().to_string().contains("add up to"));
     }
 
     #[test]

@@ -23,7 +23,7 @@ pub fn stages_from_counts(device_groups: Vec<Vec<u32>>, counts: &[u32]) -> Vec<S
         .map(|(devices, &count)| {
             let layers = LayerRange { start, end: start + count };
             start += count;
-            Stage { devices, layers }
+            Stage { devices, layers, context: None }
         })
         .collect()
 }

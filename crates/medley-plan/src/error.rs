@@ -31,8 +31,8 @@ pub enum PlanError {
 /// What is wrong with a plan's parts, naming the field.
 #[derive(Clone, Debug, Error, PartialEq)]
 pub enum InvalidPlan {
-    #[error("plan version {found} is not supported; this build reads version {supported}")]
-    Version { found: u32, supported: u32 },
+    #[error("plan version {found} is not supported; this build reads versions {oldest} to {newest}")]
+    Version { found: u32, oldest: u32, newest: u32 },
     #[error("a plan needs at least one replica")]
     NoReplicas,
     #[error("tp={tp} must be at least 1 and divide the model's {heads} heads and {kv_heads} kv heads")]
@@ -81,6 +81,37 @@ pub enum ReplicaProblem {
     Coverage { covered: u32, n_layers: u32 },
     #[error("boundary {boundary}: {problem}")]
     BoundaryRoute { boundary: usize, problem: RouteProblem },
+    #[error("stage {stage}: context: {problem}")]
+    Context { stage: usize, problem: ContextProblem },
+}
+
+/// What is wrong with a long-context stage's split of the sequence.
+#[derive(Clone, Debug, Error, PartialEq)]
+pub enum ContextProblem {
+    #[error(
+        "context and head parallelism need tp=1 and virtual_stages=1 (found tp={tp}, virtual_stages={virtual_stages})"
+    )]
+    Degrees { tp: u32, virtual_stages: u32 },
+    #[error("groups hold {in_groups} devices (one device_tokens entry each), the stage {stage_devices}")]
+    Devices { stage_devices: usize, in_groups: usize },
+    #[error(
+        "groups hold {tokens} tokens in {block}-token blocks; the sequence has {seq_len} (block must be at least 1)"
+    )]
+    Tokens { block: u32, tokens: u64, seq_len: u32 },
+    #[error("device {id} is not in the {n_gpus}-GPU cluster, or is used twice")]
+    Device { id: DeviceId, n_gpus: usize },
+    #[error("group {group}: its devices must sit in one node")]
+    GroupAcrossNodes { group: usize },
+    #[error("groups of different vendors: keys and values would cross the bridge, which is not priced yet")]
+    MixedVendors,
+    #[error("group {group}: a head–tail shard of {tokens} tokens must be a positive multiple of {unit} (two blocks)")]
+    Shard { group: usize, tokens: u32, unit: u32 },
+    #[error("group {group}: device_tokens add up to {held}, the group's shard to {tokens} (each device at least 1)")]
+    DeviceTokens { group: usize, held: u64, tokens: u32 },
+    #[error("group {group}: {heads} heads entries for {devices} devices")]
+    HeadCount { group: usize, devices: usize, heads: usize },
+    #[error("group {group}: heads: {reason}")]
+    Heads { group: usize, reason: String },
 }
 
 /// A route its endpoints cannot take.

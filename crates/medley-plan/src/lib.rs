@@ -7,6 +7,7 @@
 
 mod assemble;
 pub mod baselines;
+mod context;
 mod error;
 mod evaluate;
 mod layers;
@@ -15,7 +16,8 @@ mod plan;
 mod search;
 
 pub use assemble::{ReplicaLayout, assemble, stages_from_counts};
-pub use error::{InvalidPlan, PlanError, ReplicaProblem, RouteProblem};
+pub use context::{HeadGroup, StageContext};
+pub use error::{ContextProblem, InvalidPlan, PlanError, ReplicaProblem, RouteProblem};
 pub use evaluate::{PipelineTiming, Prediction, Utilisation, evaluate, max_k_within_memory};
 pub use layers::LayerRange;
 pub use partition::{ClassShare, ReplicaClass, StageLoad, min_max_layers, split_micro_batches};

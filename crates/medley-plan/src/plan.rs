@@ -11,11 +11,16 @@ use std::fmt;
 use medley_spec::{BridgeMode, Cluster, DeviceId, ModelSpec, Recompute, Schedule, ScheduleKind, Vendor};
 use serde::{Deserialize, Serialize};
 
-use crate::error::{InvalidPlan, PlanError, ReplicaProblem, RouteProblem};
+use crate::context::StageContext;
+use crate::error::{ContextProblem, InvalidPlan, PlanError, ReplicaProblem, RouteProblem};
 use crate::layers::LayerRange;
 
-/// The plan schema this build reads and writes.
-pub const PLAN_VERSION: u32 = 1;
+/// The plan schema this build writes. Version 2 added long-context stages ([`Stage::context`]);
+/// version 1 plans, which have none, read as they always did.
+pub const PLAN_VERSION: u32 = 2;
+
+/// The oldest plan schema this build reads.
+const OLDEST_PLAN_VERSION: u32 = 1;
 
 /// A complete training layout for one cluster, model and job, every invariant checked: built
 /// through [`Plan::new`], which a plan file goes through too when it is read (the planner's own
@@ -93,15 +98,20 @@ pub struct Replica {
     pub boundaries: Vec<Route>,
 }
 
-/// One pipeline stage: a tensor-parallel group of identical devices in one node.
+/// One pipeline stage: a tensor-parallel group of identical devices in one node, or, for a long
+/// context, the devices that split each sequence.
 #[derive(Clone, Debug, PartialEq, Serialize, Deserialize)]
 #[serde(deny_unknown_fields)]
 pub struct Stage {
-    /// The TP group, `tp` devices.
+    /// The TP group, `tp` devices; with `context`, its groups' devices, group after group.
     pub devices: Vec<DeviceId>,
     /// Transformer layers `layers.start..layers.end`; the first stage also holds the embedding,
     /// the last the final norm and output head.
     pub layers: LayerRange,
+    /// How the stage splits each sequence over its devices (context and head parallelism);
+    /// absent for a stage whose devices each hold whole sequences.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub context: Option<StageContext>,
 }
 
 /// How a point-to-point transfer or collective travels.
@@ -275,8 +285,9 @@ impl Plan {
     /// Checks every structural invariant.
     fn validate(&self) -> Result<(), PlanError> {
         let parts = &self.parts;
-        if parts.version != PLAN_VERSION {
-            return Err(InvalidPlan::Version { found: parts.version, supported: PLAN_VERSION }.into());
+        if !(OLDEST_PLAN_VERSION..=PLAN_VERSION).contains(&parts.version) {
+            let (found, oldest, newest) = (parts.version, OLDEST_PLAN_VERSION, PLAN_VERSION);
+            return Err(InvalidPlan::Version { found, oldest, newest }.into());
         }
         if parts.replicas.is_empty() {
             return Err(InvalidPlan::NoReplicas.into());
@@ -333,6 +344,11 @@ impl Plan {
             if stage >= n_ranks {
                 continue;
             }
+            if let Some(context) = &shape.context {
+                self.validate_context(context, &shape.devices, devices, seen)
+                    .map_err(|problem| ReplicaProblem::Context { stage, problem })?;
+                continue;
+            }
             if shape.devices.len() != self.parts.tp as usize {
                 return Err(ReplicaProblem::TpGroup { stage, found: shape.devices.len(), tp: self.parts.tp });
             }
@@ -359,6 +375,31 @@ impl Plan {
                 .map_err(|problem| ReplicaProblem::BoundaryRoute { boundary, problem })?;
         }
         Ok(())
+    }
+
+    /// A long-context stage: tp = 1, one chunk per rank, known devices used once, a valid split.
+    fn validate_context(
+        &self,
+        context: &StageContext,
+        stage_devices: &[DeviceId],
+        slots: &[medley_spec::DeviceSlot],
+        seen: &mut BTreeSet<DeviceId>,
+    ) -> Result<(), ContextProblem> {
+        let (tp, virtual_stages) = (self.parts.tp, self.parts.virtual_stages);
+        if tp != 1 || virtual_stages != 1 {
+            return Err(ContextProblem::Degrees { tp, virtual_stages });
+        }
+        for &id in stage_devices {
+            if (id as usize) >= slots.len() || !seen.insert(id) {
+                return Err(ContextProblem::Device { id, n_gpus: slots.len() });
+            }
+        }
+        context.check(stage_devices, &self.parts.cluster, slots, &self.parts.model, self.parts.seq_len)
+    }
+
+    /// Whether any stage splits its sequences (context or head parallelism).
+    pub fn has_context(&self) -> bool {
+        self.stages().any(|stage| stage.context.is_some())
     }
 
     /// With v > 1: the virtual stages split into v chunks over at least two ranks, and virtual

@@ -5,11 +5,12 @@
 
 use std::collections::BTreeSet;
 
+use medley_cost::context::KvExchange;
 use medley_cost::{Calibration, CostModel, Setting};
 use medley_plan::baselines::{self, Degrees};
 use medley_plan::{
-    Candidate, DpGroup, GradientAlgorithm, LayerRange, Plan, PlanError, PlanParts, Replica, Route, SearchOptions,
-    SearchOutcome, Stage, evaluate, search,
+    Candidate, DpGroup, GradientAlgorithm, HeadGroup, LayerRange, PLAN_VERSION, Plan, PlanError, PlanParts, Replica,
+    Route, SearchOptions, SearchOutcome, Stage, StageContext, evaluate, search,
 };
 use medley_spec::{
     Bridge, BridgeMode, Cluster, Fabric, JobParts, JobSpec, MlpKind, ModelParts, ModelSpec, Recompute, Schedule,
@@ -358,7 +359,7 @@ fn check_rejected(plan: &Plan, what: &str, corrupt: impl FnOnce(&mut PlanParts),
 fn hand_plan() -> Plan {
     let mut plan =
         best(&cluster("2xh100,2xmi300x"), &small_model(8, 1024), &job(1024, 8, Some(1), None)).plan.into_parts();
-    let stage = |device, start, end| Stage { devices: vec![device], layers: LayerRange { start, end } };
+    let stage = |device, start, end| Stage { devices: vec![device], layers: LayerRange { start, end }, context: None };
     let bridge = Route::Bridge { mode: BridgeMode::DeviceDirect };
     plan.tp = 1;
     (plan.schedule, plan.virtual_stages) = (Schedule::Fixed(ScheduleKind::OneFOneB), 1);
@@ -404,7 +405,7 @@ fn validate_names_what_a_hand_edit_broke() {
         ),
         ("layers short", |p| p.replicas[1].stages[1].layers.end = 7, "stages cover layers 0..7 of the model's 8"),
         ("micro-batch total", |p| p.replicas[0].n_micro_batches = 5, "not the global batch 8"),
-        ("version", |p| p.version = 2, "plan version 2 is not supported"),
+        ("version", |p| p.version = 3, "plan version 3 is not supported"),
         (
             "native boundary across vendors",
             |p| p.replicas[0].boundaries[0] = Route::Native { vendor: Vendor::Nvidia },
@@ -663,4 +664,80 @@ fn too_many_node_groups_is_refused_not_searched_for_hours() {
     let cluster = cluster("8xh100,8xa100,8xmi300x,8xl40s,8xv100,8xh200,8xmi250x");
     let outcome = search_with(&cluster, &model("gpt2"), &job(1024, 32, None, None), &SearchOptions::default());
     assert!(matches!(outcome, Err(PlanError::TooManyGroups { groups: 7, .. })), "{outcome:?}");
+}
+
+// ---------------------------------------------------------------------------------------------
+// Long-context stages (schema version 2)
+
+/// One stage of llama3-8b at 4096 tokens over 4 H100s and 4 A100s (one node each): two head
+/// groups, the H100s' holding the larger head–tail shard.
+fn context_plan() -> Plan {
+    let mut plan = llama3_8b_megatron("4xh100,4xa100", Degrees::new(1, 1, 1), 8).into_parts();
+    let group = |tokens: u32| HeadGroup { tokens, device_tokens: vec![tokens / 4; 4], heads: vec![8; 4] };
+    let context = StageContext { block: 128, kv_exchange: KvExchange::Ring, groups: vec![group(2560), group(1536)] };
+    let layers = LayerRange { start: 0, end: 32 };
+    plan.replicas = vec![Replica {
+        n_micro_batches: 8,
+        stages: vec![Stage { devices: (0..8).collect(), layers, context: Some(context) }],
+        boundaries: Vec::new(),
+    }];
+    plan.dp_groups =
+        vec![DpGroup { layers, route: Route::Native { vendor: Vendor::Nvidia }, algorithm: GradientAlgorithm::Ring }];
+    Plan::new(plan).unwrap()
+}
+
+#[test]
+fn a_long_context_stage_round_trips_and_old_plans_still_read() {
+    let plan = context_plan();
+    check_round_trip(&plan);
+    assert!(plan.has_context() && plan.version() == PLAN_VERSION);
+    let stage = &plan.replicas()[0].stages[0];
+    let context = stage.context.as_ref().unwrap();
+    assert_eq!(context.group_devices(&stage.devices, 1), [4, 5, 6, 7]);
+    assert_eq!(context.shards(plan.seq_len()).ranges(1), [1280..2048, 2048..2816]);
+    // A version 1 plan file, written before long-context stages, reads as it did.
+    let mut old = hand_plan().into_parts();
+    old.version = 1;
+    let read = read_back(&old).unwrap();
+    assert!(!read.has_context() && read.version() == 1);
+}
+
+#[test]
+fn validate_names_what_a_hand_edit_of_a_context_stage_broke() {
+    fn context(p: &mut PlanParts) -> &mut StageContext {
+        p.replicas[0].stages[0].context.as_mut().unwrap()
+    }
+    let plan = context_plan();
+    let cases: [(&str, Corruption, &str); 8] = [
+        ("tokens", |p| context(p).groups[0].tokens = 2816, "groups hold 4352 tokens"),
+        (
+            "shard not in block pairs",
+            |p| {
+                let groups = &mut context(p).groups;
+                (groups[0].tokens, groups[1].tokens) = (2688, 1408);
+                groups[0].device_tokens = vec![672; 4];
+                groups[1].device_tokens = vec![352; 4];
+            },
+            "group 0: a head–tail shard of 2688 tokens must be a positive multiple of 256",
+        ),
+        ("device tokens", |p| context(p).groups[1].device_tokens[0] = 1, "group 1: device_tokens add up to 1153"),
+        ("heads not in units", |p| context(p).groups[0].heads = vec![6, 10, 8, 8], "whole grouped-query units of 4"),
+        ("heads sum", |p| context(p).groups[1].heads = vec![8, 8, 8, 4], "add up to the model's 32"),
+        (
+            "group across nodes",
+            |p| p.replicas[0].stages[0].devices.swap(3, 4),
+            "group 0: its devices must sit in one node",
+        ),
+        ("tensor parallel", |p| p.tp = 2, "need tp=1"),
+        (
+            "devices",
+            |p| {
+                p.replicas[0].stages[0].devices.pop();
+            },
+            "groups hold 8 devices",
+        ),
+    ];
+    for (what, corrupt, wanted) in cases {
+        check_rejected(&plan, what, corrupt, wanted);
+    }
 }

@@ -44,8 +44,14 @@ pub fn rank_ids(plan: &Plan) -> Vec<RankId> {
         .collect()
 }
 
-/// Checks what the runtime supports: one process per pipeline rank, so no tensor parallelism.
+/// Checks what the runtime supports: one process per pipeline rank, so no tensor, context or
+/// head parallelism.
 pub fn check_runnable(plan: &Plan) -> Result<(), RuntimeError> {
+    if plan.has_context() {
+        return Err(RuntimeError::Unsupported(
+            "context and head parallelism (a stage with `context`) are not implemented in the runtime yet".into(),
+        ));
+    }
     if plan.tp() != 1 {
         return Err(RuntimeError::Unsupported(format!(
             "tensor parallelism (tp = {}) is not implemented in the runtime; plan with one GPU per node (`medley train --fleet ...` does) or fix tp=1",

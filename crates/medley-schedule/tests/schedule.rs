@@ -64,7 +64,7 @@ fn reshape_interleaved(base: &Plan, virtual_stages: u32, shapes: &[(Vec<u32>, u3
                 .enumerate()
                 .map(|(stage_idx, pair)| {
                     let device = first_device + stage_idx as u32 % n_ranks;
-                    Stage { devices: vec![device], layers: LayerRange { start: pair[0], end: pair[1] } }
+                    Stage { devices: vec![device], layers: LayerRange { start: pair[0], end: pair[1] }, context: None }
                 })
                 .collect();
             first_device += n_ranks;

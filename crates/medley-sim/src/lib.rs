@@ -71,6 +71,8 @@ pub enum SimError {
     Trace(#[from] medley_trace::TraceError),
     #[error("writing the timeline: {0}")]
     Timeline(#[from] std::io::Error),
+    #[error("the simulator cannot run this plan yet: {0}")]
+    Unsupported(&'static str),
 }
 
 /// Knobs of a simulation beyond the plan.
@@ -104,6 +106,9 @@ impl<'p, 'w> Simulation<'p, 'w> {
         config: &SimConfig,
         timeline: Option<&'w mut dyn Write>,
     ) -> Result<Self, SimError> {
+        if plan.has_context() {
+            return Err(SimError::Unsupported("context and head parallelism (a stage with `context`)"));
+        }
         let mut network = Network::new();
         let setup = Setup::new(plan, calibration, &mut network);
         let n_ranks = setup.ranks.len();

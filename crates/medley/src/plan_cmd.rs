@@ -162,7 +162,14 @@ pub(crate) fn specs_of_plan(args: &SpecArgs, path: &str, plan: &Plan) -> Result<
 pub(crate) fn load_plan(path: &str) -> Result<Plan> {
     let parts: PlanParts =
         serde_json::from_str(&read(path)?).with_context(|| format!("{path} is not a medley plan"))?;
-    Plan::new(parts).with_context(|| format!("in {path}"))
+    let plan = Plan::new(parts).with_context(|| format!("in {path}"))?;
+    if plan.has_context() {
+        bail!(
+            "{path} splits sequences over devices (a stage with `context`), which this build checks but cannot yet \
+             price, simulate or train"
+        );
+    }
+    Ok(plan)
 }
 
 /// The rows of the report's baselines table.

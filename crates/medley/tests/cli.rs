@@ -80,7 +80,7 @@ fn json_has_the_documented_keys() {
             assert!(baseline.get(key).is_some(), "baseline.{key} missing");
         }
     }
-    assert_eq!(value["plan"]["version"], 1);
+    assert_eq!(value["plan"]["version"], 2);
 }
 
 #[test]
@@ -716,6 +716,26 @@ fn a_worker_that_fails_on_its_own_stops_the_others_at_once() {
     assert!(started.elapsed() < Duration::from_secs(30), "the others waited for the 60 s timeout:\n{text}");
     assert!(text.contains("rank-1.safetensors"), "{text}");
     assert!(text.contains("worker 0: ") && text.contains("rank 1 failed"), "worker 0 does not name worker 1:\n{text}");
+}
+
+#[test]
+fn a_long_context_plan_is_checked_and_refused_until_it_can_be_priced() {
+    let path = scratch("context-plan.json");
+    let path = path.to_str().unwrap();
+    let job = ["--model", "llama3.2-1b", "--seq-len", "4096", "--global-batch", "8", "--micro-batch", "1"];
+    check(&[&["plan", "--cluster", "4xh100", "--fix", "tp=1,pp=1,dp=1", "-o", path][..], &job].concat(), 0, "written");
+    // One stage over all four devices, two head groups of two.
+    let mut plan: serde_json::Value = serde_json::from_str(&fs::read_to_string(path).unwrap()).unwrap();
+    let group = serde_json::json!({"tokens": 2048, "device_tokens": [1024, 1024], "heads": [16, 16]});
+    plan["replicas"][0]["stages"][0]["devices"] = serde_json::json!([0, 1, 2, 3]);
+    plan["replicas"][0]["stages"][0]["context"] =
+        serde_json::json!({"block": 128, "kv_exchange": "ring", "groups": [group.clone(), group]});
+    fs::write(path, plan.to_string()).unwrap();
+    check(&["simulate", "--plan", path], 2, "cannot yet price, simulate or train");
+    // A broken split is named first.
+    plan["replicas"][0]["stages"][0]["context"]["groups"][1]["tokens"] = serde_json::json!(1024);
+    fs::write(path, plan.to_string()).unwrap();
+    check(&["simulate", "--plan", path], 2, "groups hold 3072 tokens");
 }
 
 // ---------------------------------------------------------------------------------------------
