@@ -14,6 +14,7 @@ mod layers;
 mod partition;
 mod plan;
 mod search;
+pub mod shard_split;
 
 pub use assemble::{ReplicaLayout, assemble, stages_from_counts};
 pub use context::{HeadGroup, StageContext};

@@ -8,6 +8,7 @@ use std::collections::BTreeSet;
 use medley_cost::context::KvExchange;
 use medley_cost::{Calibration, CostModel, Setting};
 use medley_plan::baselines::{self, Degrees};
+use medley_plan::shard_split::{GroupCost, Linear, split_sequence};
 use medley_plan::{
     Candidate, DpGroup, GradientAlgorithm, HeadGroup, LayerRange, PLAN_VERSION, Plan, PlanError, PlanParts, Replica,
     Route, SearchOptions, SearchOutcome, Stage, StageContext, evaluate, search,
@@ -739,5 +740,65 @@ fn validate_names_what_a_hand_edit_of_a_context_stage_broke() {
     ];
     for (what, corrupt, wanted) in cases {
         check_rejected(&plan, what, corrupt, wanted);
+    }
+}
+
+/// The slowest group's time under `counts`, or `None` when one does not fit.
+fn split_time(groups: &[GroupCost], counts: &[u64]) -> Option<f64> {
+    groups.iter().zip(counts).try_fold(0.0f64, |slowest, (group, &tokens)| {
+        let fits = group.memory_bytes.at(tokens as f64) <= group.capacity_bytes;
+        fits.then(|| slowest.max(group.time_s(tokens as f64)))
+    })
+}
+
+/// Every split of `units` whole units over `n` groups, each at least one.
+fn unit_splits(units: u64, n: usize) -> Vec<Vec<u64>> {
+    if n == 1 {
+        return vec![vec![units]];
+    }
+    (1..=units - (n as u64 - 1))
+        .flat_map(|first| {
+            unit_splits(units - first, n - 1).into_iter().map(move |mut rest| {
+                rest.insert(0, first);
+                rest
+            })
+        })
+        .collect()
+}
+
+proptest! {
+    /// Random groups (speeds, fixed costs, an overlapped ring's transfers, memory caps): the
+    /// linear program's rounded split fits, and its slowest group is within 2% of the best
+    /// whole-unit split found exhaustively.
+    #[test]
+    fn the_sequence_split_is_within_two_percent_of_exhaustive(
+        groups in proptest::collection::vec((0.2f64..5.0, 0.0f64..0.01, 0.02f64..2.0, 0.3f64..1.5), 2..4),
+        units in 8u64..40,
+    ) {
+        let (block, unit) = (64u64, 128u64);
+        let n_tokens = units * unit;
+        let groups: Vec<GroupCost> = groups
+            .iter()
+            .map(|&(speed, fixed, link, room)| GroupCost {
+                times_s: vec![
+                    Linear { fixed, per_token: 1e-5 / speed },
+                    Linear { fixed: n_tokens as f64 * 1e-6 / link, per_token: -1e-6 / link },
+                ],
+                memory_bytes: Linear { fixed: 0.0, per_token: 1.0 },
+                capacity_bytes: room * n_tokens as f64,
+            })
+            .collect();
+        let best = unit_splits(units, groups.len())
+            .iter()
+            .filter_map(|split| split_time(&groups, &split.iter().map(|u| u * unit).collect::<Vec<_>>()))
+            .fold(f64::INFINITY, f64::min);
+        match split_sequence(&groups, n_tokens, block) {
+            Ok(shards) => {
+                let found = split_time(&groups, shards.counts()).expect("the split fits");
+                prop_assert!(found <= best * 1.02 + 1e-12, "{found} against the exhaustive {best}: {:?}", shards.counts());
+            }
+            // Refused only when no whole split fits either.
+            Err(_) => prop_assert!(best.is_infinite(), "refused, but {best} fits"),
+        }
     }
 }
