@@ -178,7 +178,7 @@ impl HeadSplit {
     pub fn from_q_heads(model: &ModelSpec, q_heads: &[u32]) -> Result<Self, ContextError> {
         let (n_heads, n_kv) = (model.n_heads(), model.n_kv_heads());
         let group = n_heads / n_kv;
-        if q_heads.contains(&0) || q_heads.iter().sum::<u32>() != n_heads {
+        if q_heads.contains(&0) || q_heads.iter().map(|&q| u64::from(q)).sum::<u64>() != u64::from(n_heads) {
             return Err(ContextError::HeadSum { total: n_heads, shares: q_heads.to_vec() });
         }
         if q_heads.len() as u32 <= n_kv {

@@ -1,5 +1,7 @@
 //! The cost model's properties over many shapes, and one published measurement to compare with.
 
+use std::collections::BTreeSet;
+
 use medley_cost::context::{HeadSplit, HeadTailShards, KvExchange, Traffic, kv_traffic, ulysses_traffic};
 use medley_cost::params::{active_params, total_params};
 use medley_cost::{Calibration, CostModel, Setting, StageShape};
@@ -133,9 +135,10 @@ proptest! {
 
 proptest! {
     /// Any weights: shards cover the sequence in whole blocks, every shard's causal work is exactly
-    /// tokens · (N + 1) / 2, and what the devices send is what they receive.
+    /// tokens · (N + 1) / 2, and each device's bytes are what a hop-by-hop ring, a pairwise
+    /// all-gather and an all-to-all by head ownership move.
     #[test]
-    fn uneven_context_splits_conserve_tokens_work_and_bytes(
+    fn uneven_context_splits_cover_tokens_balance_work_and_price_each_device(
         weights in proptest::collection::vec(0.05f64..8.0, 1..9),
         blocks_per_unit in 1u64..64,
         n_heads_weights in proptest::collection::vec(0.1f64..4.0, 1..17),
@@ -153,16 +156,76 @@ proptest! {
         prop_assert_eq!(pairs, n_tokens * (n_tokens + 1) / 2);
 
         let model = catalog_model("llama3-8b").unwrap();
-        for exchange in [KvExchange::Ring, KvExchange::AllGather] {
-            let traffic: Vec<Traffic> =
-                (0..weights.len()).map(|g| kv_traffic(&model, &shards, g, 8, exchange, 2)).collect();
-            prop_assert_eq!(traffic.iter().map(|t| t.sent).sum::<u64>(), traffic.iter().map(|t| t.received).sum::<u64>());
+        let per_token = 2 * 8 * u64::from(model.head_dim()) * 2;
+        let (by_hops, by_pairs) = (ring_by_hops(shards.counts(), per_token), all_gather_by_pairs(shards.counts(), per_token));
+        for group in 0..weights.len() {
+            prop_assert_eq!(kv_traffic(&model, &shards, group, 8, KvExchange::Ring, 2), by_hops[group]);
+            prop_assert_eq!(kv_traffic(&model, &shards, group, 8, KvExchange::AllGather, 2), by_pairs[group]);
         }
         let heads = HeadSplit::proportional(&model, &n_heads_weights).unwrap();
-        prop_assert_eq!(heads.shares().iter().map(|share| share.q_heads).sum::<u32>(), model.n_heads());
+        let q_heads: Vec<u32> = heads.shares().iter().map(|share| share.q_heads).collect();
+        prop_assert_eq!(q_heads.iter().sum::<u32>(), model.n_heads());
         let tokens: Vec<u64> = shards.counts().iter().cycle().take(n_heads_weights.len()).copied().collect();
-        let traffic: Vec<Traffic> =
-            (0..tokens.len()).map(|me| ulysses_traffic(&model, &tokens, heads.shares(), me, 2)).collect();
-        prop_assert_eq!(traffic.iter().map(|t| t.sent).sum::<u64>(), traffic.iter().map(|t| t.received).sum::<u64>());
+        let by_ownership = ulysses_by_ownership(&model, &tokens, &q_heads, 2);
+        for (me, expected) in by_ownership.iter().enumerate() {
+            prop_assert_eq!(ulysses_traffic(&model, &tokens, heads.shares(), me, 2), *expected);
+        }
     }
+}
+
+/// Each group's K/V bytes around a ring, hop by hop: at hop k a group forwards the block it
+/// received at hop k − 1 (its own at hop 0) and receives its predecessor's.
+fn ring_by_hops(counts: &[u64], per_token: u64) -> Vec<Traffic> {
+    let n = counts.len();
+    (0..n)
+        .map(|me| {
+            let mut traffic = Traffic::default();
+            for hop in 0..n - 1 {
+                traffic.sent += counts[(me + n - hop) % n] * per_token;
+                traffic.received += counts[(me + n - 1 - hop) % n] * per_token;
+            }
+            traffic
+        })
+        .collect()
+}
+
+/// Each group's K/V bytes in an all-gather: its block to every other group, theirs to it.
+fn all_gather_by_pairs(counts: &[u64], per_token: u64) -> Vec<Traffic> {
+    let mut traffic = vec![Traffic::default(); counts.len()];
+    for from in 0..counts.len() {
+        for to in (0..counts.len()).filter(|&to| to != from) {
+            traffic[from].sent += counts[from] * per_token;
+            traffic[to].received += counts[from] * per_token;
+        }
+    }
+    traffic
+}
+
+/// Each device's Ulysses bytes from who owns what: device j computes attention for query heads
+/// `q_heads[j]` in head order and for the KV heads those read; every other device sends it Q, K
+/// and V of its tokens for those heads, and gets the outputs back.
+fn ulysses_by_ownership(model: &ModelSpec, tokens: &[u64], q_heads: &[u32], bytes: u64) -> Vec<Traffic> {
+    let (unit, head_dim) = (model.n_heads() / model.n_kv_heads(), u64::from(model.head_dim()));
+    let mut first = 0;
+    let owned: Vec<(u64, u64)> = q_heads
+        .iter()
+        .map(|&q| {
+            let kv: BTreeSet<u32> = (first..first + q).map(|head| head / unit).collect();
+            first += q;
+            (u64::from(q), kv.len() as u64)
+        })
+        .collect();
+    let mut traffic = vec![Traffic::default(); tokens.len()];
+    for from in 0..tokens.len() {
+        for to in (0..tokens.len()).filter(|&to| to != from) {
+            let (q, kv) = owned[to];
+            let qkv = tokens[from] * (q + 2 * kv) * head_dim * bytes;
+            let output = tokens[from] * q * head_dim * bytes;
+            traffic[from].sent += qkv;
+            traffic[to].received += qkv;
+            traffic[to].sent += output;
+            traffic[from].received += output;
+        }
+    }
+    traffic
 }

@@ -1,4 +1,4 @@
-//! StageState-wise compute against whole-model compute, gradients against finite differences, and
+//! Stage-wise compute against whole-model compute, gradients against finite differences, and
 //! checkpoints across plans.
 
 use std::collections::HashMap;

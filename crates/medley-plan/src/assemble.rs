@@ -6,7 +6,7 @@ use medley_spec::{Cluster, DeviceSlot, JobSpec, Schedule, Vendor};
 
 use crate::evaluate::{best_boundary_route, best_dp_route, dp_group_bytes};
 use crate::layers::LayerRange;
-use crate::plan::{DpGroup, PLAN_VERSION, PlanParts, Replica, Stage, dp_layer_ranges};
+use crate::plan::{DpGroup, PLAN_VERSION_WITHOUT_CONTEXT, PlanParts, Replica, Stage, dp_layer_ranges};
 
 /// One replica before routing: its batch share and its (virtual) stages in model order.
 pub struct ReplicaLayout {
@@ -74,7 +74,7 @@ pub fn assemble(
         })
         .collect();
     PlanParts {
-        version: PLAN_VERSION,
+        version: PLAN_VERSION_WITHOUT_CONTEXT,
         cluster: cluster.clone(),
         model: cost.model().clone(),
         seq_len: cost.seq_len(),

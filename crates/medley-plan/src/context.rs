@@ -59,11 +59,14 @@ impl StageContext {
         model: &ModelSpec,
         seq_len: u32,
     ) -> Result<(), ContextProblem> {
+        if let Some(group) = self.groups.iter().position(|group| group.device_tokens.is_empty()) {
+            return Err(ContextProblem::EmptyGroup { group });
+        }
         let in_groups: usize = self.groups.iter().map(|group| group.device_tokens.len()).sum();
         if self.groups.is_empty() || in_groups != devices.len() {
             return Err(ContextProblem::Devices { stage_devices: devices.len(), in_groups });
         }
-        let unit = 2 * self.block;
+        let unit = 2 * u64::from(self.block);
         let tokens: u64 = self.groups.iter().map(|group| u64::from(group.tokens)).sum();
         if self.block == 0 || tokens != u64::from(seq_len) {
             return Err(ContextProblem::Tokens { block: self.block, tokens, seq_len });
@@ -80,7 +83,7 @@ impl StageContext {
             if *vendor.get_or_insert(group_vendor) != group_vendor {
                 return Err(ContextProblem::MixedVendors);
             }
-            if group.tokens == 0 || !group.tokens.is_multiple_of(unit) {
+            if group.tokens == 0 || !u64::from(group.tokens).is_multiple_of(unit) {
                 return Err(ContextProblem::Shard { group: idx, tokens: group.tokens, unit });
             }
             let held: u64 = group.device_tokens.iter().map(|&t| u64::from(t)).sum();

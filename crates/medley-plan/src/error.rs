@@ -33,6 +33,8 @@ pub enum PlanError {
 pub enum InvalidPlan {
     #[error("plan version {found} is not supported; this build reads versions {oldest} to {newest}")]
     Version { found: u32, oldest: u32, newest: u32 },
+    #[error("a stage with `context` needs plan version {needed}; the plan says {found}")]
+    ContextVersion { found: u32, needed: u32 },
     #[error("a plan needs at least one replica")]
     NoReplicas,
     #[error("tp={tp} must be at least 1 and divide the model's {heads} heads and {kv_heads} kv heads")]
@@ -98,14 +100,18 @@ pub enum ContextProblem {
         "groups hold {tokens} tokens in {block}-token blocks; the sequence has {seq_len} (block must be at least 1)"
     )]
     Tokens { block: u32, tokens: u64, seq_len: u32 },
-    #[error("device {id} is not in the {n_gpus}-GPU cluster, or is used twice")]
-    Device { id: DeviceId, n_gpus: usize },
+    #[error("device {id} is not in the {n_gpus}-GPU cluster")]
+    UnknownDevice { id: DeviceId, n_gpus: usize },
+    #[error("device {id} is used twice")]
+    DeviceTwice { id: DeviceId },
     #[error("group {group}: its devices must sit in one node")]
     GroupAcrossNodes { group: usize },
     #[error("groups of different vendors: keys and values would cross the bridge, which is not priced yet")]
     MixedVendors,
     #[error("group {group}: a head–tail shard of {tokens} tokens must be a positive multiple of {unit} (two blocks)")]
-    Shard { group: usize, tokens: u32, unit: u32 },
+    Shard { group: usize, tokens: u32, unit: u64 },
+    #[error("group {group} has no devices")]
+    EmptyGroup { group: usize },
     #[error("group {group}: device_tokens add up to {held}, the group's shard to {tokens} (each device at least 1)")]
     DeviceTokens { group: usize, held: u64, tokens: u32 },
     #[error("group {group}: {heads} heads entries for {devices} devices")]

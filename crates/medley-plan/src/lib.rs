@@ -22,5 +22,8 @@ pub use error::{ContextProblem, InvalidPlan, PlanError, ReplicaProblem, RoutePro
 pub use evaluate::{PipelineTiming, Prediction, Utilisation, evaluate, max_k_within_memory};
 pub use layers::LayerRange;
 pub use partition::{ClassShare, ReplicaClass, StageLoad, min_max_layers, split_micro_batches};
-pub use plan::{DpGroup, GradientAlgorithm, PLAN_VERSION, Plan, PlanParts, Replica, ReplicaShape, Route, Stage};
+pub use plan::{
+    DpGroup, GradientAlgorithm, PLAN_VERSION, PLAN_VERSION_WITHOUT_CONTEXT, Plan, PlanParts, Replica, ReplicaShape,
+    Route, Stage,
+};
 pub use search::{Candidate, MAX_GROUPS, SearchOptions, SearchOutcome, search};

@@ -1,6 +1,6 @@
 //! The Plan: explicit, versioned data saying which devices run which layers of which replica, and
 //! how every parallel group communicates. The planner writes it; the schedule, simulator and
-//! runtime read it. Schema version 1 is documented field by field on [`PlanParts`] and in
+//! runtime read it. The schema (version 2) is documented field by field on [`PlanParts`] and in
 //! ARCHITECTURE.md. A [`Plan`] is its parts once checked: outside this crate it cannot be made,
 //! read from a file or edited without passing [`Plan::new`], so nothing downstream checks it
 //! again.
@@ -15,12 +15,13 @@ use crate::context::StageContext;
 use crate::error::{ContextProblem, InvalidPlan, PlanError, ReplicaProblem, RouteProblem};
 use crate::layers::LayerRange;
 
-/// The plan schema this build writes. Version 2 added long-context stages ([`Stage::context`]);
-/// version 1 plans, which have none, read as they always did.
+/// The newest plan schema this build reads and writes. Version 2 added long-context stages
+/// ([`Stage::context`]); a plan says the oldest version that describes it, so a plan without
+/// them is still version 1 and older builds read it.
 pub const PLAN_VERSION: u32 = 2;
 
-/// The oldest plan schema this build reads.
-const OLDEST_PLAN_VERSION: u32 = 1;
+/// The oldest plan schema this build reads, and the version of plans without a context.
+pub const PLAN_VERSION_WITHOUT_CONTEXT: u32 = 1;
 
 /// A complete training layout for one cluster, model and job, every invariant checked: built
 /// through [`Plan::new`], which a plan file goes through too when it is read (the planner's own
@@ -49,7 +50,8 @@ impl From<Plan> for PlanParts {
 #[derive(Clone, Debug, PartialEq, Serialize, Deserialize)]
 #[serde(deny_unknown_fields)]
 pub struct PlanParts {
-    /// Schema version, [`PLAN_VERSION`].
+    /// Schema version: [`PLAN_VERSION_WITHOUT_CONTEXT`] for a plan without long-context stages,
+    /// [`PLAN_VERSION`] for one with them.
     pub version: u32,
     pub cluster: Cluster,
     pub model: ModelSpec,
@@ -285,9 +287,12 @@ impl Plan {
     /// Checks every structural invariant.
     fn validate(&self) -> Result<(), PlanError> {
         let parts = &self.parts;
-        if !(OLDEST_PLAN_VERSION..=PLAN_VERSION).contains(&parts.version) {
-            let (found, oldest, newest) = (parts.version, OLDEST_PLAN_VERSION, PLAN_VERSION);
+        if !(PLAN_VERSION_WITHOUT_CONTEXT..=PLAN_VERSION).contains(&parts.version) {
+            let (found, oldest, newest) = (parts.version, PLAN_VERSION_WITHOUT_CONTEXT, PLAN_VERSION);
             return Err(InvalidPlan::Version { found, oldest, newest }.into());
+        }
+        if parts.version < PLAN_VERSION && self.has_context() {
+            return Err(InvalidPlan::ContextVersion { found: parts.version, needed: PLAN_VERSION }.into());
         }
         if parts.replicas.is_empty() {
             return Err(InvalidPlan::NoReplicas.into());
@@ -340,8 +345,16 @@ impl Plan {
                 return Err(ReplicaProblem::Layers { stage, layers: shape.layers, from: next_layer });
             }
             next_layer = shape.layers.end;
-            // Later chunks repeat their rank's devices, checked in `validate_chunks`.
+            // Later chunks repeat their rank's devices, checked in `validate_chunks`; a context
+            // needs one chunk per rank, so there is none on a later chunk.
             if stage >= n_ranks {
+                if shape.context.is_some() {
+                    let (tp, virtual_stages) = (self.parts.tp, self.parts.virtual_stages);
+                    return Err(ReplicaProblem::Context {
+                        stage,
+                        problem: ContextProblem::Degrees { tp, virtual_stages },
+                    });
+                }
                 continue;
             }
             if let Some(context) = &shape.context {
@@ -390,8 +403,11 @@ impl Plan {
             return Err(ContextProblem::Degrees { tp, virtual_stages });
         }
         for &id in stage_devices {
-            if (id as usize) >= slots.len() || !seen.insert(id) {
-                return Err(ContextProblem::Device { id, n_gpus: slots.len() });
+            if (id as usize) >= slots.len() {
+                return Err(ContextProblem::UnknownDevice { id, n_gpus: slots.len() });
+            }
+            if !seen.insert(id) {
+                return Err(ContextProblem::DeviceTwice { id });
             }
         }
         context.check(stage_devices, &self.parts.cluster, slots, &self.parts.model, self.parts.seq_len)

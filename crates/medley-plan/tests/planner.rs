@@ -10,8 +10,8 @@ use medley_cost::{Calibration, CostModel, Setting};
 use medley_plan::baselines::{self, Degrees};
 use medley_plan::shard_split::{GroupCost, Linear, split_sequence};
 use medley_plan::{
-    Candidate, DpGroup, GradientAlgorithm, HeadGroup, LayerRange, PLAN_VERSION, Plan, PlanError, PlanParts, Replica,
-    Route, SearchOptions, SearchOutcome, Stage, StageContext, evaluate, search,
+    Candidate, DpGroup, GradientAlgorithm, HeadGroup, LayerRange, PLAN_VERSION, PLAN_VERSION_WITHOUT_CONTEXT, Plan,
+    PlanError, PlanParts, Replica, Route, SearchOptions, SearchOutcome, Stage, StageContext, evaluate, search,
 };
 use medley_spec::{
     Bridge, BridgeMode, Cluster, Fabric, JobParts, JobSpec, MlpKind, ModelParts, ModelSpec, Recompute, Schedule,
@@ -674,6 +674,7 @@ fn too_many_node_groups_is_refused_not_searched_for_hours() {
 /// groups, the H100s' holding the larger head–tail shard.
 fn context_plan() -> Plan {
     let mut plan = llama3_8b_megatron("4xh100,4xa100", Degrees::new(1, 1, 1), 8).into_parts();
+    plan.version = PLAN_VERSION;
     let group = |tokens: u32| HeadGroup { tokens, device_tokens: vec![tokens / 4; 4], heads: vec![8; 4] };
     let context = StageContext { block: 128, kv_exchange: KvExchange::Ring, groups: vec![group(2560), group(1536)] };
     let layers = LayerRange { start: 0, end: 32 };
@@ -696,7 +697,9 @@ fn a_long_context_stage_round_trips_and_old_plans_still_read() {
     let context = stage.context.as_ref().unwrap();
     assert_eq!(context.group_devices(&stage.devices, 1), [4, 5, 6, 7]);
     assert_eq!(context.shards(plan.seq_len()).ranges(1), [1280..2048, 2048..2816]);
-    // A version 1 plan file, written before long-context stages, reads as it did.
+    // Searched plans have no context and say version 1, which older builds read; a version 1
+    // plan file reads as it did.
+    assert_eq!(llama3_8b_megatron("4xh100", Degrees::new(1, 1, 1), 8).version(), PLAN_VERSION_WITHOUT_CONTEXT);
     let mut old = hand_plan().into_parts();
     old.version = 1;
     let read = read_back(&old).unwrap();
@@ -709,7 +712,10 @@ fn validate_names_what_a_hand_edit_of_a_context_stage_broke() {
         p.replicas[0].stages[0].context.as_mut().unwrap()
     }
     let plan = context_plan();
-    let cases: [(&str, Corruption, &str); 8] = [
+    let cases: [(&str, Corruption, &str); 11] = [
+        ("version", |p| p.version = 1, "a stage with `context` needs plan version 2"),
+        ("empty group", |p| context(p).groups[1].device_tokens.clear(), "group 1 has no devices"),
+        ("block overflow", |p| context(p).block = 1 << 31, "must be a positive multiple of 4294967296"),
         ("tokens", |p| context(p).groups[0].tokens = 2816, "groups hold 4352 tokens"),
         (
             "shard not in block pairs",

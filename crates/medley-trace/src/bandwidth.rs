@@ -43,11 +43,16 @@ impl BandwidthTrace {
             .trim(csv::Trim::All)
             .from_reader(text.as_bytes());
         let mut points = Vec::new();
+        let mut first_row = true;
         for (row_idx, row) in reader.records().enumerate() {
             let row = row.map_err(|err| TraceError(format!("{source}: {err}")))?;
+            if row.iter().all(str::is_empty) {
+                continue;
+            }
             let line = row.position().map_or(row_idx as u64 + 1, csv::Position::line);
             let error = |message: String| TraceError(format!("{source}:{line}: {message}"));
-            let is_header = row_idx == 0 && row.get(0).is_some_and(|first| first.parse::<f64>().is_err());
+            let is_header =
+                std::mem::take(&mut first_row) && row.get(0).is_some_and(|first| first.parse::<f64>().is_err());
             if is_header {
                 continue;
             }
@@ -387,7 +392,7 @@ mod tests {
 
     #[test]
     fn csv_exports_with_quotes_and_crlf_read_and_extra_columns_are_refused() {
-        let exported = "\"time_s\",\"fraction\"\r\n\"0\",\"0.5\"\r\n\"2\",\"1\"\r\n";
+        let exported = "  \n\"time_s\",\"fraction\"\r\n\"0\",\"0.5\"\r\n   \r\n\"2\",\"1\"\r\n";
         let trace = BandwidthTrace::from_csv(exported, "t.csv").unwrap();
         assert_eq!(trace, BandwidthTrace::Points(vec![(0, 0.5), (2_000_000_000, 1.0)]));
         let err = BandwidthTrace::from_csv("0,0.5\n1,0.5,9\n", "t.csv").unwrap_err().to_string();

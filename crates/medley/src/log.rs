@@ -13,8 +13,9 @@ use tracing_subscriber::fmt::time::{FormatTime, SystemTime};
 use tracing_subscriber::fmt::{FmtContext, FormatEvent, FormatFields};
 use tracing_subscriber::registry::LookupSpan;
 
-/// The environment variable that overrides `-v`/`-q` with a filter, as in `MEDLEY_LOG=debug` or
-/// `MEDLEY_LOG=medley_comm=trace`; workers inherit it from the launcher.
+/// The environment variable that adds filter directives after `-v`/`-q`'s, as in
+/// `MEDLEY_LOG=debug` or `MEDLEY_LOG=medley_comm=trace` (what it does not name keeps the flags'
+/// level, so errors and notes still show); workers inherit it from the launcher.
 pub const LOG_VAR: &str = "MEDLEY_LOG";
 
 /// medley's own crates, whose events `-v` and `-q` govern; every other crate's show only when they
@@ -46,24 +47,33 @@ pub fn level(verbose: u8, quiet: bool) -> Level {
     }
 }
 
-/// The filter for `level`, unless [`LOG_VAR`] gives one.
-fn filter(level: Level) -> EnvFilter {
-    if let Ok(filter) = EnvFilter::try_from_env(LOG_VAR) {
-        return filter;
-    }
+/// The filter for `level`, then [`LOG_VAR`]'s directives, which win where they name the same
+/// target; a malformed one is ignored, with a warning once the subscriber runs.
+fn filter(level: Level, extra: Option<&str>) -> (EnvFilter, Option<String>) {
     let ours: Vec<String> = CRATES.iter().map(|krate| format!("{krate}={level}")).collect();
-    EnvFilter::new(format!("warn,{}", ours.join(",")))
+    let base = format!("warn,{}", ours.join(","));
+    match extra.filter(|extra| !extra.trim().is_empty()) {
+        None => (EnvFilter::new(base), None),
+        Some(extra) => match EnvFilter::try_new(format!("{base},{extra}")) {
+            Ok(filter) => (filter, None),
+            Err(error) => (EnvFilter::new(base), Some(format!("{LOG_VAR}={extra:?} ignored: {error}"))),
+        },
+    }
 }
 
 /// Starts writing events at `level` and above to standard error.
 pub fn init(level: Level) {
     let terminal = std::io::stderr().is_terminal();
+    let (filter, ignored) = filter(level, std::env::var(LOG_VAR).ok().as_deref());
     tracing_subscriber::fmt()
         .with_writer(std::io::stderr)
-        .with_env_filter(filter(level))
+        .with_env_filter(filter)
         .with_ansi(terminal)
         .event_format(Lines { timed: !terminal })
         .init();
+    if let Some(ignored) = ignored {
+        tracing::warn!("{ignored}");
+    }
 }
 
 /// One line per event: `[time ]`, then `warning: ` or `error: ` (debug and trace events name
@@ -104,6 +114,19 @@ mod tests {
         assert_eq!(level(1, false), Level::DEBUG);
         assert_eq!(level(3, false), Level::TRACE);
         assert_eq!(level(0, true), Level::WARN);
+    }
+
+    #[test]
+    fn medley_log_adds_to_the_flags_level() {
+        use tracing::level_filters::LevelFilter;
+        let (with_debug, ignored) = filter(Level::INFO, Some("medley_launch=debug"));
+        assert_eq!((with_debug.max_level_hint(), ignored), (Some(LevelFilter::DEBUG), None));
+        // What it does not name keeps the flags' level: notes and errors still show.
+        let text = with_debug.to_string();
+        assert!(text.contains("medley=info") && text.contains("medley_launch=debug"), "{text}");
+        let (malformed, ignored) = filter(Level::WARN, Some("medley=[{"));
+        assert_eq!(malformed.max_level_hint(), Some(LevelFilter::WARN));
+        assert!(ignored.unwrap().contains("MEDLEY_LOG"));
     }
 
     #[test]
