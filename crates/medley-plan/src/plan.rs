@@ -345,21 +345,14 @@ impl Plan {
                 return Err(ReplicaProblem::Layers { stage, layers: shape.layers, from: next_layer });
             }
             next_layer = shape.layers.end;
-            // Later chunks repeat their rank's devices, checked in `validate_chunks`; a context
-            // needs one chunk per rank, so there is none on a later chunk.
-            if stage >= n_ranks {
-                if shape.context.is_some() {
-                    let (tp, virtual_stages) = (self.parts.tp, self.parts.virtual_stages);
-                    return Err(ReplicaProblem::Context {
-                        stage,
-                        problem: ContextProblem::Degrees { tp, virtual_stages },
-                    });
-                }
-                continue;
-            }
+            // A context needs one chunk per rank: on a later chunk its check fails at once.
             if let Some(context) = &shape.context {
                 self.validate_context(context, &shape.devices, devices, seen)
                     .map_err(|problem| ReplicaProblem::Context { stage, problem })?;
+                continue;
+            }
+            // Later chunks repeat their rank's devices, checked in `validate_chunks`.
+            if stage >= n_ranks {
                 continue;
             }
             if shape.devices.len() != self.parts.tp as usize {
