@@ -202,7 +202,7 @@ impl HeadSplit {
 }
 
 /// `total` whole items over `weights`, at least one each, largest remainders first.
-fn split_whole(total: u32, weights: &[f64]) -> Result<Vec<u32>, ContextError> {
+pub fn split_whole(total: u32, weights: &[f64]) -> Result<Vec<u32>, ContextError> {
     if weights.is_empty() || weights.len() as u32 > total {
         return Err(ContextError::TooFewHeads { n_devices: weights.len(), n_heads: total });
     }
@@ -259,7 +259,7 @@ pub fn kv_traffic(
     exchange: KvExchange,
     bytes: u64,
 ) -> Traffic {
-    let per_token = 2 * u64::from(kv_heads) * u64::from(model.head_dim()) * bytes;
+    let per_token = kv_bytes_per_token(model, kv_heads, bytes);
     let counts = shards.counts();
     let n_groups = counts.len();
     let own = counts[group];
@@ -271,10 +271,84 @@ pub fn kv_traffic(
     Traffic { sent: sent_tokens * per_token, received: (shards.n_tokens() - own) * per_token }
 }
 
-/// Forward FLOPs of the attention core for `q_heads` query heads over shard `shard`'s queries:
-/// QKᵀ and score·V, two FLOPs per multiply-add each, per causal pair and head dimension.
-pub fn attention_core_flops(model: &ModelSpec, shards: &HeadTailShards, shard: usize, q_heads: u32) -> f64 {
-    4.0 * shards.pairs(shard) as f64 * f64::from(q_heads) * f64::from(model.head_dim())
+/// Bytes of one token's keys and values for `kv_heads` heads.
+pub fn kv_bytes_per_token(model: &ModelSpec, kv_heads: u32, bytes: u64) -> u64 {
+    2 * u64::from(kv_heads) * u64::from(model.head_dim()) * bytes
+}
+
+/// Forward FLOPs of the attention core for `q_heads` query heads over a head–tail shard of
+/// `shard_tokens` of a sequence of `n_tokens`: QKᵀ and score·V, two FLOPs per multiply-add each,
+/// per causal pair (exactly shard·(N + 1)/2 of them, [`HeadTailShards::pairs`]) and head dimension.
+pub fn attention_core_flops(model: &ModelSpec, n_tokens: u64, shard_tokens: u64, q_heads: u32) -> f64 {
+    2.0 * shard_tokens as f64 * (n_tokens + 1) as f64 * f64::from(q_heads) * f64::from(model.head_dim())
+}
+
+/// One device's share of one layer's forward pass in a long-context stage.
+#[derive(Clone, Copy, Debug, PartialEq)]
+pub struct ContextWork {
+    /// Tokens it holds for the projections, MLP and norms.
+    pub tokens: f64,
+    /// Attention-core FLOPs of its heads over its group's shard ([`attention_core_flops`]).
+    pub attention_flops: f64,
+    /// Seconds of its two Ulysses all-to-alls ([`ulysses_traffic`] on the node's links).
+    pub all_to_all_s: f64,
+    /// Seconds of bringing the other groups' keys and values ([`kv_traffic`] between groups).
+    pub kv_s: f64,
+    pub kv_exchange: KvExchange,
+}
+
+/// Seconds of one pass of a layer on one device, by what may overlap what.
+#[derive(Clone, Copy, Debug, Default, PartialEq)]
+pub struct ContextPass {
+    /// Projections, MLP, norms and the all-to-alls, one after another.
+    pub serial_s: f64,
+    /// The attention core.
+    pub attention_s: f64,
+    /// The key/value exchange with the other groups.
+    pub kv_s: f64,
+}
+
+/// One layer of a long-context stage on one device, forward and backward.
+#[derive(Clone, Copy, Debug, Default, PartialEq)]
+pub struct ContextLayerTime {
+    pub forward: ContextPass,
+    pub backward: ContextPass,
+    /// Whether the exchange hides under the attention it feeds (a ring passes the next block
+    /// while attention runs on this one); an all-gather finishes first.
+    pub overlaps: bool,
+    /// The weight-gradient matmuls inside `backward` (a zero-bubble schedule's W pass).
+    pub weight_grad_s: f64,
+}
+
+impl ContextLayerTime {
+    /// Seconds of `pass`: its serial part, then attention and the exchange side by side or in turn.
+    pub fn pass_s(&self, pass: ContextPass) -> f64 {
+        let attention = match self.overlaps {
+            true => pass.attention_s.max(pass.kv_s),
+            false => pass.attention_s + pass.kv_s,
+        };
+        pass.serial_s + attention
+    }
+
+    /// The forward and the backward pass.
+    pub fn total_s(&self) -> f64 {
+        self.pass_s(self.forward) + self.pass_s(self.backward)
+    }
+
+    /// Sums each linear in the work whose largest is [`ContextLayerTime::total_s`]: every choice
+    /// of attention or exchange in the forward and in the backward when they overlap (a maximum
+    /// of sums a linear program can bound), else the one sum.
+    pub fn pieces_s(&self) -> Vec<f64> {
+        let (f, b) = (self.forward, self.backward);
+        let serial = f.serial_s + b.serial_s;
+        match self.overlaps {
+            true => [f.attention_s, f.kv_s]
+                .into_iter()
+                .flat_map(|forward| [b.attention_s, b.kv_s].map(|backward| serial + forward + backward))
+                .collect(),
+            false => vec![serial + f.attention_s + f.kv_s + b.attention_s + b.kv_s],
+        }
+    }
 }
 
 #[cfg(test)]
@@ -367,10 +441,15 @@ mod tests {
     fn attention_flops_follow_the_pairs() {
         let model = catalog_model("llama3-8b").unwrap();
         let n = 8192;
-        let whole = HeadTailShards::new(n, vec![n]).unwrap();
         // About 2·N²·d forward for the full causal sequence.
-        let flops = attention_core_flops(&model, &whole, 0, model.n_heads());
+        let flops = attention_core_flops(&model, n, n, model.n_heads());
         let closed = 2.0 * (n as f64).powi(2) * model.q_width() as f64;
         assert!((flops / closed - 1.0).abs() < 1e-3, "{flops} vs {closed}");
+        // Each uneven head–tail shard's FLOPs are four per pair, head and head dimension.
+        let shards = HeadTailShards::new(n, vec![4096, 2048, 1536, 512]).unwrap();
+        for (shard, &tokens) in shards.counts().iter().enumerate() {
+            let from_pairs = 4.0 * shards.pairs(shard) as f64 * 3.0 * f64::from(model.head_dim());
+            assert_eq!(attention_core_flops(&model, n, tokens, 3), from_pairs, "shard {shard}");
+        }
     }
 }

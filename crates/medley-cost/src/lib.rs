@@ -11,6 +11,7 @@ pub mod flops;
 pub mod memory;
 pub mod params;
 
+use context::{ContextLayerTime, ContextPass, ContextWork, KvExchange};
 use medley_spec::{ModelSpec, NodeGroup, Recompute};
 
 pub use efficiency::{Calibration, CalibrationError, Efficiency, ProfileKind};
@@ -66,7 +67,7 @@ impl PassTime {
         }
     }
 
-    fn plus(self, other: PassTime) -> PassTime {
+    pub fn plus(self, other: PassTime) -> PassTime {
         PassTime {
             forward_s: self.forward_s + other.forward_s,
             backward_s: self.backward_s + other.backward_s,
@@ -120,9 +121,12 @@ impl<'a> CostModel<'a> {
     /// The output projection and loss on the last stage.
     pub fn head_time(&self, group: &NodeGroup, setting: Setting) -> PassTime {
         let rates = Rates::new(self.calibration, group, setting.tp);
-        let matmul_s = rates.matmul_s(flops::head_forward(self.model, self.seq_len, setting.micro_batch));
-        let logits_s = rates.memory_s(memory::logits_bytes(self.model, self.seq_len, setting.micro_batch, 1));
-        PassTime { forward_s: matmul_s + logits_s, backward_s: 2.0 * matmul_s + logits_s, weight_grad_s: matmul_s }
+        head_pass(self.model, &rates, f64::from(self.seq_len) * f64::from(setting.micro_batch))
+    }
+
+    /// The output projection and loss for `tokens` of a long-context stage's sequence.
+    pub fn context_head_time(&self, group: &NodeGroup, tokens: f64) -> PassTime {
+        head_pass(self.model, &Rates::new(self.calibration, group, 1), tokens)
     }
 
     /// A whole stage for one micro-batch.
@@ -153,19 +157,64 @@ impl<'a> CostModel<'a> {
         in_flight: f64,
         optimizer_shards: u32,
     ) -> MemoryBreakdown {
-        let mut breakdown = MemoryBreakdown::model_states(self.stage_params(shape), setting.tp, optimizer_shards);
         let per_layer = |recompute| {
             memory::layer_activation_bytes(self.model, self.seq_len, setting.micro_batch, setting.tp, recompute)
         };
-        let mut activations = in_flight * f64::from(shape.n_layers) * per_layer(setting.recompute);
-        if setting.recompute == Recompute::Full && shape.n_layers > 0 {
-            // Backward re-materialises one layer at a time.
-            activations += per_layer(Recompute::Selective);
+        let logits = memory::logits_bytes(self.model, self.seq_len, setting.micro_batch, setting.tp);
+        let mut breakdown = MemoryBreakdown::model_states(self.stage_params(shape), setting.tp, optimizer_shards);
+        breakdown.activations = held_activations(shape, setting.recompute, in_flight, per_layer, logits);
+        breakdown
+    }
+
+    /// One layer of a long-context stage on a device of `group` doing `work` (tp = 1: context
+    /// and head parallelism replace tensor parallelism). The backward computes twice the
+    /// forward's matmuls and attention (input and weight gradients; FlashAttention's backward),
+    /// sends the all-to-alls' gradients back, and exchanges keys and values twice over: a ring
+    /// passes K/V again and dK/dV home (Liu et al. 2023), an all-gather gathers again and
+    /// reduce-scatters the gradients (Megatron-LM's `allgather` CP). Selective recomputation
+    /// runs attention and its exchange again; full recomputation the whole forward.
+    pub fn context_layer_time(&self, group: &NodeGroup, work: ContextWork, recompute: Recompute) -> ContextLayerTime {
+        let rates = Rates::new(self.calibration, group, 1);
+        let per_token = flops::layer_forward(self.model, 1, 1).matmul;
+        let matmul_s = rates.matmul_s(per_token * work.tokens);
+        let elementwise_s = rates.memory_s(self.elementwise_bytes_per_token() * work.tokens);
+        let attention_s = rates.attention_s(work.attention_flops);
+        let forward =
+            ContextPass { serial_s: matmul_s + elementwise_s + work.all_to_all_s, attention_s, kv_s: work.kv_s };
+        let mut backward = ContextPass {
+            serial_s: 2.0 * (matmul_s + elementwise_s) + work.all_to_all_s,
+            attention_s: 2.0 * attention_s,
+            kv_s: 2.0 * work.kv_s,
+        };
+        if recompute != Recompute::None {
+            backward.attention_s += forward.attention_s;
+            backward.kv_s += forward.kv_s;
         }
-        if shape.head {
-            activations += memory::logits_bytes(self.model, self.seq_len, setting.micro_batch, setting.tp);
+        if recompute == Recompute::Full {
+            backward.serial_s += forward.serial_s;
         }
-        breakdown.activations = activations;
+        let overlaps = work.kv_exchange == KvExchange::Ring;
+        ContextLayerTime { forward, backward, overlaps, weight_grad_s: matmul_s }
+    }
+
+    /// Peak memory of one device of a long-context stage holding `tokens` of each sequence
+    /// outside attention and `buffer_bytes` of attention buffers (its heads' Q, K, V and output
+    /// for its group's shard, the keys and values it receives), with FlashAttention keeping no
+    /// scores.
+    pub fn context_memory(
+        &self,
+        shape: StageShape,
+        recompute: Recompute,
+        in_flight: f64,
+        optimizer_shards: u32,
+        tokens: f64,
+        buffer_bytes: f64,
+    ) -> MemoryBreakdown {
+        // Per token: a one-token sequence keeps no score matrix, whatever the mode.
+        let per_layer = |recompute| tokens * memory::layer_activation_bytes(self.model, 1, 1, 1, recompute);
+        let logits = tokens * memory::logits_bytes(self.model, 1, 1, 1);
+        let mut breakdown = MemoryBreakdown::model_states(self.stage_params(shape), 1, optimizer_shards);
+        breakdown.activations = held_activations(shape, recompute, in_flight, per_layer, logits) + buffer_bytes;
         breakdown
     }
 
@@ -185,8 +234,11 @@ impl<'a> CostModel<'a> {
     /// Norms, residual adds, rotary embedding, activation functions: read-write traffic in bytes
     /// for one layer's forward, about 16 h-wide and 3 f-wide bf16 passes per token.
     fn elementwise_bytes(&self, micro_batch: u32) -> f64 {
-        let per_token = 16.0 * f64::from(self.model.hidden()) + 3.0 * self.model.active_ffn_width() as f64;
-        2.0 * f64::from(self.seq_len) * f64::from(micro_batch) * per_token
+        f64::from(self.seq_len) * f64::from(micro_batch) * self.elementwise_bytes_per_token()
+    }
+
+    fn elementwise_bytes_per_token(&self) -> f64 {
+        2.0 * (16.0 * f64::from(self.model.hidden()) + 3.0 * self.model.active_ffn_width() as f64)
     }
 
     /// Megatron tensor parallelism with sequence parallelism: per pass, an all-gather and a
@@ -195,6 +247,32 @@ impl<'a> CostModel<'a> {
         let bytes = 2.0 * f64::from(self.seq_len) * f64::from(setting.micro_batch) * f64::from(self.model.hidden());
         4.0 * comm::reduce_scatter_s(bytes, setting.tp, comm::intra_node_link(group))
     }
+}
+
+/// Activations a stage holds: `in_flight` micro-batches of its layers at `per_layer` bytes each,
+/// one layer re-materialised at a time under full recomputation, and the logits on the last stage.
+fn held_activations(
+    shape: StageShape,
+    recompute: Recompute,
+    in_flight: f64,
+    per_layer: impl Fn(Recompute) -> f64,
+    logits_bytes: f64,
+) -> f64 {
+    let mut activations = in_flight * f64::from(shape.n_layers) * per_layer(recompute);
+    if recompute == Recompute::Full && shape.n_layers > 0 {
+        activations += per_layer(Recompute::Selective);
+    }
+    if shape.head {
+        activations += logits_bytes;
+    }
+    activations
+}
+
+/// The output projection and loss over `tokens` at `rates`.
+fn head_pass(model: &ModelSpec, rates: &Rates, tokens: f64) -> PassTime {
+    let matmul_s = rates.matmul_s(tokens * flops::head_forward(model, 1, 1));
+    let logits_s = rates.memory_s(tokens * memory::logits_bytes(model, 1, 1, 1));
+    PassTime { forward_s: matmul_s + logits_s, backward_s: 2.0 * matmul_s + logits_s, weight_grad_s: matmul_s }
 }
 
 /// A TP group's achievable rates: the device's peaks times its efficiencies, split over TP ranks.

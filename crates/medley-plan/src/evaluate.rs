@@ -6,9 +6,10 @@ use std::num::NonZeroU32;
 
 use medley_cost::comm::{self, DomainPart, Link};
 use medley_cost::{Calibration, CostModel, GIB, PassTime, Setting, StageShape, flops};
-use medley_spec::{BridgeMode, Cluster, DeviceSlot, NodeGroup, Schedule, ScheduleKind, Vendor};
+use medley_spec::{BridgeMode, Cluster, DeviceId, DeviceSlot, DeviceSpec, Schedule, ScheduleKind, Vendor};
 use serde::Serialize;
 
+use crate::context_price::ContextPricer;
 use crate::layers::LayerRange;
 use crate::plan::{GradientAlgorithm, Plan, Replica, Route, Stage};
 
@@ -52,7 +53,8 @@ impl Utilisation {
             .replicas()
             .iter()
             .flat_map(|replica| &replica.stages[..plan.n_ranks(replica)])
-            .map(|stage| plan.stage_group(stage).device.half_precision_tflops() * 1e12 * stage.devices.len() as f64)
+            .flat_map(|stage| &stage.devices)
+            .map(|&id| plan.device_group(id).device.half_precision_tflops() * 1e12)
             .sum();
         let model_flops = flops::model_flops_per_step(plan.model(), plan.seq_len(), plan.global_batch());
         let hardware_flops =
@@ -81,7 +83,7 @@ pub fn evaluate(plan: &Plan, calibration: &Calibration) -> Prediction {
     let pipeline_s = prices.iter().map(|price| price.time_s).fold(0.0, f64::max);
     let optimizer_s = prices.iter().map(|price| price.optimizer_s).fold(0.0, f64::max);
     let busy: Vec<f64> = prices.iter().flat_map(|price| price.busy_fractions.iter().copied()).collect();
-    let memory = MemoryPeaks::of(plan, cost);
+    let memory = MemoryPeaks::of(plan, cost, &slots);
     let dp_sync_s = dp_sync_s(plan, cost, &slots);
     let step_time_s = pipeline_s + dp_sync_s + optimizer_s;
     Prediction {
@@ -108,25 +110,39 @@ struct ReplicaPrice {
 
 fn price_replica(plan: &Plan, cost: &CostModel, slots: &[DeviceSlot], replica: &Replica) -> ReplicaPrice {
     let setting = plan_setting(plan);
-    let groups: Vec<&NodeGroup> = replica.stages.iter().map(|stage| plan.stage_group(stage)).collect();
-    let passes: Vec<PassTime> =
-        groups.iter().zip(stage_shapes(replica)).map(|(group, shape)| cost.stage_time(group, shape, setting)).collect();
+    let pricer = ContextPricer { cost, cluster: plan.cluster(), slots };
+    let passes: Vec<PassTime> = replica
+        .stages
+        .iter()
+        .zip(stage_shapes(replica))
+        .map(|(stage, shape)| match &stage.context {
+            Some(context) => pricer.stage_pass(&pricer.device_works(context, &stage.devices), shape, plan.recompute()),
+            None => cost.stage_time(plan.stage_group(stage), shape, setting),
+        })
+        .collect();
     let boundary_s: Vec<f64> = replica
         .stages
         .windows(2)
         .zip(&replica.boundaries)
         .map(|(pair, route)| {
             let (from, to) = (slots[pair[0].devices[0] as usize], slots[pair[1].devices[0] as usize]);
-            comm::link_between(plan.cluster(), from, to, route_mode(*route)).transfer_s(cost.boundary_bytes(setting))
+            // Each device sends its own tokens; the fullest sends the most.
+            let share = largest_token_share(plan, &pair[0]).max(largest_token_share(plan, &pair[1]));
+            comm::link_between(plan.cluster(), from, to, route_mode(*route))
+                .transfer_s(share * cost.boundary_bytes(setting))
         })
         .collect();
     let time_s =
         PipelineTiming::interleaved(&passes, &boundary_s, plan.virtual_stages()).time_s(replica.n_micro_batches);
-    let shards = optimizer_shards(plan);
-    let optimizer_s = groups
+    let optimizer_s = replica
+        .stages
         .iter()
         .zip(rank_shapes(plan, replica))
-        .map(|(group, shape)| cost.optimizer_step_s(group, cost.stage_params(shape) / f64::from(plan.tp() * shards)))
+        .map(|(stage, shape)| {
+            let params = cost.stage_params(shape) / f64::from(plan.tp() * stage_optimizer_shards(plan, stage));
+            let device_s = |&id: &DeviceId| cost.optimizer_step_s(plan.device_group(id), params);
+            stage.devices.iter().map(device_s).fold(0.0, f64::max)
+        })
         .fold(0.0, f64::max);
     let n_ranks = plan.n_ranks(replica);
     let busy_fractions = (0..n_ranks)
@@ -143,6 +159,51 @@ fn optimizer_shards(plan: &Plan) -> u32 {
     if plan.zero1() { plan.replicas().len() as u32 } else { 1 }
 }
 
+/// Devices that share each optimizer state of `stage`'s layers: with ZeRO-1 every replica's,
+/// and a long-context stage's devices too, as they all hold every parameter (Megatron-LM shards
+/// its distributed optimizer over dp × cp).
+fn stage_optimizer_shards(plan: &Plan, stage: &Stage) -> u32 {
+    match (&stage.context, plan.zero1()) {
+        (Some(_), true) => optimizer_shards(plan) * stage.devices.len() as u32,
+        _ => optimizer_shards(plan),
+    }
+}
+
+/// The largest share of each sequence one device of `stage` holds across a pipeline boundary:
+/// all of it (split by sequence parallelism inside a TP group, which `boundary_bytes` counts),
+/// or a long-context device's tokens.
+fn largest_token_share(plan: &Plan, stage: &Stage) -> f64 {
+    let Some(context) = &stage.context else { return 1.0 };
+    let most = context.groups.iter().flat_map(|group| &group.device_tokens).copied().max().unwrap_or(0);
+    f64::from(most) / f64::from(plan.seq_len())
+}
+
+/// Peak memory of each device of `stage` (of `shape`) with `in_flight` micro-batches' activations:
+/// one entry for a TP group's devices, which hold alike, one a device for a long-context stage.
+fn stage_memories<'a>(
+    plan: &'a Plan,
+    cost: &CostModel,
+    slots: &[DeviceSlot],
+    stage: &Stage,
+    shape: StageShape,
+    in_flight: f64,
+) -> Vec<(&'a DeviceSpec, f64)> {
+    let shards = stage_optimizer_shards(plan, stage);
+    let Some(context) = &stage.context else {
+        let bytes = cost.stage_memory(shape, plan_setting(plan), in_flight, shards).total();
+        return vec![(&plan.stage_group(stage).device, bytes)];
+    };
+    let pricer = ContextPricer { cost, cluster: plan.cluster(), slots };
+    pricer
+        .device_works(context, &stage.devices)
+        .iter()
+        .map(|work| {
+            let bytes = pricer.device_memory(work, shape, plan.recompute(), in_flight, shards).total();
+            (&plan.device_group(work.device).device, bytes)
+        })
+        .collect()
+}
+
 /// The highest predicted memory and the capacity of each device type, in GiB.
 struct MemoryPeaks {
     peak_gib: BTreeMap<String, f64>,
@@ -150,18 +211,17 @@ struct MemoryPeaks {
 }
 
 impl MemoryPeaks {
-    fn of(plan: &Plan, cost: &CostModel) -> Self {
-        let setting = plan_setting(plan);
+    fn of(plan: &Plan, cost: &CostModel, slots: &[DeviceSlot]) -> Self {
         let mut peaks = MemoryPeaks { peak_gib: BTreeMap::new(), capacity_gib: BTreeMap::new() };
         for replica in plan.replicas() {
             let n_ranks = plan.n_ranks(replica);
             for (rank, (stage, shape)) in replica.stages.iter().zip(rank_shapes(plan, replica)).enumerate() {
-                let device = &plan.stage_group(stage).device;
                 let in_flight = micro_batches_in_flight(plan, replica, rank, n_ranks);
-                let used_gib = cost.stage_memory(shape, setting, in_flight, optimizer_shards(plan)).total_gib();
-                let peak = peaks.peak_gib.entry(device.name.clone()).or_insert(0.0);
-                *peak = peak.max(used_gib);
-                peaks.capacity_gib.insert(device.name.clone(), device.hbm_gib);
+                for (device, bytes) in stage_memories(plan, cost, slots, stage, shape, in_flight) {
+                    let peak = peaks.peak_gib.entry(device.name.clone()).or_insert(0.0);
+                    *peak = peak.max(bytes / GIB);
+                    peaks.capacity_gib.insert(device.name.clone(), device.hbm_gib);
+                }
             }
         }
         peaks
@@ -187,19 +247,28 @@ fn micro_batches_in_flight(plan: &Plan, replica: &Replica, rank: usize, n_ranks:
 /// schedule may raise k. The simulator and the runtime both bound their `StepSchedules` by it.
 pub fn max_k_within_memory(plan: &Plan, calibration: &Calibration) -> u32 {
     let cost = CostModel::new(plan.model(), plan.seq_len(), calibration);
-    let (setting, shards) = (plan_setting(plan), optimizer_shards(plan));
-    let memory = |shape, in_flight| cost.stage_memory(shape, setting, in_flight, shards).total();
-    // Per rank: (its index and the pipeline's depth, micro-batches, bytes held with nothing in
-    // flight, bytes one more micro-batch through every chunk adds, capacity).
+    let slots = plan.cluster().devices();
+    let memories = |stage, shape, in_flight| stage_memories(plan, &cost, &slots, stage, shape, in_flight);
+    // Per device of each rank: (the rank's index and the pipeline's depth, micro-batches, bytes
+    // held with nothing in flight, bytes one more micro-batch through every chunk adds, capacity).
     let mut ranks = Vec::new();
     for replica in plan.replicas() {
         let n_ranks = plan.n_ranks(replica);
         let stages = stage_shapes(replica);
         for (rank, (stage, shape)) in replica.stages.iter().zip(rank_shapes(plan, replica)).enumerate() {
-            let per_micro_batch: f64 =
-                stages.iter().skip(rank).step_by(n_ranks).map(|&chunk| memory(chunk, 1.0) - memory(chunk, 0.0)).sum();
-            let capacity = plan.stage_group(stage).device.hbm_gib * GIB;
-            ranks.push((rank, n_ranks, replica.n_micro_batches, memory(shape, 0.0), per_micro_batch, capacity));
+            // Every chunk of a rank runs on the rank's devices, in the same order.
+            let chunks: Vec<(&Stage, StageShape)> =
+                replica.stages.iter().zip(stages.iter().copied()).skip(rank).step_by(n_ranks).collect();
+            for (device_idx, (device, held)) in memories(stage, shape, 0.0).into_iter().enumerate() {
+                let per_micro_batch: f64 = chunks
+                    .iter()
+                    .map(|&(chunk, chunk_shape)| {
+                        memories(chunk, chunk_shape, 1.0)[device_idx].1
+                            - memories(chunk, chunk_shape, 0.0)[device_idx].1
+                    })
+                    .sum();
+                ranks.push((rank, n_ranks, replica.n_micro_batches, held, per_micro_batch, device.hbm_gib * GIB));
+            }
         }
     }
     let fits = |k: u32| {
@@ -291,9 +360,6 @@ fn route_mode(route: Route) -> BridgeMode {
 
 /// The slowest device's total gradient synchronisation time.
 fn dp_sync_s(plan: &Plan, cost: &CostModel, slots: &[DeviceSlot]) -> f64 {
-    if plan.replicas().len() < 2 {
-        return 0.0;
-    }
     // Per (replica, rank): the summed time of the DP groups its chunks take part in.
     let mut per_rank: BTreeMap<(usize, usize), f64> = BTreeMap::new();
     for (group_idx, group) in plan.dp_groups().iter().enumerate() {
@@ -301,7 +367,7 @@ fn dp_sync_s(plan: &Plan, cost: &CostModel, slots: &[DeviceSlot]) -> f64 {
         let members: Vec<(DeviceSlot, Vendor)> = holders
             .iter()
             .zip(plan.replicas())
-            .map(|(&stage_idx, replica)| member(plan, &replica.stages[stage_idx], slots))
+            .flat_map(|(&stage_idx, replica)| members(plan, &replica.stages[stage_idx], slots))
             .collect();
         let bytes = dp_group_bytes(cost, plan.tp(), group.layers);
         let time_s = dp_group_time_s(plan.cluster(), &members, bytes, group.route, group.algorithm);
@@ -312,8 +378,13 @@ fn dp_sync_s(plan: &Plan, cost: &CostModel, slots: &[DeviceSlot]) -> f64 {
     per_rank.into_values().fold(0.0, f64::max)
 }
 
-fn member(plan: &Plan, stage: &Stage, slots: &[DeviceSlot]) -> (DeviceSlot, Vendor) {
-    (slots[stage.devices[0] as usize], plan.stage_vendor(stage))
+/// Who of `stage` takes part in its layers' gradient synchronisation: the first device of a TP
+/// group (its ranks' rings run side by side), every device of a long-context stage, as each
+/// holds every parameter.
+pub(crate) fn members(plan: &Plan, stage: &Stage, slots: &[DeviceSlot]) -> Vec<(DeviceSlot, Vendor)> {
+    let vendor = plan.stage_vendor(stage);
+    let ids = if stage.context.is_some() { &stage.devices[..] } else { &stage.devices[..1] };
+    ids.iter().map(|&id| (slots[id as usize], vendor)).collect()
 }
 
 /// Gradient bytes each TP rank contributes for a DP group's layers (plus the embedding or head

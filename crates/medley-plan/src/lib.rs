@@ -8,9 +8,11 @@
 mod assemble;
 pub mod baselines;
 mod context;
+pub mod context_price;
 mod error;
 mod evaluate;
 mod layers;
+pub mod long_context;
 mod partition;
 mod plan;
 mod search;

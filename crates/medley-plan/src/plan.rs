@@ -479,10 +479,16 @@ impl Plan {
         self.stage_group(stage).device.vendor
     }
 
-    /// The node group a stage's devices belong to.
+    /// The node group a stage's devices belong to (a long-context stage's first device's: its
+    /// groups may be of several device types, [`Plan::device_group`] tells each).
     pub fn stage_group(&self, stage: &Stage) -> &medley_spec::NodeGroup {
+        self.device_group(stage.devices[0])
+    }
+
+    /// The node group device `id` belongs to.
+    pub fn device_group(&self, id: DeviceId) -> &medley_spec::NodeGroup {
         let cluster = &self.parts.cluster;
-        let group_idx = cluster.group_first_ids().partition_point(|&first| first <= stage.devices[0]) - 1;
+        let group_idx = cluster.group_first_ids().partition_point(|&first| first <= id) - 1;
         &cluster.groups()[group_idx]
     }
 

@@ -40,9 +40,9 @@ pub struct GroupCost {
     /// Seconds that must each fit in the step: a sum of parts that run one after another, or one
     /// entry per part that overlaps the others (a ring's transfers and the attention they feed).
     pub times_s: Vec<Linear>,
-    /// Bytes on the group's fullest device.
-    pub memory_bytes: Linear,
-    /// What that device holds.
+    /// Bytes on each device of the group (of each stage that shares the split).
+    pub memory_bytes: Vec<Linear>,
+    /// What one device holds.
     pub capacity_bytes: f64,
 }
 
@@ -53,72 +53,156 @@ impl GroupCost {
     }
 
     fn fits(&self, tokens: f64) -> bool {
-        self.memory_bytes.at(tokens) <= self.capacity_bytes
+        self.memory_bytes.iter().all(|memory| memory.at(tokens) <= self.capacity_bytes)
+    }
+}
+
+/// `count` groups with the same costs: a balanced split gives them shards a unit apart at most.
+#[derive(Clone, Debug, PartialEq)]
+pub struct GroupKind {
+    pub cost: GroupCost,
+    pub count: u32,
+}
+
+/// The shards of one kind's groups: the first `n_more` hold `units + 1` units, the rest `units`.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub struct KindShare {
+    pub units: u64,
+    pub n_more: u32,
+    count: u32,
+}
+
+impl KindShare {
+    /// Tokens of each of the kind's groups, in order, for `unit`-token units.
+    pub fn tokens(self, unit: u64) -> impl Iterator<Item = u64> {
+        (0..self.count).map(move |idx| (self.units + u64::from(idx < self.n_more)) * unit)
+    }
+
+    /// Units of its fullest group.
+    fn most(self) -> u64 {
+        self.units + u64::from(self.n_more > 0)
+    }
+
+    fn add_one(&mut self) {
+        self.n_more += 1;
+        if self.n_more == self.count {
+            (self.units, self.n_more) = (self.units + 1, 0);
+        }
+    }
+
+    fn remove_one(&mut self) {
+        match self.n_more {
+            0 => (self.units, self.n_more) = (self.units - 1, self.count - 1),
+            _ => self.n_more -= 1,
+        }
     }
 }
 
 /// Shard sizes for `groups` over a sequence of `n_tokens`, in whole pairs of `block`-token
 /// blocks, that make the slowest group as fast as memory allows.
 pub fn split_sequence(groups: &[GroupCost], n_tokens: u64, block: u64) -> Result<HeadTailShards, PlanError> {
+    let kinds: Vec<GroupKind> = groups.iter().map(|cost| GroupKind { cost: cost.clone(), count: 1 }).collect();
     let unit = 2 * block.max(1);
-    if groups.is_empty() || !n_tokens.is_multiple_of(unit) || n_tokens / unit < groups.len() as u64 {
-        return Err(PlanError::NothingFits(format!(
-            "{n_tokens} tokens do not split into {} head–tail shards of whole {block}-token block pairs",
-            groups.len()
-        )));
-    }
-    let ideal = solve(groups, n_tokens as f64, unit as f64)?;
-    let counts =
-        round_to_units(groups, &ideal, n_tokens / unit, unit as f64)?.iter().map(|units| units * unit).collect();
+    let counts = split_by_kind(&kinds, n_tokens, block)?.into_iter().flat_map(|share| share.tokens(unit)).collect();
     Ok(HeadTailShards::new(n_tokens, counts).expect("whole, positive units adding up to the sequence"))
 }
 
-/// The linear program's shard sizes, unrounded.
-fn solve(groups: &[GroupCost], n_tokens: f64, unit: f64) -> Result<Vec<f64>, PlanError> {
+/// [`split_sequence`] for groups that come in kinds: one variable a kind, so a thousand groups
+/// of four kinds cost a four-variable program. Shards in pairs of `block`-token blocks.
+pub fn split_by_kind(kinds: &[GroupKind], n_tokens: u64, block: u64) -> Result<Vec<KindShare>, PlanError> {
+    let unit = 2 * block.max(1);
+    let n_groups: u64 = kinds.iter().map(|kind| u64::from(kind.count)).sum();
+    if n_groups == 0
+        || kinds.iter().any(|kind| kind.count == 0)
+        || !n_tokens.is_multiple_of(unit)
+        || n_tokens / unit < n_groups
+    {
+        return Err(PlanError::NothingFits(format!(
+            "{n_tokens} tokens do not split into {n_groups} head–tail shards of whole {block}-token block pairs"
+        )));
+    }
+    let ideal = solve(kinds, n_tokens as f64, unit as f64)?;
+    round_to_units(kinds, &ideal, n_tokens / unit, unit as f64)
+}
+
+/// The linear program's tokens per group of each kind, unrounded.
+fn solve(kinds: &[GroupKind], n_tokens: f64, unit: f64) -> Result<Vec<f64>, PlanError> {
     let mut variables = ProblemVariables::new();
     let slowest = variables.add(variable().min(0.0));
-    let shards: Vec<Variable> = groups.iter().map(|_| variables.add(variable().min(unit).max(n_tokens))).collect();
+    let shards: Vec<Variable> = kinds.iter().map(|_| variables.add(variable().min(unit).max(n_tokens))).collect();
     let mut model = variables.minimise(slowest).using(microlp);
-    let total: Expression = shards.iter().copied().sum();
+    let total: Expression = kinds.iter().zip(&shards).map(|(kind, &shard)| f64::from(kind.count) * shard).sum();
     model.add_constraint(total.eq(n_tokens));
-    for (group, &shard) in groups.iter().zip(&shards) {
-        for time in &group.times_s {
+    for (kind, &shard) in kinds.iter().zip(&shards) {
+        for time in &kind.cost.times_s {
             model.add_constraint(time.expression(shard).leq(slowest));
         }
-        model.add_constraint(group.memory_bytes.expression(shard).leq(group.capacity_bytes));
+        for memory in &kind.cost.memory_bytes {
+            model.add_constraint(memory.expression(shard).leq(kind.cost.capacity_bytes));
+        }
     }
     let solution = model.solve().map_err(|error| {
-        PlanError::NothingFits(format!("no split of {n_tokens} tokens over {} groups fits: {error}", groups.len()))
+        PlanError::NothingFits(format!("no split of {n_tokens} tokens over {} group kinds fits: {error}", kinds.len()))
     })?;
     Ok(shards.iter().map(|&shard| solution.value(shard)).collect())
 }
 
 /// `ideal` tokens per group as whole units adding up to `total_units`: the units each ideal
 /// holds, then one at a time where the slowest group ends fastest, among those that can hold it.
-fn round_to_units(groups: &[GroupCost], ideal: &[f64], total_units: u64, unit: f64) -> Result<Vec<u64>, PlanError> {
-    let mut units: Vec<u64> = ideal.iter().map(|tokens| ((tokens / unit + 1e-9).floor() as u64).max(1)).collect();
-    while units.iter().sum::<u64>() > total_units {
-        let largest = (0..units.len()).max_by_key(|&g| (units[g], std::cmp::Reverse(g))).expect("groups");
-        units[largest] -= 1;
+fn round_to_units(
+    kinds: &[GroupKind],
+    ideal: &[f64],
+    total_units: u64,
+    unit: f64,
+) -> Result<Vec<KindShare>, PlanError> {
+    let mut shares: Vec<KindShare> = kinds
+        .iter()
+        .zip(ideal)
+        .map(|(kind, tokens)| KindShare {
+            units: ((tokens / unit + 1e-9).floor() as u64).max(1),
+            n_more: 0,
+            count: kind.count,
+        })
+        .collect();
+    let held = |shares: &[KindShare]| -> u64 {
+        shares.iter().map(|share| share.units * u64::from(share.count) + u64::from(share.n_more)).sum()
+    };
+    while held(&shares) > total_units {
+        let largest = (0..shares.len())
+            .filter(|&k| shares[k].units > 1 || shares[k].n_more > 0)
+            .max_by_key(|&k| (shares[k].most(), std::cmp::Reverse(k)))
+            .expect("at least one unit per group fits the sequence");
+        shares[largest].remove_one();
     }
-    while units.iter().sum::<u64>() < total_units {
-        // The slowest group's time if `with` gets one more unit (a group whose transfers shrink
-        // as its shard grows may be the slowest before it gets one).
+    while held(&shares) < total_units {
+        // The slowest group's time if a group of kind `with` gets one more unit (a group whose
+        // transfers shrink as its shard grows may be the slowest before it gets one).
         let slowest_with = |with: usize| {
-            let tokens = |g: usize| (units[g] + u64::from(g == with)) as f64 * unit;
-            (0..groups.len()).map(|g| groups[g].time_s(tokens(g))).fold(0.0, f64::max)
+            (0..kinds.len())
+                .map(|k| {
+                    let mut share = shares[k];
+                    if k == with {
+                        share.add_one();
+                    }
+                    let time = |units: u64| kinds[k].cost.time_s(units as f64 * unit);
+                    match share.n_more {
+                        0 => time(share.units),
+                        _ => time(share.units).max(time(share.units + 1)),
+                    }
+                })
+                .fold(0.0, f64::max)
         };
-        let next = (0..groups.len())
-            .filter(|&g| groups[g].fits((units[g] + 1) as f64 * unit))
+        let next = (0..kinds.len())
+            .filter(|&k| kinds[k].cost.fits((shares[k].units + 1) as f64 * unit))
             .min_by(|&a, &b| slowest_with(a).total_cmp(&slowest_with(b)).then(a.cmp(&b)))
             .ok_or_else(|| {
                 PlanError::NothingFits(format!(
                     "no group can hold another {unit}-token unit once the split is rounded to whole units"
                 ))
             })?;
-        units[next] += 1;
+        shares[next].add_one();
     }
-    Ok(units)
+    Ok(shares)
 }
 
 #[cfg(test)]
@@ -131,7 +215,7 @@ mod tests {
     fn group(speed: f64, capacity_tokens: f64) -> GroupCost {
         GroupCost {
             times_s: vec![Linear { fixed: 0.001, per_token: 1e-5 / speed }],
-            memory_bytes: Linear { fixed: 0.0, per_token: 1.0 },
+            memory_bytes: vec![Linear { fixed: 0.0, per_token: 1.0 }],
             capacity_bytes: capacity_tokens,
         }
     }
@@ -168,7 +252,7 @@ mod tests {
                 Linear { fixed: 0.0, per_token: 1e-5 / speed },
                 Linear { fixed: n * 2e-6 / link, per_token: -2e-6 / link },
             ],
-            memory_bytes: Linear { fixed: 0.0, per_token: 1.0 },
+            memory_bytes: vec![Linear { fixed: 0.0, per_token: 1.0 }],
             capacity_bytes: 1e9,
         };
         let groups = [ring(1.0, 1.0), ring(1.0, 0.05)];

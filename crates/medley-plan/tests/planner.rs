@@ -752,7 +752,7 @@ fn validate_names_what_a_hand_edit_of_a_context_stage_broke() {
 /// The slowest group's time under `counts`, or `None` when one does not fit.
 fn split_time(groups: &[GroupCost], counts: &[u64]) -> Option<f64> {
     groups.iter().zip(counts).try_fold(0.0f64, |slowest, (group, &tokens)| {
-        let fits = group.memory_bytes.at(tokens as f64) <= group.capacity_bytes;
+        let fits = group.memory_bytes.iter().all(|memory| memory.at(tokens as f64) <= group.capacity_bytes);
         fits.then(|| slowest.max(group.time_s(tokens as f64)))
     })
 }
@@ -790,7 +790,7 @@ proptest! {
                     Linear { fixed, per_token: 1e-5 / speed },
                     Linear { fixed: n_tokens as f64 * 1e-6 / link, per_token: -1e-6 / link },
                 ],
-                memory_bytes: Linear { fixed: 0.0, per_token: 1.0 },
+                memory_bytes: vec![Linear { fixed: 0.0, per_token: 1.0 }],
                 capacity_bytes: room * n_tokens as f64,
             })
             .collect();

@@ -30,6 +30,7 @@ use rayon::prelude::*;
 use crate::assemble::{ReplicaLayout, assemble, stages_from_counts};
 use crate::error::PlanError;
 use crate::evaluate::{Prediction, evaluate};
+use crate::long_context::{self, LONG_CONTEXT_TOKENS, search_long_context};
 use crate::partition::{ClassShare, ReplicaClass, split_micro_batches};
 use crate::plan::{Plan, tp_splits_heads};
 use enumerate::{for_each_combination, set_partitions, stage_vectors, type_orders};
@@ -83,8 +84,38 @@ const FINALISTS_PER_SETTING: usize = 6;
 /// Chunks per rank of the interleaved variant the search tries of each finalist.
 const INTERLEAVED_CHUNKS: u32 = 2;
 
-/// Searches the plan space and returns the best plans that fit, fastest first.
+/// Searches the plan space and returns the best plans that fit, fastest first: tensor-parallel
+/// stages, and for sequences of [`LONG_CONTEXT_TOKENS`] or more also stages that split each
+/// sequence over their devices ([`search_long_context`]), ranked together.
 pub fn search(
+    cluster: &Cluster,
+    model: &ModelSpec,
+    job: &JobSpec,
+    calibration: &Calibration,
+    options: &SearchOptions,
+) -> Result<SearchOutcome, PlanError> {
+    let tensor = search_tensor_parallel(cluster, model, job, calibration, options);
+    if job.seq_len() < LONG_CONTEXT_TOKENS || long_context::unsupported(job).is_some() {
+        return tensor;
+    }
+    let context = search_long_context(cluster, model, job, calibration, options.groups.as_deref(), None, options.top);
+    match (tensor, context) {
+        (Ok(tensor), Ok(context)) => {
+            let mut candidates: Vec<Candidate> = tensor.candidates.into_iter().chain(context.candidates).collect();
+            candidates.sort_by(|a, b| a.prediction.step_time_s.total_cmp(&b.prediction.step_time_s));
+            candidates.truncate(options.top.max(1));
+            Ok(SearchOutcome { candidates, layouts_priced: tensor.layouts_priced + context.layouts_priced })
+        }
+        (Ok(found), Err(_)) | (Err(_), Ok(found)) => Ok(found),
+        (Err(PlanError::NothingFits(tensor)), Err(PlanError::NothingFits(context))) => {
+            Err(PlanError::NothingFits(format!("{tensor}; with context parallelism: {context}")))
+        }
+        (Err(error), _) => Err(error),
+    }
+}
+
+/// The search over tensor-parallel stages (every sequence whole on each stage).
+fn search_tensor_parallel(
     cluster: &Cluster,
     model: &ModelSpec,
     job: &JobSpec,

@@ -1,0 +1,294 @@
+//! What a long-context stage costs on each of its devices: one layer's work per device (its
+//! tokens, its heads' attention over its group's shard, the all-to-alls inside its group, the
+//! keys and values from the other groups, each on its real link), the stage's passes and memory,
+//! and the same costs as linear functions of a group's shard for the split's linear program.
+
+use medley_cost::comm::{self, Link};
+use medley_cost::context::{self, ContextLayerTime, ContextWork, HeadShare, HeadSplit, KvExchange, kv_bytes_per_token};
+use medley_cost::{CostModel, GIB, MemoryBreakdown, PassTime, StageShape};
+use medley_spec::{BridgeMode, Cluster, DeviceId, DeviceSlot, NodeGroup, Recompute};
+
+use crate::context::StageContext;
+use crate::shard_split::{GroupCost, Linear};
+
+/// Bytes per element of activations, keys and values (bf16).
+const ACTIVATION_BYTES: u64 = 2;
+
+/// One device of a long-context stage and what it does in one layer.
+#[derive(Clone, Copy, Debug)]
+pub struct DeviceWork {
+    pub device: DeviceId,
+    pub work: ContextWork,
+    /// Attention buffers it holds for the layer in flight: its heads' Q, K, V and output over its
+    /// group's shard, and the keys and values it receives.
+    pub buffer_bytes: f64,
+}
+
+/// Prices long-context stages of one model on one cluster.
+#[derive(Clone, Copy)]
+pub struct ContextPricer<'a> {
+    pub cost: &'a CostModel<'a>,
+    pub cluster: &'a Cluster,
+    pub slots: &'a [DeviceSlot],
+}
+
+/// A head-parallel group as the pricer sees it: its node group, its shard, its devices' tokens
+/// and heads, and the link its keys and values travel between groups.
+struct GroupView<'a> {
+    node_group: &'a NodeGroup,
+    shard_tokens: u64,
+    device_tokens: Vec<u64>,
+    heads: Vec<HeadShare>,
+    kv_link: Link,
+    n_groups: usize,
+    kv_exchange: KvExchange,
+}
+
+impl<'a> ContextPricer<'a> {
+    fn node_group(&self, device: DeviceId) -> &'a NodeGroup {
+        &self.cluster.groups()[self.slots[device as usize].group_idx]
+    }
+
+    /// One layer's work on each device of a stage holding `devices` with `context`.
+    pub fn device_works(&self, context: &StageContext, devices: &[DeviceId]) -> Vec<DeviceWork> {
+        let seq_len = context.groups.iter().map(|group| group.tokens).sum();
+        let shards = context.shards(seq_len);
+        let firsts: Vec<DeviceId> =
+            (0..context.groups.len()).map(|idx| context.group_devices(devices, idx)[0]).collect();
+        let kv_link = self.ring_link(&firsts);
+        let mut works = Vec::with_capacity(devices.len());
+        for (idx, group) in context.groups.iter().enumerate() {
+            let members = context.group_devices(devices, idx);
+            let split = HeadSplit::from_q_heads(self.cost.model(), &group.heads).expect("a checked plan's heads");
+            let view = GroupView {
+                node_group: self.node_group(members[0]),
+                shard_tokens: u64::from(group.tokens),
+                device_tokens: group.device_tokens.iter().map(|&tokens| u64::from(tokens)).collect(),
+                heads: split.shares().to_vec(),
+                kv_link,
+                n_groups: context.groups.len(),
+                kv_exchange: context.kv_exchange,
+            };
+            for (me, &device) in members.iter().enumerate() {
+                let kv = context::kv_traffic(
+                    self.cost.model(),
+                    &shards,
+                    idx,
+                    view.heads[me].kv_heads,
+                    view.kv_exchange,
+                    ACTIVATION_BYTES,
+                );
+                works.push(self.device_work(&view, me, device, kv.sent.max(kv.received) as f64, shards.n_tokens()));
+            }
+        }
+        works
+    }
+
+    /// Device `me` of `view`'s group, which sends or receives `kv_bytes` of keys and values at most.
+    fn device_work(&self, view: &GroupView, me: usize, device: DeviceId, kv_bytes: f64, n_tokens: u64) -> DeviceWork {
+        let model = self.cost.model();
+        let share = view.heads[me];
+        let ulysses = context::ulysses_traffic(model, &view.device_tokens, &view.heads, me, ACTIVATION_BYTES);
+        let peers = view.device_tokens.len() as f64 - 1.0;
+        let all_to_all_s =
+            transfers_s(comm::intra_node_peer_link(view.node_group), peers, ulysses.sent.max(ulysses.received) as f64);
+        let others = view.n_groups as f64 - 1.0;
+        let kv_s = transfers_s(view.kv_link, others, kv_bytes);
+        let work = ContextWork {
+            tokens: view.device_tokens[me] as f64,
+            attention_flops: context::attention_core_flops(model, n_tokens, view.shard_tokens, share.q_heads),
+            all_to_all_s,
+            kv_s,
+            kv_exchange: view.kv_exchange,
+        };
+        DeviceWork { device, work, buffer_bytes: self.buffer_bytes(view, share, n_tokens) }
+    }
+
+    /// Q, K, V in and the output out for the device's heads over the group's shard, and the keys
+    /// and values of the others: two blocks in flight around a ring, all of them gathered.
+    fn buffer_bytes(&self, view: &GroupView, share: HeadShare, n_tokens: u64) -> f64 {
+        let model = self.cost.model();
+        let head_dim = u64::from(model.head_dim());
+        let shard = view.shard_tokens;
+        let heads = (2 * u64::from(share.q_heads) + 2 * u64::from(share.kv_heads)) * head_dim * ACTIVATION_BYTES;
+        let others = (n_tokens - shard) as f64;
+        let received = match (view.kv_exchange, view.n_groups) {
+            (_, 1) => 0.0,
+            (KvExchange::Ring, n) => 2.0 * others / (n as f64 - 1.0),
+            (KvExchange::AllGather, _) => others,
+        };
+        (shard * heads) as f64 + received * kv_bytes_per_token(model, share.kv_heads, ACTIVATION_BYTES) as f64
+    }
+
+    /// The link a ring through the groups' first devices, in order, is held back by.
+    fn ring_link(&self, firsts: &[DeviceId]) -> Link {
+        let n = firsts.len();
+        (0..n)
+            .map(|idx| {
+                let (a, b) = (self.slots[firsts[idx] as usize], self.slots[firsts[(idx + 1) % n] as usize]);
+                comm::link_between(self.cluster, a, b, BridgeMode::DeviceDirect)
+            })
+            .reduce(Link::slowest)
+            .unwrap_or(Link { gb_s: f64::INFINITY, latency_us: 0.0 })
+    }
+
+    /// One layer and the stage's passes on `work`'s device.
+    fn layer_time(&self, work: &DeviceWork, recompute: Recompute) -> ContextLayerTime {
+        self.cost.context_layer_time(self.node_group(work.device), work.work, recompute)
+    }
+
+    /// A stage of `shape` for one micro-batch on `work`'s device.
+    pub fn device_pass(&self, work: &DeviceWork, shape: StageShape, recompute: Recompute) -> PassTime {
+        let layer = self.layer_time(work, recompute);
+        let layers = f64::from(shape.n_layers);
+        let pass = PassTime {
+            forward_s: layers * layer.pass_s(layer.forward),
+            backward_s: layers * layer.pass_s(layer.backward),
+            weight_grad_s: layers * layer.weight_grad_s,
+        };
+        match shape.head {
+            true => pass.plus(self.cost.context_head_time(self.node_group(work.device), work.work.tokens)),
+            false => pass,
+        }
+    }
+
+    /// The stage's pass: its slowest device's, as every device waits for the others each layer.
+    pub fn stage_pass(&self, works: &[DeviceWork], shape: StageShape, recompute: Recompute) -> PassTime {
+        works
+            .iter()
+            .map(|work| self.device_pass(work, shape, recompute))
+            .max_by(|a, b| a.total_s().total_cmp(&b.total_s()))
+            .unwrap_or_default()
+    }
+
+    /// Peak memory of `work`'s device.
+    pub fn device_memory(
+        &self,
+        work: &DeviceWork,
+        shape: StageShape,
+        recompute: Recompute,
+        in_flight: f64,
+        optimizer_shards: u32,
+    ) -> MemoryBreakdown {
+        self.cost.context_memory(shape, recompute, in_flight, optimizer_shards, work.work.tokens, work.buffer_bytes)
+    }
+
+    /// Tokens of a group's devices holding `heads` query heads each over a shard of `shard`
+    /// tokens of `n_tokens`, so that each device's projections, MLP and attention take as long:
+    /// a device with more heads (grouped-query units need not divide evenly) holds fewer tokens.
+    pub fn balance_tokens(
+        &self,
+        node_group: &NodeGroup,
+        n_tokens: u64,
+        shard: u64,
+        heads: &[u32],
+        recompute: Recompute,
+    ) -> Vec<u32> {
+        let work = |tokens: f64, q_heads: u32| ContextWork {
+            tokens,
+            attention_flops: context::attention_core_flops(self.cost.model(), n_tokens, shard, q_heads),
+            all_to_all_s: 0.0,
+            kv_s: 0.0,
+            kv_exchange: KvExchange::AllGather,
+        };
+        let seconds =
+            |tokens, q_heads| self.cost.context_layer_time(node_group, work(tokens, q_heads), recompute).total_s();
+        let per_head_in_tokens = seconds(0.0, 1) / seconds(1.0, 0).max(f64::MIN_POSITIVE);
+        let mean_heads = heads.iter().map(|&q| f64::from(q)).sum::<f64>() / heads.len() as f64;
+        let weights: Vec<f64> = heads
+            .iter()
+            .map(|&q| (shard as f64 / heads.len() as f64 + per_head_in_tokens * (mean_heads - f64::from(q))).max(1.0))
+            .collect();
+        context::split_whole(shard as u32, &weights).expect("a shard holds at least a token per device")
+    }
+
+    /// A group of `size` devices of `node_group` with heads split as evenly as grouped-query
+    /// units allow and the shard's tokens evenly, in a stage of `n_groups` groups over `n_tokens`
+    /// whose keys and values travel on `kv_link`, as linear functions of the group's shard: what
+    /// the split's linear program balances, for every stage of `frames` (they share the split).
+    #[allow(clippy::too_many_arguments)]
+    pub fn group_cost(
+        &self,
+        node_group: &NodeGroup,
+        size: usize,
+        n_groups: usize,
+        n_tokens: u64,
+        kv_link: Link,
+        kv_exchange: KvExchange,
+        frames: &[StageFrame],
+    ) -> GroupCost {
+        let heads =
+            HeadSplit::proportional(self.cost.model(), &vec![1.0; size]).expect("a group no larger than the heads");
+        let heads = heads.shares().to_vec();
+        // Two shards a multiple of the group's size: every cost is linear in the shard.
+        let points = [size as u64 * 2, size as u64 * 4].map(|tokens| tokens.min(n_tokens));
+        let at = |shard_tokens: u64, stage: &StageFrame| -> (Vec<f64>, Vec<f64>) {
+            let view = GroupView {
+                node_group,
+                shard_tokens,
+                device_tokens: vec![shard_tokens / size as u64; size],
+                heads: heads.clone(),
+                kv_link,
+                n_groups,
+                kv_exchange,
+            };
+            let (mut pieces, mut memory) = (Vec::new(), Vec::new());
+            for (me, share) in heads.iter().enumerate() {
+                let received =
+                    (n_tokens - shard_tokens) * kv_bytes_per_token(self.cost.model(), share.kv_heads, ACTIVATION_BYTES);
+                let work = self.device_work(&view, me, 0, received as f64, n_tokens);
+                let layer = self.cost.context_layer_time(node_group, work.work, stage.recompute);
+                let head = match stage.shape.head {
+                    true => self.cost.context_head_time(node_group, work.work.tokens).total_s(),
+                    false => 0.0,
+                };
+                let layers = f64::from(stage.shape.n_layers);
+                pieces.extend(layer.pieces_s().into_iter().map(|piece| layers * piece + head));
+                let held = self.cost.context_memory(
+                    stage.shape,
+                    stage.recompute,
+                    stage.in_flight,
+                    stage.optimizer_shards,
+                    work.work.tokens,
+                    work.buffer_bytes,
+                );
+                memory.push(held.total());
+            }
+            (pieces, memory)
+        };
+        let line = |a: f64, b: f64| {
+            let per_token = (b - a) / (points[1] - points[0]).max(1) as f64;
+            Linear { fixed: a - per_token * points[0] as f64, per_token }
+        };
+        let lines = |a: Vec<f64>, b: Vec<f64>| a.into_iter().zip(b).map(|(a, b)| line(a, b)).collect::<Vec<_>>();
+        let (mut times_s, mut memory_bytes) = (Vec::new(), Vec::new());
+        for frame in frames {
+            let ((pieces_a, memory_a), (pieces_b, memory_b)) = (at(points[0], frame), at(points[1], frame));
+            times_s.extend(lines(pieces_a, pieces_b));
+            memory_bytes.extend(lines(memory_a, memory_b));
+        }
+        // Devices with the same heads cost the same: one constraint each is enough.
+        for lines in [&mut times_s, &mut memory_bytes] {
+            lines.sort_by(|a, b| a.fixed.total_cmp(&b.fixed).then(a.per_token.total_cmp(&b.per_token)));
+            lines.dedup();
+        }
+        GroupCost { times_s, memory_bytes, capacity_bytes: node_group.device.hbm_gib * GIB }
+    }
+}
+
+/// What a stage holds and keeps in flight, for pricing its groups.
+#[derive(Clone, Copy, Debug)]
+pub struct StageFrame {
+    pub shape: StageShape,
+    pub recompute: Recompute,
+    pub in_flight: f64,
+    pub optimizer_shards: u32,
+}
+
+/// `bytes` to or from `peers` others over `link`: one latency each, the bytes at its rate.
+fn transfers_s(link: Link, peers: f64, bytes: f64) -> f64 {
+    if peers <= 0.0 {
+        return 0.0;
+    }
+    peers * link.latency_us * 1e-6 + bytes / (link.gb_s * 1e9)
+}

@@ -1,0 +1,510 @@
+//! The long-context search: plans whose stages split each sequence over their devices, unevenly
+//! by each device's speed, memory and links (HexiSeq, arXiv 2605.07569), inside pipeline and
+//! data parallelism.
+//!
+//! The search is hierarchical:
+//! 1. *Head-parallel groups* form along bandwidth: `hp` devices of one node (its fastest links).
+//! 2. A vendor's chosen node groups are cut into `pp · dp` identical *cells*, each holding the
+//!    same number of head-parallel groups of every kind; a cell is one pipeline stage of one
+//!    replica. Every subset of the node groups, every `hp`, `pp`, `dp` and recompute mode is a
+//!    candidate.
+//! 3. In a cell, the sequence splits over the groups by the linear program of
+//!    [`shard_split`](crate::shard_split): balanced step time under every device's memory.
+//! 4. Inside a group, heads split in grouped-query units and tokens balance the devices that got
+//!    more heads ([`ContextPricer::balance_tokens`]).
+//! 5. Vendors' blocks combine as data-parallel replicas with uneven batch shares
+//!    ([`split_micro_batches`]); the best estimated layouts become explicit plans, priced again by
+//!    [`evaluate`] and ranked by that one number.
+
+mod even;
+
+use std::collections::BTreeMap;
+
+use itertools::Itertools;
+use medley_cost::comm::{self, Link};
+use medley_cost::context::{HeadSplit, KvExchange};
+use medley_cost::{Calibration, CostModel, PassTime, Setting, StageShape};
+use medley_spec::{
+    Cluster, DeviceId, DeviceSlot, JobSpec, ModelSpec, NodeGroup, Recompute, Schedule, ScheduleKind, Vendor,
+};
+use rayon::prelude::*;
+
+pub use even::{EvenBaselines, EvenKind, even_plan};
+
+use crate::assemble::{ReplicaLayout, assemble};
+use crate::context::{HeadGroup, StageContext};
+use crate::context_price::{ContextPricer, StageFrame};
+use crate::error::PlanError;
+use crate::evaluate::{PipelineTiming, evaluate};
+use crate::layers::LayerRange;
+use crate::partition::{ClassShare, ReplicaClass, split_micro_batches};
+use crate::plan::{PLAN_VERSION, Plan, Stage};
+use crate::search::{Candidate, SearchOutcome};
+use crate::shard_split::{GroupKind, KindShare, split_by_kind};
+
+/// Sequences at least this long also get context-parallel candidates.
+pub const LONG_CONTEXT_TOKENS: u32 = 16_384;
+/// Head-parallel group sizes tried: powers of two up to a node.
+const HP_DEGREES: [u32; 4] = [1, 2, 4, 8];
+/// Tokens per attention block: FlashAttention's tile and the ring's unit of work.
+const BLOCK_TOKENS: u32 = 128;
+/// Configurations kept per vendor block before blocks are combined.
+const CONFIGS_PER_BLOCK: usize = 4;
+/// Estimated layouts that become explicit plans.
+const FINALISTS: usize = 8;
+
+/// Degrees a user pins (`--fix cp=4,hp=2`): `cp` head-parallel groups of `hp` devices per
+/// stage, `pp` stages, `dp` replicas per vendor block. The split within them is still chosen.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub struct ContextDegrees {
+    pub cp: u32,
+    pub hp: u32,
+    pub pp: u32,
+    pub dp: u32,
+}
+
+/// A kind of head-parallel group in a cell: `size` devices of one node of node group `group`,
+/// `per_cell` of them in every cell.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+struct Kind {
+    group: usize,
+    size: u32,
+    per_cell: u32,
+}
+
+/// One vendor block's layout, priced: `pp · dp` identical cells of `kinds`, shards `shares`.
+#[derive(Clone, Debug)]
+struct BlockConfig {
+    kinds: Vec<Kind>,
+    pp: u32,
+    dp: u32,
+    recompute: Recompute,
+    shares: Vec<KindShare>,
+    timing: PipelineTiming,
+    /// Gradient synchronisation and optimizer step after the pipeline drains.
+    after_s: f64,
+}
+
+impl BlockConfig {
+    /// Micro-batches per second the block's replicas sustain.
+    fn throughput(&self) -> f64 {
+        f64::from(self.dp) / self.timing.cycle_s
+    }
+}
+
+/// The block size of a sequence of `seq_len` tokens: [`BLOCK_TOKENS`], or the largest power
+/// of two such that the sequence is whole pairs of blocks.
+pub(crate) fn block_tokens(seq_len: u32) -> u32 {
+    let mut block = BLOCK_TOKENS;
+    while block > 1 && !seq_len.is_multiple_of(2 * block) {
+        block /= 2;
+    }
+    block
+}
+
+/// Why the job cannot have context-parallel plans, if it cannot.
+pub fn unsupported(job: &JobSpec) -> Option<String> {
+    if job.micro_batch().is_some_and(|micro_batch| micro_batch != 1) {
+        return Some("context parallelism splits one sequence per micro-batch: leave the micro-batch at 1".into());
+    }
+    if job.schedule() == Schedule::Fixed(ScheduleKind::Interleaved) {
+        return Some("context-parallel stages run one model chunk per rank, not interleaved 1F1B".into());
+    }
+    if job.seq_len() % 2 != 0 {
+        return Some(format!("a sequence of {} tokens does not split into head–tail halves", job.seq_len()));
+    }
+    None
+}
+
+/// The long-context planner over one model, job and cluster.
+pub(crate) struct ContextSpace<'a> {
+    cluster: &'a Cluster,
+    job: &'a JobSpec,
+    cost: CostModel<'a>,
+    slots: Vec<DeviceSlot>,
+    first_ids: Vec<u32>,
+    block: u32,
+}
+
+impl<'a> ContextSpace<'a> {
+    pub(crate) fn new(
+        cluster: &'a Cluster,
+        model: &'a ModelSpec,
+        job: &'a JobSpec,
+        calibration: &'a Calibration,
+    ) -> Self {
+        ContextSpace {
+            cluster,
+            job,
+            cost: CostModel::new(model, job.seq_len(), calibration),
+            slots: cluster.devices(),
+            first_ids: cluster.group_first_ids(),
+            block: block_tokens(job.seq_len()),
+        }
+    }
+
+    fn pricer(&self) -> ContextPricer<'_> {
+        ContextPricer { cost: &self.cost, cluster: self.cluster, slots: &self.slots }
+    }
+
+    fn model(&self) -> &ModelSpec {
+        self.cost.model()
+    }
+
+    fn node_group(&self, group: usize) -> &NodeGroup {
+        &self.cluster.groups()[group]
+    }
+
+    fn recomputes(&self) -> Vec<Recompute> {
+        self.job.recompute().map_or(Recompute::ALL.to_vec(), |recompute| vec![recompute])
+    }
+
+    /// Head-parallel groups of `size` devices node group `group` holds.
+    fn groups_of(&self, group: usize, size: u32) -> u32 {
+        let node_group = self.node_group(group);
+        node_group.n_nodes * (node_group.gpus_per_node / size)
+    }
+
+    /// Every block configuration of `groups` (one vendor's) the degrees allow, priced.
+    fn block_configs(&self, groups: &[usize], fixed: Option<ContextDegrees>) -> Vec<BlockConfig> {
+        let subsets: Vec<Vec<usize>> =
+            (1..=groups.len()).flat_map(|k| groups.iter().copied().combinations(k)).collect();
+        let sizes: Vec<u32> = match fixed {
+            Some(degrees) => vec![degrees.hp],
+            None => HP_DEGREES.to_vec(),
+        };
+        let mut candidates = Vec::new();
+        for (subset, &size) in subsets.iter().flat_map(|subset| sizes.iter().map(move |size| (subset, size))) {
+            let fits_nodes = subset.iter().all(|&g| self.node_group(g).gpus_per_node.is_multiple_of(size));
+            if !fits_nodes || size > self.model().n_heads() {
+                continue;
+            }
+            for (pp, dp, per_cell) in self.cell_counts(subset, size, fixed) {
+                let kinds: Vec<Kind> =
+                    subset.iter().zip(&per_cell).map(|(&group, &per_cell)| Kind { group, size, per_cell }).collect();
+                candidates.extend(self.recomputes().into_iter().map(|recompute| (kinds.clone(), pp, dp, recompute)));
+            }
+        }
+        candidates
+            .into_par_iter()
+            .filter_map(|(kinds, pp, dp, recompute)| self.price_block(kinds, pp, dp, recompute))
+            .collect()
+    }
+
+    /// (pp, dp, head-parallel groups of each of `subset`'s kinds per cell): every group used
+    /// when nothing is pinned, else the pinned degrees with every way to make up `cp` groups.
+    fn cell_counts(&self, subset: &[usize], size: u32, fixed: Option<ContextDegrees>) -> Vec<(u32, u32, Vec<u32>)> {
+        let available: Vec<u32> = subset.iter().map(|&g| self.groups_of(g, size)).collect();
+        let n_layers = self.model().n_layers();
+        if let Some(degrees) = fixed {
+            let cells = degrees.pp * degrees.dp;
+            let bounds: Vec<u32> = available.iter().map(|&n| (n / cells).min(degrees.cp)).collect();
+            return compositions(degrees.cp, &bounds)
+                .into_iter()
+                .filter(|_| degrees.pp <= n_layers)
+                .map(|per_cell| (degrees.pp, degrees.dp, per_cell))
+                .collect();
+        }
+        let fewest = available.iter().copied().min().unwrap_or(0);
+        let mut counts = Vec::new();
+        for pp in (0..).map(|e| 1u32 << e).take_while(|&pp| pp <= n_layers.min(fewest)) {
+            let mut dps: Vec<u32> = available
+                .iter()
+                .flat_map(|&n| (1..=n / pp).filter(move |dp| (n / pp).is_multiple_of(*dp)))
+                .chain((0..).map(|e| 1u32 << e).take_while(|&dp| dp <= fewest / pp))
+                .filter(|&dp| dp * pp <= fewest && dp <= self.job.global_batch())
+                .collect();
+            dps.sort_unstable();
+            dps.dedup();
+            for dp in dps {
+                counts.push((pp, dp, available.iter().map(|&n| n / (pp * dp)).collect()));
+            }
+        }
+        counts
+    }
+
+    /// The link keys and values cross between a cell's groups: the node's, when the cell fits
+    /// in one node, else the network between the kinds' nodes.
+    fn kv_link(&self, kinds: &[Kind]) -> Link {
+        let node_group = self.node_group(kinds[0].group);
+        match kinds {
+            [kind] if kind.per_cell * kind.size <= node_group.gpus_per_node => comm::intra_node_peer_link(node_group),
+            _ => self.nic(kinds),
+        }
+    }
+
+    /// Prices one block configuration, if its split fits in memory.
+    fn price_block(&self, kinds: Vec<Kind>, pp: u32, dp: u32, recompute: Recompute) -> Option<BlockConfig> {
+        let model = self.model();
+        let n_tokens = u64::from(self.job.seq_len());
+        let n_layers = model.n_layers();
+        let cell_devices: u32 = kinds.iter().map(|kind| kind.per_cell * kind.size).sum();
+        let n_groups: usize = kinds.iter().map(|kind| kind.per_cell as usize).sum();
+        let micro_batches = self.job.global_batch().div_ceil(dp);
+        let in_flight = f64::from(self.job.schedule().in_flight(0, pp as usize, 1, micro_batches));
+        let optimizer_shards = if self.job.zero1() { dp * cell_devices } else { 1 };
+        let first = StageShape { n_layers: n_layers.div_ceil(pp), embedding: true, head: pp == 1 };
+        let last = StageShape { n_layers: n_layers / pp, embedding: pp == 1, head: true };
+        let frames = [
+            StageFrame { shape: first, recompute, in_flight, optimizer_shards },
+            StageFrame { shape: last, recompute, in_flight: 1.0, optimizer_shards },
+        ];
+        let kv_link = self.kv_link(&kinds);
+        let pricer = self.pricer();
+        let group_kinds: Vec<GroupKind> = kinds
+            .iter()
+            .map(|kind| GroupKind {
+                cost: pricer.group_cost(
+                    self.node_group(kind.group),
+                    kind.size as usize,
+                    n_groups,
+                    n_tokens,
+                    kv_link,
+                    KvExchange::Ring,
+                    &frames,
+                ),
+                count: kind.per_cell,
+            })
+            .collect();
+        let shares = split_by_kind(&group_kinds, n_tokens, u64::from(self.block)).ok()?;
+        let unit = 2 * u64::from(self.block);
+        let stage_s = group_kinds
+            .iter()
+            .zip(&shares)
+            .flat_map(|(kind, share)| share.tokens(unit).dedup().map(|tokens| kind.cost.time_s(tokens as f64)))
+            .fold(0.0, f64::max);
+        let most_tokens = kinds
+            .iter()
+            .zip(&shares)
+            .map(|(kind, share)| (share.units + 1) * unit / u64::from(kind.size))
+            .max()
+            .unwrap_or(n_tokens);
+        let boundary_s = kv_link.transfer_s(most_tokens as f64 * 2.0 * f64::from(model.hidden()));
+        let pass = PassTime { forward_s: stage_s / 3.0, backward_s: 2.0 * stage_s / 3.0, weight_grad_s: 0.0 };
+        let timing = PipelineTiming::new(&vec![pass; pp as usize], &vec![boundary_s; pp as usize - 1]);
+        let params = self.cost.stage_params(first);
+        let members = dp * cell_devices;
+        let sync_link = match members > self.node_group(kinds[0].group).gpus_per_node {
+            true => self.nic(&kinds),
+            false => kv_link,
+        };
+        let sync_s = comm::ring_all_reduce_s(2.0 * params, members, sync_link);
+        let optimizer_s = kinds
+            .iter()
+            .map(|kind| self.cost.optimizer_step_s(self.node_group(kind.group), params / f64::from(optimizer_shards)))
+            .fold(0.0, f64::max);
+        Some(BlockConfig { kinds, pp, dp, recompute, shares, timing, after_s: sync_s + optimizer_s })
+    }
+
+    /// The network between `kinds`' nodes.
+    fn nic(&self, kinds: &[Kind]) -> Link {
+        let groups: Vec<&NodeGroup> = kinds.iter().map(|kind| self.node_group(kind.group)).collect();
+        comm::nic_link(self.cluster, &groups)
+    }
+
+    /// The best layouts over the vendors' blocks, estimated, best first, and how many block
+    /// configurations were priced.
+    fn layouts(
+        &self,
+        allowed: &[usize],
+        fixed: Option<ContextDegrees>,
+    ) -> (Vec<Vec<(BlockConfig, ClassShare)>>, usize) {
+        let mut by_vendor: BTreeMap<Vendor, Vec<usize>> = BTreeMap::new();
+        for &g in allowed {
+            by_vendor.entry(self.node_group(g).device.vendor).or_default().push(g);
+        }
+        let mut priced = 0;
+        let mut blocks: Vec<Vec<Option<BlockConfig>>> = Vec::new();
+        for groups in by_vendor.values() {
+            let mut configs = self.block_configs(groups, fixed);
+            priced += configs.len();
+            configs.sort_by(|a, b| b.throughput().total_cmp(&a.throughput()));
+            let mut options: Vec<Option<BlockConfig>> = configs.into_iter().take(CONFIGS_PER_BLOCK).map(Some).collect();
+            options.push(None);
+            blocks.push(options);
+        }
+        let mut layouts: Vec<(f64, Vec<(BlockConfig, ClassShare)>)> = blocks
+            .iter()
+            .multi_cartesian_product()
+            .filter_map(|choice| {
+                let chosen: Vec<&BlockConfig> = choice.into_iter().flatten().collect();
+                let classes: Vec<ReplicaClass> =
+                    chosen.iter().map(|config| ReplicaClass { timing: config.timing, count: config.dp }).collect();
+                let (pipeline_s, shares) = split_micro_batches(&classes, self.job.global_batch())?;
+                let after_s = chosen.iter().map(|config| config.after_s).fold(0.0, f64::max);
+                Some((pipeline_s + after_s, chosen.into_iter().cloned().zip(shares).collect()))
+            })
+            .collect();
+        layouts.sort_by(|a, b| a.0.total_cmp(&b.0));
+        (layouts.into_iter().take(FINALISTS).map(|(_, layout)| layout).collect(), priced)
+    }
+
+    /// The plan of `layout`: each block's cells in order, replica by replica.
+    fn build(&self, layout: &[(BlockConfig, ClassShare)]) -> Result<Plan, PlanError> {
+        let recompute = layout[0].0.recompute;
+        let mut replicas = Vec::new();
+        for (config, share) in layout {
+            // Every head-parallel group of each kind, node by node, in device order.
+            let kind_groups: Vec<Vec<Vec<DeviceId>>> = config.kinds.iter().map(|kind| self.hp_groups(*kind)).collect();
+            let unit = 2 * u64::from(self.block);
+            let mut micro_batches = share.per_replica();
+            for replica in 0..config.dp {
+                let stages = (0..config.pp)
+                    .map(|stage| {
+                        let cell = (replica * config.pp + stage) as usize;
+                        config
+                            .kinds
+                            .iter()
+                            .zip(&kind_groups)
+                            .zip(&config.shares)
+                            .flat_map(|((kind, groups), share)| {
+                                let cell_groups = &groups[cell * kind.per_cell as usize..][..kind.per_cell as usize];
+                                cell_groups.iter().cloned().zip(share.tokens(unit))
+                            })
+                            .collect::<Vec<_>>()
+                    })
+                    .collect::<Vec<_>>();
+                let n_micro_batches = micro_batches.next().expect("a share per replica");
+                replicas.push(self.replica(stages, n_micro_batches, recompute, false));
+            }
+        }
+        self.plan(recompute, replicas)
+    }
+
+    /// `kind`'s head-parallel groups over its node group, node by node.
+    fn hp_groups(&self, kind: Kind) -> Vec<Vec<DeviceId>> {
+        let node_group = self.node_group(kind.group);
+        let first = self.first_ids[kind.group];
+        (0..node_group.n_nodes * node_group.gpus_per_node / kind.size)
+            .map(|idx| (first + idx * kind.size..first + (idx + 1) * kind.size).collect())
+            .collect()
+    }
+
+    /// A replica whose stages hold `stages[i]`'s groups (devices and shard tokens), layers split
+    /// as evenly as they go (the first stages take the remainder), device tokens even or
+    /// balanced against uneven heads.
+    fn replica(
+        &self,
+        stages: Vec<Vec<(Vec<DeviceId>, u64)>>,
+        n_micro_batches: u32,
+        recompute: Recompute,
+        even: bool,
+    ) -> ReplicaLayout {
+        let n_layers = self.model().n_layers();
+        let pp = stages.len() as u32;
+        let mut start = 0;
+        let stages = stages
+            .into_iter()
+            .enumerate()
+            .map(|(idx, groups)| {
+                let count = n_layers / pp + u32::from((idx as u32) < n_layers % pp);
+                let layers = LayerRange { start, end: start + count };
+                start += count;
+                self.stage(groups, layers, recompute, even)
+            })
+            .collect();
+        ReplicaLayout { n_micro_batches, stages }
+    }
+
+    fn stage(&self, groups: Vec<(Vec<DeviceId>, u64)>, layers: LayerRange, recompute: Recompute, even: bool) -> Stage {
+        let n_tokens = u64::from(self.job.seq_len());
+        let pricer = self.pricer();
+        let mut devices = Vec::new();
+        let groups = groups
+            .into_iter()
+            .map(|(members, tokens)| {
+                let weights = vec![1.0; members.len()];
+                let heads: Vec<u32> = HeadSplit::proportional(self.model(), &weights)
+                    .expect("a group no larger than the heads")
+                    .shares()
+                    .iter()
+                    .map(|share| share.q_heads)
+                    .collect();
+                let device_tokens = match even {
+                    true => medley_cost::context::split_whole(tokens as u32, &weights).expect("a token per device"),
+                    false => {
+                        let node_group = &self.cluster.groups()[self.slots[members[0] as usize].group_idx];
+                        pricer.balance_tokens(node_group, n_tokens, tokens, &heads, recompute)
+                    }
+                };
+                devices.extend(members);
+                HeadGroup { tokens: tokens as u32, device_tokens, heads }
+            })
+            .collect();
+        let context = StageContext { block: self.block, kv_exchange: KvExchange::Ring, groups };
+        Stage { devices, layers, context: Some(context) }
+    }
+
+    /// The plan of `replicas`, routes chosen.
+    fn plan(&self, recompute: Recompute, replicas: Vec<ReplicaLayout>) -> Result<Plan, PlanError> {
+        let setting = Setting { micro_batch: 1, tp: 1, recompute };
+        let mut parts = assemble(self.cluster, &self.cost, self.job, setting, self.job.schedule(), 1, replicas);
+        parts.version = PLAN_VERSION;
+        Plan::new(parts)
+    }
+}
+
+/// Every way to pick `bounds.len()` counts, each from 1 to its bound, adding up to `total`.
+fn compositions(total: u32, bounds: &[u32]) -> Vec<Vec<u32>> {
+    match bounds {
+        [] => vec![],
+        [bound] => {
+            if (1..=*bound).contains(&total) {
+                vec![vec![total]]
+            } else {
+                vec![]
+            }
+        }
+        [bound, rest @ ..] => (1..=(*bound).min(total.saturating_sub(rest.len() as u32)))
+            .flat_map(|first| {
+                compositions(total - first, rest).into_iter().map(move |mut tail| {
+                    tail.insert(0, first);
+                    tail
+                })
+            })
+            .collect(),
+    }
+}
+
+/// Searches context-parallel plans over `groups` of the cluster (all when `None`), with degrees
+/// pinned or not, and returns the `top` fastest that fit.
+pub fn search_long_context(
+    cluster: &Cluster,
+    model: &ModelSpec,
+    job: &JobSpec,
+    calibration: &Calibration,
+    groups: Option<&[usize]>,
+    fixed: Option<ContextDegrees>,
+    top: usize,
+) -> Result<SearchOutcome, PlanError> {
+    if let Some(reason) = unsupported(job) {
+        return Err(PlanError::NothingFits(reason));
+    }
+    let space = ContextSpace::new(cluster, model, job, calibration);
+    let allowed: Vec<usize> = groups.map_or_else(|| (0..cluster.groups().len()).collect(), <[usize]>::to_vec);
+    let (layouts, layouts_priced) = space.layouts(&allowed, fixed);
+    let built: Vec<Plan> = layouts.par_iter().map(|layout| space.build(layout)).collect::<Result<_, _>>()?;
+    let mut candidates: Vec<Candidate> = built
+        .into_par_iter()
+        .map(|plan| {
+            let prediction = evaluate(&plan, calibration);
+            Candidate { plan, prediction }
+        })
+        .filter(|candidate| candidate.prediction.fits)
+        .collect();
+    candidates.sort_by(|a, b| a.prediction.step_time_s.total_cmp(&b.prediction.step_time_s));
+    candidates.truncate(top.max(1));
+    if candidates.is_empty() {
+        return Err(PlanError::NothingFits(format!(
+            "no context-parallel layout of {} at {} tokens fits{}",
+            model.name(),
+            job.seq_len(),
+            match fixed {
+                Some(degrees) =>
+                    format!(" with cp={} hp={} pp={} dp={}", degrees.cp, degrees.hp, degrees.pp, degrees.dp),
+                None => String::new(),
+            }
+        )));
+    }
+    Ok(SearchOutcome { candidates, layouts_priced })
+}
