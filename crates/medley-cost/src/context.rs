@@ -44,6 +44,15 @@ pub fn causal_pairs(positions: Range<u64>) -> u64 {
     triangle(positions.end) - triangle(positions.start)
 }
 
+/// Pairs (q, k) with q in `queries`, k in `keys` and k ≤ q.
+fn pairs_in(queries: Range<u64>, keys: Range<u64>) -> u64 {
+    // Queries among the keys see the keys up to themselves; later queries see all of them.
+    let among = queries.start.max(keys.start)..queries.end.min(keys.end);
+    let diagonal = if among.is_empty() { 0 } else { causal_pairs(among.start - keys.start..among.end - keys.start) };
+    let after = queries.end.saturating_sub(queries.start.max(keys.end));
+    diagonal + after * (keys.end - keys.start)
+}
+
 /// A sequence of `n_tokens` split into head–tail shards.
 #[derive(Clone, Debug, PartialEq, Eq)]
 pub struct HeadTailShards {
@@ -118,6 +127,17 @@ impl HeadTailShards {
     /// `tokens · (N + 1) / 2`.
     pub fn pairs(&self, shard: usize) -> u64 {
         self.ranges(shard).into_iter().map(causal_pairs).sum()
+    }
+
+    /// Of them, the pairs whose keys are shard `keys`'s: the attention a ring step computes on
+    /// the block it received.
+    pub fn pairs_between(&self, queries: usize, keys: usize) -> u64 {
+        let key_ranges = self.ranges(keys);
+        self.ranges(queries)
+            .into_iter()
+            .flat_map(|q| key_ranges.clone().map(|k| (q.clone(), k)))
+            .map(|(q, k)| pairs_in(q, k))
+            .sum()
     }
 }
 
@@ -373,6 +393,26 @@ mod tests {
         let contiguous = contiguous_pairs(4096, 4);
         assert!(contiguous[3] > 6 * contiguous[0], "{contiguous:?}");
         assert_eq!(contiguous.iter().sum::<u64>(), causal_pairs(0..4096));
+    }
+
+    #[test]
+    fn pairs_between_shards_add_up_to_each_shards_pairs() {
+        let shards = HeadTailShards::new(4096, vec![2048, 1024, 512, 512]).unwrap();
+        for queries in 0..4 {
+            let total: u64 = (0..4).map(|keys| shards.pairs_between(queries, keys)).sum();
+            assert_eq!(total, shards.pairs(queries), "shard {queries}");
+        }
+        // Brute force on a short sequence.
+        let small = HeadTailShards::new(24, vec![8, 12, 4]).unwrap();
+        for (queries, keys) in (0..3).flat_map(|q| (0..3).map(move |k| (q, k))) {
+            let expected = small
+                .ranges(queries)
+                .into_iter()
+                .flatten()
+                .flat_map(|q| small.ranges(keys).into_iter().flatten().filter(move |&k| k <= q))
+                .count() as u64;
+            assert_eq!(small.pairs_between(queries, keys), expected, "{queries} × {keys}");
+        }
     }
 
     #[test]

@@ -19,6 +19,7 @@
 //! shards over their own ports in lock step.
 
 mod adaptive;
+mod context;
 mod engine;
 mod network;
 mod report;
@@ -31,6 +32,7 @@ use medley_plan::{Plan, PlanError};
 use medley_schedule::{Programs, ScheduleKind};
 
 pub use adaptive::{RunReport, StepSummary, simulate_steps};
+pub use context::{ContextLayerReport, DevicePass, simulate_context_layer};
 pub use medley_trace::{BandwidthTrace, timeline};
 pub use report::{RankReport, StepReport};
 
@@ -106,11 +108,8 @@ impl<'p, 'w> Simulation<'p, 'w> {
         config: &SimConfig,
         timeline: Option<&'w mut dyn Write>,
     ) -> Result<Self, SimError> {
-        if plan.has_context() {
-            return Err(SimError::Unsupported("context and head parallelism (a stage with `context`)"));
-        }
         let mut network = Network::new();
-        let setup = Setup::new(plan, calibration, &mut network);
+        let setup = Setup::new(plan, calibration, &mut network)?;
         let n_ranks = setup.ranks.len();
         let mut simulation = Simulation {
             setup,

@@ -4,11 +4,14 @@
 use std::collections::BTreeMap;
 
 use medley_cost::comm::{self, Link};
-use medley_cost::{Calibration, CostModel, GIB, Setting, StageShape};
-use medley_plan::{Plan, Route};
+use medley_cost::{Calibration, CostModel, GIB, PassTime, Setting, StageShape};
+use medley_plan::context_price::ContextPricer;
+use medley_plan::{Plan, Route, Stage};
 use medley_schedule::RankId;
 use medley_spec::{BridgeMode, DeviceSlot, Vendor};
 
+use crate::SimError;
+use crate::context::{DevicePass, chunk_pass, simulate_context_layer};
 use crate::network::{Network, ResourceId};
 
 /// One micro-batch's passes on one model chunk, in nanoseconds, and the activation memory the
@@ -20,6 +23,21 @@ pub(crate) struct ChunkCost {
     pub input_grad_ns: u64,
     pub weight_grad_ns: u64,
     pub activation_bytes: f64,
+    /// For a long-context chunk, one layer's forward and backward on its slowest device.
+    pub context_layer: Option<(DevicePass, DevicePass)>,
+}
+
+impl ChunkCost {
+    fn of(pass: PassTime, activation_bytes: f64, context_layer: Option<(DevicePass, DevicePass)>) -> Self {
+        ChunkCost {
+            forward_ns: ns(pass.forward_s),
+            backward_ns: ns(pass.backward_s),
+            input_grad_ns: ns(pass.backward_s - pass.weight_grad_s),
+            weight_grad_ns: ns(pass.weight_grad_s),
+            activation_bytes,
+            context_layer,
+        }
+    }
 }
 
 /// The four port directions of a rank's representative GPU. Every GPU of a TP group has its
@@ -42,6 +60,11 @@ pub(crate) struct RankSetup {
     pub devices: Vec<u32>,
     pub chunks: Vec<ChunkCost>,
     pub optimizer_ns: u64,
+    /// A long-context rank's gradient reduction over its own devices (each holds every
+    /// parameter), before the optimizer step; priced by the α–β model like TP collectives.
+    pub stage_sync_ns: u64,
+    /// Bytes its fullest device sends across a pipeline boundary per micro-batch and direction.
+    pub boundary_bytes: f64,
     /// Weights, gradients, optimizer states and workspace: held all step.
     pub static_bytes: f64,
     pub capacity_bytes: f64,
@@ -54,10 +77,72 @@ pub(crate) struct Setup<'p> {
     pub ranks: Vec<RankSetup>,
     /// Per DP group: its members' rank indices in replica order.
     pub dp_members: Vec<Vec<usize>>,
-    /// Bytes per TP rank of one activation or gradient crossing a pipeline boundary.
-    pub boundary_bytes: f64,
-    /// Bytes per TP rank of each DP group's gradients.
+    /// Bytes per TP rank (per device of a long-context stage, which reduced them over the
+    /// stage's devices first) of each DP group's gradients.
     pub dp_bytes: Vec<f64>,
+}
+
+/// What a rank's setup holds beside its identity and ports.
+struct RankParts {
+    device_name: String,
+    chunks: Vec<ChunkCost>,
+    optimizer_ns: u64,
+    stage_sync_ns: u64,
+    static_bytes: f64,
+    capacity_bytes: f64,
+    boundary_bytes: f64,
+}
+
+/// A long-context rank: one layer simulated on its devices (`crate::context`), its memory that
+/// of the device with the least room to spare at `in_flight` micro-batches.
+fn context_rank(
+    plan: &Plan,
+    cost: &CostModel,
+    slots: &[DeviceSlot],
+    stage: &Stage,
+    shape: StageShape,
+    in_flight: f64,
+) -> Result<RankParts, SimError> {
+    let cluster = plan.cluster();
+    let layer = simulate_context_layer(cost, cluster, stage, plan.recompute())?;
+    let pass = chunk_pass(cost, cluster, stage, &layer, shape.n_layers, shape.head);
+    let pricer = ContextPricer { cost, cluster, slots };
+    let context = stage.context.as_ref().expect("a context stage");
+    let n_devices = stage.devices.len() as u32;
+    let shards = if plan.zero1() { plan.replicas().len() as u32 * n_devices } else { 1 };
+    let works = pricer.device_works(context, &stage.devices);
+    let tightest = works
+        .iter()
+        .map(|work| {
+            let memory = |in_flight| pricer.device_memory(work, shape, plan.recompute(), in_flight, shards).total();
+            let device = &plan.device_group(work.device).device;
+            (device, memory(0.0), memory(1.0) - memory(0.0), device.hbm_gib * GIB)
+        })
+        .max_by(|a, b| ((a.1 + in_flight * a.2) / a.3).total_cmp(&((b.1 + in_flight * b.2) / b.3)))
+        .expect("a stage has devices");
+    let slowest = layer.devices.iter().max_by_key(|(_, forward, backward)| forward.end_ns + backward.end_ns);
+    let context_layer = slowest.map(|&(_, forward, backward)| (forward, backward));
+    let params = cost.stage_params(shape);
+    let groups = stage.devices.iter().map(|&id| plan.device_group(id));
+    let optimizer_s = groups.map(|group| cost.optimizer_step_s(group, params / f64::from(shards))).fold(0.0, f64::max);
+    let stage_slots: Vec<DeviceSlot> = stage.devices.iter().map(|&id| slots[id as usize]).collect();
+    let ring = (0..stage_slots.len())
+        .map(|idx| {
+            let next = stage_slots[(idx + 1) % stage_slots.len()];
+            comm::link_between(cluster, stage_slots[idx], next, BridgeMode::DeviceDirect)
+        })
+        .reduce(Link::slowest)
+        .expect("a stage has devices");
+    let most_tokens = context.groups.iter().flat_map(|group| &group.device_tokens).copied().max().unwrap_or(0);
+    Ok(RankParts {
+        device_name: tightest.0.name.clone(),
+        chunks: vec![ChunkCost::of(pass, tightest.2, context_layer)],
+        optimizer_ns: ns(optimizer_s),
+        stage_sync_ns: ns(comm::ring_all_reduce_s(ELEMENT_BYTES * params, n_devices, ring)),
+        static_bytes: tightest.1,
+        capacity_bytes: tightest.3,
+        boundary_bytes: ELEMENT_BYTES * f64::from(most_tokens) * f64::from(plan.model().hidden()),
+    })
 }
 
 /// Gradients and pipeline messages travel as bf16.
@@ -69,7 +154,11 @@ pub(crate) fn ns(seconds: f64) -> u64 {
 
 impl<'p> Setup<'p> {
     /// `network` receives every rank's ports.
-    pub(crate) fn new<P>(plan: &'p Plan, calibration: &Calibration, network: &mut Network<P>) -> Self {
+    pub(crate) fn new<P>(
+        plan: &'p Plan,
+        calibration: &Calibration,
+        network: &mut Network<P>,
+    ) -> Result<Self, SimError> {
         let cost = CostModel::new(plan.model(), plan.seq_len(), calibration);
         let setting = Setting { micro_batch: plan.micro_batch(), tp: plan.tp(), recompute: plan.recompute() };
         let slots = plan.cluster().devices();
@@ -90,34 +179,48 @@ impl<'p> Setup<'p> {
                     .collect();
                 let n_layers = chunk_shapes.iter().map(|shape| shape.n_layers).sum();
                 let rank_shape = StageShape::in_pipeline(rank_idx, n_ranks, n_layers);
-                let memory = |shape, in_flight| cost.stage_memory(shape, setting, in_flight, shards).total();
-                let chunks = chunk_shapes
-                    .iter()
-                    .map(|&shape| {
-                        let pass = cost.stage_time(group, shape, setting);
-                        ChunkCost {
-                            forward_ns: ns(pass.forward_s),
-                            backward_ns: ns(pass.backward_s),
-                            input_grad_ns: ns(pass.backward_s - pass.weight_grad_s),
-                            weight_grad_ns: ns(pass.weight_grad_s),
-                            activation_bytes: memory(shape, 1.0) - memory(shape, 0.0),
-                        }
-                    })
-                    .collect();
-                let params_per_device = cost.stage_params(rank_shape) / f64::from(plan.tp() * shards);
                 let slot = slots[stage.devices[0] as usize];
                 let nic_gb_s = comm::nic_link(plan.cluster(), &[group]).gb_s;
                 let intra_gb_s = comm::intra_node_link(group).gb_s;
+                let rank = match &stage.context {
+                    Some(_) => {
+                        let m = replica.n_micro_batches;
+                        let in_flight = f64::from(plan.schedule().in_flight(rank_idx, n_ranks, 1, m));
+                        context_rank(plan, &cost, &slots, stage, rank_shape, in_flight)?
+                    }
+                    None => {
+                        let memory = |shape, in_flight| cost.stage_memory(shape, setting, in_flight, shards).total();
+                        let chunks = chunk_shapes
+                            .iter()
+                            .map(|&shape| {
+                                let activation_bytes = memory(shape, 1.0) - memory(shape, 0.0);
+                                ChunkCost::of(cost.stage_time(group, shape, setting), activation_bytes, None)
+                            })
+                            .collect();
+                        let params_per_device = cost.stage_params(rank_shape) / f64::from(plan.tp() * shards);
+                        RankParts {
+                            device_name: group.device.name.clone(),
+                            chunks,
+                            optimizer_ns: ns(cost.optimizer_step_s(group, params_per_device)),
+                            stage_sync_ns: 0,
+                            static_bytes: memory(rank_shape, 0.0),
+                            capacity_bytes: group.device.hbm_gib * GIB,
+                            boundary_bytes: cost.boundary_bytes(setting),
+                        }
+                    }
+                };
                 ranks.push(RankSetup {
                     id: RankId::new(replica_idx, rank_idx),
                     slot,
                     vendor: group.device.vendor,
-                    device_name: group.device.name.clone(),
+                    device_name: rank.device_name,
                     devices: stage.devices.clone(),
-                    chunks,
-                    optimizer_ns: ns(cost.optimizer_step_s(group, params_per_device)),
-                    static_bytes: memory(rank_shape, 0.0),
-                    capacity_bytes: group.device.hbm_gib * GIB,
+                    chunks: rank.chunks,
+                    optimizer_ns: rank.optimizer_ns,
+                    stage_sync_ns: rank.stage_sync_ns,
+                    boundary_bytes: rank.boundary_bytes,
+                    static_bytes: rank.static_bytes,
+                    capacity_bytes: rank.capacity_bytes,
                     ports: Ports {
                         nic_out: network.add_resource(nic_gb_s),
                         nic_in: network.add_resource(nic_gb_s),
@@ -141,19 +244,29 @@ impl<'p> Setup<'p> {
                     .collect()
             })
             .collect();
-        let dp_bytes = plan
-            .dp_groups()
-            .iter()
-            .map(|group| {
+        let dp_bytes = (0..plan.dp_groups().len())
+            .map(|group_idx| {
+                let layers = plan.dp_groups()[group_idx].layers;
                 let shape = StageShape {
-                    n_layers: group.layers.len(),
-                    embedding: group.layers.start == 0,
-                    head: group.layers.end == plan.model().n_layers(),
+                    n_layers: layers.len(),
+                    embedding: layers.start == 0,
+                    head: layers.end == plan.model().n_layers(),
                 };
-                ELEMENT_BYTES * cost.stage_params(shape) / f64::from(plan.tp())
+                // A long-context holder reduced over its devices first: each holds a share.
+                let holder_devices = plan
+                    .holders(group_idx)
+                    .iter()
+                    .zip(plan.replicas())
+                    .map(|(&stage_idx, replica)| match &replica.stages[stage_idx].context {
+                        Some(_) => replica.stages[stage_idx].devices.len(),
+                        None => 1,
+                    })
+                    .min()
+                    .unwrap_or(1);
+                ELEMENT_BYTES * cost.stage_params(shape) / f64::from(plan.tp()) / holder_devices as f64
             })
             .collect();
-        Setup { plan, ranks, dp_members, boundary_bytes: cost.boundary_bytes(setting), dp_bytes }
+        Ok(Setup { plan, ranks, dp_members, dp_bytes })
     }
 
     /// The rank index of `id`, if the plan has that rank.

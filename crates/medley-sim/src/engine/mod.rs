@@ -378,10 +378,17 @@ impl<'s, 'p, 'w> StepRun<'s, 'p, 'w> {
                         self.block(rank, Wait::Sends);
                         return Ok(());
                     }
-                    let duration_ns = self.sim.setup.ranks[rank].optimizer_ns;
+                    let (sync_ns, optimizer_ns) =
+                        (self.sim.setup.ranks[rank].stage_sync_ns, self.sim.setup.ranks[rank].optimizer_ns);
                     self.ranks[rank].pc += 1;
-                    self.ranks[rank].compute_ns += duration_ns;
-                    let span = (self.now(), self.now() + duration_ns);
+                    self.ranks[rank].compute_ns += sync_ns + optimizer_ns;
+                    let start = self.now();
+                    if sync_ns > 0 {
+                        let span = (start, start + sync_ns);
+                        let name = "gradients over the stage's devices";
+                        self.timeline_slice(rank, COLLECTIVE_TID, name, "collective", span, json!({}));
+                    }
+                    let span = (start + sync_ns, start + sync_ns + optimizer_ns);
                     self.timeline_slice(rank, COMPUTE_TID, "optimizer step", "optimizer", span, json!({}));
                     self.push(span.1, Event::Resume(rank));
                     return Ok(());
@@ -435,7 +442,21 @@ impl<'s, 'p, 'w> StepRun<'s, 'p, 'w> {
         let memory_gib = state.memory_bytes / medley_cost::GIB;
         if self.sim.timeline.is_some() {
             let name = format!("{name} mb{micro_batch}{}", chunk_suffix(chunk));
-            let args = json!({"micro_batch": micro_batch, "chunk": chunk});
+            let mut args = json!({"micro_batch": micro_batch, "chunk": chunk});
+            // A long-context pass shows one layer's phases on its slowest device.
+            let layer = cost.context_layer.map(|(forward, backward)| match kind {
+                PassKind::Forward => forward,
+                _ => backward,
+            });
+            if let Some(layer) = layer {
+                args["layer (slowest device)"] = json!({
+                    "layer_ns": layer.end_ns,
+                    "compute_ns": layer.compute_ns,
+                    "all_to_all_wait_ns": layer.all_to_all_wait_ns,
+                    "kv_wait_ns": layer.kv_wait_ns,
+                    "sent_bytes": layer.sent_bytes,
+                });
+            }
             self.timeline_slice(rank, COMPUTE_TID, &name, "compute", (now, now + duration_ns), args);
             if memory_change != 0.0 {
                 let at_ns = if memory_change > 0.0 { now } else { now + duration_ns };

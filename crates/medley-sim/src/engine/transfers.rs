@@ -11,7 +11,7 @@ impl StepRun<'_, '_, '_> {
             MessageKey::Collective { .. } => unreachable!("collective messages take their group's route"),
         };
         let route = self.sim.setup.boundary_route(self.sim.setup.ranks[from].id, chunk, forward);
-        let bytes = self.sim.setup.boundary_bytes;
+        let bytes = self.sim.setup.ranks[from].boundary_bytes;
         self.send(from, to, key, bytes, route);
     }
 

@@ -1,0 +1,505 @@
+//! One layer of a long-context stage, simulated on the stage's devices: every device runs its
+//! own program of compute, sends and receives over the modelled links, and the layer ends when
+//! the last device does.
+//!
+//! A device computes its tokens' projections and MLP, joins its group's Ulysses all-to-all (an
+//! all-to-all-v: Q, K and V of its tokens to the devices holding their heads), exchanges keys and
+//! values with the devices holding the same heads in the other groups (a ring all-gather-v, as
+//! ring attention passes blocks; attention runs on each block as it arrives, so the next block's
+//! transfer hides under it, or, for an all-gather, once every block is in), and sends its heads'
+//! outputs back by a second all-to-all. The backward does the same with twice the compute and
+//! the keys' and values' gradients travelling with them; recomputation adds the forward's
+//! attention (selective) or the whole forward (full). The communication is medley-collective's
+//! step lists, the same description the runtime's communicator executes; counts are uneven
+//! wherever the plan's shards, tokens and heads are.
+
+use std::cmp::Reverse;
+use std::collections::{BTreeMap, BinaryHeap};
+
+use medley_collective::{self as collective, Algorithm, Chunking, Counts, DomainId, Group, Step};
+use medley_cost::comm::{self, Link};
+use medley_cost::context::{ContextWork, HeadSplit, HeadTailShards, KvExchange};
+use medley_cost::{CostModel, PassTime};
+use medley_plan::{Stage, StageContext};
+use medley_spec::{BridgeMode, Cluster, DeviceSlot, NodeGroup, Recompute};
+
+use crate::SimError;
+use crate::network::{DrainAt, Network, ResourceId};
+use crate::setup::{ELEMENT_BYTES, ns};
+
+/// What a device waits for or spends its time on.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+enum Phase {
+    AllToAll,
+    KeysValues,
+}
+
+/// One operation of a device's program.
+#[derive(Clone, Copy, Debug, PartialEq)]
+enum DeviceOp {
+    Compute {
+        ns: u64,
+    },
+    /// Starts a transfer to the device at this index of the stage; the device moves on.
+    Send {
+        to: usize,
+        bytes: f64,
+    },
+    /// Waits for the next message from that device.
+    Recv {
+        from: usize,
+        phase: Phase,
+    },
+}
+
+/// One pass of one layer on one device, simulated.
+#[derive(Clone, Copy, Debug, Default, PartialEq, Eq)]
+pub struct DevicePass {
+    /// When the device finished its part of the layer.
+    pub end_ns: u64,
+    pub compute_ns: u64,
+    /// Time blocked on its group's all-to-alls.
+    pub all_to_all_wait_ns: u64,
+    /// Time blocked on keys and values from the other groups (what attention did not hide).
+    pub kv_wait_ns: u64,
+    pub sent_bytes: u64,
+    pub received_bytes: u64,
+}
+
+/// One layer of a long-context stage: each device's forward and backward.
+#[derive(Clone, Debug, PartialEq)]
+pub struct ContextLayerReport {
+    /// The stage's devices, in stage order, with their passes.
+    pub devices: Vec<(u32, DevicePass, DevicePass)>,
+    /// The slowest device's weight-gradient matmuls inside the backward.
+    pub weight_grad_ns: u64,
+}
+
+impl ContextLayerReport {
+    /// The layer's forward: until its last device is done.
+    pub fn forward_ns(&self) -> u64 {
+        self.devices.iter().map(|(_, forward, _)| forward.end_ns).max().unwrap_or(0)
+    }
+
+    pub fn backward_ns(&self) -> u64 {
+        self.devices.iter().map(|(_, _, backward)| backward.end_ns).max().unwrap_or(0)
+    }
+}
+
+/// Simulates one layer of `stage` (a long-context stage of a plan over `cluster`).
+pub fn simulate_context_layer(
+    cost: &CostModel,
+    cluster: &Cluster,
+    stage: &Stage,
+    recompute: Recompute,
+) -> Result<ContextLayerReport, SimError> {
+    let context = stage.context.as_ref().ok_or(SimError::Unsupported("a stage without a context split"))?;
+    let layer = LayerPrograms::new(cost, cluster, stage, context, recompute)?;
+    let forward = run(&layer.slots, cluster, &layer.forward()?);
+    let backward = run(&layer.slots, cluster, &layer.backward()?);
+    let devices = stage.devices.iter().zip(forward).zip(backward).map(|((&id, f), b)| (id, f, b)).collect();
+    let weight_grad_ns = layer.rates.iter().map(|rates| ns(rates.weight_grad_s)).max().unwrap_or(0);
+    Ok(ContextLayerReport { devices, weight_grad_ns })
+}
+
+/// What a device computes: seconds per token outside attention and per attention FLOP.
+struct DeviceRates {
+    serial_forward_s: f64,
+    weight_grad_s: f64,
+    serial_backward_s: f64,
+    attention_per_flop_s: f64,
+}
+
+/// The stage's devices and what each holds, to write their programs.
+struct LayerPrograms<'a> {
+    cost: &'a CostModel<'a>,
+    context: &'a StageContext,
+    shards: HeadTailShards,
+    slots: Vec<DeviceSlot>,
+    /// Per device, in stage order: (group, member in the group, heads, tokens).
+    members: Vec<(usize, usize, medley_cost::context::HeadShare, u64)>,
+    rates: Vec<DeviceRates>,
+    group_offsets: Vec<usize>,
+    recompute: Recompute,
+}
+
+impl<'a> LayerPrograms<'a> {
+    fn new(
+        cost: &'a CostModel<'a>,
+        cluster: &Cluster,
+        stage: &Stage,
+        context: &'a StageContext,
+        recompute: Recompute,
+    ) -> Result<Self, SimError> {
+        let first = &context.groups[0];
+        if context.groups.iter().any(|group| group.heads != first.heads) {
+            return Err(SimError::Unsupported(
+                "context groups of different sizes or head splits (keys and values travel between the devices that \
+                 hold the same heads)",
+            ));
+        }
+        let all_slots = cluster.devices();
+        let slots: Vec<DeviceSlot> = stage.devices.iter().map(|&id| all_slots[id as usize]).collect();
+        let heads = HeadSplit::from_q_heads(cost.model(), &first.heads).expect("a checked plan's heads");
+        let mut members = Vec::new();
+        let mut group_offsets = Vec::new();
+        for (g, group) in context.groups.iter().enumerate() {
+            group_offsets.push(members.len());
+            for (j, &tokens) in group.device_tokens.iter().enumerate() {
+                members.push((g, j, heads.shares()[j], u64::from(tokens)));
+            }
+        }
+        let rates = members
+            .iter()
+            .zip(&slots)
+            .map(|(&(_, _, _, tokens), slot)| device_rates(cost, &cluster.groups()[slot.group_idx], tokens as f64))
+            .collect();
+        let seq_len = context.groups.iter().map(|group| group.tokens).sum();
+        Ok(LayerPrograms {
+            cost,
+            context,
+            shards: context.shards(seq_len),
+            slots,
+            members,
+            rates,
+            group_offsets,
+            recompute,
+        })
+    }
+
+    fn head_dim(&self) -> usize {
+        self.cost.model().head_dim() as usize
+    }
+
+    /// The forward pass's programs.
+    fn forward(&self) -> Result<Vec<Vec<DeviceOp>>, SimError> {
+        let mut programs: Vec<Vec<DeviceOp>> =
+            self.rates.iter().map(|rates| vec![DeviceOp::Compute { ns: ns(rates.serial_forward_s) }]).collect();
+        self.all_to_all(&mut programs, true)?;
+        self.kv_exchange(&mut programs, 1, 1.0)?;
+        self.all_to_all(&mut programs, false)?;
+        Ok(programs)
+    }
+
+    /// The backward pass's programs: the forward again first under full recomputation.
+    fn backward(&self) -> Result<Vec<Vec<DeviceOp>>, SimError> {
+        let mut programs = match self.recompute {
+            Recompute::Full => self.forward()?,
+            _ => vec![Vec::new(); self.members.len()],
+        };
+        for (program, rates) in programs.iter_mut().zip(&self.rates) {
+            program.push(DeviceOp::Compute { ns: ns(rates.serial_backward_s) });
+        }
+        // The outputs' gradients reach the heads, the inputs' gradients return to the tokens.
+        self.all_to_all(&mut programs, false)?;
+        // Selective recomputation runs the forward's attention again inside the backward's; full
+        // recomputation ran the whole forward above.
+        let attention = if self.recompute == Recompute::Selective { 3.0 } else { 2.0 };
+        self.kv_exchange(&mut programs, 2, attention)?;
+        self.all_to_all(&mut programs, true)?;
+        Ok(programs)
+    }
+
+    /// Each group's all-to-all-v: to the heads (Q, K, V of every device's tokens for each
+    /// device's heads) or back (each device's heads' outputs for every device's tokens).
+    fn all_to_all(&self, programs: &mut [Vec<DeviceOp>], to_heads: bool) -> Result<(), SimError> {
+        let hd = self.head_dim();
+        for (g, group) in self.context.groups.iter().enumerate() {
+            let offset = self.group_offsets[g];
+            let size = group.device_tokens.len();
+            if size < 2 {
+                continue;
+            }
+            let share = |j: usize| self.members[offset + j].2;
+            let matrix: Vec<Vec<usize>> = (0..size)
+                .map(|i| {
+                    (0..size)
+                        .map(|j| match to_heads {
+                            true => {
+                                group.device_tokens[i] as usize
+                                    * (share(j).q_heads + 2 * share(j).kv_heads) as usize
+                                    * hd
+                            }
+                            false => group.device_tokens[j] as usize * share(i).q_heads as usize * hd,
+                        })
+                        .collect()
+                })
+                .collect();
+            let steps = collective::plan_steps(
+                collective::Op::AllToAll,
+                &Group::new(vec![DomainId(0); size])?,
+                &Counts::PerPair(matrix),
+                Algorithm::Pairwise,
+                Chunking::Whole,
+            )?;
+            for (j, rank) in steps.iter().enumerate() {
+                for step in &rank.steps {
+                    programs[offset + j].extend(message(step, |peer| offset + peer, Phase::AllToAll));
+                }
+            }
+        }
+        Ok(())
+    }
+
+    /// The keys and values of each device's heads around the devices holding the same heads in
+    /// every group: a ring all-gather-v of `copies` K/V-sized blocks per token (2 in the backward,
+    /// with the gradients), attention `attention` forward-passes' worth on each block.
+    fn kv_exchange(&self, programs: &mut [Vec<DeviceOp>], copies: usize, attention: f64) -> Result<(), SimError> {
+        let n_groups = self.context.groups.len();
+        let hd = self.head_dim();
+        for j in 0..self.context.groups[0].device_tokens.len() {
+            let lane: Vec<usize> = self.group_offsets.iter().map(|offset| offset + j).collect();
+            let share = self.members[lane[0]].2;
+            let counts: Vec<usize> = (0..n_groups)
+                .map(|g| self.context.groups[g].tokens as usize * copies * 2 * share.kv_heads as usize * hd)
+                .collect();
+            let starts: Vec<usize> =
+                counts.iter().scan(0, |at, count| Some(std::mem::replace(at, *at + count))).collect();
+            let steps = collective::plan_steps(
+                collective::Op::AllGather,
+                &Group::new(vec![DomainId(0); n_groups])?,
+                &Counts::PerRank(counts),
+                Algorithm::Ring,
+                Chunking::Whole,
+            )?;
+            for (g, rank) in steps.iter().enumerate() {
+                let device = lane[g];
+                let block_ns = |keys: usize| self.attention_ns(device, g, keys, attention);
+                let program = &mut programs[device];
+                let overlaps = self.context.kv_exchange == KvExchange::Ring;
+                // Around a ring a device passes each block on before computing on it, so that
+                // the ring moves at the links' pace, not at the slowest device's.
+                let mut own_done = false;
+                let (mut deferred, mut pending) = (None, Vec::new());
+                for step in &rank.steps {
+                    program.extend(message(step, |peer| lane[peer], Phase::KeysValues));
+                    match step {
+                        Step::Send { .. } if overlaps => {
+                            let block = if own_done { deferred.take() } else { Some(g) };
+                            own_done = true;
+                            program.extend(block.map(|keys| DeviceOp::Compute { ns: block_ns(keys) }));
+                        }
+                        Step::Recv { range, .. } => {
+                            let owner = starts.partition_point(|&start| start <= range.start) - 1;
+                            match overlaps {
+                                true => {
+                                    let earlier = deferred.replace(owner);
+                                    program.extend(earlier.map(|keys| DeviceOp::Compute { ns: block_ns(keys) }));
+                                }
+                                false => pending.push(owner),
+                            }
+                        }
+                        _ => {}
+                    }
+                }
+                pending.extend(deferred);
+                if !own_done {
+                    pending.push(g);
+                }
+                program.extend(pending.into_iter().map(|keys| DeviceOp::Compute { ns: block_ns(keys) }));
+            }
+        }
+        Ok(())
+    }
+
+    /// Attention of device `device` (of group `queries`) over group `keys`' block, `passes`
+    /// forward-passes' worth.
+    fn attention_ns(&self, device: usize, queries: usize, keys: usize, passes: f64) -> u64 {
+        let q_heads = f64::from(self.members[device].2.q_heads);
+        let flops = 4.0 * self.shards.pairs_between(queries, keys) as f64 * q_heads * self.head_dim() as f64;
+        ns(passes * flops * self.rates[device].attention_per_flop_s)
+    }
+}
+
+/// `step`'s send or receive, with peers mapped to stage indices.
+fn message(step: &Step, device: impl Fn(usize) -> usize, phase: Phase) -> Option<DeviceOp> {
+    match step {
+        Step::Send { to, range, .. } => {
+            Some(DeviceOp::Send { to: device(*to), bytes: range.len() as f64 * ELEMENT_BYTES })
+        }
+        Step::Recv { from, .. } => Some(DeviceOp::Recv { from: device(*from), phase }),
+        _ => None,
+    }
+}
+
+fn device_rates(cost: &CostModel, group: &NodeGroup, tokens: f64) -> DeviceRates {
+    let work = |tokens: f64, attention_flops: f64| ContextWork {
+        tokens,
+        attention_flops,
+        all_to_all_s: 0.0,
+        kv_s: 0.0,
+        kv_exchange: KvExchange::AllGather,
+    };
+    let serial = cost.context_layer_time(group, work(tokens, 0.0), Recompute::None);
+    let reference_flops = 1e12;
+    let attention = cost.context_layer_time(group, work(0.0, reference_flops), Recompute::None);
+    DeviceRates {
+        serial_forward_s: serial.forward.serial_s,
+        weight_grad_s: serial.weight_grad_s,
+        serial_backward_s: serial.backward.serial_s,
+        attention_per_flop_s: attention.forward.attention_s / reference_flops,
+    }
+}
+
+/// A device's four port directions in the layer's own network.
+struct Ports {
+    nic_out: ResourceId,
+    nic_in: ResourceId,
+    intra_out: ResourceId,
+    intra_in: ResourceId,
+}
+
+#[derive(Clone, Copy, Debug, PartialEq, Eq, PartialOrd, Ord)]
+enum Event {
+    Run(usize),
+    Drained { flow: usize, version: u64 },
+    Deliver { from: usize, to: usize },
+}
+
+/// Runs the devices' programs from time 0 over their links, max-min fair where flows share a port.
+fn run(slots: &[DeviceSlot], cluster: &Cluster, programs: &[Vec<DeviceOp>]) -> Vec<DevicePass> {
+    let mut network: Network<(usize, usize, u64)> = Network::new();
+    let ports: Vec<Ports> = slots
+        .iter()
+        .map(|slot| {
+            let group = &cluster.groups()[slot.group_idx];
+            let (nic, intra) = (comm::nic_link(cluster, &[group]).gb_s, comm::intra_node_link(group).gb_s);
+            Ports {
+                nic_out: network.add_resource(nic),
+                nic_in: network.add_resource(nic),
+                intra_out: network.add_resource(intra),
+                intra_in: network.add_resource(intra),
+            }
+        })
+        .collect();
+    let mut passes = vec![DevicePass::default(); programs.len()];
+    let mut cursors = vec![0usize; programs.len()];
+    let mut blocked_since: Vec<Option<u64>> = vec![None; programs.len()];
+    let mut waiting = vec![false; programs.len()];
+    let mut delivered: BTreeMap<(usize, usize), u32> = BTreeMap::new();
+    let mut events: BinaryHeap<Reverse<(u64, u64, Event)>> = BinaryHeap::new();
+    let mut order = 0u64;
+    let mut push = |events: &mut BinaryHeap<_>, at: u64, event: Event| {
+        order += 1;
+        events.push(Reverse((at, order, event)));
+    };
+    for device in 0..programs.len() {
+        push(&mut events, 0, Event::Run(device));
+    }
+    let mut drains = Vec::new();
+    while let Some(Reverse((now, _, event))) = events.pop() {
+        match event {
+            Event::Drained { flow, version } => {
+                if network.is_current(flow, version) {
+                    let (from, to, latency_ns) = network.finish(now, flow, &mut drains);
+                    push(&mut events, now + latency_ns, Event::Deliver { from, to });
+                }
+            }
+            Event::Deliver { from, to } => {
+                *delivered.entry((from, to)).or_insert(0) += 1;
+                // One wake-up per wait: a device computing or already woken is not run twice.
+                if std::mem::take(&mut waiting[to]) {
+                    push(&mut events, now, Event::Run(to));
+                }
+            }
+            Event::Run(device) => {
+                let pass = &mut passes[device];
+                let mut at = now;
+                while let Some(&op) = programs[device].get(cursors[device]) {
+                    match op {
+                        DeviceOp::Compute { ns } => {
+                            pass.compute_ns += ns;
+                            cursors[device] += 1;
+                            at += ns;
+                            push(&mut events, at, Event::Run(device));
+                            break;
+                        }
+                        DeviceOp::Send { to, bytes } => {
+                            let (link, path) = route(cluster, slots, &ports, device, to);
+                            let latency_ns = ns(link.latency_us * 1e-6);
+                            network.start(at, path, link.gb_s, bytes, (device, to, latency_ns), &mut drains);
+                            pass.sent_bytes += bytes as u64;
+                            cursors[device] += 1;
+                        }
+                        DeviceOp::Recv { from, phase } => {
+                            let count = delivered.entry((from, device)).or_insert(0);
+                            if *count == 0 {
+                                blocked_since[device].get_or_insert(at);
+                                waiting[device] = true;
+                                break;
+                            }
+                            *count -= 1;
+                            if let Some(since) = blocked_since[device].take() {
+                                match phase {
+                                    Phase::AllToAll => pass.all_to_all_wait_ns += at - since,
+                                    Phase::KeysValues => pass.kv_wait_ns += at - since,
+                                }
+                            }
+                            cursors[device] += 1;
+                        }
+                    }
+                }
+                if cursors[device] == programs[device].len() {
+                    pass.end_ns = pass.end_ns.max(at);
+                }
+            }
+        }
+        for DrainAt { flow, version, at_ns } in drains.drain(..) {
+            push(&mut events, at_ns, Event::Drained { flow, version });
+        }
+    }
+    // Bytes in: every device's sends, by receiver.
+    for (device, program) in programs.iter().enumerate() {
+        for op in program {
+            if let DeviceOp::Send { to, bytes } = op {
+                passes[*to].received_bytes += *bytes as u64;
+            }
+        }
+        debug_assert_eq!(cursors[device], program.len(), "a device's program ran to its end");
+    }
+    passes
+}
+
+/// The link between two of the stage's devices and the ports a transfer crosses.
+fn route(cluster: &Cluster, slots: &[DeviceSlot], ports: &[Ports], from: usize, to: usize) -> (Link, Vec<ResourceId>) {
+    let (a, b) = (slots[from], slots[to]);
+    let link = comm::link_between(cluster, a, b, BridgeMode::DeviceDirect);
+    let path = match a.node_idx == b.node_idx {
+        true => vec![ports[from].intra_out, ports[to].intra_in],
+        false => vec![ports[from].nic_out, ports[to].nic_in],
+    };
+    (link, path)
+}
+
+/// The pass of a whole long-context chunk: `n_layers` simulated layers, the head's on the last.
+pub(crate) fn chunk_pass(
+    cost: &CostModel,
+    cluster: &Cluster,
+    stage: &Stage,
+    layer: &ContextLayerReport,
+    n_layers: u32,
+    head: bool,
+) -> PassTime {
+    let layers = f64::from(n_layers);
+    let mut pass = PassTime {
+        forward_s: layers * layer.forward_ns() as f64 * 1e-9,
+        backward_s: layers * layer.backward_ns() as f64 * 1e-9,
+        weight_grad_s: layers * layer.weight_grad_ns as f64 * 1e-9,
+    };
+    if head {
+        let slots = cluster.devices();
+        let context = stage.context.as_ref().expect("a context stage");
+        let tokens = context.groups.iter().flat_map(|group| &group.device_tokens);
+        let head_pass = stage
+            .devices
+            .iter()
+            .zip(tokens)
+            .map(|(&id, &tokens)| {
+                cost.context_head_time(&cluster.groups()[slots[id as usize].group_idx], f64::from(tokens))
+            })
+            .max_by(|a, b| a.total_s().total_cmp(&b.total_s()))
+            .unwrap_or_default();
+        pass = pass.plus(head_pass);
+    }
+    pass
+}
