@@ -64,7 +64,7 @@ const GPT_530B: &str = r#"{"model_type": "gpt2", "n_embd": 20480, "n_layer": 105
 const GPT_1T: &str = r#"{"model_type": "gpt2", "n_embd": 25600, "n_layer": 128, "n_head": 160, "vocab_size": 51200}"#;
 
 const fn degrees(tp: u32, pp: u32, dp: u32, vpp: u32) -> Degrees {
-    Degrees { tp, pp, dp, vpp }
+    Degrees { vpp, ..Degrees::new(tp, pp, dp) }
 }
 
 /// The sources, in the order a report lists them.

@@ -17,10 +17,11 @@ use rayon::prelude::*;
 use crate::assemble::{ReplicaLayout, assemble, stages_from_counts};
 use crate::error::PlanError;
 use crate::evaluate::evaluate;
+use crate::long_context::{ContextDegrees, search_long_context};
 use crate::plan::{Plan, tp_splits_heads};
 use crate::search::{Candidate, SearchOptions, candidate_settings, search, settings_with_tp};
 
-/// Megatron parallel degrees; the product of tp, pp and dp is the number of devices used.
+/// Megatron parallel degrees; the product of tp, cp, hp, pp and dp is the number of devices used.
 #[derive(Clone, Copy, Debug, PartialEq, Eq)]
 pub struct Degrees {
     pub tp: u32,
@@ -29,20 +30,32 @@ pub struct Degrees {
     /// Virtual pipeline size: model chunks per pipeline rank (Megatron's
     /// `--num-layers-per-virtual-pipeline-stage` expressed as a count); 1 is no interleaving.
     pub vpp: u32,
+    /// Context parallelism: head-parallel groups per stage, each holding a shard of every
+    /// sequence (the planner chooses the uneven shards).
+    pub cp: u32,
+    /// Head parallelism (Ulysses): devices per group, inside one node.
+    pub hp: u32,
 }
 
 impl Degrees {
-    /// Degrees without interleaving.
+    /// Degrees without interleaving or context parallelism.
     pub const fn new(tp: u32, pp: u32, dp: u32) -> Self {
-        Degrees { tp, pp, dp, vpp: 1 }
+        Degrees { tp, pp, dp, vpp: 1, cp: 1, hp: 1 }
+    }
+
+    /// Whether the layout splits each sequence over devices.
+    pub fn splits_sequences(&self) -> bool {
+        self.cp > 1 || self.hp > 1
     }
 }
 
 impl fmt::Display for Degrees {
     fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
         write!(f, "tp={},pp={},dp={}", self.tp, self.pp, self.dp)?;
-        if self.vpp > 1 {
-            write!(f, ",vpp={}", self.vpp)?;
+        for (axis, degree) in [("vpp", self.vpp), ("cp", self.cp), ("hp", self.hp)] {
+            if degree > 1 {
+                write!(f, ",{axis}={degree}")?;
+            }
         }
         Ok(())
     }
@@ -50,7 +63,8 @@ impl fmt::Display for Degrees {
 
 impl FromStr for Degrees {
     type Err = String;
-    /// `tp=8,pp=4,dp=2` or `tp=8,pp=4,dp=2,vpp=2`; an axis left out has degree 1.
+    /// `tp=8,pp=4,dp=2`, `tp=8,pp=4,dp=2,vpp=2` or `pp=2,cp=4,hp=2`; an axis left out has
+    /// degree 1.
     fn from_str(text: &str) -> Result<Self, String> {
         let mut degrees = Degrees::new(1, 1, 1);
         for part in text.split(',').map(str::trim).filter(|part| !part.is_empty()) {
@@ -67,7 +81,9 @@ impl FromStr for Degrees {
                 "pp" => degrees.pp = value,
                 "dp" => degrees.dp = value,
                 "vpp" => degrees.vpp = value,
-                other => return Err(format!("unknown axis `{other}`; expected tp, pp, dp or vpp")),
+                "cp" => degrees.cp = value,
+                "hp" => degrees.hp = value,
+                other => return Err(format!("unknown axis `{other}`; expected tp, pp, dp, vpp, cp or hp")),
             }
         }
         Ok(degrees)
@@ -168,7 +184,9 @@ fn check_degrees(cluster: &Cluster, model: &ModelSpec, degrees: Degrees) -> Resu
     Ok(())
 }
 
-/// The fastest fitting Megatron-style plan with `degrees` over the settings the job allows.
+/// The fastest fitting Megatron-style plan with `degrees` over the settings the job allows; with
+/// cp or hp over 1, the best context-parallel plan with those degrees, its split still chosen by
+/// the planner (pp stages and dp replicas per vendor).
 pub fn fixed(
     cluster: &Cluster,
     model: &ModelSpec,
@@ -176,6 +194,19 @@ pub fn fixed(
     calibration: &Calibration,
     degrees: Degrees,
 ) -> Result<Candidate, PlanError> {
+    if degrees.splits_sequences() {
+        if degrees.tp != 1 || degrees.vpp != 1 {
+            return Err(PlanError::Layout {
+                layout: degrees.to_string(),
+                message: "context and head parallelism take the place of tensor parallelism and run one chunk per \
+                          rank: use tp=1 and no vpp"
+                    .into(),
+            });
+        }
+        let pinned = ContextDegrees { cp: degrees.cp, hp: degrees.hp, pp: degrees.pp, dp: degrees.dp };
+        let outcome = search_long_context(cluster, model, job, calibration, None, Some(pinned), 1)?;
+        return Ok(outcome.candidates.into_iter().next().expect("a search returns a plan or an error"));
+    }
     check_degrees(cluster, model, degrees)?;
     let cost = CostModel::new(model, job.seq_len(), calibration);
     let mut layout_error = None;
@@ -283,6 +314,9 @@ mod tests {
         assert_eq!(Degrees::new(8, 4, 2).to_string(), "tp=8,pp=4,dp=2");
         assert!("tp=0".parse::<Degrees>().unwrap_err().contains("positive"));
         assert!("ep=2".parse::<Degrees>().unwrap_err().contains("unknown axis"));
+        let context = Degrees { cp: 4, hp: 2, ..Degrees::new(1, 2, 1) };
+        assert_eq!("pp=2,cp=4,hp=2".parse(), Ok(context));
+        assert_eq!(context.to_string(), "tp=1,pp=2,dp=1,cp=4,hp=2");
         assert!("tp8".parse::<Degrees>().unwrap_err().contains("AXIS=DEGREE"));
     }
 }

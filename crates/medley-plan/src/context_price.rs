@@ -105,19 +105,15 @@ impl<'a> ContextPricer<'a> {
     }
 
     /// Q, K, V in and the output out for the device's heads over the group's shard, and the keys
-    /// and values of the others: two blocks in flight around a ring, all of them gathered.
+    /// and values of the others: all of them, gathered, or forwarded around a ring ahead of
+    /// attention (which may reach the last only after every block is in).
     fn buffer_bytes(&self, view: &GroupView, share: HeadShare, n_tokens: u64) -> f64 {
         let model = self.cost.model();
         let head_dim = u64::from(model.head_dim());
         let shard = view.shard_tokens;
         let heads = (2 * u64::from(share.q_heads) + 2 * u64::from(share.kv_heads)) * head_dim * ACTIVATION_BYTES;
         let others = (n_tokens - shard) as f64;
-        let received = match (view.kv_exchange, view.n_groups) {
-            (_, 1) => 0.0,
-            (KvExchange::Ring, n) => 2.0 * others / (n as f64 - 1.0),
-            (KvExchange::AllGather, _) => others,
-        };
-        (shard * heads) as f64 + received * kv_bytes_per_token(model, share.kv_heads, ACTIVATION_BYTES) as f64
+        (shard * heads) as f64 + others * kv_bytes_per_token(model, share.kv_heads, ACTIVATION_BYTES) as f64
     }
 
     /// The link a ring through the groups' first devices, in order, is held back by.

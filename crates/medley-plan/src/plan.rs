@@ -485,6 +485,27 @@ impl Plan {
         self.device_group(stage.devices[0])
     }
 
+    /// What a stage runs on, as a person reads it: a TP group's device type, or a long-context
+    /// stage's groups, `cp8·hp4(H100-SXM×4+A100-80GB×4)`: 8 groups of 4 devices, 4 of each type.
+    pub fn stage_label(&self, stage: &Stage) -> String {
+        let Some(context) = &stage.context else { return self.stage_group(stage).device.name.clone() };
+        let mut kinds: Vec<(&str, usize)> = Vec::new();
+        for group in 0..context.groups.len() {
+            let name = self.device_group(context.group_devices(&stage.devices, group)[0]).device.name.as_str();
+            match kinds.iter_mut().find(|(kind, _)| *kind == name) {
+                Some((_, count)) => *count += 1,
+                None => kinds.push((name, 1)),
+            }
+        }
+        let sizes: BTreeSet<usize> = context.groups.iter().map(|group| group.device_tokens.len()).collect();
+        let hp = match sizes.len() {
+            1 => format!("·hp{}", sizes.first().expect("one size")),
+            _ => String::new(),
+        };
+        let kinds: Vec<String> = kinds.iter().map(|(name, count)| format!("{name}×{count}")).collect();
+        format!("cp{}{hp}({})", context.groups.len(), kinds.join("+"))
+    }
+
     /// The node group device `id` belongs to.
     pub fn device_group(&self, id: DeviceId) -> &medley_spec::NodeGroup {
         let cluster = &self.parts.cluster;
@@ -537,11 +558,8 @@ impl Plan {
     pub fn replica_shapes(&self) -> Vec<ReplicaShape> {
         let mut shapes: Vec<ReplicaShape> = Vec::new();
         for replica in self.replicas() {
-            let stages: Vec<(String, u32)> = replica
-                .stages
-                .iter()
-                .map(|stage| (self.stage_group(stage).device.name.clone(), stage.layers.len()))
-                .collect();
+            let stages: Vec<(String, u32)> =
+                replica.stages.iter().map(|stage| (self.stage_label(stage), stage.layers.len())).collect();
             match shapes.iter_mut().find(|shape| shape.stages == stages) {
                 Some(shape) => {
                     shape.n_replicas += 1;

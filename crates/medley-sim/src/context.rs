@@ -7,14 +7,19 @@
 //! values with the devices holding the same heads in the other groups (a ring all-gather-v, as
 //! ring attention passes blocks; attention runs on each block as it arrives, so the next block's
 //! transfer hides under it, or, for an all-gather, once every block is in), and sends its heads'
-//! outputs back by a second all-to-all. The backward does the same with twice the compute and
+//! outputs back by a second all-to-all. Keys and values move on a communication stream of their
+//! own that forwards each block as soon as it is in, ahead of attention, buffering what attention
+//! has not reached yet (up to every block, as an all-gather holds): a lock-step ring, which passes
+//! a block on only after computing on the last, would run at the pace of the slowest device's
+//! largest block once shards are uneven. The backward does the same with twice the compute and
 //! the keys' and values' gradients travelling with them; recomputation adds the forward's
 //! attention (selective) or the whole forward (full). The communication is medley-collective's
 //! step lists, the same description the runtime's communicator executes; counts are uneven
 //! wherever the plan's shards, tokens and heads are.
 
 use std::cmp::Reverse;
-use std::collections::{BTreeMap, BinaryHeap};
+use std::collections::{BTreeMap, BinaryHeap, VecDeque};
+use std::num::NonZeroUsize;
 
 use medley_collective::{self as collective, Algorithm, Chunking, Counts, DomainId, Group, Step};
 use medley_cost::comm::{self, Link};
@@ -34,13 +39,22 @@ enum Phase {
     KeysValues,
 }
 
-/// One operation of a device's program.
+/// What one stream of a device counts, for the other to wait on.
+#[derive(Clone, Copy, Debug, PartialEq, Eq, PartialOrd, Ord)]
+enum Tag {
+    /// The compute stream has reached a key/value exchange.
+    KvStart,
+    /// The communication stream has received another message of keys and values.
+    KvMessage,
+}
+
+/// One operation of a device's stream.
 #[derive(Clone, Copy, Debug, PartialEq)]
 enum DeviceOp {
     Compute {
         ns: u64,
     },
-    /// Starts a transfer to the device at this index of the stage; the device moves on.
+    /// Starts a transfer to the device at this index of the stage; the stream moves on.
     Send {
         to: usize,
         bytes: f64,
@@ -50,6 +64,32 @@ enum DeviceOp {
         from: usize,
         phase: Phase,
     },
+    /// Counts one more `tag` on this device.
+    Mark(Tag),
+    /// Waits until this device has counted `count` of `tag`.
+    Await {
+        tag: Tag,
+        count: u32,
+    },
+}
+
+/// A device's two streams: compute (with the all-to-alls) and key/value communication.
+#[derive(Clone, Debug, Default)]
+struct DeviceProgram {
+    compute: Vec<DeviceOp>,
+    comm: Vec<DeviceOp>,
+    /// How many of each tag the streams count by the end of what is written so far.
+    marked: [u32; 2],
+}
+
+impl DeviceProgram {
+    /// Writes a mark of `tag` on the communication or the compute stream; its running count.
+    fn mark(&mut self, tag: Tag, on_comm: bool) -> u32 {
+        let stream = if on_comm { &mut self.comm } else { &mut self.compute };
+        stream.push(DeviceOp::Mark(tag));
+        self.marked[tag as usize] += 1;
+        self.marked[tag as usize]
+    }
 }
 
 /// One pass of one layer on one device, simulated.
@@ -107,6 +147,8 @@ struct DeviceRates {
     serial_forward_s: f64,
     weight_grad_s: f64,
     serial_backward_s: f64,
+    /// The share of the matmuls before attention: the Q, K and V projections.
+    before_attention: f64,
     attention_per_flop_s: f64,
 }
 
@@ -172,37 +214,53 @@ impl<'a> LayerPrograms<'a> {
     }
 
     /// The forward pass's programs.
-    fn forward(&self) -> Result<Vec<Vec<DeviceOp>>, SimError> {
-        let mut programs: Vec<Vec<DeviceOp>> =
-            self.rates.iter().map(|rates| vec![DeviceOp::Compute { ns: ns(rates.serial_forward_s) }]).collect();
-        self.all_to_all(&mut programs, true)?;
-        self.kv_exchange(&mut programs, 1, 1.0)?;
-        self.all_to_all(&mut programs, false)?;
+    fn forward(&self) -> Result<Vec<DeviceProgram>, SimError> {
+        let mut programs = vec![DeviceProgram::default(); self.members.len()];
+        self.append_forward(&mut programs)?;
         Ok(programs)
     }
 
-    /// The backward pass's programs: the forward again first under full recomputation.
-    fn backward(&self) -> Result<Vec<Vec<DeviceOp>>, SimError> {
-        let mut programs = match self.recompute {
-            Recompute::Full => self.forward()?,
-            _ => vec![Vec::new(); self.members.len()],
-        };
+    /// The forward in layer order: norm and Q, K, V projections, the all-to-all to the heads,
+    /// attention with the key/value exchange, the all-to-all back, then the output projection
+    /// and the MLP.
+    fn append_forward(&self, programs: &mut [DeviceProgram]) -> Result<(), SimError> {
+        self.compute(programs, |rates| rates.serial_forward_s * rates.before_attention);
+        self.all_to_all(programs, true)?;
+        self.kv_exchange(programs, 1, 1.0)?;
+        self.all_to_all(programs, false)?;
+        self.compute(programs, |rates| rates.serial_forward_s * (1.0 - rates.before_attention));
+        Ok(())
+    }
+
+    /// Every device computes for `seconds` of its rates.
+    fn compute(&self, programs: &mut [DeviceProgram], seconds: impl Fn(&DeviceRates) -> f64) {
         for (program, rates) in programs.iter_mut().zip(&self.rates) {
-            program.push(DeviceOp::Compute { ns: ns(rates.serial_backward_s) });
+            program.compute.push(DeviceOp::Compute { ns: ns(seconds(rates)) });
         }
-        // The outputs' gradients reach the heads, the inputs' gradients return to the tokens.
+    }
+
+    /// The backward pass's programs: the forward again first under full recomputation.
+    fn backward(&self) -> Result<Vec<DeviceProgram>, SimError> {
+        let mut programs = vec![DeviceProgram::default(); self.members.len()];
+        if self.recompute == Recompute::Full {
+            self.append_forward(&mut programs)?;
+        }
+        // In reverse layer order: the MLP and output projection, the outputs' gradients to the
+        // heads, attention's, the inputs' gradients back to the tokens, the Q, K, V projections.
+        self.compute(&mut programs, |rates| rates.serial_backward_s * (1.0 - rates.before_attention));
         self.all_to_all(&mut programs, false)?;
         // Selective recomputation runs the forward's attention again inside the backward's; full
         // recomputation ran the whole forward above.
         let attention = if self.recompute == Recompute::Selective { 3.0 } else { 2.0 };
         self.kv_exchange(&mut programs, 2, attention)?;
         self.all_to_all(&mut programs, true)?;
+        self.compute(&mut programs, |rates| rates.serial_backward_s * rates.before_attention);
         Ok(programs)
     }
 
     /// Each group's all-to-all-v: to the heads (Q, K, V of every device's tokens for each
     /// device's heads) or back (each device's heads' outputs for every device's tokens).
-    fn all_to_all(&self, programs: &mut [Vec<DeviceOp>], to_heads: bool) -> Result<(), SimError> {
+    fn all_to_all(&self, programs: &mut [DeviceProgram], to_heads: bool) -> Result<(), SimError> {
         let hd = self.head_dim();
         for (g, group) in self.context.groups.iter().enumerate() {
             let offset = self.group_offsets[g];
@@ -234,7 +292,7 @@ impl<'a> LayerPrograms<'a> {
             )?;
             for (j, rank) in steps.iter().enumerate() {
                 for step in &rank.steps {
-                    programs[offset + j].extend(message(step, |peer| offset + peer, Phase::AllToAll));
+                    programs[offset + j].compute.extend(message(step, |peer| offset + peer, Phase::AllToAll));
                 }
             }
         }
@@ -243,10 +301,13 @@ impl<'a> LayerPrograms<'a> {
 
     /// The keys and values of each device's heads around the devices holding the same heads in
     /// every group: a ring all-gather-v of `copies` K/V-sized blocks per token (2 in the backward,
-    /// with the gradients), attention `attention` forward-passes' worth on each block.
-    fn kv_exchange(&self, programs: &mut [Vec<DeviceOp>], copies: usize, attention: f64) -> Result<(), SimError> {
+    /// with the gradients), in messages no larger than the smallest block so that the hops
+    /// pipeline, and attention `attention` forward-passes' worth on each message's keys: as each
+    /// arrives around a ring, once all have for an all-gather.
+    fn kv_exchange(&self, programs: &mut [DeviceProgram], copies: usize, attention: f64) -> Result<(), SimError> {
         let n_groups = self.context.groups.len();
         let hd = self.head_dim();
+        let overlaps = self.context.kv_exchange == KvExchange::Ring;
         for j in 0..self.context.groups[0].device_tokens.len() {
             let lane: Vec<usize> = self.group_offsets.iter().map(|offset| offset + j).collect();
             let share = self.members[lane[0]].2;
@@ -255,48 +316,39 @@ impl<'a> LayerPrograms<'a> {
                 .collect();
             let starts: Vec<usize> =
                 counts.iter().scan(0, |at, count| Some(std::mem::replace(at, *at + count))).collect();
+            let smallest = counts.iter().copied().min().and_then(NonZeroUsize::new);
             let steps = collective::plan_steps(
                 collective::Op::AllGather,
                 &Group::new(vec![DomainId(0); n_groups])?,
-                &Counts::PerRank(counts),
+                &Counts::PerRank(counts.clone()),
                 Algorithm::Ring,
-                Chunking::Whole,
+                smallest.map_or(Chunking::Whole, Chunking::MaxElems),
             )?;
             for (g, rank) in steps.iter().enumerate() {
                 let device = lane[g];
-                let block_ns = |keys: usize| self.attention_ns(device, g, keys, attention);
                 let program = &mut programs[device];
-                let overlaps = self.context.kv_exchange == KvExchange::Ring;
-                // Around a ring a device passes each block on before computing on it, so that
-                // the ring moves at the links' pace, not at the slowest device's.
-                let mut own_done = false;
-                let (mut deferred, mut pending) = (None, Vec::new());
+                let started = program.mark(Tag::KvStart, false);
+                program.comm.push(DeviceOp::Await { tag: Tag::KvStart, count: started });
+                // Attention on each message's keys, own block first: (the message's count, ns).
+                let mut attention_ns = vec![(None, self.attention_ns(device, g, g, attention))];
                 for step in &rank.steps {
-                    program.extend(message(step, |peer| lane[peer], Phase::KeysValues));
-                    match step {
-                        Step::Send { .. } if overlaps => {
-                            let block = if own_done { deferred.take() } else { Some(g) };
-                            own_done = true;
-                            program.extend(block.map(|keys| DeviceOp::Compute { ns: block_ns(keys) }));
-                        }
-                        Step::Recv { range, .. } => {
-                            let owner = starts.partition_point(|&start| start <= range.start) - 1;
-                            match overlaps {
-                                true => {
-                                    let earlier = deferred.replace(owner);
-                                    program.extend(earlier.map(|keys| DeviceOp::Compute { ns: block_ns(keys) }));
-                                }
-                                false => pending.push(owner),
-                            }
-                        }
-                        _ => {}
+                    program.comm.extend(message(step, |peer| lane[peer], Phase::KeysValues));
+                    if let Step::Recv { range, .. } = step {
+                        let owner = starts.partition_point(|&start| start <= range.start) - 1;
+                        let fraction = range.len() as f64 / counts[owner] as f64;
+                        let block_ns = self.attention_ns(device, g, owner, attention) as f64;
+                        attention_ns.push((Some(program.mark(Tag::KvMessage, true)), (fraction * block_ns) as u64));
                     }
                 }
-                pending.extend(deferred);
-                if !own_done {
-                    pending.push(g);
+                if !overlaps && let Some(&(Some(last), _)) = attention_ns.last() {
+                    program.compute.push(DeviceOp::Await { tag: Tag::KvMessage, count: last });
                 }
-                program.extend(pending.into_iter().map(|keys| DeviceOp::Compute { ns: block_ns(keys) }));
+                for (message, ns) in attention_ns {
+                    if let (true, Some(count)) = (overlaps, message) {
+                        program.compute.push(DeviceOp::Await { tag: Tag::KvMessage, count });
+                    }
+                    program.compute.push(DeviceOp::Compute { ns });
+                }
             }
         }
         Ok(())
@@ -322,6 +374,12 @@ fn message(step: &Step, device: impl Fn(usize) -> usize, phase: Phase) -> Option
     }
 }
 
+/// The Q, K and V projections' share of a layer's matmul FLOPs.
+fn qkv_share(model: &medley_spec::ModelSpec) -> f64 {
+    let qkv = 2.0 * f64::from(model.hidden()) * (model.q_width() + 2 * model.kv_width()) as f64;
+    qkv / medley_cost::flops::layer_forward(model, 1, 1).matmul
+}
+
 fn device_rates(cost: &CostModel, group: &NodeGroup, tokens: f64) -> DeviceRates {
     let work = |tokens: f64, attention_flops: f64| ContextWork {
         tokens,
@@ -337,6 +395,7 @@ fn device_rates(cost: &CostModel, group: &NodeGroup, tokens: f64) -> DeviceRates
         serial_forward_s: serial.forward.serial_s,
         weight_grad_s: serial.weight_grad_s,
         serial_backward_s: serial.backward.serial_s,
+        before_attention: qkv_share(cost.model()),
         attention_per_flop_s: attention.forward.attention_s / reference_flops,
     }
 }
@@ -351,13 +410,54 @@ struct Ports {
 
 #[derive(Clone, Copy, Debug, PartialEq, Eq, PartialOrd, Ord)]
 enum Event {
-    Run(usize),
-    Drained { flow: usize, version: u64 },
-    Deliver { from: usize, to: usize },
+    /// Runs a device's stream (0: compute, 1: communication) as far as it goes.
+    Run(usize, usize),
+    Drained {
+        flow: usize,
+        version: u64,
+    },
+    Deliver {
+        from: usize,
+        to: usize,
+    },
+}
+
+/// Where one stream of one device stands.
+#[derive(Clone, Copy, Debug, Default)]
+struct StreamState {
+    cursor: usize,
+    /// Since when it has waited, while it waits for a message or a count.
+    blocked_since: Option<u64>,
+    /// Whether a run to check again is already on its way.
+    woken: bool,
+}
+
+/// The events of a run, in (time, order of pushing) order.
+#[derive(Default)]
+struct Events {
+    queue: BinaryHeap<Reverse<(u64, u64, Event)>>,
+    pushed: u64,
+}
+
+impl Events {
+    fn push(&mut self, at_ns: u64, event: Event) {
+        self.pushed += 1;
+        self.queue.push(Reverse((at_ns, self.pushed, event)));
+    }
+
+    /// Runs `device`'s waiting streams again, to check what they wait for: once per wait, so
+    /// that no stream runs twice at once.
+    fn wake(&mut self, states: &mut [StreamState; 2], device: usize, now: u64) {
+        for (stream, state) in states.iter_mut().enumerate() {
+            if state.blocked_since.is_some() && !std::mem::replace(&mut state.woken, true) {
+                self.push(now, Event::Run(device, stream));
+            }
+        }
+    }
 }
 
 /// Runs the devices' programs from time 0 over their links, max-min fair where flows share a port.
-fn run(slots: &[DeviceSlot], cluster: &Cluster, programs: &[Vec<DeviceOp>]) -> Vec<DevicePass> {
+fn run(slots: &[DeviceSlot], cluster: &Cluster, programs: &[DeviceProgram]) -> Vec<DevicePass> {
     let mut network: Network<(usize, usize, u64)> = Network::new();
     let ports: Vec<Ports> = slots
         .iter()
@@ -372,90 +472,118 @@ fn run(slots: &[DeviceSlot], cluster: &Cluster, programs: &[Vec<DeviceOp>]) -> V
             }
         })
         .collect();
+    let streams = |device: usize| [&programs[device].compute, &programs[device].comm];
     let mut passes = vec![DevicePass::default(); programs.len()];
-    let mut cursors = vec![0usize; programs.len()];
-    let mut blocked_since: Vec<Option<u64>> = vec![None; programs.len()];
-    let mut waiting = vec![false; programs.len()];
+    let mut states = vec![[StreamState::default(); 2]; programs.len()];
     let mut delivered: BTreeMap<(usize, usize), u32> = BTreeMap::new();
-    let mut events: BinaryHeap<Reverse<(u64, u64, Event)>> = BinaryHeap::new();
-    let mut order = 0u64;
-    let mut push = |events: &mut BinaryHeap<_>, at: u64, event: Event| {
-        order += 1;
-        events.push(Reverse((at, order, event)));
+    let mut counted = vec![[0u32; 2]; programs.len()];
+    // Transfers between one pair go one at a time, in order, as on one NCCL channel: bytes
+    // waiting behind the one on the wire, per (from, to).
+    let mut channels: BTreeMap<(usize, usize), VecDeque<f64>> = BTreeMap::new();
+    let start = |network: &mut Network<(usize, usize, u64)>, drains: &mut Vec<DrainAt>, now, from, to, bytes| {
+        let (link, path) = route(cluster, slots, &ports, from, to);
+        let latency_ns = ns(link.latency_us * 1e-6);
+        network.start(now, path, link.gb_s, bytes, (from, to, latency_ns), drains);
     };
+    let mut events = Events::default();
     for device in 0..programs.len() {
-        push(&mut events, 0, Event::Run(device));
+        events.push(0, Event::Run(device, 0));
+        events.push(0, Event::Run(device, 1));
     }
     let mut drains = Vec::new();
-    while let Some(Reverse((now, _, event))) = events.pop() {
+    while let Some(Reverse((now, _, event))) = events.queue.pop() {
         match event {
             Event::Drained { flow, version } => {
                 if network.is_current(flow, version) {
                     let (from, to, latency_ns) = network.finish(now, flow, &mut drains);
-                    push(&mut events, now + latency_ns, Event::Deliver { from, to });
+                    events.push(now + latency_ns, Event::Deliver { from, to });
+                    let queue = channels.get_mut(&(from, to)).expect("a transfer's channel");
+                    queue.pop_front();
+                    if let Some(&bytes) = queue.front() {
+                        start(&mut network, &mut drains, now, from, to, bytes);
+                    }
                 }
             }
             Event::Deliver { from, to } => {
                 *delivered.entry((from, to)).or_insert(0) += 1;
-                // One wake-up per wait: a device computing or already woken is not run twice.
-                if std::mem::take(&mut waiting[to]) {
-                    push(&mut events, now, Event::Run(to));
-                }
+                events.wake(&mut states[to], to, now);
             }
-            Event::Run(device) => {
+            Event::Run(device, stream) => {
                 let pass = &mut passes[device];
-                let mut at = now;
-                while let Some(&op) = programs[device].get(cursors[device]) {
+                let ops = streams(device)[stream];
+                let state = &mut states[device][stream];
+                state.woken = false;
+                let mut marked = false;
+                while let Some(&op) = ops.get(state.cursor) {
                     match op {
                         DeviceOp::Compute { ns } => {
                             pass.compute_ns += ns;
-                            cursors[device] += 1;
-                            at += ns;
-                            push(&mut events, at, Event::Run(device));
+                            state.cursor += 1;
+                            events.push(now + ns, Event::Run(device, stream));
                             break;
                         }
                         DeviceOp::Send { to, bytes } => {
-                            let (link, path) = route(cluster, slots, &ports, device, to);
-                            let latency_ns = ns(link.latency_us * 1e-6);
-                            network.start(at, path, link.gb_s, bytes, (device, to, latency_ns), &mut drains);
+                            let queue = channels.entry((device, to)).or_default();
+                            queue.push_back(bytes);
+                            if queue.len() == 1 {
+                                start(&mut network, &mut drains, now, device, to, bytes);
+                            }
                             pass.sent_bytes += bytes as u64;
-                            cursors[device] += 1;
                         }
                         DeviceOp::Recv { from, phase } => {
                             let count = delivered.entry((from, device)).or_insert(0);
                             if *count == 0 {
-                                blocked_since[device].get_or_insert(at);
-                                waiting[device] = true;
+                                state.blocked_since.get_or_insert(now);
                                 break;
                             }
                             *count -= 1;
-                            if let Some(since) = blocked_since[device].take() {
-                                match phase {
-                                    Phase::AllToAll => pass.all_to_all_wait_ns += at - since,
-                                    Phase::KeysValues => pass.kv_wait_ns += at - since,
-                                }
+                            let waited = state.blocked_since.take().map_or(0, |since| now - since);
+                            match (stream, phase) {
+                                (0, Phase::AllToAll) => pass.all_to_all_wait_ns += waited,
+                                (0, Phase::KeysValues) => pass.kv_wait_ns += waited,
+                                _ => {}
                             }
-                            cursors[device] += 1;
+                        }
+                        DeviceOp::Mark(tag) => {
+                            counted[device][tag as usize] += 1;
+                            marked = true;
+                        }
+                        DeviceOp::Await { tag, count } => {
+                            if counted[device][tag as usize] < count {
+                                state.blocked_since.get_or_insert(now);
+                                break;
+                            }
+                            let waited = state.blocked_since.take().map_or(0, |since| now - since);
+                            if stream == 0 && tag == Tag::KvMessage {
+                                pass.kv_wait_ns += waited;
+                            }
                         }
                     }
+                    state.cursor += 1;
                 }
-                if cursors[device] == programs[device].len() {
-                    pass.end_ns = pass.end_ns.max(at);
+                if state.cursor == ops.len() {
+                    pass.end_ns = pass.end_ns.max(now);
+                }
+                if marked {
+                    events.wake(&mut states[device], device, now);
                 }
             }
         }
         for DrainAt { flow, version, at_ns } in drains.drain(..) {
-            push(&mut events, at_ns, Event::Drained { flow, version });
+            events.push(at_ns, Event::Drained { flow, version });
         }
     }
     // Bytes in: every device's sends, by receiver.
     for (device, program) in programs.iter().enumerate() {
-        for op in program {
+        for op in program.compute.iter().chain(&program.comm) {
             if let DeviceOp::Send { to, bytes } = op {
                 passes[*to].received_bytes += *bytes as u64;
             }
         }
-        debug_assert_eq!(cursors[device], program.len(), "a device's program ran to its end");
+        debug_assert!(
+            (0..2).all(|stream| states[device][stream].cursor == streams(device)[stream].len()),
+            "a device's streams ran to their ends"
+        );
     }
     passes
 }

@@ -5,11 +5,13 @@ use std::collections::BTreeMap;
 use std::num::NonZeroU32;
 
 use medley_cost::comm::{self, Link};
+use medley_cost::context::KvExchange;
 use medley_cost::{Calibration, CostModel, Setting};
 use medley_plan::Plan;
 use medley_plan::baselines::{Degrees, megatron_plan};
+use medley_plan::long_context::{even_fixed, search_long_context};
 use medley_schedule::{Instruction, Schedule, ScheduleKind, generate};
-use medley_sim::{BandwidthTrace, SimConfig, SimError, Simulation, simulate, simulate_steps};
+use medley_sim::{BandwidthTrace, SimConfig, SimError, Simulation, simulate, simulate_context_layer, simulate_steps};
 use medley_spec::{Bridge, Cluster, Fabric, JobParts, JobSpec, ModelSpec, Recompute, catalog_model};
 use serde_json::Value;
 
@@ -396,6 +398,118 @@ proptest::proptest! {
                     }
                 }
             }
+        }
+    }
+}
+
+// ---------------------------------------------------------------------------------------------
+// Long context: context and head parallelism
+
+fn long_job(seq_len: u32, global_batch: u32) -> JobSpec {
+    JobSpec::new(JobParts { seq_len, global_batch, ..JobParts::default() }, "test").unwrap()
+}
+
+/// The even layout of `cp` groups of `hp` devices in one stage of one replica, of Llama 3 8B's
+/// shape with a small vocabulary (the logits of long shards would not fit beside it).
+fn even_context(text: &str, seq_len: u32, cp: u32, hp: u32) -> Plan {
+    let (model, calibration) = (uniform_model(32), Calibration::default());
+    even_fixed(&cluster(text), &model, &long_job(seq_len, 1), &calibration, cp, hp, 1, 1).unwrap().plan
+}
+
+/// The forward bytes each device of `plan`'s first stage sends and receives in one layer.
+fn layer_bytes(plan: &Plan) -> Vec<(u64, u64)> {
+    let calibration = Calibration::default();
+    let cost = CostModel::new(plan.model(), plan.seq_len(), &calibration);
+    let stage = &plan.replicas()[0].stages[0];
+    let layer = simulate_context_layer(&cost, plan.cluster(), stage, plan.recompute()).unwrap();
+    layer.devices.iter().map(|(_, forward, _)| (forward.sent_bytes, forward.received_bytes)).collect()
+}
+
+#[test]
+fn simulated_bytes_per_layer_equal_the_closed_forms() {
+    // ../shared/reference/formulas.md ("Long context"), Llama 3 8B's shape: d = 4096, d_kv = 1024, bf16.
+    let (d, d_kv, b, n) = (4096u64, 1024u64, 2u64, 131_072u64);
+    // (Two devices cannot hold the 8B model's states; four and eight can.)
+    for p in [4u64, 8] {
+        // Ring over p devices: (P − 1)·(N/P)·2·d_kv·b each way.
+        let ring = (p - 1) * (n / p) * 2 * d_kv * b;
+        let plan = even_context("8xh100", n as u32, p as u32, 1);
+        assert!(layer_bytes(&plan).iter().all(|&bytes| bytes == (ring, ring)), "ring p={p}: {:?}", layer_bytes(&plan));
+        // An all-gather moves the same bytes (it only gives up the overlap).
+        let mut parts = plan.into_parts();
+        parts.replicas[0].stages[0].context.as_mut().unwrap().kv_exchange = KvExchange::AllGather;
+        let gathered = Plan::new(parts).unwrap();
+        assert!(layer_bytes(&gathered).iter().all(|&bytes| bytes == (ring, ring)), "all-gather p={p}");
+        // Ulysses over p devices: (P − 1)/P·(N/P)·(2d + 2d_kv)·b each way.
+        let ulysses = (p - 1) * (n / p) * (2 * d + 2 * d_kv) * b / p;
+        let plan = even_context("8xh100", n as u32, 1, p as u32);
+        assert!(layer_bytes(&plan).iter().all(|&bytes| bytes == (ulysses, ulysses)), "ulysses p={p}");
+    }
+    // USP, u-way Ulysses inside r ring groups: both parts, the ring's on d_kv/u.
+    let (u, r) = (4u64, 2u64);
+    let ulysses = (u - 1) * (n / (r * u)) * (2 * d + 2 * d_kv) * b / u;
+    let ring = (r - 1) * (n / r) * 2 * (d_kv / u) * b;
+    let plan = even_context("8xh100", n as u32, r as u32, u as u32);
+    assert!(layer_bytes(&plan).iter().all(|&bytes| bytes == (ulysses + ring, ulysses + ring)), "usp");
+}
+
+#[test]
+fn a_ring_hides_its_transfers_under_attention_and_the_timeline_shows_the_phases() {
+    let plan = even_context("16xh100", 131_072, 16, 1);
+    let calibration = Calibration::default();
+    let cost = CostModel::new(plan.model(), plan.seq_len(), &calibration);
+    let stage = &plan.replicas()[0].stages[0];
+    let ring = simulate_context_layer(&cost, plan.cluster(), stage, plan.recompute()).unwrap();
+    let mut parts = plan.clone().into_parts();
+    parts.replicas[0].stages[0].context.as_mut().unwrap().kv_exchange = KvExchange::AllGather;
+    let gathered = Plan::new(parts).unwrap();
+    let gather = simulate_context_layer(&cost, gathered.cluster(), &gathered.replicas()[0].stages[0], plan.recompute());
+    let gather = gather.unwrap();
+    assert!(ring.forward_ns() < gather.forward_ns(), "{} vs {}", ring.forward_ns(), gather.forward_ns());
+    // Around the ring, the device waits less for keys and values than they take to arrive.
+    let ring_wait: u64 = ring.devices.iter().map(|(_, forward, _)| forward.kv_wait_ns).max().unwrap();
+    let gather_wait: u64 = gather.devices.iter().map(|(_, forward, _)| forward.kv_wait_ns).max().unwrap();
+    assert!(ring_wait < gather_wait, "{ring_wait} vs {gather_wait}");
+    let (_, bytes) = timeline_bytes(&plan, ScheduleKind::OneFOneB, None);
+    let events: Value = serde_json::from_slice(&bytes).unwrap();
+    let forward = events["traceEvents"]
+        .as_array()
+        .unwrap()
+        .iter()
+        .find(|event| event["name"].as_str().is_some_and(|name| name.starts_with("F mb0")))
+        .expect("a forward slice");
+    let phases = &forward["args"]["layer (slowest device)"];
+    assert!(phases["compute_ns"].as_u64().unwrap() > 0 && phases["sent_bytes"].as_u64().unwrap() > 0, "{forward}");
+}
+
+proptest::proptest! {
+    #![proptest_config(proptest::prelude::ProptestConfig { cases: 8, ..Default::default() })]
+
+    /// Random mixed fleets and sequence lengths: every long-context plan the planner returns runs
+    /// to the end of a simulated step within every device's memory, and the simulation lands
+    /// near the cost model's price.
+    #[test]
+    fn long_context_plans_fit_when_simulated(
+        fleet in proptest::sample::subsequence(vec!["16xh100", "32xa100", "16xh200", "16xa100-40gb", "32xl40s"], 2..=3),
+        seq_len in proptest::sample::select(vec![32_768u32, 65_536, 131_072, 262_144]),
+        global_batch in proptest::sample::select(vec![4u32, 8, 16]),
+        model in proptest::sample::select(vec!["llama3-8b", "llama3-70b"]),
+    ) {
+        let (cluster, calibration) = (cluster(&fleet.join(",")), Calibration::default());
+        let (spec, job) = (catalog_model(model).unwrap(), long_job(seq_len, global_batch));
+        let outcome = match search_long_context(&cluster, &spec, &job, &calibration, None, None, 3) {
+            Ok(outcome) => outcome,
+            // 70B's states alone fill 32 of these GPUs; 8B fits every fleet here.
+            Err(medley_plan::PlanError::NothingFits(_)) if model == "llama3-70b" => return Ok(()),
+            Err(error) => return Err(proptest::test_runner::TestCaseError::fail(error.to_string())),
+        };
+        for candidate in outcome.candidates {
+            let report = simulate_steps(&candidate.plan, &calibration, &SimConfig::default(), candidate.plan.schedule(), 1, None)
+                .unwrap()
+                .last_step;
+            proptest::prop_assert!(report.fits, "{:?} does not fit: {:?}", candidate.plan.replica_shapes(), report.peak_memory_gib);
+            let gap = report.step_time_s / candidate.prediction.step_time_s - 1.0;
+            proptest::prop_assert!(gap.abs() < 0.15, "simulated {} vs priced {}", report.step_time_s, candidate.prediction.step_time_s);
         }
     }
 }

@@ -10,6 +10,7 @@ use anyhow::{Context, Result, bail};
 use clap::Args;
 use medley_cost::Calibration;
 use medley_plan::baselines::{self, Baselines, Degrees};
+use medley_plan::long_context::{EvenBaselines, LONG_CONTEXT_TOKENS};
 use medley_plan::{Candidate, Plan, PlanError, PlanParts, SearchOptions, evaluate, search};
 use medley_sim::{SimConfig, StepReport, simulate_steps};
 use medley_spec::{JobParts, JobSpec};
@@ -37,6 +38,9 @@ pub struct PlanArgs {
     pub pick: u32,
     /// Evaluate a homogeneous Megatron-style layout instead of searching, e.g. tp=8,pp=4,dp=2;
     /// add vpp=V for V model chunks per pipeline rank under interleaved 1F1B (tp=8,pp=8,dp=16,vpp=2).
+    /// With cp=N (groups per stage) and hp=N (devices per group, inside a node), the best
+    /// context-parallel plan with those degrees: the planner still splits sequences unevenly
+    /// (tp=1,pp=1,dp=1,cp=4).
     #[arg(long, conflicts_with = "plan")]
     pub fix: Option<Degrees>,
     /// Evaluate a plan file instead of searching (its cluster, model and job are used).
@@ -84,7 +88,7 @@ pub fn run(args: &PlanArgs) -> Result<ExitCode> {
     if picked >= candidates.len() {
         bail!("--pick {}: only {} to pick from", args.pick, render::count(candidates.len(), "ranked plan"));
     }
-    let baselines = baseline_rows(Baselines::compute(&specs.cluster, &specs.model, &specs.job, &specs.calibration));
+    let baselines = baseline_rows(&specs);
     if let Some(path) = &args.output {
         let json = serde_json::to_string_pretty(&candidates[picked].plan)?;
         fs::write(path, json + "\n").with_context(|| format!("cannot write {}", path.display()))?;
@@ -162,24 +166,28 @@ pub(crate) fn specs_of_plan(args: &SpecArgs, path: &str, plan: &Plan) -> Result<
 pub(crate) fn load_plan(path: &str) -> Result<Plan> {
     let parts: PlanParts =
         serde_json::from_str(&read(path)?).with_context(|| format!("{path} is not a medley plan"))?;
-    let plan = Plan::new(parts).with_context(|| format!("in {path}"))?;
-    if plan.has_context() {
-        bail!(
-            "{path} splits sequences over devices (a stage with `context`), which this build checks but cannot yet \
-             price, simulate or train"
-        );
-    }
-    Ok(plan)
+    Plan::new(parts).with_context(|| format!("in {path}"))
 }
 
-/// The rows of the report's baselines table.
-fn baseline_rows(baselines: Baselines) -> Vec<Baseline> {
-    vec![
+/// The rows of the report's baselines table: uniform and best homogeneous, and for long
+/// sequences the even context-parallel layouts.
+fn baseline_rows(specs: &Specs) -> Vec<Baseline> {
+    let (cluster, model, job, calibration) = (&specs.cluster, &specs.model, &specs.job, &specs.calibration);
+    let (baselines, even) = rayon::join(
+        || Baselines::compute(cluster, model, job, calibration),
+        || (job.seq_len() >= LONG_CONTEXT_TOKENS).then(|| EvenBaselines::compute(cluster, model, job, calibration)),
+    );
+    let mut rows = vec![
         Baseline { name: "uniform".into(), detail: None, candidate: baselines.uniform },
         Baseline {
             name: "best-homogeneous".into(),
             detail: baselines.homogeneous.as_ref().map(|(device, _)| device.clone()),
             candidate: baselines.homogeneous.map(|(_, candidate)| candidate),
         },
-    ]
+    ];
+    for (kind, candidate) in even.iter().flat_map(EvenBaselines::rows) {
+        let detail = candidate.map(|candidate| candidate.plan.stage_label(&candidate.plan.replicas()[0].stages[0]));
+        rows.push(Baseline { name: kind.name().into(), detail, candidate: candidate.cloned() });
+    }
+    rows
 }

@@ -381,6 +381,7 @@ pub fn explain(plan: &Plan) -> String {
             count(plan.micro_batch() as usize, "sequence"),
         );
     }
+    out += &explain_context(plan);
     let boundaries: Vec<Route> =
         plan.replicas().iter().flat_map(|replica| replica.boundaries.iter().copied()).collect();
     let bridged = boundaries.iter().filter(|route| matches!(route, Route::Bridge { .. })).count();
@@ -408,6 +409,46 @@ pub fn explain(plan: &Plan) -> String {
     let idle = plan.idle_devices();
     if !idle.is_empty() {
         let _ = writeln!(out, "- {} idle", count(idle.len(), "device"));
+    }
+    out
+}
+
+/// How the first long-context stage splits each sequence: per device type, its groups' shards,
+/// its devices' tokens and heads.
+fn explain_context(plan: &Plan) -> String {
+    let Some(stage) = plan.replicas().iter().flat_map(|replica| &replica.stages).find(|stage| stage.context.is_some())
+    else {
+        return String::new();
+    };
+    let context = stage.context.as_ref().expect("found");
+    let mut out = format!(
+        "- each sequence split over {} ({:?} exchange of keys and values, {}-token blocks, head–tail shards):\n",
+        count(context.groups.len(), "head-parallel group"),
+        context.kv_exchange,
+        context.block
+    );
+    let mut kinds: Vec<(String, Vec<&medley_plan::HeadGroup>)> = Vec::new();
+    for (idx, group) in context.groups.iter().enumerate() {
+        let name = plan.device_group(context.group_devices(&stage.devices, idx)[0]).device.name.clone();
+        match kinds.iter_mut().find(|(kind, _)| *kind == name) {
+            Some((_, groups)) => groups.push(group),
+            None => kinds.push((name, vec![group])),
+        }
+    }
+    for (name, groups) in kinds {
+        let range = |values: Vec<u32>| {
+            let (low, high) = (values.iter().min().copied().unwrap_or(0), values.iter().max().copied().unwrap_or(0));
+            if low == high { low.to_string() } else { format!("{low}–{high}") }
+        };
+        let shards = range(groups.iter().map(|group| group.tokens).collect());
+        let tokens = range(groups.iter().flat_map(|group| group.device_tokens.iter().copied()).collect());
+        let heads = range(groups.iter().flat_map(|group| group.heads.iter().copied()).collect());
+        let _ = writeln!(
+            out,
+            "  - {name}: {} of {} devices, {shards} tokens each; {tokens} tokens and {heads} query heads per device",
+            count(groups.len(), "group"),
+            range(groups.iter().map(|group| group.device_tokens.len() as u32).collect()),
+        );
     }
     out
 }

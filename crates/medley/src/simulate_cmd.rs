@@ -10,6 +10,7 @@ use clap::Args;
 use comfy_table::Cell;
 use medley_cost::{CostModel, Setting};
 use medley_plan::baselines::{self, Degrees, megatron_plan};
+use medley_plan::long_context::even_fixed;
 use medley_plan::{Plan, PlanError};
 use medley_sim::{BandwidthTrace, RunReport, SimConfig, simulate_steps};
 use medley_spec::Recompute;
@@ -40,8 +41,9 @@ pub struct SimulateArgs {
     /// the default 1F1B schedule into `interleaved`.
     #[arg(long, default_value_t = 1, conflicts_with = "plan")]
     pub vpp: u32,
-    /// Context-parallel degree; only 1 is modelled so far.
-    #[arg(long, default_value_t = 1)]
+    /// Context-parallel degree of the what-if layout: Megatron-LM's `--context-parallel-size`
+    /// (even head–tail shards, keys and values around a ring, tp = 1).
+    #[arg(long, default_value_t = 1, conflicts_with = "plan", value_parser = clap::value_parser!(u32).range(1..))]
     pub cp: u32,
     /// Shard optimizer states over data-parallel replicas (ZeRO-1); what-if layouts default to
     /// Megatron's unsharded optimizer.
@@ -68,9 +70,6 @@ pub struct SimulateArgs {
 }
 
 pub fn run(args: &SimulateArgs) -> Result<ExitCode> {
-    if args.cp != 1 {
-        bail!("--cp {}: context parallelism is not modelled by the simulator yet; use --cp 1", args.cp);
-    }
     let (specs, plan) = match &args.plan {
         Some(path) => {
             let mut plan = load_plan(path)?;
@@ -116,6 +115,9 @@ pub fn run(args: &SimulateArgs) -> Result<ExitCode> {
 fn what_if(args: &SimulateArgs) -> Result<(Specs, Plan)> {
     let mut specs = args.specs.resolve()?;
     specs.job = specs.job.with_zero1(args.zero1);
+    if args.cp > 1 {
+        return context_what_if(args, specs);
+    }
     if args.tp.is_none() && args.pp.is_none() && args.dp.is_none() && args.vpp == 1 {
         let Some(uniform) = baselines::uniform(&specs.cluster, &specs.model, &specs.job, &specs.calibration) else {
             bail!(
@@ -164,6 +166,29 @@ fn what_if(args: &SimulateArgs) -> Result<(Specs, Plan)> {
         }
         Err(err) => Err(err.into()),
     }
+}
+
+/// Megatron-LM's context parallelism as the flags give it: `--cp` equal shards around a ring,
+/// `--pp` stages, the devices left as replicas.
+fn context_what_if(args: &SimulateArgs, specs: Specs) -> Result<(Specs, Plan)> {
+    if args.tp.is_some_and(|tp| tp != 1) || args.vpp != 1 {
+        bail!(
+            "--cp {}: medley's context-parallel stages run without tensor parallelism or interleaving: use --tp 1",
+            args.cp
+        );
+    }
+    let (cp, pp) = (args.cp, args.pp.unwrap_or(1));
+    let n_gpus = specs.cluster.n_gpus();
+    let dp = match args.dp {
+        Some(dp) => dp,
+        None if n_gpus.is_multiple_of(cp * pp) => n_gpus / (cp * pp),
+        None => {
+            bail!("--cp {cp} × --pp {pp} does not divide the cluster's {}; give --dp", count(n_gpus as usize, "GPU"))
+        }
+    };
+    let candidate = even_fixed(&specs.cluster, &specs.model, &specs.job, &specs.calibration, cp, 1, pp, dp)?;
+    tracing::info!("{}", chosen("the fastest setting that fits", &candidate.plan));
+    Ok((specs, candidate.plan))
 }
 
 /// What the what-if layout chose where the flags left it open.

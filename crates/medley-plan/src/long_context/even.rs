@@ -9,6 +9,7 @@ use medley_spec::{Cluster, DeviceId, JobSpec, ModelSpec};
 use rayon::prelude::*;
 
 use super::{ContextSpace, HP_DEGREES, unsupported};
+use crate::error::PlanError;
 use crate::evaluate::evaluate;
 use crate::plan::Plan;
 use crate::search::Candidate;
@@ -112,6 +113,63 @@ pub fn even_plan(
             prediction.fits.then_some(Candidate { plan, prediction })
         })
         .min_by(|a, b| a.prediction.step_time_s.total_cmp(&b.prediction.step_time_s))
+}
+
+/// The fastest fitting even plan with `cp` groups of `hp` devices per stage, `pp` stages and
+/// `dp` replicas over the first devices (a Megatron-LM `--context-parallel-size` what-if when
+/// hp = 1), over the recompute modes the job allows.
+#[allow(clippy::too_many_arguments)]
+pub fn even_fixed(
+    cluster: &Cluster,
+    model: &ModelSpec,
+    job: &JobSpec,
+    calibration: &Calibration,
+    cp: u32,
+    hp: u32,
+    pp: u32,
+    dp: u32,
+) -> Result<Candidate, PlanError> {
+    let layout = format!("cp={cp},hp={hp},pp={pp},dp={dp}");
+    let error = |message: String| PlanError::Layout { layout: layout.clone(), message };
+    if let Some(reason) = unsupported(job) {
+        return Err(error(reason));
+    }
+    let needed = u64::from(cp) * u64::from(hp) * u64::from(pp) * u64::from(dp);
+    if needed > u64::from(cluster.n_gpus()) {
+        return Err(error(format!("needs {needed} devices, the cluster has {}", cluster.n_gpus())));
+    }
+    if pp > model.n_layers() || !job.global_batch().is_multiple_of(dp) {
+        return Err(error(format!(
+            "pp must be at most the model's {} layers and dp must divide the global batch of {}",
+            model.n_layers(),
+            job.global_batch()
+        )));
+    }
+    let space = ContextSpace::new(cluster, model, job, calibration);
+    let plans: Vec<Plan> =
+        space.recomputes().into_iter().filter_map(|recompute| space.even(cp, hp, pp, dp, recompute)).collect();
+    if plans.is_empty() {
+        return Err(error(format!(
+            "no such layout: each group of hp devices must sit in one node, each stage in one vendor, and {} \
+             tokens must split into cp equal shards of whole {}-token block pairs",
+            job.seq_len(),
+            space.block
+        )));
+    }
+    plans
+        .into_iter()
+        .map(|plan| {
+            let prediction = evaluate(&plan, calibration);
+            Candidate { plan, prediction }
+        })
+        .filter(|candidate| candidate.prediction.fits)
+        .min_by(|a, b| a.prediction.step_time_s.total_cmp(&b.prediction.step_time_s))
+        .ok_or_else(|| {
+            PlanError::NothingFits(format!(
+                "layout {layout} does not fit {} in memory with any recompute the job allows",
+                model.name()
+            ))
+        })
 }
 
 impl ContextSpace<'_> {

@@ -29,7 +29,7 @@ use medley_spec::{
 };
 use rayon::prelude::*;
 
-pub use even::{EvenBaselines, EvenKind, even_plan};
+pub use even::{EvenBaselines, EvenKind, even_fixed, even_plan};
 
 use crate::assemble::{ReplicaLayout, assemble};
 use crate::context::{HeadGroup, StageContext};
