@@ -9,7 +9,7 @@ use medley_cost::{CostModel, GIB, MemoryBreakdown, PassTime, StageShape};
 use medley_spec::{BridgeMode, Cluster, DeviceId, DeviceSlot, NodeGroup, Recompute};
 
 use crate::context::StageContext;
-use crate::shard_split::{GroupCost, Linear};
+use crate::shard_split::{GroupCost, Linear, NextLinear};
 
 /// Bytes per element of activations, keys and values (bf16).
 const ACTIVATION_BYTES: u64 = 2;
@@ -216,9 +216,10 @@ impl<'a> ContextPricer<'a> {
         let heads =
             HeadSplit::proportional(self.cost.model(), &vec![1.0; size]).expect("a group no larger than the heads");
         let heads = heads.shares().to_vec();
-        // Two shards a multiple of the group's size: every cost is linear in the shard.
+        // Two shards a multiple of the group's size: every cost is linear in the shard and in
+        // the tokens whose keys and values it moves.
         let points = [size as u64 * 2, size as u64 * 4].map(|tokens| tokens.min(n_tokens));
-        let at = |shard_tokens: u64, stage: &StageFrame| -> (Vec<f64>, Vec<f64>) {
+        let at = |shard_tokens: u64, kv_tokens: u64, stage: &StageFrame| -> (Vec<f64>, Vec<f64>) {
             let view = GroupView {
                 node_group,
                 shard_tokens,
@@ -230,9 +231,8 @@ impl<'a> ContextPricer<'a> {
             };
             let (mut pieces, mut memory) = (Vec::new(), Vec::new());
             for (me, share) in heads.iter().enumerate() {
-                let received =
-                    (n_tokens - shard_tokens) * kv_bytes_per_token(self.cost.model(), share.kv_heads, ACTIVATION_BYTES);
-                let work = self.device_work(&view, me, 0, received as f64, n_tokens);
+                let moved = kv_tokens * kv_bytes_per_token(self.cost.model(), share.kv_heads, ACTIVATION_BYTES);
+                let work = self.device_work(&view, me, 0, moved as f64, n_tokens);
                 let layer = self.cost.context_layer_time(node_group, work.work, stage.recompute);
                 let head = match stage.shape.head {
                     true => self.cost.context_head_time(node_group, work.work.tokens).total_s(),
@@ -252,23 +252,39 @@ impl<'a> ContextPricer<'a> {
             }
             (pieces, memory)
         };
-        let line = |a: f64, b: f64| {
-            let per_token = (b - a) / (points[1] - points[0]).max(1) as f64;
-            Linear { fixed: a - per_token * points[0] as f64, per_token }
-        };
-        let lines = |a: Vec<f64>, b: Vec<f64>| a.into_iter().zip(b).map(|(a, b)| line(a, b)).collect::<Vec<_>>();
-        let (mut times_s, mut memory_bytes) = (Vec::new(), Vec::new());
+        let [n1, n2] = points;
+        let step = (n2 - n1).max(1) as f64;
+        let (mut times_s, mut next_times_s, mut memory_bytes) = (Vec::new(), Vec::new(), Vec::new());
         for frame in frames {
-            let ((pieces_a, memory_a), (pieces_b, memory_b)) = (at(points[0], frame), at(points[1], frame));
-            times_s.extend(lines(pieces_a, pieces_b));
-            memory_bytes.extend(lines(memory_a, memory_b));
+            // p(n, k) = fixed + a·n + b·k for a shard of n moving k tokens' keys and values.
+            let (base, memory_base) = at(n1, n_tokens - n1, frame);
+            let (more_shard, memory_more) = at(n2, n_tokens - n1, frame);
+            let (less_kv, _) = at(n1, n_tokens - n2, frame);
+            for ((p, p_shard), p_kv) in base.iter().zip(&more_shard).zip(&less_kv) {
+                let (a, b) = ((p_shard - p) / step, (p - p_kv) / step);
+                let fixed = p - a * n1 as f64 - b * (n_tokens - n1) as f64;
+                let own = Linear { fixed: fixed + b * n_tokens as f64, per_token: a };
+                // It receives every other block: k = N − n.
+                times_s.push(Linear { fixed: own.fixed, per_token: a - b });
+                // Around a ring it sends every block but the next group's: k = N − m.
+                if b != 0.0 && kv_exchange == KvExchange::Ring {
+                    next_times_s.push(NextLinear { own, per_next_token: -b });
+                }
+            }
+            for (m1, m2) in memory_base.iter().zip(&memory_more) {
+                let per_token = (m2 - m1) / step;
+                memory_bytes.push(Linear { fixed: m1 - per_token * n1 as f64, per_token });
+            }
         }
         // Devices with the same heads cost the same: one constraint each is enough.
+        let order = |a: &Linear, b: &Linear| a.fixed.total_cmp(&b.fixed).then(a.per_token.total_cmp(&b.per_token));
         for lines in [&mut times_s, &mut memory_bytes] {
-            lines.sort_by(|a, b| a.fixed.total_cmp(&b.fixed).then(a.per_token.total_cmp(&b.per_token)));
+            lines.sort_by(order);
             lines.dedup();
         }
-        GroupCost { times_s, memory_bytes, capacity_bytes: node_group.device.hbm_gib * GIB }
+        next_times_s.sort_by(|a, b| order(&a.own, &b.own).then(a.per_next_token.total_cmp(&b.per_next_token)));
+        next_times_s.dedup();
+        GroupCost { times_s, next_times_s, memory_bytes, capacity_bytes: node_group.device.hbm_gib * GIB }
     }
 }
 

@@ -34,12 +34,28 @@ impl Linear {
     }
 }
 
+/// `own(n) + per_next_token · m` for a group holding n tokens before a group holding m: a ring
+/// sends every block on but the next group's.
+#[derive(Clone, Copy, Debug, PartialEq)]
+pub struct NextLinear {
+    pub own: Linear,
+    pub per_next_token: f64,
+}
+
+impl NextLinear {
+    pub fn at(self, tokens: f64, next_tokens: f64) -> f64 {
+        self.own.at(tokens) + self.per_next_token * next_tokens
+    }
+}
+
 /// One group's costs as functions of its shard.
 #[derive(Clone, Debug, PartialEq)]
 pub struct GroupCost {
     /// Seconds that must each fit in the step: a sum of parts that run one after another, or one
     /// entry per part that overlaps the others (a ring's transfers and the attention they feed).
     pub times_s: Vec<Linear>,
+    /// Seconds that also depend on the next group's shard, each to fit in the step too.
+    pub next_times_s: Vec<NextLinear>,
     /// Bytes on each device of the group (of each stage that shares the split).
     pub memory_bytes: Vec<Linear>,
     /// What one device holds.
@@ -47,9 +63,11 @@ pub struct GroupCost {
 }
 
 impl GroupCost {
-    /// The slowest of the group's times with a shard of `tokens`.
-    pub fn time_s(&self, tokens: f64) -> f64 {
-        self.times_s.iter().map(|time| time.at(tokens)).fold(0.0, f64::max)
+    /// The slowest of the group's times with a shard of `tokens` before one of `next_tokens`.
+    pub fn time_s(&self, tokens: f64, next_tokens: f64) -> f64 {
+        let own = self.times_s.iter().map(|time| time.at(tokens));
+        let next = self.next_times_s.iter().map(|time| time.at(tokens, next_tokens));
+        own.chain(next).fold(0.0, f64::max)
     }
 
     fn fits(&self, tokens: f64) -> bool {
@@ -57,11 +75,14 @@ impl GroupCost {
     }
 }
 
-/// `count` groups with the same costs: a balanced split gives them shards a unit apart at most.
+/// `count` groups with the same costs, one after another around the ring: a balanced split
+/// gives them shards a unit apart at most.
 #[derive(Clone, Debug, PartialEq)]
 pub struct GroupKind {
     pub cost: GroupCost,
     pub count: u32,
+    /// The kinds whose groups follow this kind's around the ring (itself, for all but its last).
+    pub next: Vec<usize>,
 }
 
 /// The shards of one kind's groups: the first `n_more` hold `units + 1` units, the rest `units`.
@@ -83,6 +104,11 @@ impl KindShare {
         self.units + u64::from(self.n_more > 0)
     }
 
+    /// Units of its emptiest group.
+    fn fewest(self) -> u64 {
+        self.units + u64::from(self.n_more == self.count)
+    }
+
     fn add_one(&mut self) {
         self.n_more += 1;
         if self.n_more == self.count {
@@ -101,7 +127,9 @@ impl KindShare {
 /// Shard sizes for `groups` over a sequence of `n_tokens`, in whole pairs of `block`-token
 /// blocks, that make the slowest group as fast as memory allows.
 pub fn split_sequence(groups: &[GroupCost], n_tokens: u64, block: u64) -> Result<HeadTailShards, PlanError> {
-    let kinds: Vec<GroupKind> = groups.iter().map(|cost| GroupKind { cost: cost.clone(), count: 1 }).collect();
+    let n = groups.len();
+    let kinds: Vec<GroupKind> =
+        (0..n).map(|g| GroupKind { cost: groups[g].clone(), count: 1, next: vec![(g + 1) % n] }).collect();
     let unit = 2 * block.max(1);
     let counts = split_by_kind(&kinds, n_tokens, block)?.into_iter().flat_map(|share| share.tokens(unit)).collect();
     Ok(HeadTailShards::new(n_tokens, counts).expect("whole, positive units adding up to the sequence"))
@@ -136,6 +164,11 @@ fn solve(kinds: &[GroupKind], n_tokens: f64, unit: f64) -> Result<Vec<f64>, Plan
     for (kind, &shard) in kinds.iter().zip(&shards) {
         for time in &kind.cost.times_s {
             model.add_constraint(time.expression(shard).leq(slowest));
+        }
+        for time in &kind.cost.next_times_s {
+            for &next in &kind.next {
+                model.add_constraint((time.own.expression(shard) + time.per_next_token * shards[next]).leq(slowest));
+            }
         }
         for memory in &kind.cost.memory_bytes {
             model.add_constraint(memory.expression(shard).leq(kind.cost.capacity_bytes));
@@ -180,11 +213,18 @@ fn round_to_units(
         let slowest_with = |with: usize| {
             (0..kinds.len())
                 .map(|k| {
-                    let mut share = shares[k];
-                    if k == with {
-                        share.add_one();
-                    }
-                    let time = |units: u64| kinds[k].cost.time_s(units as f64 * unit);
+                    let with_one = |kind: usize| {
+                        let mut share = shares[kind];
+                        if kind == with {
+                            share.add_one();
+                        }
+                        share
+                    };
+                    let share = with_one(k);
+                    // A group sends the most before the smallest next shard.
+                    let fewest_next = kinds[k].next.iter().map(|&next| with_one(next).fewest()).min().unwrap_or(1);
+                    let next_tokens = fewest_next as f64 * unit;
+                    let time = |units: u64| kinds[k].cost.time_s(units as f64 * unit, next_tokens);
                     match share.n_more {
                         0 => time(share.units),
                         _ => time(share.units).max(time(share.units + 1)),
@@ -215,13 +255,14 @@ mod tests {
     fn group(speed: f64, capacity_tokens: f64) -> GroupCost {
         GroupCost {
             times_s: vec![Linear { fixed: 0.001, per_token: 1e-5 / speed }],
+            next_times_s: Vec::new(),
             memory_bytes: vec![Linear { fixed: 0.0, per_token: 1.0 }],
             capacity_bytes: capacity_tokens,
         }
     }
 
     fn slowest(groups: &[GroupCost], shards: &HeadTailShards) -> f64 {
-        groups.iter().zip(shards.counts()).map(|(group, &tokens)| group.time_s(tokens as f64)).fold(0.0, f64::max)
+        groups.iter().zip(shards.counts()).map(|(group, &tokens)| group.time_s(tokens as f64, 0.0)).fold(0.0, f64::max)
     }
 
     #[test]
@@ -252,6 +293,7 @@ mod tests {
                 Linear { fixed: 0.0, per_token: 1e-5 / speed },
                 Linear { fixed: n * 2e-6 / link, per_token: -2e-6 / link },
             ],
+            next_times_s: Vec::new(),
             memory_bytes: vec![Linear { fixed: 0.0, per_token: 1.0 }],
             capacity_bytes: 1e9,
         };
@@ -274,8 +316,11 @@ mod tests {
         for a in 1..units {
             for b in 1..units - a {
                 let counts = [a * unit, b * unit, (units - a - b) * unit];
-                let time =
-                    groups.iter().zip(counts).map(|(group, tokens)| group.time_s(tokens as f64)).fold(0.0, f64::max);
+                let time = groups
+                    .iter()
+                    .zip(counts)
+                    .map(|(group, tokens)| group.time_s(tokens as f64, 0.0))
+                    .fold(0.0, f64::max);
                 best = best.min(time);
             }
         }

@@ -5,13 +5,16 @@
 
 use std::collections::BTreeSet;
 
+use medley_cost::context::HeadSplit;
 use medley_cost::context::KvExchange;
 use medley_cost::{Calibration, CostModel, Setting};
 use medley_plan::baselines::{self, Degrees};
+use medley_plan::long_context::{ContextDegrees, even_fixed, search_long_context};
 use medley_plan::shard_split::{GroupCost, Linear, split_sequence};
 use medley_plan::{
     Candidate, DpGroup, GradientAlgorithm, HeadGroup, LayerRange, PLAN_VERSION, PLAN_VERSION_WITHOUT_CONTEXT, Plan,
-    PlanError, PlanParts, Replica, Route, SearchOptions, SearchOutcome, Stage, StageContext, evaluate, search,
+    PlanError, PlanParts, Replica, ReplicaLayout, Route, SearchOptions, SearchOutcome, Stage, StageContext, assemble,
+    evaluate, search,
 };
 use medley_spec::{
     Bridge, BridgeMode, Cluster, Fabric, JobParts, JobSpec, MlpKind, ModelParts, ModelSpec, Recompute, Schedule,
@@ -753,7 +756,7 @@ fn validate_names_what_a_hand_edit_of_a_context_stage_broke() {
 fn split_time(groups: &[GroupCost], counts: &[u64]) -> Option<f64> {
     groups.iter().zip(counts).try_fold(0.0f64, |slowest, (group, &tokens)| {
         let fits = group.memory_bytes.iter().all(|memory| memory.at(tokens as f64) <= group.capacity_bytes);
-        fits.then(|| slowest.max(group.time_s(tokens as f64)))
+        fits.then(|| slowest.max(group.time_s(tokens as f64, 0.0)))
     })
 }
 
@@ -790,6 +793,7 @@ proptest! {
                     Linear { fixed, per_token: 1e-5 / speed },
                     Linear { fixed: n_tokens as f64 * 1e-6 / link, per_token: -1e-6 / link },
                 ],
+                next_times_s: Vec::new(),
                 memory_bytes: vec![Linear { fixed: 0.0, per_token: 1.0 }],
                 capacity_bytes: room * n_tokens as f64,
             })
@@ -806,5 +810,125 @@ proptest! {
             // Refused only when no whole split fits either.
             Err(_) => prop_assert!(best.is_infinite(), "refused, but {best} fits"),
         }
+    }
+}
+
+// ---------------------------------------------------------------------------------------------
+// The long-context search
+
+/// Every stage's groups and devices of `plan`: (shard tokens, device tokens) of each group.
+fn context_splits(plan: &Plan) -> Vec<(u32, Vec<u32>)> {
+    plan.replicas()
+        .iter()
+        .flat_map(|replica| &replica.stages)
+        .flat_map(|stage| &stage.context.as_ref().expect("a context stage").groups)
+        .map(|group| (group.tokens, group.device_tokens.clone()))
+        .collect()
+}
+
+/// The (cp, hp, pp, dp) of a plan whose stages are alike.
+fn context_degrees(plan: &Plan) -> (u32, u32, u32, u32) {
+    let replica = &plan.replicas()[0];
+    let context = replica.stages[0].context.as_ref().expect("a context stage");
+    let hp = context.groups[0].device_tokens.len() as u32;
+    (context.groups.len() as u32, hp, replica.stages.len() as u32, plan.replicas().len() as u32)
+}
+
+#[test]
+fn on_a_homogeneous_cluster_the_long_context_plan_is_the_even_one() {
+    let calibration = Calibration::default();
+    for (fleet, name, seq_len, global_batch) in [
+        ("16xh100", "llama3-8b", 131_072, 16),
+        ("32xa100", "llama3-8b", 262_144, 8),
+        ("64xh100", "llama3-70b", 131_072, 32),
+    ] {
+        let (cluster, model, job) = (cluster(fleet), model(name), job(seq_len, global_batch, None, None));
+        let best =
+            search_long_context(&cluster, &model, &job, &calibration, None, None, 1).unwrap().candidates.remove(0);
+        let splits = context_splits(&best.plan);
+        let tokens = splits.iter().map(|(tokens, _)| *tokens);
+        let devices = splits.iter().flat_map(|(_, devices)| devices.iter().copied());
+        for (what, values) in [("shards", tokens.collect::<Vec<_>>()), ("device tokens", devices.collect())] {
+            let (low, high) = (values.iter().min().unwrap(), values.iter().max().unwrap());
+            assert!(f64::from(*high) <= 1.01 * f64::from(*low), "{fleet}: {what} {values:?}");
+        }
+        let (cp, hp, pp, dp) = context_degrees(&best.plan);
+        let even = even_fixed(&cluster, &model, &job, &calibration, cp, hp, pp, dp).unwrap();
+        let ratio = best.prediction.step_time_s / even.prediction.step_time_s;
+        assert!((ratio - 1.0).abs() <= 0.01, "{fleet}: {ratio} of the even plan with cp={cp} hp={hp} pp={pp} dp={dp}");
+    }
+}
+
+/// The plan of one stage over `cluster` whose head-parallel groups are `groups` (devices,
+/// shard tokens), devices sharing their shard and the heads evenly.
+fn one_stage_context_plan(
+    cluster: &Cluster,
+    model: &ModelSpec,
+    job: &JobSpec,
+    recompute: Recompute,
+    placed: &[(Vec<u32>, u64)],
+) -> Plan {
+    let calibration = Calibration::default();
+    let cost = CostModel::new(model, job.seq_len(), &calibration);
+    let groups: Vec<HeadGroup> = placed
+        .iter()
+        .map(|(devices, tokens)| {
+            let size = devices.len() as u32;
+            let heads = HeadSplit::proportional(model, &vec![1.0; devices.len()]).unwrap();
+            let heads = heads.shares().iter().map(|share| share.q_heads).collect();
+            HeadGroup { tokens: *tokens as u32, device_tokens: vec![*tokens as u32 / size; devices.len()], heads }
+        })
+        .collect();
+    let devices = placed.iter().flat_map(|(devices, _)| devices.iter().copied()).collect();
+    let context = StageContext { block: 128, kv_exchange: KvExchange::Ring, groups };
+    let stage = Stage { devices, layers: LayerRange { start: 0, end: model.n_layers() }, context: Some(context) };
+    let layout = ReplicaLayout { n_micro_batches: job.global_batch(), stages: vec![stage] };
+    let setting = Setting { micro_batch: 1, tp: 1, recompute };
+    let mut parts = assemble(cluster, &cost, job, setting, job.schedule(), 1, vec![layout]);
+    parts.version = PLAN_VERSION;
+    Plan::new(parts).unwrap()
+}
+
+/// The fastest fitting one-stage plan over `fleet`'s devices in head-parallel groups of `hp`
+/// (node by node), over every whole-unit split of the sequence and every recompute mode.
+fn exhaustive_context(cluster: &Cluster, model: &ModelSpec, job: &JobSpec, hp: u32) -> Option<f64> {
+    let calibration = Calibration::default();
+    let groups: Vec<Vec<u32>> = (0..cluster.n_gpus() / hp).map(|g| (g * hp..(g + 1) * hp).collect()).collect();
+    let unit = 256u64;
+    let splits = unit_splits(u64::from(job.seq_len()) / unit, groups.len());
+    Recompute::ALL
+        .into_iter()
+        .flat_map(|recompute| splits.iter().map(move |split| (recompute, split)))
+        .filter_map(|(recompute, split)| {
+            let placed: Vec<(Vec<u32>, u64)> =
+                groups.iter().cloned().zip(split.iter().map(|units| units * unit)).collect();
+            let plan = one_stage_context_plan(cluster, model, job, recompute, &placed);
+            let prediction = evaluate(&plan, &calibration);
+            prediction.fits.then_some(prediction.step_time_s)
+        })
+        .reduce(f64::min)
+}
+
+proptest! {
+    #![proptest_config(ProptestConfig { cases: 6, ..ProptestConfig::default() })]
+
+    /// Small mixed fleets (eight devices of two types, one node each): with the degrees pinned,
+    /// the planner's split is within 2% of the best of every whole-unit split; free, it is no
+    /// slower than that either.
+    #[test]
+    fn long_context_plans_are_within_two_percent_of_exhaustive(
+        types in proptest::sample::subsequence(vec!["h100", "a100", "h200", "l40s", "a100-40gb"], 2),
+        hp in proptest::sample::select(vec![2u32, 4]),
+    ) {
+        let fleet = format!("4x{},4x{}", types[0], types[1]);
+        let (cluster, model, job) = (cluster(&fleet), small_model(4, 1024), job(8192, 4, None, None));
+        let calibration = Calibration::default();
+        let Some(best) = exhaustive_context(&cluster, &model, &job, hp) else { return Ok(()) };
+        let pinned = ContextDegrees { cp: 8 / hp, hp, pp: 1, dp: 1 };
+        let found = search_long_context(&cluster, &model, &job, &calibration, None, Some(pinned), 1).unwrap();
+        let found_s = found.candidates[0].prediction.step_time_s;
+        prop_assert!(found_s <= best * 1.02, "{fleet} hp={hp}: {found_s} against the exhaustive {best}");
+        let free = search_long_context(&cluster, &model, &job, &calibration, None, None, 1).unwrap();
+        prop_assert!(free.candidates[0].prediction.step_time_s <= best * 1.02, "{fleet}: free search slower");
     }
 }

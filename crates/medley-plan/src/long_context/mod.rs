@@ -40,7 +40,7 @@ use crate::layers::LayerRange;
 use crate::partition::{ClassShare, ReplicaClass, split_micro_batches};
 use crate::plan::{PLAN_VERSION, Plan, Stage};
 use crate::search::{Candidate, SearchOutcome};
-use crate::shard_split::{GroupKind, KindShare, split_by_kind};
+use crate::shard_split::{GroupCost, GroupKind, KindShare, split_by_kind};
 
 /// Sequences at least this long also get context-parallel candidates.
 pub const LONG_CONTEXT_TOKENS: u32 = 16_384;
@@ -72,14 +72,16 @@ struct Kind {
     per_cell: u32,
 }
 
-/// One vendor block's layout, priced: `pp · dp` identical cells of `kinds`, shards `shares`.
+/// One vendor block's layout, priced: `pp · dp` identical cells of `kinds`, each kind's groups'
+/// shards in `shares`: its groups but the last, then its last (which passes keys and values on
+/// to the next kind, whose shard may differ: it may need another).
 #[derive(Clone, Debug)]
 struct BlockConfig {
     kinds: Vec<Kind>,
     pp: u32,
     dp: u32,
     recompute: Recompute,
-    shares: Vec<KindShare>,
+    shares: Vec<Vec<KindShare>>,
     timing: PipelineTiming,
     /// Gradient synchronisation and optimizer step after the pipeline drains.
     after_s: f64,
@@ -251,32 +253,34 @@ impl<'a> ContextSpace<'a> {
         ];
         let kv_link = self.kv_link(&kinds);
         let pricer = self.pricer();
-        let group_kinds: Vec<GroupKind> = kinds
+        let costs: Vec<GroupCost> = kinds
             .iter()
-            .map(|kind| GroupKind {
-                cost: pricer.group_cost(
-                    self.node_group(kind.group),
-                    kind.size as usize,
-                    n_groups,
-                    n_tokens,
-                    kv_link,
-                    KvExchange::Ring,
-                    &frames,
-                ),
-                count: kind.per_cell,
+            .map(|kind| {
+                let node_group = self.node_group(kind.group);
+                let size = kind.size as usize;
+                pricer.group_cost(node_group, size, n_groups, n_tokens, kv_link, KvExchange::Ring, &frames)
             })
             .collect();
-        let shares = split_by_kind(&group_kinds, n_tokens, u64::from(self.block)).ok()?;
+        let (group_kinds, owners) = ring_kinds(&kinds, &costs);
+        let sub_shares = split_by_kind(&group_kinds, n_tokens, u64::from(self.block)).ok()?;
         let unit = 2 * u64::from(self.block);
         let stage_s = group_kinds
             .iter()
-            .zip(&shares)
-            .flat_map(|(kind, share)| share.tokens(unit).dedup().map(|tokens| kind.cost.time_s(tokens as f64)))
+            .zip(&sub_shares)
+            .flat_map(|(kind, share)| {
+                let fewest = |next: &usize| sub_shares[*next].tokens(unit).min().unwrap_or(unit);
+                let next_tokens = kind.next.iter().map(fewest).min().unwrap_or(unit) as f64;
+                share.tokens(unit).dedup().map(move |tokens| kind.cost.time_s(tokens as f64, next_tokens))
+            })
             .fold(0.0, f64::max);
+        let mut shares = vec![Vec::new(); kinds.len()];
+        for (share, &owner) in sub_shares.into_iter().zip(&owners) {
+            shares[owner].push(share);
+        }
         let most_tokens = kinds
             .iter()
             .zip(&shares)
-            .map(|(kind, share)| (share.units + 1) * unit / u64::from(kind.size))
+            .flat_map(|(kind, shares)| shares.iter().map(move |share| (share.units + 1) * unit / u64::from(kind.size)))
             .max()
             .unwrap_or(n_tokens);
         let boundary_s = kv_link.transfer_s(most_tokens as f64 * 2.0 * f64::from(model.hidden()));
@@ -357,9 +361,10 @@ impl<'a> ContextSpace<'a> {
                             .iter()
                             .zip(&kind_groups)
                             .zip(&config.shares)
-                            .flat_map(|((kind, groups), share)| {
+                            .flat_map(|((kind, groups), shares)| {
                                 let cell_groups = &groups[cell * kind.per_cell as usize..][..kind.per_cell as usize];
-                                cell_groups.iter().cloned().zip(share.tokens(unit))
+                                let tokens = shares.iter().flat_map(|share| share.tokens(unit));
+                                cell_groups.iter().cloned().zip(tokens)
                             })
                             .collect::<Vec<_>>()
                     })
@@ -442,6 +447,31 @@ impl<'a> ContextSpace<'a> {
         parts.version = PLAN_VERSION;
         Plan::new(parts)
     }
+}
+
+/// The kinds of a cell's groups as the ring meets them: each device kind's groups but its last
+/// (followed by one of their own kind or by the last), then its last (followed by the next
+/// kind's first); with the device kind each came from.
+fn ring_kinds(kinds: &[Kind], costs: &[GroupCost]) -> (Vec<GroupKind>, Vec<usize>) {
+    // Where each device kind's first sub-kind sits.
+    let firsts: Vec<usize> = kinds
+        .iter()
+        .scan(0, |at, kind| Some(std::mem::replace(at, *at + 1 + usize::from(kind.per_cell > 1))))
+        .collect();
+    let mut group_kinds = Vec::new();
+    let mut owners = Vec::new();
+    for (k, (kind, cost)) in kinds.iter().zip(costs).enumerate() {
+        let after = firsts[(k + 1) % kinds.len()];
+        if kind.per_cell > 1 {
+            let (inner, last) = (group_kinds.len(), group_kinds.len() + 1);
+            let next = if kind.per_cell > 2 { vec![inner, last] } else { vec![last] };
+            group_kinds.push(GroupKind { cost: cost.clone(), count: kind.per_cell - 1, next });
+            owners.push(k);
+        }
+        group_kinds.push(GroupKind { cost: cost.clone(), count: 1, next: vec![after] });
+        owners.push(k);
+    }
+    (group_kinds, owners)
 }
 
 /// Every way to pick `bounds.len()` counts, each from 1 to its bound, adding up to `total`.
