@@ -1,9 +1,10 @@
 //! medley's benchmark suites, apart from the tables the CLI prints: what each suite runs and
-//! measures ([`planner`], [`schedules`], [`comm`]), the statistics they report with, and the
+//! measures ([`planner`], [`context`], [`schedules`], [`comm`]), the statistics they report with, and the
 //! published runs the cost model's default efficiencies are fitted on ([`cited`]).
 
 pub mod cited;
 pub mod comm;
+pub mod context;
 pub mod planner;
 pub mod schedules;
 pub mod stats;

@@ -29,6 +29,13 @@ pub enum BenchCommand {
         #[arg(long)]
         json: bool,
     },
+    /// Long context on mixed fleets: the asymmetric CP/HP plan against even ring, Ulysses and USP
+    /// layouts and each device type alone, simulated; the planner's time on 1024 GPUs.
+    Context {
+        /// Print the rows as JSON instead of tables.
+        #[arg(long)]
+        json: bool,
+    },
     /// Simulator speed on a 1024-GPU step, and known orderings of pipeline schedules in simulation.
     Schedules {
         /// Print the rows as JSON instead of tables.
@@ -48,6 +55,7 @@ pub fn run(which: &BenchCommand) -> Result<()> {
     match which {
         BenchCommand::Plan { json } => bench_plan(*json),
         BenchCommand::Calibration { json } => crate::bench_calibration::bench_calibration(*json),
+        BenchCommand::Context { json } => crate::bench_context::bench_context(*json),
         BenchCommand::Schedules { json } => crate::bench_schedules::bench_schedules(*json),
         BenchCommand::Comm(args) => crate::bench_comm::run(args),
         BenchCommand::Train(args) => crate::bench_train::run(args),

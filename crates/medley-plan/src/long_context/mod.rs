@@ -112,7 +112,7 @@ pub fn unsupported(job: &JobSpec) -> Option<String> {
     if job.schedule() == Schedule::Fixed(ScheduleKind::Interleaved) {
         return Some("context-parallel stages run one model chunk per rank, not interleaved 1F1B".into());
     }
-    if job.seq_len() % 2 != 0 {
+    if !job.seq_len().is_multiple_of(2) {
         return Some(format!("a sequence of {} tokens does not split into head–tail halves", job.seq_len()));
     }
     None
