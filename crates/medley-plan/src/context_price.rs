@@ -116,12 +116,18 @@ impl<'a> ContextPricer<'a> {
         (shard * heads) as f64 + others * kv_bytes_per_token(model, share.kv_heads, ACTIVATION_BYTES) as f64
     }
 
-    /// The link a ring through the groups' first devices, in order, is held back by.
-    fn ring_link(&self, firsts: &[DeviceId]) -> Link {
-        let n = firsts.len();
+    /// Seconds to reduce `bytes` of gradients over a long-context stage's `devices` (each holds
+    /// every parameter) around a ring of them, before the replicas share them by shares.
+    pub fn stage_gradient_sync_s(&self, devices: &[DeviceId], bytes: f64) -> f64 {
+        comm::ring_all_reduce_s(bytes, devices.len() as u32, self.ring_link(devices))
+    }
+
+    /// The link a ring through `devices`, in order, is held back by.
+    pub fn ring_link(&self, devices: &[DeviceId]) -> Link {
+        let n = devices.len();
         (0..n)
             .map(|idx| {
-                let (a, b) = (self.slots[firsts[idx] as usize], self.slots[firsts[(idx + 1) % n] as usize]);
+                let (a, b) = (self.slots[devices[idx] as usize], self.slots[devices[(idx + 1) % n] as usize]);
                 comm::link_between(self.cluster, a, b, BridgeMode::DeviceDirect)
             })
             .reduce(Link::slowest)

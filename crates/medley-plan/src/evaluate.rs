@@ -364,27 +364,36 @@ fn dp_sync_s(plan: &Plan, cost: &CostModel, slots: &[DeviceSlot]) -> f64 {
     let mut per_rank: BTreeMap<(usize, usize), f64> = BTreeMap::new();
     for (group_idx, group) in plan.dp_groups().iter().enumerate() {
         let holders = plan.holders(group_idx);
-        let members: Vec<(DeviceSlot, Vendor)> = holders
-            .iter()
-            .zip(plan.replicas())
-            .flat_map(|(&stage_idx, replica)| members(plan, &replica.stages[stage_idx], slots))
-            .collect();
-        let bytes = dp_group_bytes(cost, plan.tp(), group.layers);
+        let holder_stages: Vec<&Stage> =
+            holders.iter().zip(plan.replicas()).map(|(&stage_idx, replica)| &replica.stages[stage_idx]).collect();
+        let members: Vec<(DeviceSlot, Vendor)> =
+            holder_stages.iter().map(|stage| (slots[stage.devices[0] as usize], plan.stage_vendor(stage))).collect();
+        // A long-context holder reduced over its own devices first: each shares its share.
+        let shares = holder_stages.iter().map(|stage| sequence_holders(stage)).min().unwrap_or(1);
+        let bytes = dp_group_bytes(cost, plan.tp(), group.layers) / f64::from(shares);
         let time_s = dp_group_time_s(plan.cluster(), &members, bytes, group.route, group.algorithm);
         for ((replica_idx, &stage_idx), replica) in holders.iter().enumerate().zip(plan.replicas()) {
             *per_rank.entry((replica_idx, plan.rank_of(replica, stage_idx))).or_insert(0.0) += time_s;
         }
     }
+    // Each long-context rank reduces its whole stage's gradients over its devices.
+    let pricer = ContextPricer { cost, cluster: plan.cluster(), slots };
+    for (replica_idx, replica) in plan.replicas().iter().enumerate() {
+        for (rank, (stage, shape)) in replica.stages.iter().zip(rank_shapes(plan, replica)).enumerate() {
+            if stage.context.is_some() {
+                let bytes = 2.0 * cost.stage_params(shape);
+                *per_rank.entry((replica_idx, rank)).or_insert(0.0) +=
+                    pricer.stage_gradient_sync_s(&stage.devices, bytes);
+            }
+        }
+    }
     per_rank.into_values().fold(0.0, f64::max)
 }
 
-/// Who of `stage` takes part in its layers' gradient synchronisation: the first device of a TP
-/// group (its ranks' rings run side by side), every device of a long-context stage, as each
-/// holds every parameter.
-pub(crate) fn members(plan: &Plan, stage: &Stage, slots: &[DeviceSlot]) -> Vec<(DeviceSlot, Vendor)> {
-    let vendor = plan.stage_vendor(stage);
-    let ids = if stage.context.is_some() { &stage.devices[..] } else { &stage.devices[..1] };
-    ids.iter().map(|&id| (slots[id as usize], vendor)).collect()
+/// Devices of `stage` that each hold all of its parameters: a long-context stage's, or one (a
+/// TP group's ranks hold shards).
+fn sequence_holders(stage: &Stage) -> u32 {
+    if stage.context.is_some() { stage.devices.len() as u32 } else { 1 }
 }
 
 /// Gradient bytes each TP rank contributes for a DP group's layers (plus the embedding or head

@@ -125,20 +125,12 @@ fn context_rank(
     let params = cost.stage_params(shape);
     let groups = stage.devices.iter().map(|&id| plan.device_group(id));
     let optimizer_s = groups.map(|group| cost.optimizer_step_s(group, params / f64::from(shards))).fold(0.0, f64::max);
-    let stage_slots: Vec<DeviceSlot> = stage.devices.iter().map(|&id| slots[id as usize]).collect();
-    let ring = (0..stage_slots.len())
-        .map(|idx| {
-            let next = stage_slots[(idx + 1) % stage_slots.len()];
-            comm::link_between(cluster, stage_slots[idx], next, BridgeMode::DeviceDirect)
-        })
-        .reduce(Link::slowest)
-        .expect("a stage has devices");
     let most_tokens = context.groups.iter().flat_map(|group| &group.device_tokens).copied().max().unwrap_or(0);
     Ok(RankParts {
         device_name: tightest.0.name.clone(),
         chunks: vec![ChunkCost::of(pass, tightest.2, context_layer)],
         optimizer_ns: ns(optimizer_s),
-        stage_sync_ns: ns(comm::ring_all_reduce_s(ELEMENT_BYTES * params, n_devices, ring)),
+        stage_sync_ns: ns(pricer.stage_gradient_sync_s(&stage.devices, ELEMENT_BYTES * params)),
         static_bytes: tightest.1,
         capacity_bytes: tightest.3,
         boundary_bytes: ELEMENT_BYTES * f64::from(most_tokens) * f64::from(plan.model().hidden()),

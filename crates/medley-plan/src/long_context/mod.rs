@@ -4,19 +4,20 @@
 //!
 //! The search is hierarchical:
 //! 1. *Head-parallel groups* form along bandwidth: `hp` devices of one node (its fastest links).
-//! 2. A vendor's chosen node groups are cut into `pp · dp` identical *cells*, each holding the
-//!    same number of head-parallel groups of every kind; a cell is one pipeline stage of one
-//!    replica. Every subset of the node groups, every `hp`, `pp`, `dp` and recompute mode is a
-//!    candidate.
+//! 2. The node groups are partitioned into *blocks* of one vendor each (every partition; a
+//!    block may also be left out). A block is cut into `pp · dp` identical *cells*, each holding
+//!    the same number of head-parallel groups of every kind it has; a cell is one pipeline
+//!    stage of one replica. Every `hp`, `pp`, `dp` and recompute mode is a candidate.
 //! 3. In a cell, the sequence splits over the groups by the linear program of
 //!    [`shard_split`](crate::shard_split): balanced step time under every device's memory.
 //! 4. Inside a group, heads split in grouped-query units and tokens balance the devices that got
 //!    more heads ([`ContextPricer::balance_tokens`]).
-//! 5. Vendors' blocks combine as data-parallel replicas with uneven batch shares
+//! 5. A partition's blocks combine as data-parallel replicas with uneven batch shares
 //!    ([`split_micro_batches`]); the best estimated layouts become explicit plans, priced again by
 //!    [`evaluate`] and ranked by that one number.
 
 mod even;
+mod resplit;
 
 use std::collections::BTreeMap;
 
@@ -24,9 +25,7 @@ use itertools::Itertools;
 use medley_cost::comm::{self, Link};
 use medley_cost::context::{HeadSplit, KvExchange};
 use medley_cost::{Calibration, CostModel, PassTime, Setting, StageShape};
-use medley_spec::{
-    Cluster, DeviceId, DeviceSlot, JobSpec, ModelSpec, NodeGroup, Recompute, Schedule, ScheduleKind, Vendor,
-};
+use medley_spec::{Cluster, DeviceId, DeviceSlot, JobSpec, ModelSpec, NodeGroup, Recompute, Schedule, ScheduleKind};
 use rayon::prelude::*;
 
 pub use even::{EvenBaselines, EvenKind, even_fixed, even_plan};
@@ -39,6 +38,7 @@ use crate::evaluate::{PipelineTiming, evaluate};
 use crate::layers::LayerRange;
 use crate::partition::{ClassShare, ReplicaClass, split_micro_batches};
 use crate::plan::{PLAN_VERSION, Plan, Stage};
+use crate::search::enumerate::set_partitions;
 use crate::search::{Candidate, SearchOutcome};
 use crate::shard_split::{GroupCost, GroupKind, KindShare, split_by_kind};
 
@@ -88,9 +88,12 @@ struct BlockConfig {
 }
 
 impl BlockConfig {
-    /// Micro-batches per second the block's replicas sustain.
-    fn throughput(&self) -> f64 {
-        f64::from(self.dp) / self.timing.cycle_s
+    /// Sequences per second the block would train alone on `global_batch` sequences a step:
+    /// its pipelines' fill and drain and its gradient synchronisation count, which a deep,
+    /// narrow block pays for when the batch is small.
+    fn throughput(&self, global_batch: u32) -> f64 {
+        let per_replica = global_batch.div_ceil(self.dp);
+        f64::from(global_batch) / (self.timing.time_s(per_replica) + self.after_s)
     }
 }
 
@@ -157,6 +160,10 @@ impl<'a> ContextSpace<'a> {
         &self.cluster.groups()[group]
     }
 
+    fn device_node_group(&self, device: DeviceId) -> &NodeGroup {
+        self.node_group(self.slots[device as usize].group_idx)
+    }
+
     fn recomputes(&self) -> Vec<Recompute> {
         self.job.recompute().map_or(Recompute::ALL.to_vec(), |recompute| vec![recompute])
     }
@@ -167,28 +174,27 @@ impl<'a> ContextSpace<'a> {
         node_group.n_nodes * (node_group.gpus_per_node / size)
     }
 
-    /// Every block configuration of `groups` (one vendor's) the degrees allow, priced.
+    /// Every configuration of a block over all of `groups` (one vendor's) the degrees allow,
+    /// priced.
     fn block_configs(&self, groups: &[usize], fixed: Option<ContextDegrees>) -> Vec<BlockConfig> {
-        let subsets: Vec<Vec<usize>> =
-            (1..=groups.len()).flat_map(|k| groups.iter().copied().combinations(k)).collect();
         let sizes: Vec<u32> = match fixed {
             Some(degrees) => vec![degrees.hp],
             None => HP_DEGREES.to_vec(),
         };
         let mut candidates = Vec::new();
-        for (subset, &size) in subsets.iter().flat_map(|subset| sizes.iter().map(move |size| (subset, size))) {
-            let fits_nodes = subset.iter().all(|&g| self.node_group(g).gpus_per_node.is_multiple_of(size));
+        for size in sizes {
+            let fits_nodes = groups.iter().all(|&g| self.node_group(g).gpus_per_node.is_multiple_of(size));
             if !fits_nodes || size > self.model().n_heads() {
                 continue;
             }
-            for (pp, dp, per_cell) in self.cell_counts(subset, size, fixed) {
+            for (pp, dp, per_cell) in self.cell_counts(groups, size, fixed) {
                 let kinds: Vec<Kind> =
-                    subset.iter().zip(&per_cell).map(|(&group, &per_cell)| Kind { group, size, per_cell }).collect();
+                    groups.iter().zip(&per_cell).map(|(&group, &per_cell)| Kind { group, size, per_cell }).collect();
                 candidates.extend(self.recomputes().into_iter().map(|recompute| (kinds.clone(), pp, dp, recompute)));
             }
         }
         candidates
-            .into_par_iter()
+            .into_iter()
             .filter_map(|(kinds, pp, dp, recompute)| self.price_block(kinds, pp, dp, recompute))
             .collect()
     }
@@ -287,12 +293,10 @@ impl<'a> ContextSpace<'a> {
         let pass = PassTime { forward_s: stage_s / 3.0, backward_s: 2.0 * stage_s / 3.0, weight_grad_s: 0.0 };
         let timing = PipelineTiming::new(&vec![pass; pp as usize], &vec![boundary_s; pp as usize - 1]);
         let params = self.cost.stage_params(first);
-        let members = dp * cell_devices;
-        let sync_link = match members > self.node_group(kinds[0].group).gpus_per_node {
-            true => self.nic(&kinds),
-            false => kv_link,
-        };
-        let sync_s = comm::ring_all_reduce_s(2.0 * params, members, sync_link);
+        // Gradients reduce over each cell's devices, then across the replicas by shares.
+        let in_cell_s = comm::ring_all_reduce_s(2.0 * params, cell_devices, kv_link);
+        let across_s = comm::ring_all_reduce_s(2.0 * params / f64::from(cell_devices), dp, self.nic(&kinds));
+        let sync_s = in_cell_s + across_s;
         let optimizer_s = kinds
             .iter()
             .map(|kind| self.cost.optimizer_step_s(self.node_group(kind.group), params / f64::from(optimizer_shards)))
@@ -313,34 +317,54 @@ impl<'a> ContextSpace<'a> {
         allowed: &[usize],
         fixed: Option<ContextDegrees>,
     ) -> (Vec<Vec<(BlockConfig, ClassShare)>>, usize) {
-        let mut by_vendor: BTreeMap<Vendor, Vec<usize>> = BTreeMap::new();
-        for &g in allowed {
-            by_vendor.entry(self.node_group(g).device.vendor).or_default().push(g);
+        let groups_of = |mask: u32| -> Vec<usize> {
+            (0..allowed.len()).filter(|bit| mask & (1 << bit) != 0).map(|bit| allowed[bit]).collect()
+        };
+        let one_vendor = |mask: u32| groups_of(mask).iter().map(|&g| self.node_group(g).device.vendor).all_equal();
+        // Every block a partition may hold: each subset of one vendor's groups, all of them used.
+        let masks: Vec<u32> = (1..1u32 << allowed.len()).filter(|&mask| one_vendor(mask)).collect();
+        let priced_blocks: Vec<(u32, Vec<BlockConfig>)> =
+            masks.par_iter().map(|&mask| (mask, self.block_configs(&groups_of(mask), fixed))).collect();
+        let priced = priced_blocks.iter().map(|(_, configs)| configs.len()).sum();
+        // Per (block, recompute): its fastest configurations, then leaving it out.
+        let mut options: BTreeMap<(u32, Recompute), Vec<Option<BlockConfig>>> = BTreeMap::new();
+        for (mask, mut configs) in priced_blocks {
+            let batch = self.job.global_batch();
+            configs.sort_by(|a, b| b.throughput(batch).total_cmp(&a.throughput(batch)));
+            for recompute in self.recomputes() {
+                let fastest = configs.iter().filter(|config| config.recompute == recompute).take(CONFIGS_PER_BLOCK);
+                options.insert((mask, recompute), fastest.cloned().map(Some).chain([None]).collect());
+            }
         }
-        let mut priced = 0;
-        let mut blocks: Vec<Vec<Option<BlockConfig>>> = Vec::new();
-        for groups in by_vendor.values() {
-            let mut configs = self.block_configs(groups, fixed);
-            priced += configs.len();
-            configs.sort_by(|a, b| b.throughput().total_cmp(&a.throughput()));
-            let mut options: Vec<Option<BlockConfig>> = configs.into_iter().take(CONFIGS_PER_BLOCK).map(Some).collect();
-            options.push(None);
-            blocks.push(options);
+        let mut layouts: Vec<(f64, Vec<(BlockConfig, ClassShare)>)> = Vec::new();
+        // A plan has one recompute mode: its blocks share it.
+        for recompute in self.recomputes() {
+            for partition in set_partitions((1u32 << allowed.len()) - 1) {
+                let Some(blocks) =
+                    partition.iter().map(|&mask| options.get(&(mask, recompute))).collect::<Option<Vec<_>>>()
+                else {
+                    continue;
+                };
+                for choice in blocks.into_iter().multi_cartesian_product() {
+                    let chosen: Vec<&BlockConfig> = choice.into_iter().flatten().collect();
+                    if let Some(layout) = self.combine(&chosen) {
+                        layouts.push(layout);
+                    }
+                }
+            }
         }
-        let mut layouts: Vec<(f64, Vec<(BlockConfig, ClassShare)>)> = blocks
-            .iter()
-            .multi_cartesian_product()
-            .filter_map(|choice| {
-                let chosen: Vec<&BlockConfig> = choice.into_iter().flatten().collect();
-                let classes: Vec<ReplicaClass> =
-                    chosen.iter().map(|config| ReplicaClass { timing: config.timing, count: config.dp }).collect();
-                let (pipeline_s, shares) = split_micro_batches(&classes, self.job.global_batch())?;
-                let after_s = chosen.iter().map(|config| config.after_s).fold(0.0, f64::max);
-                Some((pipeline_s + after_s, chosen.into_iter().cloned().zip(shares).collect()))
-            })
-            .collect();
         layouts.sort_by(|a, b| a.0.total_cmp(&b.0));
         (layouts.into_iter().take(FINALISTS).map(|(_, layout)| layout).collect(), priced)
+    }
+
+    /// Blocks as data-parallel replicas sharing the batch unevenly: the estimated step, and each
+    /// block's share.
+    fn combine(&self, chosen: &[&BlockConfig]) -> Option<(f64, Vec<(BlockConfig, ClassShare)>)> {
+        let classes: Vec<ReplicaClass> =
+            chosen.iter().map(|config| ReplicaClass { timing: config.timing, count: config.dp }).collect();
+        let (pipeline_s, shares) = split_micro_batches(&classes, self.job.global_batch())?;
+        let after_s = chosen.iter().map(|config| config.after_s).fold(0.0, f64::max);
+        Some((pipeline_s + after_s, chosen.iter().map(|&config| config.clone()).zip(shares).collect()))
     }
 
     /// The plan of `layout`: each block's cells in order, replica by replica.
@@ -513,7 +537,16 @@ pub fn search_long_context(
     let space = ContextSpace::new(cluster, model, job, calibration);
     let allowed: Vec<usize> = groups.map_or_else(|| (0..cluster.groups().len()).collect(), <[usize]>::to_vec);
     let (layouts, layouts_priced) = space.layouts(&allowed, fixed);
-    let built: Vec<Plan> = layouts.par_iter().map(|layout| space.build(layout)).collect::<Result<_, _>>()?;
+    let mut built: Vec<Plan> = layouts.par_iter().map(|layout| space.build(layout)).collect::<Result<_, _>>()?;
+    // The even layouts over the whole fleet, re-split: their pipelines may run a vendor or a
+    // type per stage, which the identical cells above do not.
+    if groups.is_none() && fixed.is_none() {
+        let even = EvenBaselines::compute(cluster, model, job, calibration);
+        built.extend(even.rows().into_iter().filter_map(|(_, candidate)| space.resplit(&candidate?.plan)));
+    }
+    // Each also with its layers split by its stages' speed (the head's stage lighter).
+    let relayered: Vec<Plan> = built.par_iter().filter_map(|plan| space.rebalance_layers(plan)).collect();
+    built.extend(relayered);
     let mut candidates: Vec<Candidate> = built
         .into_par_iter()
         .map(|plan| {

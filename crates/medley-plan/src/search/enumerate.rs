@@ -66,7 +66,7 @@ pub(super) fn compositions_within(loads: &[StageLoad], n_layers: u32) -> Vec<Vec
 }
 
 /// Every partition of the set bits of `mask` into blocks (as bit masks).
-pub(super) fn set_partitions(mask: u32) -> Vec<Vec<u32>> {
+pub(crate) fn set_partitions(mask: u32) -> Vec<Vec<u32>> {
     if mask == 0 {
         return vec![Vec::new()];
     }

@@ -15,7 +15,7 @@
 //! estimate become explicit plans, priced again by [`evaluate`](crate::evaluate::evaluate)
 //! and ranked by that one number.
 
-mod enumerate;
+pub(crate) mod enumerate;
 mod estimate;
 mod template;
 
