@@ -187,7 +187,11 @@ fn context_what_if(args: &SimulateArgs, specs: Specs) -> Result<(Specs, Plan)> {
         }
     };
     let candidate = even_fixed(&specs.cluster, &specs.model, &specs.job, &specs.calibration, cp, 1, pp, dp)?;
-    tracing::info!("{}", chosen("the fastest setting that fits", &candidate.plan));
+    match candidate.prediction.fits {
+        true => tracing::info!("{}", chosen("the fastest setting that fits", &candidate.plan)),
+        // Shown anyway, at its smallest memory, so the memory table says by how much.
+        false => tracing::warn!("{}", chosen("nothing fits; simulated at its smallest memory", &candidate.plan)),
+    }
     Ok((specs, candidate.plan))
 }
 

@@ -719,24 +719,34 @@ fn a_worker_that_fails_on_its_own_stops_the_others_at_once() {
 }
 
 #[test]
-fn a_long_context_plan_is_checked_and_refused_until_it_can_be_priced() {
+fn long_context_plans_are_searched_priced_simulated_and_checked() {
     let path = scratch("context-plan.json");
     let path = path.to_str().unwrap();
-    let job = ["--model", "llama3.2-1b", "--seq-len", "4096", "--global-batch", "8", "--micro-batch", "1"];
-    check(&[&["plan", "--cluster", "4xh100", "--fix", "tp=1,pp=1,dp=1", "-o", path][..], &job].concat(), 0, "written");
-    // One stage over all four devices, two head groups of two.
+    let job = ["--model", "llama3-8b", "--seq-len", "131072", "--global-batch", "4"];
+    let fleet = ["--cluster", "8xh100,8xa100"];
+    // The search splits each sequence over the mixed fleet; the even layouts are its baselines.
+    let output = check(&[&["plan", "-o", path][..], &fleet, &job].concat(), 0, "even-ring");
+    let text = stdout(&output);
+    assert!(text.contains("even-ulysses") && text.contains("even-usp"), "{text}");
+    assert!(text.contains("head-parallel group") && text.contains("query heads per device"), "{text}");
     let mut plan: serde_json::Value = serde_json::from_str(&fs::read_to_string(path).unwrap()).unwrap();
-    let group = serde_json::json!({"tokens": 2048, "device_tokens": [1024, 1024], "heads": [16, 16]});
-    plan["version"] = serde_json::json!(2);
-    plan["replicas"][0]["stages"][0]["devices"] = serde_json::json!([0, 1, 2, 3]);
-    plan["replicas"][0]["stages"][0]["context"] =
-        serde_json::json!({"block": 128, "kv_exchange": "ring", "groups": [group.clone(), group]});
+    assert_eq!(plan["version"], 2, "{plan}");
+    assert!(plan["replicas"][0]["stages"][0]["context"]["groups"].is_array(), "{plan}");
+    // The plan file prices and simulates; training it waits for the runtime's context support.
+    check(&["plan", "--plan", path], 0, "head-parallel group");
+    check(&["simulate", "--plan", path], 0, "step");
+    check(&["train", "--plan", path, "--steps", "1"], 2, "not implemented in the runtime yet");
+    // A broken split is named.
+    plan["replicas"][0]["stages"][0]["context"]["groups"][0]["tokens"] = serde_json::json!(1);
     fs::write(path, plan.to_string()).unwrap();
-    check(&["simulate", "--plan", path], 2, "cannot yet price, simulate or train");
-    // A broken split is named first.
-    plan["replicas"][0]["stages"][0]["context"]["groups"][1]["tokens"] = serde_json::json!(1024);
-    fs::write(path, plan.to_string()).unwrap();
-    check(&["simulate", "--plan", path], 2, "groups hold 3072 tokens");
+    check(&["simulate", "--plan", path], 2, "tokens");
+    // Pinned degrees, the split still the planner's; tensor parallelism does not mix in.
+    check(&[&["plan", "--fix", "tp=1,cp=4,hp=4"][..], &fleet, &job].concat(), 0, "cp4·hp4");
+    check(&[&["plan", "--fix", "tp=2,cp=4"][..], &fleet, &job].concat(), 2, "use tp=1");
+    // Megatron-LM's --context-parallel-size as a what-if: equal shards around a ring.
+    check(&[&["simulate", "--cluster", "16xh100", "--cp", "16", "--zero1"][..], &job].concat(), 0, "step");
+    check(&[&["simulate", "--cluster", "8xh100", "--cp", "8"][..], &job].concat(), 1, "does not fit");
+    check(&[&["simulate", "--cluster", "8xh100", "--cp", "8", "--tp", "2"][..], &job].concat(), 2, "--tp 1");
 }
 
 // ---------------------------------------------------------------------------------------------

@@ -117,7 +117,8 @@ pub fn even_plan(
 
 /// The fastest fitting even plan with `cp` groups of `hp` devices per stage, `pp` stages and
 /// `dp` replicas over the first devices (a Megatron-LM `--context-parallel-size` what-if when
-/// hp = 1), over the recompute modes the job allows.
+/// hp = 1), over the recompute modes the job allows; when none fits, the one that needs the
+/// least memory, its prediction saying by how much it does not.
 #[allow(clippy::too_many_arguments)]
 pub fn even_fixed(
     cluster: &Cluster,
@@ -156,20 +157,23 @@ pub fn even_fixed(
             space.block
         )));
     }
-    plans
+    let candidates: Vec<Candidate> = plans
         .into_iter()
         .map(|plan| {
             let prediction = evaluate(&plan, calibration);
             Candidate { plan, prediction }
         })
+        .collect();
+    let fastest = candidates
+        .iter()
         .filter(|candidate| candidate.prediction.fits)
-        .min_by(|a, b| a.prediction.step_time_s.total_cmp(&b.prediction.step_time_s))
-        .ok_or_else(|| {
-            PlanError::NothingFits(format!(
-                "layout {layout} does not fit {} in memory with any recompute the job allows",
-                model.name()
-            ))
-        })
+        .min_by(|a, b| a.prediction.step_time_s.total_cmp(&b.prediction.step_time_s));
+    let overflow = |candidate: &Candidate| {
+        let prediction = &candidate.prediction;
+        prediction.peak_memory_gib.iter().map(|(name, peak)| peak / prediction.capacity_gib[name]).fold(0.0, f64::max)
+    };
+    let smallest = || candidates.iter().min_by(|a, b| overflow(a).total_cmp(&overflow(b)));
+    Ok(fastest.or_else(smallest).expect("at least one plan").clone())
 }
 
 impl ContextSpace<'_> {
