@@ -10,10 +10,11 @@ use medley_cost::Calibration;
 use medley_plan::long_context::{EvenBaselines, search_long_context};
 use medley_plan::{Candidate, Plan, SearchOptions, search};
 use medley_sim::{SimConfig, simulate_steps};
-use medley_spec::{Bridge, Cluster, Fabric, JobParts, JobSpec, ModelSpec, catalog_model};
+use medley_spec::Cluster;
 use serde::Serialize;
 
 use crate::BenchError;
+use crate::planner::CaseSpecs;
 use crate::stats::{TIMED_RUNS, arithmetic_mean, geometric_mean, peak_rss_mib, timed_median};
 
 /// A long-context problem: an inline cluster (default fabric and bridge), a catalog model, a
@@ -60,24 +61,13 @@ pub const CONTEXT_SPEED_CASE: ContextCase = ContextCase {
 /// [`CONTEXT_SPEED_CASE`].
 pub const CONTEXT_SPEED_TARGET_S: f64 = 1.0;
 
-/// A case's inputs, resolved.
-struct Specs {
-    cluster: Cluster,
-    model: ModelSpec,
-    job: JobSpec,
-}
-
 impl ContextCase {
-    fn specs(&self) -> Result<Specs, BenchError> {
-        let parts = JobParts { seq_len: self.seq_len, global_batch: self.global_batch, ..JobParts::default() };
-        Ok(Specs {
-            cluster: Cluster::from_inline(self.cluster, Fabric::default(), Bridge::default()).map_err(self.failed())?,
-            model: catalog_model(self.model).map_err(self.failed())?,
-            job: JobSpec::new(parts, "medley bench context").map_err(self.failed())?,
-        })
+    fn specs(&self) -> Result<CaseSpecs, BenchError> {
+        let source = "medley bench context";
+        CaseSpecs::resolve(self.cluster, self.model, self.seq_len, self.global_batch, source).map_err(self.failed())
     }
 
-    fn info(&self, specs: &Specs) -> ContextInfo {
+    fn info(&self, specs: &CaseSpecs) -> ContextInfo {
         ContextInfo {
             cluster: self.cluster,
             model: self.model,

@@ -69,14 +69,23 @@ pub struct CaseSpecs {
     pub job: JobSpec,
 }
 
+impl CaseSpecs {
+    /// An inline cluster (default fabric and bridge), a catalog model, and a job of
+    /// `global_batch` sequences of `seq_len` tokens that errors name `source`.
+    pub fn resolve(cluster: &str, model: &str, seq_len: u32, global_batch: u32, source: &str) -> Result<Self, String> {
+        let parts = JobParts { seq_len, global_batch, ..JobParts::default() };
+        Ok(CaseSpecs {
+            cluster: Cluster::from_inline(cluster, Fabric::default(), Bridge::default()).map_err(|e| e.to_string())?,
+            model: catalog_model(model).map_err(|e| e.to_string())?,
+            job: JobSpec::new(parts, source).map_err(|e| e.to_string())?,
+        })
+    }
+}
+
 impl Case {
     pub fn specs(&self) -> Result<CaseSpecs, BenchError> {
-        let parts = JobParts { seq_len: SEQ_LEN, global_batch: self.global_batch, ..JobParts::default() };
-        Ok(CaseSpecs {
-            cluster: Cluster::from_inline(self.cluster, Fabric::default(), Bridge::default()).map_err(self.failed())?,
-            model: catalog_model(self.model).map_err(self.failed())?,
-            job: JobSpec::new(parts, "medley bench plan").map_err(self.failed())?,
-        })
+        CaseSpecs::resolve(self.cluster, self.model, SEQ_LEN, self.global_batch, "medley bench plan")
+            .map_err(self.failed())
     }
 
     fn info(&self, specs: &CaseSpecs) -> CaseInfo {

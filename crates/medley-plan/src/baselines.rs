@@ -15,11 +15,12 @@ use medley_spec::{Cluster, JobSpec, ModelSpec, Schedule, ScheduleKind};
 use rayon::prelude::*;
 
 use crate::assemble::{ReplicaLayout, assemble, stages_from_counts};
+use crate::candidates::Candidate;
 use crate::error::PlanError;
 use crate::evaluate::evaluate;
 use crate::long_context::{ContextDegrees, search_long_context};
 use crate::plan::{Plan, tp_splits_heads};
-use crate::search::{Candidate, SearchOptions, candidate_settings, search, settings_with_tp};
+use crate::search::{SearchOptions, candidate_settings, search, settings_with_tp};
 
 /// Megatron parallel degrees; the product of tp, cp, hp, pp and dp is the number of devices used.
 #[derive(Clone, Copy, Debug, PartialEq, Eq)]

@@ -7,6 +7,7 @@
 
 mod assemble;
 pub mod baselines;
+mod candidates;
 mod context;
 pub mod context_price;
 mod error;
@@ -19,6 +20,7 @@ mod search;
 pub mod shard_split;
 
 pub use assemble::{ReplicaLayout, assemble, stages_from_counts};
+pub use candidates::{Candidate, SearchOutcome};
 pub use context::{HeadGroup, StageContext};
 pub use error::{ContextProblem, InvalidPlan, PlanError, ReplicaProblem, RouteProblem};
 pub use evaluate::{PipelineTiming, Prediction, Utilisation, evaluate, max_k_within_memory};
@@ -28,4 +30,4 @@ pub use plan::{
     DpGroup, GradientAlgorithm, PLAN_VERSION, PLAN_VERSION_WITHOUT_CONTEXT, Plan, PlanParts, Replica, ReplicaShape,
     Route, Stage,
 };
-pub use search::{Candidate, MAX_GROUPS, SearchOptions, SearchOutcome, search};
+pub use search::{MAX_GROUPS, SearchOptions, search};

@@ -1,5 +1,6 @@
 //! Exact min-max splits: layers over a pipeline's uneven stages, micro-batches over uneven
-//! replicas. Both minimise the slowest part, which bounds a pipelined step.
+//! replicas. Both minimise the slowest part, which bounds a pipelined step. And every partition
+//! of a set of node groups into blocks.
 
 use std::cmp::{Ordering, Reverse};
 use std::collections::BinaryHeap;
@@ -232,10 +233,43 @@ pub fn split_micro_batches(classes: &[ReplicaClass], total: u32) -> Option<(f64,
     Some((slowest, shares))
 }
 
+/// Every partition of the set bits of `mask` into blocks (as bit masks).
+pub(crate) fn set_partitions(mask: u32) -> Vec<Vec<u32>> {
+    if mask == 0 {
+        return vec![Vec::new()];
+    }
+    let lowest = mask & mask.wrapping_neg();
+    let rest = mask & !lowest;
+    let mut partitions = Vec::new();
+    // Every subset of `rest` joins the lowest element's block.
+    let mut sub = rest;
+    loop {
+        let block = lowest | sub;
+        for mut tail in set_partitions(rest & !sub) {
+            tail.insert(0, block);
+            partitions.push(tail);
+        }
+        if sub == 0 {
+            break;
+        }
+        sub = (sub - 1) & rest;
+    }
+    partitions
+}
+
 #[cfg(test)]
 mod tests {
     use super::*;
     use proptest::prelude::*;
+
+    #[test]
+    fn set_partitions_counts_are_bell_numbers() {
+        assert_eq!(set_partitions(0b1).len(), 1);
+        assert_eq!(set_partitions(0b11).len(), 2);
+        assert_eq!(set_partitions(0b111).len(), 5);
+        assert_eq!(set_partitions(0b1111).len(), 15);
+        assert_eq!(set_partitions(0b1010).len(), 2);
+    }
 
     /// The slowest stage's cycle under `counts`.
     fn bottleneck_s(stages: &[StageLoad], counts: &[u32]) -> f64 {

@@ -30,7 +30,7 @@ use medley_spec::{BridgeMode, Cluster, DeviceSlot, NodeGroup, Recompute};
 
 use crate::SimError;
 use crate::network::{DrainAt, Network, ResourceId};
-use crate::setup::{ELEMENT_BYTES, ns};
+use crate::{ELEMENT_BYTES, ns};
 
 /// What a device waits for or spends its time on.
 #[derive(Clone, Copy, Debug, PartialEq, Eq)]

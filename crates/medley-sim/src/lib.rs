@@ -42,6 +42,14 @@ use medley_trace::TraceCursor;
 use network::Network;
 use setup::Setup;
 
+/// Gradients, pipeline messages, keys and values travel as bf16.
+pub(crate) const ELEMENT_BYTES: f64 = 2.0;
+
+/// Seconds as the simulator's whole nanoseconds.
+pub(crate) fn ns(seconds: f64) -> u64 {
+    (seconds * 1e9).round() as u64
+}
+
 /// Why a simulation could not run.
 #[derive(Debug, thiserror::Error)]
 pub enum SimError {

@@ -10,9 +10,9 @@ use medley_plan::{Plan, Route, Stage};
 use medley_schedule::RankId;
 use medley_spec::{BridgeMode, DeviceSlot, Vendor};
 
-use crate::SimError;
 use crate::context::{DevicePass, chunk_pass, simulate_context_layer};
 use crate::network::{Network, ResourceId};
+use crate::{ELEMENT_BYTES, SimError, ns};
 
 /// One micro-batch's passes on one model chunk, in nanoseconds, and the activation memory the
 /// micro-batch holds on the chunk from its forward until its backward ends.
@@ -135,13 +135,6 @@ fn context_rank(
         capacity_bytes: tightest.3,
         boundary_bytes: ELEMENT_BYTES * f64::from(most_tokens) * f64::from(plan.model().hidden()),
     })
-}
-
-/// Gradients and pipeline messages travel as bf16.
-pub(crate) const ELEMENT_BYTES: f64 = 2.0;
-
-pub(crate) fn ns(seconds: f64) -> u64 {
-    (seconds * 1e9).round() as u64
 }
 
 impl<'p> Setup<'p> {

@@ -267,7 +267,7 @@ fn simulate_a_plan_file_with_a_timeline_and_a_network_trace() {
 
 #[test]
 fn simulate_refuses_bad_input_with_exit_two() {
-    check(&["simulate", "--cluster", "8xh100", "--model", "gpt2", "--cp", "2"], 2, "context parallelism");
+    check(&["simulate", "--cluster", "8xh100", "--model", "gpt2", "--cp", "0"], 2, "--cp");
     check(&["simulate", "--cluster", "8xh100", "--model", "gpt2", "--network-trace", "constant:2"], 2, "from 0 to 1");
     check(&["simulate", "--cluster", "8xh100", "--model", "gpt2", "--tp", "3"], 2, "does not divide");
 }

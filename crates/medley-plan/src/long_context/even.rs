@@ -9,10 +9,10 @@ use medley_spec::{Cluster, DeviceId, JobSpec, ModelSpec};
 use rayon::prelude::*;
 
 use super::{ContextSpace, HP_DEGREES, unsupported};
+use crate::candidates::Candidate;
 use crate::error::PlanError;
 use crate::evaluate::evaluate;
 use crate::plan::Plan;
-use crate::search::Candidate;
 
 /// Which even layout.
 #[derive(Clone, Copy, Debug, PartialEq, Eq)]

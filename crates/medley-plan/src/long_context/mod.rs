@@ -14,7 +14,7 @@
 //!    more heads ([`ContextPricer::balance_tokens`]).
 //! 5. A partition's blocks combine as data-parallel replicas with uneven batch shares
 //!    ([`split_micro_batches`]); the best estimated layouts become explicit plans, priced again by
-//!    [`evaluate`] and ranked by that one number.
+//!    [`evaluate`](crate::evaluate()) and ranked by that one number.
 
 mod even;
 mod resplit;
@@ -31,15 +31,14 @@ use rayon::prelude::*;
 pub use even::{EvenBaselines, EvenKind, even_fixed, even_plan};
 
 use crate::assemble::{ReplicaLayout, assemble};
+use crate::candidates::{SearchOutcome, ranked};
 use crate::context::{HeadGroup, StageContext};
 use crate::context_price::{ContextPricer, StageFrame};
 use crate::error::PlanError;
-use crate::evaluate::{PipelineTiming, evaluate};
+use crate::evaluate::PipelineTiming;
 use crate::layers::LayerRange;
-use crate::partition::{ClassShare, ReplicaClass, split_micro_batches};
+use crate::partition::{ClassShare, ReplicaClass, set_partitions, split_micro_batches};
 use crate::plan::{PLAN_VERSION, Plan, Stage};
-use crate::search::enumerate::set_partitions;
-use crate::search::{Candidate, SearchOutcome};
 use crate::shard_split::{GroupCost, GroupKind, KindShare, split_by_kind};
 
 /// Sequences at least this long also get context-parallel candidates.
@@ -547,16 +546,7 @@ pub fn search_long_context(
     // Each also with its layers split by its stages' speed (the head's stage lighter).
     let relayered: Vec<Plan> = built.par_iter().filter_map(|plan| space.rebalance_layers(plan)).collect();
     built.extend(relayered);
-    let mut candidates: Vec<Candidate> = built
-        .into_par_iter()
-        .map(|plan| {
-            let prediction = evaluate(&plan, calibration);
-            Candidate { plan, prediction }
-        })
-        .filter(|candidate| candidate.prediction.fits)
-        .collect();
-    candidates.sort_by(|a, b| a.prediction.step_time_s.total_cmp(&b.prediction.step_time_s));
-    candidates.truncate(top.max(1));
+    let candidates = ranked(built.into_par_iter(), calibration, top);
     if candidates.is_empty() {
         return Err(PlanError::NothingFits(format!(
             "no context-parallel layout of {} at {} tokens fits{}",

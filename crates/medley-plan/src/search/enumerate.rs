@@ -65,30 +65,6 @@ pub(super) fn compositions_within(loads: &[StageLoad], n_layers: u32) -> Vec<Vec
     out
 }
 
-/// Every partition of the set bits of `mask` into blocks (as bit masks).
-pub(crate) fn set_partitions(mask: u32) -> Vec<Vec<u32>> {
-    if mask == 0 {
-        return vec![Vec::new()];
-    }
-    let lowest = mask & mask.wrapping_neg();
-    let rest = mask & !lowest;
-    let mut partitions = Vec::new();
-    // Every subset of `rest` joins the lowest element's block.
-    let mut sub = rest;
-    loop {
-        let block = lowest | sub;
-        for mut tail in set_partitions(rest & !sub) {
-            tail.insert(0, block);
-            partitions.push(tail);
-        }
-        if sub == 0 {
-            break;
-        }
-        sub = (sub - 1) & rest;
-    }
-    partitions
-}
-
 /// Calls `visit` with every choice of one configuration per block.
 pub(super) fn for_each_combination<'c>(options: &[&'c [BlockConfig]], visit: &mut impl FnMut(&[&'c BlockConfig])) {
     fn recurse<'c>(
@@ -113,15 +89,6 @@ pub(super) fn for_each_combination<'c>(options: &[&'c [BlockConfig]], visit: &mu
 #[cfg(test)]
 mod tests {
     use super::*;
-
-    #[test]
-    fn set_partitions_counts_are_bell_numbers() {
-        assert_eq!(set_partitions(0b1).len(), 1);
-        assert_eq!(set_partitions(0b11).len(), 2);
-        assert_eq!(set_partitions(0b111).len(), 5);
-        assert_eq!(set_partitions(0b1111).len(), 15);
-        assert_eq!(set_partitions(0b1010).len(), 2);
-    }
 
     #[test]
     fn stage_vectors_keep_the_most_replicas_per_shape() {

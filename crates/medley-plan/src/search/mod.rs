@@ -15,7 +15,7 @@
 //! estimate become explicit plans, priced again by [`evaluate`](crate::evaluate::evaluate)
 //! and ranked by that one number.
 
-pub(crate) mod enumerate;
+mod enumerate;
 mod estimate;
 mod template;
 
@@ -28,12 +28,12 @@ use medley_spec::{BridgeMode, Cluster, DeviceSlot, JobSpec, ModelSpec, NodeGroup
 use rayon::prelude::*;
 
 use crate::assemble::{ReplicaLayout, assemble, stages_from_counts};
+use crate::candidates::{Candidate, SearchOutcome, ranked};
 use crate::error::PlanError;
-use crate::evaluate::{Prediction, evaluate};
 use crate::long_context::{self, LONG_CONTEXT_TOKENS, search_long_context};
-use crate::partition::{ClassShare, ReplicaClass, split_micro_batches};
+use crate::partition::{ClassShare, ReplicaClass, set_partitions, split_micro_batches};
 use crate::plan::{Plan, tp_splits_heads};
-use enumerate::{for_each_combination, set_partitions, stage_vectors, type_orders};
+use enumerate::{for_each_combination, stage_vectors, type_orders};
 use template::{BlockConfig, Placement, Template};
 
 /// What to search.
@@ -52,21 +52,6 @@ impl Default for SearchOptions {
     fn default() -> Self {
         SearchOptions { top: 5, groups: None, exhaustive: false }
     }
-}
-
-/// A plan with its prediction.
-#[derive(Clone, Debug)]
-pub struct Candidate {
-    pub plan: Plan,
-    pub prediction: Prediction,
-}
-
-/// The ranked plans and how much work found them.
-#[derive(Clone, Debug)]
-pub struct SearchOutcome {
-    pub candidates: Vec<Candidate>,
-    /// Pipeline templates and layouts priced by the estimate.
-    pub layouts_priced: usize,
 }
 
 /// TP degrees the search tries: powers of two up to a node.
@@ -149,17 +134,10 @@ fn search_tensor_parallel(
         Schedule::Fixed(ScheduleKind::Interleaved) => &[INTERLEAVED_CHUNKS],
         _ => &[1],
     };
-    let mut candidates: Vec<Candidate> = finalists
+    let plans = finalists
         .par_iter()
-        .flat_map_iter(|layout| chunk_counts.iter().filter_map(|&chunks| space.assemble(layout, chunks)))
-        .map(|plan| {
-            let prediction = evaluate(&plan, calibration);
-            Candidate { plan, prediction }
-        })
-        .filter(|candidate| candidate.prediction.fits)
-        .collect();
-    candidates.sort_by(|a, b| a.prediction.step_time_s.total_cmp(&b.prediction.step_time_s));
-    candidates.truncate(options.top.max(1));
+        .flat_map_iter(|layout| chunk_counts.iter().filter_map(|&chunks| space.assemble(layout, chunks)));
+    let candidates = ranked(plans, calibration, options.top);
     if candidates.is_empty() {
         return Err(PlanError::NothingFits(nothing_fits_hint(cluster, &allowed, model, job, &space.cost)));
     }

@@ -17,7 +17,7 @@ use medley_trace::timeline::{COLLECTIVE_TID, COMPUTE_TID, lane_tid};
 use serde_json::json;
 
 use crate::network::{DrainAt, FlowId};
-use crate::setup::{ELEMENT_BYTES, ns};
+use crate::{ELEMENT_BYTES, ns};
 use crate::{SimError, Simulation};
 
 // The step's parts, each an `impl StepRun` over this module's state.
