@@ -39,6 +39,15 @@ enum Phase {
     KeysValues,
 }
 
+impl Phase {
+    fn waiting(self) -> &'static str {
+        match self {
+            Phase::AllToAll => "waiting: all-to-all",
+            Phase::KeysValues => "waiting: keys and values",
+        }
+    }
+}
+
 /// What one stream of a device counts, for the other to wait on.
 #[derive(Clone, Copy, Debug, PartialEq, Eq, PartialOrd, Ord)]
 enum Tag {
@@ -53,6 +62,7 @@ enum Tag {
 enum DeviceOp {
     Compute {
         ns: u64,
+        what: &'static str,
     },
     /// Starts a transfer to the device at this index of the stage; the stream moves on.
     Send {
@@ -106,11 +116,21 @@ pub struct DevicePass {
     pub received_bytes: u64,
 }
 
+/// A stretch of a device's compute stream: computing `name`, or waiting for it.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub struct PhaseSpan {
+    pub start_ns: u64,
+    pub end_ns: u64,
+    pub name: &'static str,
+}
+
 /// One layer of a long-context stage: each device's forward and backward.
 #[derive(Clone, Debug, PartialEq)]
 pub struct ContextLayerReport {
     /// The stage's devices, in stage order, with their passes.
     pub devices: Vec<(u32, DevicePass, DevicePass)>,
+    /// The phases of the forward's and of the backward's slowest device, in order.
+    pub phases: [Vec<PhaseSpan>; 2],
     /// The slowest device's weight-gradient matmuls inside the backward.
     pub weight_grad_ns: u64,
 }
@@ -135,11 +155,16 @@ pub fn simulate_context_layer(
 ) -> Result<ContextLayerReport, SimError> {
     let context = stage.context.as_ref().ok_or(SimError::Unsupported("a stage without a context split"))?;
     let layer = LayerPrograms::new(cost, cluster, stage, context, recompute)?;
-    let forward = run(&layer.slots, cluster, &layer.forward()?);
-    let backward = run(&layer.slots, cluster, &layer.backward()?);
+    let (forward, forward_phases) = run(&layer.slots, cluster, &layer.forward()?);
+    let (backward, backward_phases) = run(&layer.slots, cluster, &layer.backward()?);
+    let slowest = |passes: &[DevicePass], mut phases: Vec<Vec<PhaseSpan>>| {
+        let device = (0..passes.len()).max_by_key(|&device| passes[device].end_ns).unwrap_or(0);
+        if phases.is_empty() { Vec::new() } else { phases.swap_remove(device) }
+    };
+    let phases = [slowest(&forward, forward_phases), slowest(&backward, backward_phases)];
     let devices = stage.devices.iter().zip(forward).zip(backward).map(|((&id, f), b)| (id, f, b)).collect();
     let weight_grad_ns = layer.rates.iter().map(|rates| ns(rates.weight_grad_s)).max().unwrap_or(0);
-    Ok(ContextLayerReport { devices, weight_grad_ns })
+    Ok(ContextLayerReport { devices, phases, weight_grad_ns })
 }
 
 /// What a device computes: seconds per token outside attention and per attention FLOP.
@@ -224,18 +249,20 @@ impl<'a> LayerPrograms<'a> {
     /// attention with the key/value exchange, the all-to-all back, then the output projection
     /// and the MLP.
     fn append_forward(&self, programs: &mut [DeviceProgram]) -> Result<(), SimError> {
-        self.compute(programs, |rates| rates.serial_forward_s * rates.before_attention);
+        self.compute(programs, "Q/K/V projections", |rates| rates.serial_forward_s * rates.before_attention);
         self.all_to_all(programs, true)?;
         self.kv_exchange(programs, 1, 1.0)?;
         self.all_to_all(programs, false)?;
-        self.compute(programs, |rates| rates.serial_forward_s * (1.0 - rates.before_attention));
+        self.compute(programs, "output projection, MLP", |rates| {
+            rates.serial_forward_s * (1.0 - rates.before_attention)
+        });
         Ok(())
     }
 
-    /// Every device computes for `seconds` of its rates.
-    fn compute(&self, programs: &mut [DeviceProgram], seconds: impl Fn(&DeviceRates) -> f64) {
+    /// Every device computes `what` for `seconds` of its rates.
+    fn compute(&self, programs: &mut [DeviceProgram], what: &'static str, seconds: impl Fn(&DeviceRates) -> f64) {
         for (program, rates) in programs.iter_mut().zip(&self.rates) {
-            program.compute.push(DeviceOp::Compute { ns: ns(seconds(rates)) });
+            program.compute.push(DeviceOp::Compute { ns: ns(seconds(rates)), what });
         }
     }
 
@@ -247,14 +274,16 @@ impl<'a> LayerPrograms<'a> {
         }
         // In reverse layer order: the MLP and output projection, the outputs' gradients to the
         // heads, attention's, the inputs' gradients back to the tokens, the Q, K, V projections.
-        self.compute(&mut programs, |rates| rates.serial_backward_s * (1.0 - rates.before_attention));
+        self.compute(&mut programs, "MLP, output projection", |rates| {
+            rates.serial_backward_s * (1.0 - rates.before_attention)
+        });
         self.all_to_all(&mut programs, false)?;
         // Selective recomputation runs the forward's attention again inside the backward's; full
         // recomputation ran the whole forward above.
         let attention = if self.recompute == Recompute::Selective { 3.0 } else { 2.0 };
         self.kv_exchange(&mut programs, 2, attention)?;
         self.all_to_all(&mut programs, true)?;
-        self.compute(&mut programs, |rates| rates.serial_backward_s * rates.before_attention);
+        self.compute(&mut programs, "Q/K/V projections", |rates| rates.serial_backward_s * rates.before_attention);
         Ok(programs)
     }
 
@@ -347,7 +376,7 @@ impl<'a> LayerPrograms<'a> {
                     if let (true, Some(count)) = (overlaps, message) {
                         program.compute.push(DeviceOp::Await { tag: Tag::KvMessage, count });
                     }
-                    program.compute.push(DeviceOp::Compute { ns });
+                    program.compute.push(DeviceOp::Compute { ns, what: "attention" });
                 }
             }
         }
@@ -457,7 +486,8 @@ impl Events {
 }
 
 /// Runs the devices' programs from time 0 over their links, max-min fair where flows share a port.
-fn run(slots: &[DeviceSlot], cluster: &Cluster, programs: &[DeviceProgram]) -> Vec<DevicePass> {
+/// Each device's pass and its compute stream's phases.
+fn run(slots: &[DeviceSlot], cluster: &Cluster, programs: &[DeviceProgram]) -> (Vec<DevicePass>, Vec<Vec<PhaseSpan>>) {
     let mut network: Network<(usize, usize, u64)> = Network::new();
     let ports: Vec<Ports> = slots
         .iter()
@@ -474,6 +504,7 @@ fn run(slots: &[DeviceSlot], cluster: &Cluster, programs: &[DeviceProgram]) -> V
         .collect();
     let streams = |device: usize| [&programs[device].compute, &programs[device].comm];
     let mut passes = vec![DevicePass::default(); programs.len()];
+    let mut phases: Vec<Vec<PhaseSpan>> = vec![Vec::new(); programs.len()];
     let mut states = vec![[StreamState::default(); 2]; programs.len()];
     let mut delivered: BTreeMap<(usize, usize), u32> = BTreeMap::new();
     let mut counted = vec![[0u32; 2]; programs.len()];
@@ -516,7 +547,13 @@ fn run(slots: &[DeviceSlot], cluster: &Cluster, programs: &[DeviceProgram]) -> V
                 let mut marked = false;
                 while let Some(&op) = ops.get(state.cursor) {
                     match op {
-                        DeviceOp::Compute { ns } => {
+                        DeviceOp::Compute { ns, what } => {
+                            if stream == 0 {
+                                add_phase(
+                                    &mut phases[device],
+                                    PhaseSpan { start_ns: now, end_ns: now + ns, name: what },
+                                );
+                            }
                             pass.compute_ns += ns;
                             state.cursor += 1;
                             events.push(now + ns, Event::Run(device, stream));
@@ -543,6 +580,10 @@ fn run(slots: &[DeviceSlot], cluster: &Cluster, programs: &[DeviceProgram]) -> V
                                 (0, Phase::KeysValues) => pass.kv_wait_ns += waited,
                                 _ => {}
                             }
+                            if stream == 0 && waited > 0 {
+                                let name = phase.waiting();
+                                add_phase(&mut phases[device], PhaseSpan { start_ns: now - waited, end_ns: now, name });
+                            }
                         }
                         DeviceOp::Mark(tag) => {
                             counted[device][tag as usize] += 1;
@@ -556,6 +597,8 @@ fn run(slots: &[DeviceSlot], cluster: &Cluster, programs: &[DeviceProgram]) -> V
                             let waited = state.blocked_since.take().map_or(0, |since| now - since);
                             if stream == 0 && tag == Tag::KvMessage {
                                 pass.kv_wait_ns += waited;
+                                let name = Phase::KeysValues.waiting();
+                                add_phase(&mut phases[device], PhaseSpan { start_ns: now - waited, end_ns: now, name });
                             }
                         }
                     }
@@ -585,7 +628,15 @@ fn run(slots: &[DeviceSlot], cluster: &Cluster, programs: &[DeviceProgram]) -> V
             "a device's streams ran to their ends"
         );
     }
-    passes
+    (passes, phases)
+}
+
+/// Appends `span`, or extends the last span when it continues it under the same name.
+fn add_phase(phases: &mut Vec<PhaseSpan>, span: PhaseSpan) {
+    match phases.last_mut() {
+        Some(last) if last.name == span.name && last.end_ns == span.start_ns => last.end_ns = span.end_ns,
+        _ => phases.push(span),
+    }
 }
 
 /// The link between two of the stage's devices and the ports a transfer crosses.

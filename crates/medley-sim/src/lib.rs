@@ -32,7 +32,7 @@ use medley_plan::{Plan, PlanError};
 use medley_schedule::{Programs, ScheduleKind};
 
 pub use adaptive::{RunReport, StepSummary, simulate_steps};
-pub use context::{ContextLayerReport, DevicePass, simulate_context_layer};
+pub use context::{ContextLayerReport, DevicePass, PhaseSpan, simulate_context_layer};
 pub use medley_trace::{BandwidthTrace, timeline};
 pub use report::{RankReport, StepReport};
 
@@ -158,6 +158,9 @@ impl<'p, 'w> Simulation<'p, 'w> {
             let devices = if first == last { format!("device {first}") } else { format!("devices {first}-{last}") };
             let name = format!("{} · {} ×{} ({devices})", rank.id, rank.device_name, rank.devices.len());
             timeline.process(rank_idx as u32 + 1, &name, rank_idx as u32);
+            if rank.layer_phases.is_some() {
+                timeline.thread(rank_idx as u32 + 1, timeline::LAYER_TID, "first layer's phases (slowest device)");
+            }
         }
     }
 

@@ -10,7 +10,7 @@ use medley_plan::{Plan, Route, Stage};
 use medley_schedule::RankId;
 use medley_spec::{BridgeMode, DeviceSlot, Vendor};
 
-use crate::context::{DevicePass, chunk_pass, simulate_context_layer};
+use crate::context::{DevicePass, PhaseSpan, chunk_pass, simulate_context_layer};
 use crate::network::{Network, ResourceId};
 use crate::{ELEMENT_BYTES, SimError, ns};
 
@@ -65,6 +65,8 @@ pub(crate) struct RankSetup {
     pub stage_sync_ns: u64,
     /// Bytes its fullest device sends across a pipeline boundary per micro-batch and direction.
     pub boundary_bytes: f64,
+    /// A long-context rank's layer, phase by phase: forward and backward.
+    pub layer_phases: Option<[Vec<PhaseSpan>; 2]>,
     /// Weights, gradients, optimizer states and workspace: held all step.
     pub static_bytes: f64,
     pub capacity_bytes: f64,
@@ -85,6 +87,7 @@ pub(crate) struct Setup<'p> {
 /// What a rank's setup holds beside its identity and ports.
 struct RankParts {
     device_name: String,
+    layer_phases: Option<[Vec<PhaseSpan>; 2]>,
     chunks: Vec<ChunkCost>,
     optimizer_ns: u64,
     stage_sync_ns: u64,
@@ -128,6 +131,7 @@ fn context_rank(
     let most_tokens = context.groups.iter().flat_map(|group| &group.device_tokens).copied().max().unwrap_or(0);
     Ok(RankParts {
         device_name: tightest.0.name.clone(),
+        layer_phases: Some(layer.phases.clone()),
         chunks: vec![ChunkCost::of(pass, tightest.2, context_layer)],
         optimizer_ns: ns(optimizer_s),
         stage_sync_ns: ns(pricer.stage_gradient_sync_s(&stage.devices, ELEMENT_BYTES * params)),
@@ -185,6 +189,7 @@ impl<'p> Setup<'p> {
                         let params_per_device = cost.stage_params(rank_shape) / f64::from(plan.tp() * shards);
                         RankParts {
                             device_name: group.device.name.clone(),
+                            layer_phases: None,
                             chunks,
                             optimizer_ns: ns(cost.optimizer_step_s(group, params_per_device)),
                             stage_sync_ns: 0,
@@ -204,6 +209,7 @@ impl<'p> Setup<'p> {
                     optimizer_ns: rank.optimizer_ns,
                     stage_sync_ns: rank.stage_sync_ns,
                     boundary_bytes: rank.boundary_bytes,
+                    layer_phases: rank.layer_phases,
                     static_bytes: rank.static_bytes,
                     capacity_bytes: rank.capacity_bytes,
                     ports: Ports {

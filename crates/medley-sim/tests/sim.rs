@@ -480,6 +480,17 @@ fn a_ring_hides_its_transfers_under_attention_and_the_timeline_shows_the_phases(
         .expect("a forward slice");
     let phases = &forward["args"]["layer (slowest device)"];
     assert!(phases["compute_ns"].as_u64().unwrap() > 0 && phases["sent_bytes"].as_u64().unwrap() > 0, "{forward}");
+    // The first layer of each pass, phase by phase, on a track of its own.
+    let layer: Vec<&str> = events["traceEvents"]
+        .as_array()
+        .unwrap()
+        .iter()
+        .filter(|event| event["cat"] == "layer")
+        .filter_map(|event| event["name"].as_str())
+        .collect();
+    for phase in ["Q/K/V projections", "attention", "output projection, MLP"] {
+        assert!(layer.contains(&phase), "{phase} not in {layer:?}");
+    }
 }
 
 proptest::proptest! {

@@ -17,6 +17,8 @@ use serde_json::{Value, json};
 /// Thread ids: fixed streams first, transfer lanes after.
 pub const COMPUTE_TID: u32 = 1;
 pub const COLLECTIVE_TID: u32 = 2;
+/// A long-context stage's first layer of each pass, phase by phase, on its slowest device.
+pub const LAYER_TID: u32 = 3;
 const FIRST_LANE_TID: u32 = 10;
 
 pub fn lane_tid(lane: u32) -> u32 {

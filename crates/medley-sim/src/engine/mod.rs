@@ -13,7 +13,7 @@ use std::collections::{BinaryHeap, HashMap, HashSet, VecDeque};
 
 use medley_collective::{self as collective, Choice, Counts, DomainId, Group, Op, RankSteps, ReduceOp, Step};
 use medley_schedule::{Instruction, Program, RankId};
-use medley_trace::timeline::{COLLECTIVE_TID, COMPUTE_TID, lane_tid};
+use medley_trace::timeline::{COLLECTIVE_TID, COMPUTE_TID, LAYER_TID, lane_tid};
 use serde_json::json;
 
 use crate::network::{DrainAt, FlowId};
@@ -456,6 +456,17 @@ impl<'s, 'p, 'w> StepRun<'s, 'p, 'w> {
                     "kv_wait_ns": layer.kv_wait_ns,
                     "sent_bytes": layer.sent_bytes,
                 });
+            }
+            let pass = match kind {
+                PassKind::Forward => Some(0),
+                PassKind::Backward | PassKind::BackwardInput => Some(1),
+                PassKind::BackwardWeight => None,
+            };
+            let phases =
+                self.sim.setup.ranks[rank].layer_phases.as_ref().zip(pass).map(|(phases, pass)| phases[pass].clone());
+            for span in phases.unwrap_or_default() {
+                let at = (now + span.start_ns, now + span.end_ns);
+                self.timeline_slice(rank, LAYER_TID, span.name, "layer", at, json!({}));
             }
             self.timeline_slice(rank, COMPUTE_TID, &name, "compute", (now, now + duration_ns), args);
             if memory_change != 0.0 {
