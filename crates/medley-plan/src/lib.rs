@@ -25,9 +25,9 @@ pub use context::{HeadGroup, StageContext};
 pub use error::{ContextProblem, InvalidPlan, PlanError, ReplicaProblem, RouteProblem};
 pub use evaluate::{PipelineTiming, Prediction, Utilisation, evaluate, max_k_within_memory};
 pub use layers::LayerRange;
-pub use partition::{ClassShare, ReplicaClass, StageLoad, min_max_layers, split_micro_batches};
+pub use partition::{ClassShare, MAX_GROUPS, ReplicaClass, StageLoad, min_max_layers, split_micro_batches};
 pub use plan::{
     DpGroup, GradientAlgorithm, PLAN_VERSION, PLAN_VERSION_WITHOUT_CONTEXT, Plan, PlanParts, Replica, ReplicaShape,
     Route, Stage,
 };
-pub use search::{MAX_GROUPS, SearchOptions, search};
+pub use search::{SearchOptions, search};

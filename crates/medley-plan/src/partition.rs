@@ -5,6 +5,7 @@
 use std::cmp::{Ordering, Reverse};
 use std::collections::BinaryHeap;
 
+use crate::error::PlanError;
 use crate::evaluate::PipelineTiming;
 
 /// Slack, in units of one layer or micro-batch, so that a bound equal to a part's time (up to
@@ -231,6 +232,18 @@ pub fn split_micro_batches(classes: &[ReplicaClass], total: u32) -> Option<(f64,
     }
     let slowest = shares.iter().zip(classes).map(|(share, class)| class.timing.time_s(share.more)).fold(0.0, f64::max);
     Some((slowest, shares))
+}
+
+/// Node groups one search takes: blocks are every partition of every subset of groups, which
+/// grows as the Bell numbers (877 sets of blocks for 6 groups).
+pub const MAX_GROUPS: usize = 6;
+
+/// Refuses more node groups than a search enumerates.
+pub(crate) fn check_group_count(groups: usize) -> Result<(), PlanError> {
+    match groups > MAX_GROUPS {
+        true => Err(PlanError::TooManyGroups { groups, max: MAX_GROUPS }),
+        false => Ok(()),
+    }
 }
 
 /// Every partition of the set bits of `mask` into blocks (as bit masks).

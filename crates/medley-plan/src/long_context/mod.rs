@@ -37,9 +37,8 @@ use crate::context_price::{ContextPricer, StageFrame};
 use crate::error::PlanError;
 use crate::evaluate::PipelineTiming;
 use crate::layers::LayerRange;
-use crate::partition::{ClassShare, ReplicaClass, set_partitions, split_micro_batches};
+use crate::partition::{ClassShare, ReplicaClass, check_group_count, set_partitions, split_micro_batches};
 use crate::plan::{PLAN_VERSION, Plan, Stage};
-use crate::search::MAX_GROUPS;
 use crate::shard_split::{GroupCost, GroupKind, KindShare, split_by_kind};
 
 /// Sequences at least this long also get context-parallel candidates.
@@ -536,10 +535,7 @@ pub fn search_long_context(
     }
     let space = ContextSpace::new(cluster, model, job, calibration);
     let allowed: Vec<usize> = groups.map_or_else(|| (0..cluster.groups().len()).collect(), <[usize]>::to_vec);
-    // Blocks are every partition of the groups: as many as the Bell numbers.
-    if allowed.len() > MAX_GROUPS {
-        return Err(PlanError::TooManyGroups { groups: allowed.len(), max: MAX_GROUPS });
-    }
+    check_group_count(allowed.len())?;
     let (layouts, layouts_priced) = space.layouts(&allowed, fixed);
     let mut built: Vec<Plan> = layouts.par_iter().map(|layout| space.build(layout)).collect::<Result<_, _>>()?;
     // The even layouts over the whole fleet, re-split: their pipelines may run a vendor or a

@@ -31,7 +31,7 @@ use crate::assemble::{ReplicaLayout, assemble, stages_from_counts};
 use crate::candidates::{Candidate, SearchOutcome, ranked};
 use crate::error::PlanError;
 use crate::long_context::{self, LONG_CONTEXT_TOKENS, search_long_context};
-use crate::partition::{ClassShare, ReplicaClass, set_partitions, split_micro_batches};
+use crate::partition::{ClassShare, ReplicaClass, check_group_count, set_partitions, split_micro_batches};
 use crate::plan::{Plan, tp_splits_heads};
 use enumerate::{for_each_combination, stage_vectors, type_orders};
 use template::{BlockConfig, Placement, Template};
@@ -58,9 +58,6 @@ impl Default for SearchOptions {
 const TP_DEGREES: [u32; 4] = [1, 2, 4, 8];
 /// Micro-batch sizes the search tries when the job does not fix one.
 const MICRO_BATCHES: [u32; 4] = [1, 2, 4, 8];
-/// Node groups one search takes: blocks are every partition of every subset of groups, which
-/// grows as the Bell numbers (877 sets of blocks for 6 groups).
-pub const MAX_GROUPS: usize = 6;
 /// Configurations kept per block before blocks are combined.
 const CONFIGS_PER_BLOCK: usize = 6;
 /// Layouts per setting that become explicit plans.
@@ -109,9 +106,7 @@ fn search_tensor_parallel(
 ) -> Result<SearchOutcome, PlanError> {
     let cost = CostModel::new(model, job.seq_len(), calibration);
     let allowed: Vec<usize> = options.groups.clone().unwrap_or_else(|| (0..cluster.groups().len()).collect());
-    if allowed.len() > MAX_GROUPS {
-        return Err(PlanError::TooManyGroups { groups: allowed.len(), max: MAX_GROUPS });
-    }
+    check_group_count(allowed.len())?;
     let space = Space {
         cluster,
         slots: cluster.devices(),
