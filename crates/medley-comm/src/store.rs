@@ -49,6 +49,8 @@ struct State {
     keys: BTreeMap<String, Vec<u8>>,
     /// Ranks that said goodbye: their monitor closing is no failure.
     finished: BTreeSet<u64>,
+    /// Ranks gone from the store: said goodbye or closed their monitor.
+    departed: BTreeSet<u64>,
     monitors: Vec<TcpStream>,
     /// Every connection, to shut down when the store stops.
     connections: Vec<TcpStream>,
@@ -127,11 +129,13 @@ impl StoreServer {
         self.addr.port()
     }
 
-    /// Waits until every one of `n_ranks` ranks said goodbye, a failure was reported, or `timeout`.
+    /// Waits until every one of `n_ranks` ranks has left the store (said goodbye or closed its
+    /// monitor), or `timeout`: after a failure too, since a rank still joining reads the store
+    /// until it learns of it.
     pub fn wait_finished(&self, n_ranks: usize, timeout: Duration) {
         let deadline = Instant::now() + timeout;
         let mut state = self.shared.state.lock().expect("store lock");
-        while state.finished.len() < n_ranks && state.failure.is_none() && Instant::now() < deadline {
+        while state.departed.len() < n_ranks && Instant::now() < deadline {
             state = self.shared.changed.wait_timeout(state, Duration::from_millis(10)).expect("store lock").0;
         }
     }
@@ -192,7 +196,12 @@ fn monitor(mut stream: TcpStream, rank: u64, shared: &Shared) {
     }
     let mut byte = [0u8; 1];
     while matches!(stream.read(&mut byte), Ok(1)) {}
-    let finished = shared.state.lock().expect("store lock").finished.contains(&rank);
+    let finished = {
+        let mut state = shared.state.lock().expect("store lock");
+        state.departed.insert(rank);
+        shared.changed.notify_all();
+        state.finished.contains(&rank)
+    };
     if !finished {
         shared.broadcast_failure(rank, format!("rank {rank} exited or lost its connection without closing"));
     }
@@ -235,7 +244,9 @@ fn handle_request(stream: &mut TcpStream, rank: u64, shared: &Shared) -> Result<
             Vec::new()
         }
         BYE => {
-            shared.state.lock().expect("store lock").finished.insert(rank);
+            let mut state = shared.state.lock().expect("store lock");
+            state.finished.insert(rank);
+            state.departed.insert(rank);
             shared.changed.notify_all();
             Vec::new()
         }
