@@ -13,6 +13,10 @@ pub enum ModelError {
     MissingTensor { name: String },
     #[error("micro-batch {micro_batch}: {reason}")]
     MicroBatch { micro_batch: u32, reason: String },
+    #[error("context parallelism: {0}")]
+    Context(String),
+    #[error("{what}: {source}")]
+    Collective { what: String, source: Box<dyn std::error::Error + Send + Sync> },
     #[error("tensor library: {0}")]
     Compute(String),
     #[error("{}: {reason}", path.display())]

@@ -9,6 +9,8 @@
 //!   external upstream gradient, accumulated parameter gradients, loading parameters).
 //!   [`BurnStage`] implements it with burn's CPU backend; a GPU library slots in behind the same
 //!   trait.
+//! - [`context`]: where a device of a long-context stage stands (its tokens, its heads, its
+//!   group and lane) and the collectives its passes run; [`ContextStage`] is its compute.
 //! - [`StageState`]: one rank's parameters, gradients and AdamW state on the host, with safetensors
 //!   checkpoints, driving a `StageCompute`.
 //! - [`data`]: the byte-level tokenizer, the shipped corpus and deterministic sample indexing.
@@ -20,13 +22,14 @@ mod burn_stage;
 mod checkpoint;
 mod compute;
 mod config;
+pub mod context;
 pub mod data;
 mod error;
 mod optim;
 pub mod params;
 mod stage;
 
-pub use burn_stage::BurnStage;
+pub use burn_stage::{BurnStage, ContextStage};
 pub use checkpoint::{NamedTensors, load_tensors, load_tensors_where, save_tensors, write_atomically};
 pub use compute::{HostTensor, MicroBatch, StageCompute, StageOutput};
 pub use config::ModelConfig;

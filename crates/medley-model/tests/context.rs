@@ -1,0 +1,220 @@
+//! Context and head parallelism against one process: a stage split over devices (each a thread
+//! here, exchanging through memory) gives the whole model's loss and, summed over its devices,
+//! its gradients — for even and uneven shards, token runs and heads, KV heads shared by several
+//! devices, and stages in a pipeline.
+
+use std::ops::Range;
+use std::sync::{Arc, Barrier, Mutex};
+
+use medley_model::context::{ContextCollectives, ContextGroup, ContextPlacement};
+use medley_model::data::Dataset;
+use medley_model::{BurnStage, ContextStage, HostTensor, MicroBatch, ModelConfig, ModelError, StageOutput, StageState};
+
+const SEED: u64 = 42;
+
+fn config(seq_len: usize) -> ModelConfig {
+    ModelConfig {
+        n_layers: 4,
+        hidden: 32,
+        n_heads: 4,
+        n_kv_heads: 2,
+        ffn_hidden: 64,
+        vocab: 256,
+        seq_len,
+        rope_theta: 10_000.0,
+        norm_eps: 1e-5,
+    }
+}
+
+/// The members of one in-memory collective: each posts its input, then reads everyone's.
+struct Board {
+    slots: Mutex<Vec<Vec<f32>>>,
+    barrier: Barrier,
+}
+
+#[derive(Clone)]
+struct Seat {
+    board: Arc<Board>,
+    rank: usize,
+}
+
+impl Seat {
+    fn table(size: usize) -> Vec<Seat> {
+        let board = Arc::new(Board { slots: Mutex::new(vec![Vec::new(); size]), barrier: Barrier::new(size) });
+        (0..size).map(|rank| Seat { board: board.clone(), rank }).collect()
+    }
+
+    fn exchange(&self, input: &[f32]) -> Vec<Vec<f32>> {
+        self.board.slots.lock().unwrap()[self.rank] = input.to_vec();
+        self.board.barrier.wait();
+        let all = self.board.slots.lock().unwrap().clone();
+        self.board.barrier.wait();
+        all
+    }
+}
+
+struct InMemory {
+    group: Seat,
+    lane: Seat,
+}
+
+impl ContextCollectives for InMemory {
+    fn group_all_to_all(&mut self, input: &[f32], counts: &[Vec<usize>]) -> Result<Vec<f32>, ModelError> {
+        let me = self.group.rank;
+        let all = self.group.exchange(input);
+        Ok(all
+            .iter()
+            .zip(counts)
+            .flat_map(|(sent, row)| {
+                let start: usize = row[..me].iter().sum();
+                sent[start..start + row[me]].to_vec()
+            })
+            .collect())
+    }
+
+    fn lane_all_gather(&mut self, input: &[f32], _counts: &[usize]) -> Result<Vec<f32>, ModelError> {
+        Ok(self.lane.exchange(input).concat())
+    }
+
+    fn lane_reduce_scatter(&mut self, input: &[f32], counts: &[usize]) -> Result<Vec<f32>, ModelError> {
+        let me = self.lane.rank;
+        let all = self.lane.exchange(input);
+        let start: usize = counts[..me].iter().sum();
+        Ok((start..start + counts[me]).map(|idx| all.iter().map(|sent| sent[idx]).sum()).collect())
+    }
+}
+
+/// Head–tail shards of `counts` tokens (the planner's), each group's devices holding
+/// `device_tokens` of it and every group's devices `q_heads`.
+fn head_tail(seq: usize, shards: &[(usize, Vec<usize>)], q_heads: &[usize]) -> Vec<ContextGroup> {
+    let mut before = 0;
+    shards
+        .iter()
+        .map(|(count, device_tokens)| {
+            let half = count / 2;
+            let positions = (before..before + half).chain(seq - before - half..seq - before).collect();
+            before += half;
+            ContextGroup { positions, device_tokens: device_tokens.clone(), q_heads: q_heads.to_vec() }
+        })
+        .collect()
+}
+
+fn batch(config: &ModelConfig, first: u64, count: usize) -> MicroBatch {
+    let data = Dataset::shakespeare(config.seq_len, 7).unwrap();
+    data.micro_batch(first, count, 1.0 / (4 * config.seq_len) as f32)
+}
+
+/// Forward and backward of `batches` through `stages` in order; the summed loss.
+fn train(stages: &mut [StageState], batches: &[MicroBatch]) -> f64 {
+    let mut total = 0.0;
+    for (micro_batch, batch) in batches.iter().enumerate() {
+        let mut input = None;
+        for stage in stages.iter_mut() {
+            match stage.forward(micro_batch as u32, batch, input.take()).unwrap() {
+                StageOutput::Activations(activations) => input = Some(activations),
+                StageOutput::Loss(loss) => total += loss,
+            }
+        }
+        let mut upstream = None;
+        for stage in stages.iter_mut().rev() {
+            upstream = stage.backward(micro_batch as u32, upstream).unwrap();
+        }
+    }
+    total
+}
+
+fn grads(stages: &[StageState]) -> Vec<HostTensor> {
+    stages.iter().flat_map(|stage| stage.grads().to_vec()).collect()
+}
+
+/// Every device of `groups` trains the stages ending at `stage_ends` (all split alike) on its own
+/// thread; the loss and gradients summed over the devices.
+fn split_run(
+    config: &ModelConfig,
+    groups: &[ContextGroup],
+    stage_ends: &[usize],
+    batches: &[MicroBatch],
+) -> (f64, Vec<HostTensor>) {
+    let size = groups[0].q_heads.len();
+    let cuts: Vec<Range<usize>> =
+        stage_ends.iter().scan(0, |start, &end| Some(std::mem::replace(start, end)..end)).collect();
+    let group_seats: Vec<Vec<Seat>> = groups.iter().map(|_| Seat::table(size)).collect();
+    let lane_seats: Vec<Vec<Seat>> = (0..size).map(|_| Seat::table(groups.len())).collect();
+    let handles: Vec<_> = (0..groups.len())
+        .flat_map(|g| (0..size).map(move |m| (g, m)))
+        .map(|(g, m)| {
+            let (config, groups, cuts, batches) = (config.clone(), groups.to_vec(), cuts.clone(), batches.to_vec());
+            let seats = (group_seats[g][m].clone(), lane_seats[m][g].clone());
+            std::thread::spawn(move || {
+                let mut stages: Vec<StageState> = cuts
+                    .iter()
+                    .map(|layers| {
+                        let placement = ContextPlacement::new(&config, groups.clone(), g, m).unwrap();
+                        let collectives = Box::new(InMemory { group: seats.0.clone(), lane: seats.1.clone() });
+                        let compute = ContextStage::new(&config, layers.clone(), placement, collectives);
+                        StageState::new(&config, layers.clone(), SEED, Box::new(compute)).unwrap()
+                    })
+                    .collect();
+                let loss = train(&mut stages, &batches);
+                (loss, grads(&stages))
+            })
+        })
+        .collect();
+    let results: Vec<(f64, Vec<HostTensor>)> = handles.into_iter().map(|handle| handle.join().unwrap()).collect();
+    let loss = results.iter().map(|(loss, _)| loss).sum();
+    let mut summed = results[0].1.clone();
+    for (_, device_grads) in &results[1..] {
+        for (sum, grad) in summed.iter_mut().zip(device_grads) {
+            sum.data.iter_mut().zip(&grad.data).for_each(|(s, g)| *s += g);
+        }
+    }
+    (loss, summed)
+}
+
+/// The split run against one process on the whole sequence: loss within 1e-5 relative, every
+/// gradient within 1e-4 of its tensor's largest.
+fn check_against_one_process(seq: usize, groups: Vec<ContextGroup>, stage_ends: &[usize]) {
+    let config = config(seq);
+    let batches = [batch(&config, 0, 2), batch(&config, 5, 2)];
+    let mut whole = vec![StageState::new(&config, 0..4, SEED, Box::new(BurnStage::new(&config, 0..4))).unwrap()];
+    let whole_loss = train(&mut whole, &batches);
+    let (split_loss, split_grads) = split_run(&config, &groups, stage_ends, &batches);
+    assert!(((split_loss - whole_loss) / whole_loss).abs() <= 1e-5, "loss {split_loss} vs {whole_loss}");
+    for (idx, (a, b)) in grads(&whole).iter().zip(&split_grads).enumerate() {
+        let scale = a.data.iter().fold(0f32, |m, g| m.max(g.abs()));
+        assert!(scale > 0.0, "parameter {idx} got no gradient");
+        let worst = a.data.iter().zip(&b.data).map(|(x, y)| (x - y).abs()).fold(0f32, f32::max);
+        assert!(worst <= 1e-4 * scale, "parameter {idx}: gradients differ by {worst} (largest {scale})");
+    }
+}
+
+#[test]
+fn even_context_shards_match_one_process() {
+    check_against_one_process(32, head_tail(32, &[(8, vec![8]), (8, vec![8]), (8, vec![8]), (8, vec![8])], &[4]), &[4]);
+}
+
+#[test]
+fn uneven_context_shards_of_a_length_not_divisible_by_twice_the_degree_match_one_process() {
+    check_against_one_process(
+        30,
+        head_tail(30, &[(12, vec![12]), (6, vec![6]), (4, vec![4]), (8, vec![8])], &[4]),
+        &[4],
+    );
+}
+
+#[test]
+fn even_and_uneven_heads_match_one_process() {
+    check_against_one_process(30, head_tail(30, &[(30, vec![15, 15])], &[2, 2]), &[4]);
+    check_against_one_process(30, head_tail(30, &[(30, vec![10, 12, 8])], &[1, 2, 1]), &[4]);
+}
+
+#[test]
+fn more_head_parallel_devices_than_kv_heads_match_one_process() {
+    check_against_one_process(30, head_tail(30, &[(30, vec![7, 8, 7, 8])], &[1, 1, 1, 1]), &[4]);
+}
+
+#[test]
+fn context_times_head_parallelism_in_a_pipeline_matches_one_process() {
+    let groups = head_tail(30, &[(18, vec![10, 8]), (12, vec![5, 7])], &[1, 3]);
+    check_against_one_process(30, groups, &[1, 3, 4]);
+}
