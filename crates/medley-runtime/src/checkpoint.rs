@@ -16,7 +16,7 @@ use medley_plan::Plan;
 use serde::{Deserialize, Serialize};
 
 use crate::error::CommContext;
-use crate::{RuntimeError, Worker};
+use crate::{RankLayout, RuntimeError, Worker};
 
 /// The manifest format this build writes and reads.
 const MANIFEST_FORMAT: u32 = 1;
@@ -58,10 +58,16 @@ impl Worker {
         let name = format!("step-{:08}", self.step);
         let dir = root.join(&name);
         fs::create_dir_all(&dir).map_err(io_error(&dir))?;
-        let files: Vec<String> = (0..self.world.n_ranks()).map(|rank| format!("rank-{rank}.safetensors")).collect();
-        let tensors: Vec<_> = self.stages.iter().flat_map(|stage| stage.checkpoint_tensors()).collect();
-        let metadata = HashMap::from([("step".to_string(), self.step.to_string())]);
-        save_tensors(&dir.join(&files[self.layout.job_rank]), &tensors, metadata)?;
+        // A long-context stage's devices hold the same weights: its first device writes them.
+        let writes = |layout: &RankLayout| layout.context.as_ref().is_none_or(|seat| seat.device_index == 0);
+        let file = |rank: usize| format!("rank-{rank}.safetensors");
+        let files: Vec<String> =
+            self.layouts.iter().filter(|layout| writes(layout)).map(|layout| file(layout.job_rank)).collect();
+        if writes(&self.layout) {
+            let tensors: Vec<_> = self.stages.iter().flat_map(|stage| stage.checkpoint_tensors()).collect();
+            let metadata = HashMap::from([("step".to_string(), self.step.to_string())]);
+            save_tensors(&dir.join(file(self.layout.job_rank)), &tensors, metadata)?;
+        }
         self.world.barrier().during(|| format!("waiting for every rank to write {}", dir.display()))?;
         if self.layout.job_rank == 0 {
             let manifest = Manifest {

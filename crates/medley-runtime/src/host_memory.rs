@@ -64,17 +64,41 @@ pub fn worker_memory(
     let in_flight =
         schedule.in_flight(layout.id.pp_rank as usize, layout.n_pipeline_ranks, n_chunks, replica.n_micro_batches);
     let last_chunk = (n_chunks - 1) as usize;
+    let shape = match &layout.context {
+        Some(seat) => {
+            let placement = &seat.placement;
+            let (group, member) = placement.group_and_member();
+            let group_tokens = placement.groups()[group].positions.len();
+            let scores = placement.q_heads(member).len() * group_tokens * config.seq_len;
+            PassShape { tokens: placement.positions().len(), scores }
+        }
+        None => PassShape::whole(&config),
+    };
     // The chunk-micro-batches in flight spread over the chunks; the last chunk's logits are
     // priced as if every one of them were on it, a bound that matters only with virtual stages.
     let layers: usize = layout.chunks.iter().map(Range::len).sum();
     let per_chunk_micro_batch_layers = layers as f64 / f64::from(n_chunks);
     let logits = layout.is_last(last_chunk as u32);
     let activations = f64::from(in_flight)
-        * (per_chunk_micro_batch_layers * layer_activation_bytes(&config, plan.micro_batch())
-            + if logits { logit_bytes(&config, plan.micro_batch()) } else { 0.0 });
+        * (per_chunk_micro_batch_layers * layer_activation_bytes(&config, shape, plan.micro_batch())
+            + if logits { logit_bytes(&config, shape, plan.micro_batch()) } else { 0.0 });
     let params: usize =
         layout.chunks.iter().flat_map(|chunk| stage_params(&config, chunk.clone())).map(|spec| spec.numel()).sum();
     Ok(HostMemory { state_bytes: BASE_BYTES + BYTES_PER_PARAM * params as f64, activation_bytes: activations })
+}
+
+/// What one sequence of a pass holds: its tokens outside attention and its attention scores.
+#[derive(Clone, Copy, Debug)]
+struct PassShape {
+    tokens: usize,
+    scores: usize,
+}
+
+impl PassShape {
+    /// A whole sequence on one worker.
+    fn whole(config: &ModelConfig) -> PassShape {
+        PassShape { tokens: config.seq_len, scores: config.n_heads * config.seq_len * config.seq_len }
+    }
 }
 
 /// The host memory of `medley train`'s calibration: `concurrency` whole models at once, each
@@ -87,8 +111,9 @@ pub fn calibration_memory(
 ) -> Result<HostMemory, RuntimeError> {
     let config = ModelConfig::from_spec(model, seq_len)?;
     let params: usize = stage_params(&config, 0..config.n_layers).iter().map(|spec| spec.numel()).sum();
-    let activations =
-        config.n_layers as f64 * layer_activation_bytes(&config, micro_batch) + logit_bytes(&config, micro_batch);
+    let shape = PassShape::whole(&config);
+    let activations = config.n_layers as f64 * layer_activation_bytes(&config, shape, micro_batch)
+        + logit_bytes(&config, shape, micro_batch);
     let threads = concurrency.max(1) as f64;
     Ok(HostMemory {
         state_bytes: BASE_BYTES + threads * BYTES_PER_PARAM * params as f64,
@@ -96,15 +121,15 @@ pub fn calibration_memory(
     })
 }
 
-fn layer_activation_bytes(config: &ModelConfig, micro_batch: u32) -> f64 {
-    let tokens = f64::from(micro_batch) * config.seq_len as f64;
+fn layer_activation_bytes(config: &ModelConfig, shape: PassShape, micro_batch: u32) -> f64 {
+    let tokens = f64::from(micro_batch) * shape.tokens as f64;
     let per_token = KEPT_PER_HIDDEN * config.hidden as f64 + KEPT_PER_FFN * config.ffn_hidden as f64;
-    let scores = f64::from(micro_batch) * config.n_heads as f64 * (config.seq_len as f64).powi(2);
+    let scores = f64::from(micro_batch) * shape.scores as f64;
     4.0 * (tokens * per_token + KEPT_PER_SCORE * scores)
 }
 
-fn logit_bytes(config: &ModelConfig, micro_batch: u32) -> f64 {
-    4.0 * KEPT_PER_LOGIT * f64::from(micro_batch) * config.seq_len as f64 * config.vocab as f64
+fn logit_bytes(config: &ModelConfig, shape: PassShape, micro_batch: u32) -> f64 {
+    4.0 * KEPT_PER_LOGIT * f64::from(micro_batch) * shape.tokens as f64 * config.vocab as f64
 }
 
 #[cfg(test)]

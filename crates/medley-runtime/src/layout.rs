@@ -4,7 +4,9 @@
 use std::ops::Range;
 
 use medley_cost::{Calibration, CostModel, Setting};
-use medley_plan::Plan;
+use medley_model::ModelConfig;
+use medley_model::context::{ContextGroup, ContextPlacement};
+use medley_plan::{Plan, Stage, StageContext};
 use medley_schedule::RankId;
 use medley_spec::{Recompute, Vendor};
 
@@ -32,6 +34,17 @@ pub struct RankLayout {
     /// The layers of each model chunk; chunk c is the replica's virtual stage c·p + stage.
     pub chunks: Vec<Range<usize>>,
     pub device: EmulatedDevice,
+    /// On a long-context stage, the worker's device among the stage's and its place in the
+    /// split of the sequence; one worker per device.
+    pub context: Option<ContextSeat>,
+}
+
+/// A worker of a long-context stage.
+#[derive(Clone, Debug, PartialEq)]
+pub struct ContextSeat {
+    /// The device's index among its stage's devices.
+    pub device_index: usize,
+    pub placement: ContextPlacement,
 }
 
 /// The pipeline ranks of a plan in job-rank order: replica by replica, stage by stage (the order
@@ -44,13 +57,56 @@ pub fn rank_ids(plan: &Plan) -> Vec<RankId> {
         .collect()
 }
 
-/// Checks what the runtime supports: one process per pipeline rank, so no tensor, context or
-/// head parallelism.
+/// The workers a plan runs on, in job-rank order: each pipeline rank's, one per device of a
+/// long-context stage, else one.
+pub fn worker_count(plan: &Plan) -> usize {
+    rank_ids(plan).into_iter().map(|id| workers_of(plan, id)).sum()
+}
+
+/// How many workers pipeline rank `id` runs on.
+fn workers_of(plan: &Plan, id: RankId) -> usize {
+    let stage = &plan.replicas()[id.replica as usize].stages[id.pp_rank as usize];
+    if stage.context.is_some() { stage.devices.len() } else { 1 }
+}
+
+/// Each group's positions, token runs and heads in a long-context stage of `seq_len` tokens.
+pub fn context_groups(context: &StageContext, seq_len: u32) -> Vec<ContextGroup> {
+    let shards = context.shards(seq_len);
+    context
+        .groups
+        .iter()
+        .enumerate()
+        .map(|(idx, group)| ContextGroup {
+            positions: shards.ranges(idx).into_iter().flatten().map(|p| p as usize).collect(),
+            device_tokens: group.device_tokens.iter().map(|&t| t as usize).collect(),
+            q_heads: group.heads.iter().map(|&h| h as usize).collect(),
+        })
+        .collect()
+}
+
+/// The seat of device `device_index` of `stage`, a long-context stage.
+fn context_seat(plan: &Plan, stage: &Stage, device_index: usize) -> Result<Option<ContextSeat>, RuntimeError> {
+    let Some(context) = &stage.context else { return Ok(None) };
+    let members = context.groups[0].device_tokens.len();
+    let config = ModelConfig::from_spec(plan.model(), plan.seq_len())?;
+    let groups = context_groups(context, plan.seq_len());
+    let placement = ContextPlacement::new(&config, groups, device_index / members, device_index % members)?;
+    Ok(Some(ContextSeat { device_index, placement }))
+}
+
+/// Checks what the runtime supports: one process per pipeline rank, or per device of a
+/// long-context stage, so no tensor parallelism; long-context stages whose groups split the heads
+/// alike.
 pub fn check_runnable(plan: &Plan) -> Result<(), RuntimeError> {
-    if plan.has_context() {
-        return Err(RuntimeError::Unsupported(
-            "context and head parallelism (a stage with `context`) are not implemented in the runtime yet".into(),
-        ));
+    for stage in plan.replicas().iter().flat_map(|replica| &replica.stages) {
+        let Some(context) = &stage.context else { continue };
+        if context.groups.iter().any(|group| group.heads != context.groups[0].heads) {
+            return Err(RuntimeError::Unsupported(format!(
+                "a long-context stage whose groups split the heads differently ({}): keys and values travel between \
+                 the devices holding the same heads, so every group needs the same split",
+                plan.stage_label(stage)
+            )));
+        }
     }
     if plan.tp() != 1 {
         return Err(RuntimeError::Unsupported(format!(
@@ -67,7 +123,8 @@ impl RankLayout {
     pub fn all(plan: &Plan, calibration: &Calibration) -> Result<Vec<RankLayout>, RuntimeError> {
         check_runnable(plan)?;
         let fastest_s = fastest_pass_time_s(plan, calibration);
-        let layouts = rank_ids(plan).into_iter().enumerate().map(|(job_rank, id)| {
+        let mut layouts = Vec::new();
+        for id in rank_ids(plan) {
             let replica = &plan.replicas()[id.replica as usize];
             let p = plan.n_ranks(replica);
             let chunks: Vec<Range<usize>> = (id.pp_rank as usize..replica.stages.len())
@@ -77,12 +134,26 @@ impl RankLayout {
                     layers.start as usize..layers.end as usize
                 })
                 .collect();
-            let group = plan.stage_group(&replica.stages[id.pp_rank as usize]);
-            let slowdown = pass_time_s(plan, group, calibration) / fastest_s;
-            let device = EmulatedDevice { name: group.device.name.clone(), vendor: group.device.vendor, slowdown };
-            RankLayout { id, job_rank, n_pipeline_ranks: p, chunks, device }
-        });
-        Ok(layouts.collect())
+            let stage = &replica.stages[id.pp_rank as usize];
+            for device_index in 0..workers_of(plan, id) {
+                let group = plan.device_group(stage.devices[device_index]);
+                let slowdown = pass_time_s(plan, group, calibration) / fastest_s;
+                let device = EmulatedDevice { name: group.device.name.clone(), vendor: group.device.vendor, slowdown };
+                let context = context_seat(plan, stage, device_index)?;
+                let job_rank = layouts.len();
+                layouts.push(RankLayout { id, job_rank, n_pipeline_ranks: p, chunks: chunks.clone(), device, context });
+            }
+        }
+        Ok(layouts)
+    }
+
+    /// The positions of each sequence this worker computes outside attention: its run of a
+    /// long-context stage's shard, else all of them.
+    pub fn positions(&self, seq_len: usize) -> Vec<usize> {
+        match &self.context {
+            Some(seat) => seat.placement.positions().to_vec(),
+            None => (0..seq_len).collect(),
+        }
     }
 
     /// Whether chunk `chunk` is the replica's first virtual stage (it embeds tokens).

@@ -17,6 +17,7 @@
 
 mod calibrate;
 mod checkpoint;
+mod context;
 mod error;
 mod host_memory;
 mod layout;
@@ -29,7 +30,7 @@ pub use calibrate::{Measured, emulation_calibration, measure_model_pass};
 pub use checkpoint::{Manifest, check_resumable, read_latest};
 pub use error::RuntimeError;
 pub use host_memory::{HostMemory, calibration_memory, worker_memory};
-pub use layout::{EmulatedDevice, RankLayout, check_runnable, rank_ids};
+pub use layout::{ContextSeat, EmulatedDevice, RankLayout, check_runnable, context_groups, rank_ids, worker_count};
 pub use metrics::{RankMetrics, StepMetrics};
 pub use train::TrainOptions;
 pub use worker::{LinkEmulation, Worker, WorkerOptions};

@@ -1,7 +1,8 @@
 //! Pipeline messages between neighbouring stages over the world communicator.
 //!
-//! Every message between two workers has the same shape (one micro-batch's hidden states), so a
-//! trailer names what it is: activation or gradient, micro-batch, sending chunk, and when it was
+//! Every message between two workers has the same shape (one micro-batch's hidden states at the
+//! positions both hold: all of them, unless a long-context stage splits them), so a trailer names
+//! what it is: activation or gradient, micro-batch, sending chunk, and when it was
 //! posted. Messages from one peer arrive in the order it sent them, which need not be the order
 //! this worker's program receives them in (with several chunks per rank, activations and
 //! gradients share a pair of ranks): a receive keeps messages it does not want yet in a stash.
@@ -41,17 +42,12 @@ pub(crate) struct Message {
 /// time (2 words each).
 const TRAILER: usize = 7;
 
+#[derive(Default)]
 pub(crate) struct Mailbox {
-    /// Elements of every message's payload.
-    numel: usize,
     stash: BTreeMap<(usize, Tag), Message>,
 }
 
 impl Mailbox {
-    pub fn new(numel: usize) -> Mailbox {
-        Mailbox { numel, stash: BTreeMap::new() }
-    }
-
     /// Posts `data` to `peer` (a job rank) without waiting for it to be received.
     pub fn send(
         &self,
@@ -61,7 +57,6 @@ impl Mailbox {
         mut data: Vec<f32>,
         (posted_us, arrival_us): (u64, u64),
     ) -> Result<(), RuntimeError> {
-        debug_assert_eq!(data.len(), self.numel);
         let words = [
             tag.kind as u32,
             tag.micro_batch,
@@ -75,15 +70,23 @@ impl Mailbox {
         comm.isend(data, peer).during(|| format!("sending {tag:?} to rank {peer}"))
     }
 
-    /// Receives the message `tag` from `peer`, stashing others from it that arrive first.
-    pub fn recv(&mut self, comm: &mut Communicator, peer: usize, tag: Tag) -> Result<Message, RuntimeError> {
+    /// Receives the message `tag` from `peer`, stashing others from it that arrive first. Every
+    /// message from one peer has `numel` elements (a pair of workers shares the same positions
+    /// whichever way its messages go).
+    pub fn recv(
+        &mut self,
+        comm: &mut Communicator,
+        peer: usize,
+        tag: Tag,
+        numel: usize,
+    ) -> Result<Message, RuntimeError> {
         if let Some(message) = self.stash.remove(&(peer, tag)) {
             return Ok(message);
         }
         loop {
-            let mut data = vec![0f32; self.numel + TRAILER];
+            let mut data = vec![0f32; numel + TRAILER];
             comm.recv(&mut data, peer).during(|| format!("receiving {tag:?} from rank {peer}"))?;
-            let words: Vec<u32> = data.split_off(self.numel).into_iter().map(f32::to_bits).collect();
+            let words: Vec<u32> = data.split_off(numel).into_iter().map(f32::to_bits).collect();
             let kind = match words[0] {
                 0 => Kind::Activation,
                 1 => Kind::Gradient,

@@ -7,13 +7,16 @@ use medley_comm::{Communicator, Config, Counts, LaunchEnv, Op, ReduceOp};
 use medley_cost::Calibration;
 use medley_model::data::{Dataset, loss_scale, step_layout};
 use medley_model::params::ParamGroup;
-use medley_model::{AdamW, BurnStage, HostTensor, MicroBatch, ModelConfig, StageOutput, StageState};
+use medley_model::{
+    AdamW, BurnStage, ContextStage, HostTensor, MicroBatch, ModelConfig, StageCompute, StageOutput, StageState,
+};
 use medley_plan::{LayerRange, Plan};
 use medley_schedule::{Instruction, Programs, RankId};
 use medley_trace::timeline::{COLLECTIVE_TID, COMPUTE_TID};
 use medley_trace::{BandwidthTrace, Timeline, TraceWalker};
 use serde_json::json;
 
+use crate::context::CommCollectives;
 use crate::error::CommContext;
 use crate::metrics::{StepClock, StepMetrics};
 use crate::p2p::{Kind, Mailbox, Tag};
@@ -54,7 +57,7 @@ struct EmulatedLink {
 pub struct Worker {
     pub(crate) plan: Plan,
     pub(crate) layout: RankLayout,
-    layouts: Vec<RankLayout>,
+    pub(crate) layouts: Vec<RankLayout>,
     config: ModelConfig,
     pub(crate) world: Communicator,
     /// One communicator per plan DP group this rank is a member of (none for one replica).
@@ -104,7 +107,8 @@ impl Worker {
         let layouts = RankLayout::all(&plan, &options.calibration)?;
         if env.world_size != layouts.len() {
             return Err(RuntimeError::Launch(format!(
-                "WORLD_SIZE={} but the plan has {} pipeline ranks: start one worker per rank",
+                "WORLD_SIZE={} but the plan runs on {} workers: start one per pipeline rank, and one per device of a \
+                 long-context stage",
                 env.world_size,
                 layouts.len()
             )));
@@ -120,21 +124,35 @@ impl Worker {
             )));
         }
         let mut world = Communicator::init(&env, options.comm.clone()).during(|| "joining the job".into())?;
-        let dp = split_dp_groups(&plan, layout.id, &mut world)?;
+        let dp = split_dp_groups(&plan, &layouts, &layout, &mut world)?;
+        let mut collectives = split_context_groups(&layouts, &layout, &mut world)?;
         let config = ModelConfig::from_spec(plan.model(), plan.seq_len())?;
         let stages = layout
             .chunks
             .iter()
             .map(|layers| {
-                let compute = Box::new(BurnStage::new(&config, layers.clone()));
-                StageState::new(&config, layers.clone(), options.seed, compute)
+                let compute: Box<dyn StageCompute> = match (&layout.context, collectives.take()) {
+                    (Some(seat), Some(collectives)) => Box::new(ContextStage::new(
+                        &config,
+                        layers.clone(),
+                        seat.placement.clone(),
+                        Box::new(collectives),
+                    )),
+                    (Some(_), None) => {
+                        return Err(RuntimeError::Unsupported(
+                            "a long-context stage on a rank with several model chunks".into(),
+                        ));
+                    }
+                    (None, _) => Box::new(BurnStage::new(&config, layers.clone())),
+                };
+                Ok(StageState::new(&config, layers.clone(), options.seed, compute)?)
             })
-            .collect::<Result<Vec<_>, _>>()?;
+            .collect::<Result<Vec<_>, RuntimeError>>()?;
         let dataset = Dataset::shakespeare(config.seq_len, options.seed)?;
         let mine = [JobClock::wall_us() as i64];
         let mut origin = [0i64];
         world.broadcast(&mine, &mut origin, 0).during(|| "agreeing on the job clock".into())?;
-        let mailbox = Mailbox::new(plan.micro_batch() as usize * config.seq_len * config.hidden);
+        let mailbox = Mailbox::default();
         Ok(Worker {
             plan,
             layout,
@@ -206,7 +224,6 @@ impl Worker {
     fn execute(&mut self, instruction: Instruction, state: &mut StepState) -> Result<&'static str, RuntimeError> {
         let layout = &self.layout;
         let stretch = if self.options.emulate_speed { layout.device.slowdown } else { 1.0 };
-        let peer = |rank: RankId| self.layouts.iter().position(|l| l.id == rank).expect("rank of the plan");
         match instruction {
             Instruction::Forward { micro_batch, chunk } => {
                 let input = (!layout.is_first(chunk))
@@ -255,10 +272,7 @@ impl Worker {
                     Kind::Gradient
                 };
                 let tensor = take(&mut state.to_send, (kind, micro_batch, chunk), self.layout.id)?;
-                let tag = Tag { kind, micro_batch, chunk };
-                let peer = peer(to);
-                let times = self.stamp(peer, tensor.data.len() * size_of::<f32>());
-                self.mailbox.send(&mut self.world, peer, tag, tensor.data, times)?;
+                self.send_to_rank(to, Tag { kind, micro_batch, chunk }, &tensor)?;
                 Ok("send")
             }
             Instruction::RecvActivation { micro_batch, chunk, from }
@@ -268,17 +282,8 @@ impl Worker {
                 } else {
                     Kind::Gradient
                 };
-                let asked_us = self.clock.now_us();
-                let message = self.mailbox.recv(&mut self.world, peer(from), Tag { kind, micro_batch, chunk })?;
-                let wire_us = message.arrival_us.saturating_sub(self.clock.now_us());
-                std::thread::sleep(Duration::from_micros(wire_us));
-                let done_us = self.clock.now_us();
-                // Waiting for a message already posted is a transfer stall; before that, a bubble.
-                let posted_us = asked_us.max(message.posted_us).min(done_us);
-                state.clock.peer_wait_s += (posted_us - asked_us) as f64 * 1e-6;
-                state.clock.transfer_wait_s += (done_us - posted_us) as f64 * 1e-6;
-                let shape = vec![self.plan.micro_batch() as usize, self.config.seq_len, self.config.hidden];
-                state.received.insert((kind, micro_batch, chunk), HostTensor::new(shape, message.data));
+                let tensor = self.recv_from_rank(from, Tag { kind, micro_batch, chunk }, state)?;
+                state.received.insert((kind, micro_batch, chunk), tensor);
                 Ok("wait")
             }
             Instruction::AllReduceGradients { dp_group, layers } => {
@@ -297,6 +302,53 @@ impl Worker {
                 Ok("compute")
             }
         }
+    }
+
+    /// Sends this worker's part of `tensor` (`[batch, positions, hidden]`) to each worker of
+    /// pipeline rank `to` that holds some of its positions: every position once, to its holder.
+    fn send_to_rank(&mut self, to: RankId, tag: Tag, tensor: &HostTensor) -> Result<(), RuntimeError> {
+        let seq_len = self.config.seq_len;
+        let mine = self.layout.positions(seq_len);
+        for peer in self.workers_of(to) {
+            let (rows, _) = overlap(&mine, &self.layouts[peer].positions(seq_len));
+            if rows.is_empty() {
+                continue;
+            }
+            let data = select_rows(tensor, &rows);
+            let times = self.stamp(peer, data.len() * size_of::<f32>());
+            self.mailbox.send(&mut self.world, peer, tag, data, times)?;
+        }
+        Ok(())
+    }
+
+    /// Receives `tag` from the workers of pipeline rank `from` holding this worker's positions,
+    /// waiting out each emulated link, and joins their parts in this worker's order.
+    fn recv_from_rank(&mut self, from: RankId, tag: Tag, state: &mut StepState) -> Result<HostTensor, RuntimeError> {
+        let (seq_len, hidden, batch) = (self.config.seq_len, self.config.hidden, self.plan.micro_batch() as usize);
+        let mine = self.layout.positions(seq_len);
+        let mut tensor = HostTensor::zeros(vec![batch, mine.len(), hidden]);
+        for peer in self.workers_of(from) {
+            let (_, rows) = overlap(&self.layouts[peer].positions(seq_len), &mine);
+            if rows.is_empty() {
+                continue;
+            }
+            let asked_us = self.clock.now_us();
+            let message = self.mailbox.recv(&mut self.world, peer, tag, batch * rows.len() * hidden)?;
+            let wire_us = message.arrival_us.saturating_sub(self.clock.now_us());
+            std::thread::sleep(Duration::from_micros(wire_us));
+            let done_us = self.clock.now_us();
+            // Waiting for a message already posted is a transfer stall; before that, a bubble.
+            let posted_us = asked_us.max(message.posted_us).min(done_us);
+            state.clock.peer_wait_s += (posted_us - asked_us) as f64 * 1e-6;
+            state.clock.transfer_wait_s += (done_us - posted_us) as f64 * 1e-6;
+            place_rows(&mut tensor, &rows, &message.data);
+        }
+        Ok(tensor)
+    }
+
+    /// The job ranks of pipeline rank `id`'s workers.
+    fn workers_of(&self, id: RankId) -> Vec<usize> {
+        self.layouts.iter().filter(|layout| layout.id == id).map(|layout| layout.job_rank).collect()
     }
 
     /// The posting time of a message of `bytes` to `peer`, and when it arrives over the emulated
@@ -394,26 +446,91 @@ fn take(
     })
 }
 
-/// One communicator per DP group: the stage of each replica that holds the group's layers, in
-/// replica order. Every rank takes part in every split.
+/// One communicator per DP group: every worker of the stage of each replica that holds the
+/// group's layers (a long-context stage's devices each hold the whole stage), in job-rank order;
+/// none for a group of one worker. Every rank takes part in every split.
 fn split_dp_groups(
     plan: &Plan,
-    id: RankId,
+    layouts: &[RankLayout],
+    layout: &RankLayout,
     world: &mut Communicator,
 ) -> Result<Vec<Option<Communicator>>, RuntimeError> {
-    if plan.replicas().len() == 1 {
-        return Ok(plan.dp_groups().iter().map(|_| None).collect());
+    let holds = |group_idx: usize, worker: &RankLayout| {
+        let holder = plan.holders(group_idx)[worker.id.replica as usize];
+        let replica = &plan.replicas()[worker.id.replica as usize];
+        plan.rank_of(replica, holder) == worker.id.pp_rank as usize
+    };
+    let mut communicators = Vec::new();
+    for (group_idx, group) in plan.dp_groups().iter().enumerate() {
+        if layouts.iter().filter(|worker| holds(group_idx, worker)).count() < 2 {
+            communicators.push(None);
+            continue;
+        }
+        let color = holds(group_idx, layout).then_some(0);
+        let communicator = world
+            .split(color, layout.job_rank as i64)
+            .during(|| format!("forming the data-parallel group of layers {}", group.layers))?;
+        communicators.push(communicator);
     }
-    plan.dp_groups()
-        .iter()
-        .enumerate()
-        .map(|(group_idx, group)| {
-            let holder = plan.holders(group_idx)[id.replica as usize];
-            let replica = &plan.replicas()[id.replica as usize];
-            let member = plan.rank_of(replica, holder) == id.pp_rank as usize;
-            world
-                .split(member.then_some(0), i64::from(id.replica))
-                .during(|| format!("forming the data-parallel group of layers {}", group.layers))
-        })
-        .collect()
+    Ok(communicators)
+}
+
+/// A long-context worker's head-group and lane communicators; none for other workers. Every
+/// rank takes part in both splits.
+fn split_context_groups(
+    layouts: &[RankLayout],
+    layout: &RankLayout,
+    world: &mut Communicator,
+) -> Result<Option<CommCollectives>, RuntimeError> {
+    let seat = layout.context.as_ref();
+    // Colours name a group and a lane by a job rank of theirs: the rank's first worker's, plus
+    // the group's first member or the lane's member.
+    let first = layouts.iter().position(|other| other.id == layout.id).unwrap_or(layout.job_rank);
+    let place = seat.map(|seat| seat.placement.group_and_member());
+    let size = seat.map_or(1, |seat| seat.placement.group_size());
+    let group_color = place.map(|(group, _)| (first + group * size) as u32);
+    let lane_color = place.map(|(_, member)| (first + member) as u32);
+    let (group_key, lane_key) = place.map_or((0, 0), |(group, member)| (member as i64, group as i64));
+    let group = world.split(group_color, group_key).during(|| "forming the head-parallel groups".into())?;
+    let lane = world.split(lane_color, lane_key).during(|| "forming the context-parallel lanes".into())?;
+    Ok(group.zip(lane).map(|(group, lane)| CommCollectives { group, lane }))
+}
+
+/// The indices into `from` and into `to` (both ascending positions) of the positions they share.
+fn overlap(from: &[usize], to: &[usize]) -> (Vec<usize>, Vec<usize>) {
+    let (mut i, mut j) = (0, 0);
+    let (mut from_rows, mut to_rows) = (Vec::new(), Vec::new());
+    while i < from.len() && j < to.len() {
+        match from[i].cmp(&to[j]) {
+            std::cmp::Ordering::Less => i += 1,
+            std::cmp::Ordering::Greater => j += 1,
+            std::cmp::Ordering::Equal => {
+                from_rows.push(i);
+                to_rows.push(j);
+                (i, j) = (i + 1, j + 1);
+            }
+        }
+    }
+    (from_rows, to_rows)
+}
+
+/// `rows` of every batch row of `tensor` (`[batch, tokens, hidden]`), in order.
+fn select_rows(tensor: &HostTensor, rows: &[usize]) -> Vec<f32> {
+    let (tokens, hidden) = (tensor.shape[1], tensor.shape[2]);
+    let mut data = Vec::with_capacity(tensor.shape[0] * rows.len() * hidden);
+    for batch_row in tensor.data.chunks(tokens * hidden) {
+        rows.iter().for_each(|&row| data.extend_from_slice(&batch_row[row * hidden..(row + 1) * hidden]));
+    }
+    data
+}
+
+/// Writes `data` (`select_rows`' layout) into `rows` of `tensor`.
+fn place_rows(tensor: &mut HostTensor, rows: &[usize], data: &[f32]) {
+    let (tokens, hidden) = (tensor.shape[1], tensor.shape[2]);
+    let mut parts = data.chunks(hidden);
+    for batch_row in tensor.data.chunks_mut(tokens * hidden) {
+        for (&row, part) in rows.iter().zip(parts.by_ref()) {
+            batch_row[row * hidden..(row + 1) * hidden].copy_from_slice(part);
+        }
+    }
 }

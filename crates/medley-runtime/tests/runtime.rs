@@ -7,6 +7,7 @@ use std::time::Duration;
 use medley_comm::{Config, LaunchEnv};
 use medley_cost::{Calibration, CostModel, Setting};
 use medley_model::{AdamW, HostTensor};
+use medley_plan::baselines::{Degrees, fixed};
 use medley_plan::{Plan, ReplicaLayout, assemble, stages_from_counts};
 use medley_runtime::{LinkEmulation, StepMetrics, TrainOptions, Worker, WorkerOptions};
 use medley_schedule::ScheduleKind;
@@ -20,13 +21,17 @@ const STEPS: u64 = 3;
 /// micro-batches of one sequence over stages of `replicas[r].1` layers, on the fleet's devices
 /// in order; with `chunks` > 1, stage j runs on the replica's rank j mod p.
 fn plan(fleet: &str, replicas: &[(u32, &[u32])], chunks: u32) -> Plan {
+    plan_of_length(SEQ_LEN, fleet, replicas, chunks)
+}
+
+fn plan_of_length(seq_len: u32, fleet: &str, replicas: &[(u32, &[u32])], chunks: u32) -> Plan {
     let cluster = Cluster::from_fleet(fleet).unwrap();
     let model = catalog_model("tiny").unwrap();
     let global_batch = replicas.iter().map(|(m, _)| m).sum();
-    let parts = JobParts { seq_len: SEQ_LEN, global_batch, micro_batch: Some(1), ..JobParts::default() };
+    let parts = JobParts { seq_len, global_batch, micro_batch: Some(1), ..JobParts::default() };
     let job = JobSpec::new(parts, "test").unwrap();
     let calibration = Calibration::default();
-    let cost = CostModel::new(&model, SEQ_LEN, &calibration);
+    let cost = CostModel::new(&model, seq_len, &calibration);
     let setting = Setting { micro_batch: 1, tp: 1, recompute: Recompute::None };
     let mut next_device = 0;
     let layouts = replicas
@@ -45,15 +50,20 @@ fn plan(fleet: &str, replicas: &[(u32, &[u32])], chunks: u32) -> Plan {
 
 /// Losses per step and every rank's checkpoint tensors after `STEPS` steps of `plan`.
 fn train(plan: &Plan, schedule: Schedule) -> (Vec<f64>, Vec<(String, HostTensor)>) {
-    train_over(plan, schedule, None)
+    train_over(plan, schedule, None, AdamW::default())
 }
 
-fn train_over(plan: &Plan, schedule: Schedule, link: Option<LinkEmulation>) -> (Vec<f64>, Vec<(String, HostTensor)>) {
-    let world = medley_runtime::rank_ids(plan).len();
+fn train_over(
+    plan: &Plan,
+    schedule: Schedule,
+    link: Option<LinkEmulation>,
+    adamw: AdamW,
+) -> (Vec<f64>, Vec<(String, HostTensor)>) {
+    let world = medley_runtime::worker_count(plan);
     let port = TcpListener::bind("127.0.0.1:0").unwrap().local_addr().unwrap().port();
     let options = WorkerOptions {
         seed: 7,
-        adamw: AdamW::default(),
+        adamw,
         emulate_speed: false,
         comm: Config { timeout: Duration::from_secs(20), ..Config::default() },
         calibration: Calibration::default(),
@@ -170,6 +180,47 @@ fn plans_train_like_one_process() {
     }
 }
 
+/// Long enough for uneven shards of whole block pairs over four groups.
+const CONTEXT_SEQ_LEN: u32 = 64;
+
+/// The tiny model's long-context plan on `cluster` (`4xh100,4xa100`: nodes of 4) with the given
+/// degrees, its shards and heads the planner's, over a global batch of 4 sequences.
+fn context_plan(cluster: &str, cp: u32, hp: u32, pp: u32, dp: u32) -> Plan {
+    let cluster = Cluster::from_inline(cluster, Default::default(), Default::default()).unwrap();
+    let model = catalog_model("tiny").unwrap();
+    let parts = JobParts { seq_len: CONTEXT_SEQ_LEN, global_batch: 4, micro_batch: Some(1), ..JobParts::default() };
+    let job = JobSpec::new(parts, "test").unwrap();
+    let degrees = Degrees { cp, hp, ..Degrees::new(1, pp, dp) };
+    fixed(&cluster, &model, &job, &Calibration::default(), degrees).unwrap().plan
+}
+
+/// AdamW whose ε is well above the rounding noise of the smallest gradients. Splitting attention
+/// over devices sums in another order: gradients agree to ~5e-7 of each tensor's largest
+/// (medley-model's context tests), but AdamW divides by √v + ε, so at the default ε = 1e-8 a
+/// near-zero gradient's noise moves its weight by a share of the learning rate. Measured over
+/// three steps of the four-group plan below: weights 1e-3 apart (relative) at ε = 1e-8, 6e-4 at
+/// 1e-6, 1.4e-5 at 1e-4 — the gap scales with 1/ε, as amplified rounding does, while the
+/// losses agree to 1e-7 throughout.
+const WELL_CONDITIONED: AdamW = AdamW { eps: 1e-4, lr: 3e-3, beta1: 0.9, beta2: 0.95, weight_decay: 0.1 };
+
+#[test]
+fn long_context_plans_train_like_one_process() {
+    let one_process = plan_of_length(CONTEXT_SEQ_LEN, "1xh100", &[(4, &[8])], 1);
+    let reference = train_over(&one_process, one_f_one_b(), None, WELL_CONDITIONED);
+    let cases = [
+        ("context parallel over two device types", context_plan("2xh100,2xa100", 4, 1, 1, 1)),
+        ("head parallel, KV heads fewer than devices", context_plan("4xh100", 1, 4, 1, 1)),
+        ("context × head parallel", context_plan("2xh100,2xa100", 2, 2, 1, 1)),
+        ("context × head with pipeline and data parallel", context_plan("8xh100,8xa100", 2, 2, 2, 2)),
+    ];
+    for (name, plan) in cases {
+        let (losses, tensors) = train_over(&plan, one_f_one_b(), None, WELL_CONDITIONED);
+        let weights = f64::from(max_relative_difference(&reference.1, &tensors));
+        let loss = losses.iter().zip(&reference.0).fold(0f64, |m, (a, b)| m.max((a - b).abs() / b.abs()));
+        assert!(loss <= 1e-5 && weights <= 1e-4, "{name}: loss differs by {loss:e}, weights by {weights:e} (relative)");
+    }
+}
+
 #[test]
 fn a_throttled_link_slows_transfers_but_not_the_result() {
     let plan = plan("2xh100", &[(4, &[4, 4])], 1);
@@ -178,7 +229,7 @@ fn a_throttled_link_slows_transfers_but_not_the_result() {
     let trace = BandwidthTrace::OnOff { full_ns: 1_000_000, reduced_ns: 1_000_000, fraction: 0.5 };
     let link = LinkEmulation { full_bytes_per_s: 4e6, trace };
     let started = std::time::Instant::now();
-    let (losses, weights) = train_over(&plan, Schedule::Adaptive, Some(link));
+    let (losses, weights) = train_over(&plan, Schedule::Adaptive, Some(link), AdamW::default());
     // 3 steps of 4 activations and 4 gradients, each at least 4 ms over its link.
     assert!(started.elapsed() >= Duration::from_millis(3 * 4 * 4), "{:?}", started.elapsed());
     assert_eq!((losses, weights), (fast_losses, fast_weights));

@@ -96,11 +96,13 @@ impl BlockConfig {
     }
 }
 
-/// The block size of a sequence of `seq_len` tokens: [`BLOCK_TOKENS`], or the largest power
-/// of two such that the sequence is whole pairs of blocks.
-pub(crate) fn block_tokens(seq_len: u32) -> u32 {
+/// The block size of a sequence of `seq_len` tokens over up to `n_devices` shards: [`BLOCK_TOKENS`],
+/// or the largest power of two such that the sequence is whole pairs of blocks, at least one
+/// pair a device (a short sequence over many devices takes small blocks).
+pub(crate) fn block_tokens(seq_len: u32, n_devices: usize) -> u32 {
     let mut block = BLOCK_TOKENS;
-    while block > 1 && !seq_len.is_multiple_of(2 * block) {
+    let too_few_pairs = |block: u32| (seq_len / (2 * block)) < n_devices as u32;
+    while block > 1 && (!seq_len.is_multiple_of(2 * block) || too_few_pairs(block)) {
         block /= 2;
     }
     block
@@ -143,7 +145,7 @@ impl<'a> ContextSpace<'a> {
             cost: CostModel::new(model, job.seq_len(), calibration),
             slots: cluster.devices(),
             first_ids: cluster.group_first_ids(),
-            block: block_tokens(job.seq_len()),
+            block: block_tokens(job.seq_len(), cluster.n_gpus() as usize),
         }
     }
 
