@@ -180,7 +180,7 @@ pub fn context_row(case: &ContextCase) -> Result<ContextRow, BenchError> {
     }
     let mut alone: Vec<(String, Simulated)> = Vec::new();
     for (name, groups) in device_types(cluster) {
-        let options = SearchOptions { top: SIMULATED_CANDIDATES, groups: Some(groups), exhaustive: false };
+        let options = SearchOptions { top: SIMULATED_CANDIDATES, groups: Some(groups), ..SearchOptions::default() };
         if let Ok(outcome) = search(cluster, model, job, &calibration, &options)
             && let Some(best) = fastest_simulated(&outcome.candidates, &calibration)?
         {

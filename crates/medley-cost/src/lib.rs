@@ -181,10 +181,14 @@ impl<'a> CostModel<'a> {
         let attention_s = rates.attention_s(work.attention_flops);
         let forward =
             ContextPass { serial_s: matmul_s + elementwise_s + work.all_to_all_s, attention_s, kv_s: work.kv_s };
+        let overlaps = work.kv_exchange == KvExchange::Ring;
+        // A ring passes keys and values around again with their gradients; an all-gather keeps
+        // them from the forward and reduce-scatters only the gradients.
+        let backward_kv = if overlaps { 2.0 } else { 1.0 };
         let mut backward = ContextPass {
             serial_s: 2.0 * (matmul_s + elementwise_s) + work.all_to_all_s,
             attention_s: 2.0 * attention_s,
-            kv_s: 2.0 * work.kv_s,
+            kv_s: backward_kv * work.kv_s,
         };
         if recompute != Recompute::None {
             backward.attention_s += forward.attention_s;
@@ -193,7 +197,6 @@ impl<'a> CostModel<'a> {
         if recompute == Recompute::Full {
             backward.serial_s += forward.serial_s;
         }
-        let overlaps = work.kv_exchange == KvExchange::Ring;
         ContextLayerTime { forward, backward, overlaps, weight_grad_s: matmul_s }
     }
 

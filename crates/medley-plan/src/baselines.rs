@@ -274,7 +274,7 @@ pub fn best_homogeneous(
         .into_iter()
         .filter_map(|name| {
             let groups = (0..cluster.groups().len()).filter(|&g| cluster.groups()[g].device.name == name).collect();
-            let options = SearchOptions { top: 1, groups: Some(groups), exhaustive: false };
+            let options = SearchOptions { top: 1, groups: Some(groups), ..SearchOptions::default() };
             let outcome = search(cluster, model, job, calibration, &options).ok()?;
             outcome.candidates.into_iter().next().map(|candidate| (name.to_string(), candidate))
         })

@@ -8,6 +8,7 @@
 use std::collections::BTreeSet;
 use std::fmt;
 
+use medley_cost::context::KvExchange;
 use medley_spec::{BridgeMode, Cluster, DeviceId, ModelSpec, Recompute, Schedule, ScheduleKind, Vendor};
 use serde::{Deserialize, Serialize};
 
@@ -191,6 +192,14 @@ impl Plan {
     /// The same layout under another schedule, if it can run it.
     pub fn with_schedule(self, schedule: Schedule) -> Result<Plan, PlanError> {
         Plan::new(PlanParts { schedule, ..self.parts })
+    }
+
+    /// The plan with every long-context stage exchanging keys and values by `exchange`.
+    pub fn with_kv_exchange(self, exchange: KvExchange) -> Result<Plan, PlanError> {
+        let mut parts = self.parts;
+        let stages = parts.replicas.iter_mut().flat_map(|replica| replica.stages.iter_mut());
+        stages.filter_map(|stage| stage.context.as_mut()).for_each(|context| context.kv_exchange = exchange);
+        Plan::new(parts)
     }
 
     pub fn version(&self) -> u32 {

@@ -1,10 +1,79 @@
 //! A long-context stage's collectives over the job's communicators: the head group's
 //! all-to-all-v and the lane's ring all-gather-v and reduce-scatter-v, the step lists the
-//! simulator prices.
+//! simulator prices; and the pacing that emulates a slower device inside such a pass.
+
+use std::sync::{Arc, Mutex};
+use std::time::Instant;
 
 use medley_comm::{Algorithm, CommError, Communicator, Counts, Op, ReduceOp};
 use medley_model::ModelError;
 use medley_model::context::ContextCollectives;
+
+/// Emulates a slower device inside passes that communicate: each stretch of computing is
+/// followed, before the collective that ends it, by a sleep of `stretch − 1` times its length, so
+/// peers wait for the slow device where they would (stretching the whole pass afterwards would
+/// stretch the waits on its peers too). Shared by the worker, which marks passes, and its
+/// collectives.
+#[derive(Clone, Debug)]
+pub(crate) struct Pacer(Arc<Mutex<PacerState>>);
+
+#[derive(Debug)]
+struct PacerState {
+    stretch: f64,
+    computing_since: Option<Instant>,
+    /// Seconds in collectives since the pass began.
+    collective_s: f64,
+}
+
+impl Pacer {
+    pub fn new(stretch: f64) -> Pacer {
+        Pacer(Arc::new(Mutex::new(PacerState { stretch, computing_since: None, collective_s: 0.0 })))
+    }
+
+    fn state(&self) -> std::sync::MutexGuard<'_, PacerState> {
+        // A panic elsewhere cannot leave the state inconsistent: every field is whole.
+        self.0.lock().unwrap_or_else(std::sync::PoisonError::into_inner)
+    }
+
+    pub fn begin_pass(&self) {
+        let mut state = self.state();
+        state.computing_since = Some(Instant::now());
+        state.collective_s = 0.0;
+    }
+
+    /// Ends a stretch of computing: sleeps for the slower device's extra time.
+    fn pause(&self) {
+        let (stretch, since) = {
+            let mut state = self.state();
+            (state.stretch, state.computing_since.take())
+        };
+        if let Some(since) = since.filter(|_| stretch > 1.0) {
+            std::thread::sleep(since.elapsed().mul_f64(stretch - 1.0));
+        }
+    }
+
+    /// Starts computing again after a collective that began at `started`.
+    fn resume(&self, started: Instant) {
+        let mut state = self.state();
+        state.collective_s += started.elapsed().as_secs_f64();
+        state.computing_since = Some(Instant::now());
+    }
+
+    /// Ends a pass; the seconds it spent in collectives.
+    pub fn end_pass(&self) -> f64 {
+        self.pause();
+        std::mem::take(&mut self.state().collective_s)
+    }
+
+    /// Runs `collective` as a pause in computing.
+    fn around<T>(&self, collective: impl FnOnce() -> T) -> T {
+        self.pause();
+        let started = Instant::now();
+        let result = collective();
+        self.resume(started);
+        result
+    }
+}
 
 /// One worker's two communicators of its long-context stage.
 pub(crate) struct CommCollectives {
@@ -12,6 +81,7 @@ pub(crate) struct CommCollectives {
     pub group: Communicator,
     /// The devices holding this worker's heads in every group, in group order.
     pub lane: Communicator,
+    pub pacer: Pacer,
 }
 
 fn failed(what: &'static str) -> impl FnOnce(CommError) -> ModelError {
@@ -23,8 +93,9 @@ impl ContextCollectives for CommCollectives {
         let me = self.group.rank();
         let mut output = vec![0f32; counts.iter().map(|row| row[me]).sum()];
         let counts = Counts::PerPair(counts.to_vec());
-        self.group
-            .collective(Op::AllToAll, &counts, Some(Algorithm::Pairwise), input, &mut output)
+        let group = &mut self.group;
+        self.pacer
+            .around(|| group.collective(Op::AllToAll, &counts, Some(Algorithm::Pairwise), input, &mut output))
             .map_err(failed("the head group's all-to-all"))?;
         Ok(output)
     }
@@ -32,17 +103,19 @@ impl ContextCollectives for CommCollectives {
     fn lane_all_gather(&mut self, input: &[f32], counts: &[usize]) -> Result<Vec<f32>, ModelError> {
         let mut output = vec![0f32; counts.iter().sum()];
         let counts = Counts::PerRank(counts.to_vec());
-        self.lane
-            .collective(Op::AllGather, &counts, Some(Algorithm::Ring), input, &mut output)
+        let lane = &mut self.lane;
+        self.pacer
+            .around(|| lane.collective(Op::AllGather, &counts, Some(Algorithm::Ring), input, &mut output))
             .map_err(failed("the lane's all-gather of keys and values"))?;
         Ok(output)
     }
 
     fn lane_reduce_scatter(&mut self, input: &[f32], counts: &[usize]) -> Result<Vec<f32>, ModelError> {
         let mut output = vec![0f32; counts[self.lane.rank()]];
-        let op = Op::ReduceScatter { op: ReduceOp::Sum };
-        self.lane
-            .collective(op, &Counts::PerRank(counts.to_vec()), Some(Algorithm::Ring), input, &mut output)
+        let (op, counts) = (Op::ReduceScatter { op: ReduceOp::Sum }, Counts::PerRank(counts.to_vec()));
+        let lane = &mut self.lane;
+        self.pacer
+            .around(|| lane.collective(op, &counts, Some(Algorithm::Ring), input, &mut output))
             .map_err(failed("the lane's reduce-scatter of the keys' and values' gradients"))?;
         Ok(output)
     }

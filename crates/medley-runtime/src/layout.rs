@@ -3,6 +3,7 @@
 
 use std::ops::Range;
 
+use medley_cost::context::KvExchange;
 use medley_cost::{Calibration, CostModel, Setting};
 use medley_model::ModelConfig;
 use medley_model::context::{ContextGroup, ContextPlacement};
@@ -96,10 +97,18 @@ fn context_seat(plan: &Plan, stage: &Stage, device_index: usize) -> Result<Optio
 
 /// Checks what the runtime supports: one process per pipeline rank, or per device of a
 /// long-context stage, so no tensor parallelism; long-context stages whose groups split the heads
-/// alike.
+/// alike and all-gather keys and values (no ring attention yet).
 pub fn check_runnable(plan: &Plan) -> Result<(), RuntimeError> {
     for stage in plan.replicas().iter().flat_map(|replica| &replica.stages) {
         let Some(context) = &stage.context else { continue };
+        if context.kv_exchange == KvExchange::Ring {
+            return Err(RuntimeError::Unsupported(format!(
+                "a ring exchange of keys and values ({}): the runtime all-gathers them and reduce-scatters their \
+                 gradients, which the simulator prices as `kv_exchange: all-gather`; train the plan with that \
+                 exchange (`medley train` switches it)",
+                plan.stage_label(stage)
+            )));
+        }
         if context.groups.iter().any(|group| group.heads != context.groups[0].heads) {
             return Err(RuntimeError::Unsupported(format!(
                 "a long-context stage whose groups split the heads differently ({}): keys and values travel between \

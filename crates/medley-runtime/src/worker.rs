@@ -16,7 +16,7 @@ use medley_trace::timeline::{COLLECTIVE_TID, COMPUTE_TID};
 use medley_trace::{BandwidthTrace, Timeline, TraceWalker};
 use serde_json::json;
 
-use crate::context::CommCollectives;
+use crate::context::{CommCollectives, Pacer};
 use crate::error::CommContext;
 use crate::metrics::{StepClock, StepMetrics};
 use crate::p2p::{Kind, Mailbox, Tag};
@@ -66,6 +66,8 @@ pub struct Worker {
     pub(crate) dataset: Dataset,
     pub(crate) options: WorkerOptions,
     mailbox: Mailbox,
+    /// Paces a long-context worker's passes to its emulated device around their collectives.
+    pacer: Option<Pacer>,
     /// Emulated links by destination job rank.
     links: BTreeMap<usize, EmulatedLink>,
     clock: JobClock,
@@ -125,7 +127,9 @@ impl Worker {
         }
         let mut world = Communicator::init(&env, options.comm.clone()).during(|| "joining the job".into())?;
         let dp = split_dp_groups(&plan, &layouts, &layout, &mut world)?;
-        let mut collectives = split_context_groups(&layouts, &layout, &mut world)?;
+        let stretch = if options.emulate_speed { layout.device.slowdown } else { 1.0 };
+        let pacer = layout.context.is_some().then(|| Pacer::new(stretch));
+        let mut collectives = split_context_groups(&layouts, &layout, &mut world, pacer.clone())?;
         let config = ModelConfig::from_spec(plan.model(), plan.seq_len())?;
         let stages = layout
             .chunks
@@ -164,6 +168,7 @@ impl Worker {
             dataset,
             options,
             mailbox,
+            pacer,
             links: BTreeMap::new(),
             clock: JobClock { origin_us: origin[0] as u64 },
             step: 0,
@@ -237,7 +242,8 @@ impl Worker {
                     .transpose()?;
                 let batch = &state.batches[micro_batch as usize];
                 let stage = &mut self.stages[chunk as usize];
-                let output = stretched(stretch, || stage.forward(micro_batch, batch, input))?;
+                let pacer = self.pacer.as_ref();
+                let output = emulated(pacer, stretch, &mut state.clock, || stage.forward(micro_batch, batch, input))?;
                 match output {
                     StageOutput::Activations(out) => {
                         state.to_send.insert((Kind::Activation, micro_batch, chunk), out);
@@ -257,7 +263,8 @@ impl Worker {
                     })
                     .transpose()?;
                 let stage = &mut self.stages[chunk as usize];
-                let input_grad = stretched(stretch, || stage.backward(micro_batch, upstream))?;
+                let pacer = self.pacer.as_ref();
+                let input_grad = emulated(pacer, stretch, &mut state.clock, || stage.backward(micro_batch, upstream))?;
                 if let Some(grad) = input_grad {
                     state.to_send.insert((Kind::Gradient, micro_batch, chunk), grad);
                 }
@@ -424,6 +431,16 @@ impl Worker {
     }
 }
 
+/// Runs a pass at the emulated device's speed: paced around its collectives on a long-context
+/// stage (their time counted as the step's collective time), stretched as a whole otherwise.
+fn emulated<T>(pacer: Option<&Pacer>, stretch: f64, clock: &mut StepClock, pass: impl FnOnce() -> T) -> T {
+    let Some(pacer) = pacer else { return stretched(stretch, pass) };
+    pacer.begin_pass();
+    let result = pass();
+    clock.collective_s += pacer.end_pass();
+    result
+}
+
 /// Runs a pass, stretched to `stretch` times what it took here by sleeping, so a slower
 /// emulated device's pass really takes longer.
 fn stretched<T>(stretch: f64, pass: impl FnOnce() -> T) -> T {
@@ -481,6 +498,7 @@ fn split_context_groups(
     layouts: &[RankLayout],
     layout: &RankLayout,
     world: &mut Communicator,
+    pacer: Option<Pacer>,
 ) -> Result<Option<CommCollectives>, RuntimeError> {
     let seat = layout.context.as_ref();
     // Colours name a group and a lane by a job rank of theirs: the rank's first worker's, plus
@@ -493,7 +511,7 @@ fn split_context_groups(
     let (group_key, lane_key) = place.map_or((0, 0), |(group, member)| (member as i64, group as i64));
     let group = world.split(group_color, group_key).during(|| "forming the head-parallel groups".into())?;
     let lane = world.split(lane_color, lane_key).during(|| "forming the context-parallel lanes".into())?;
-    Ok(group.zip(lane).map(|(group, lane)| CommCollectives { group, lane }))
+    Ok(group.zip(lane).zip(pacer).map(|((group, lane), pacer)| CommCollectives { group, lane, pacer }))
 }
 
 /// The indices into `from` and into `to` (both ascending positions) of the positions they share.

@@ -5,6 +5,7 @@ use std::net::TcpListener;
 use std::time::Duration;
 
 use medley_comm::{Config, LaunchEnv};
+use medley_cost::context::KvExchange;
 use medley_cost::{Calibration, CostModel, Setting};
 use medley_model::{AdamW, HostTensor};
 use medley_plan::baselines::{Degrees, fixed};
@@ -191,7 +192,9 @@ fn context_plan(cluster: &str, cp: u32, hp: u32, pp: u32, dp: u32) -> Plan {
     let parts = JobParts { seq_len: CONTEXT_SEQ_LEN, global_batch: 4, micro_batch: Some(1), ..JobParts::default() };
     let job = JobSpec::new(parts, "test").unwrap();
     let degrees = Degrees { cp, hp, ..Degrees::new(1, pp, dp) };
-    fixed(&cluster, &model, &job, &Calibration::default(), degrees).unwrap().plan
+    let plan = fixed(&cluster, &model, &job, &Calibration::default(), degrees).unwrap().plan;
+    // The runtime all-gathers keys and values (a ring plan is refused).
+    plan.with_kv_exchange(KvExchange::AllGather).unwrap()
 }
 
 /// AdamW whose ε is well above the rounding noise of the smallest gradients. Splitting attention

@@ -281,7 +281,18 @@ impl<'a> LayerPrograms<'a> {
         // Selective recomputation runs the forward's attention again inside the backward's; full
         // recomputation ran the whole forward above.
         let attention = if self.recompute == Recompute::Selective { 3.0 } else { 2.0 };
-        self.kv_exchange(&mut programs, 2, attention)?;
+        if self.context.kv_exchange == KvExchange::Ring {
+            // Keys and values go around again with their gradients, as ring attention passes them.
+            self.kv_exchange(&mut programs, 2, attention)?;
+        } else {
+            // Keys and values stay from the forward (gathered again when it is recomputed);
+            // attention runs on all of them, then their gradients reduce-scatter to their owners.
+            if self.recompute == Recompute::Selective {
+                self.kv_exchange(&mut programs, 1, 0.0)?;
+            }
+            self.kv_exchange_attention(&mut programs, attention);
+            self.kv_gradients(&mut programs)?;
+        }
         self.all_to_all(&mut programs, true)?;
         self.compute(&mut programs, "Q/K/V projections", |rates| rates.serial_backward_s * rates.before_attention);
         Ok(programs)
@@ -328,6 +339,18 @@ impl<'a> LayerPrograms<'a> {
         Ok(())
     }
 
+    /// Per lane (the devices of each group holding the same heads), the elements of `copies`
+    /// K/V-sized blocks of every group's tokens.
+    fn lane_counts(&self, copies: usize) -> Vec<Vec<usize>> {
+        let hd = self.head_dim();
+        (0..self.context.groups[0].device_tokens.len())
+            .map(|j| {
+                let kv_heads = self.members[j].2.kv_heads as usize;
+                self.context.groups.iter().map(|group| group.tokens as usize * copies * 2 * kv_heads * hd).collect()
+            })
+            .collect()
+    }
+
     /// The keys and values of each device's heads around the devices holding the same heads in
     /// every group: a ring all-gather-v of `copies` K/V-sized blocks per token (2 in the backward,
     /// with the gradients), in messages no larger than the smallest block so that the hops
@@ -335,14 +358,9 @@ impl<'a> LayerPrograms<'a> {
     /// arrives around a ring, once all have for an all-gather.
     fn kv_exchange(&self, programs: &mut [DeviceProgram], copies: usize, attention: f64) -> Result<(), SimError> {
         let n_groups = self.context.groups.len();
-        let hd = self.head_dim();
         let overlaps = self.context.kv_exchange == KvExchange::Ring;
-        for j in 0..self.context.groups[0].device_tokens.len() {
+        for (j, counts) in self.lane_counts(copies).into_iter().enumerate() {
             let lane: Vec<usize> = self.group_offsets.iter().map(|offset| offset + j).collect();
-            let share = self.members[lane[0]].2;
-            let counts: Vec<usize> = (0..n_groups)
-                .map(|g| self.context.groups[g].tokens as usize * copies * 2 * share.kv_heads as usize * hd)
-                .collect();
             let starts: Vec<usize> =
                 counts.iter().scan(0, |at, count| Some(std::mem::replace(at, *at + count))).collect();
             let smallest = counts.iter().copied().min().and_then(NonZeroUsize::new);
@@ -378,6 +396,40 @@ impl<'a> LayerPrograms<'a> {
                     }
                     program.compute.push(DeviceOp::Compute { ns, what: "attention" });
                 }
+            }
+        }
+        Ok(())
+    }
+
+    /// Attention of every device over every group's keys, `attention` forward-passes' worth.
+    fn kv_exchange_attention(&self, programs: &mut [DeviceProgram], attention: f64) {
+        let n_groups = self.context.groups.len();
+        for (device, program) in programs.iter_mut().enumerate() {
+            let group = self.members[device].0;
+            let ns = (0..n_groups).map(|keys| self.attention_ns(device, group, keys, attention)).sum();
+            program.compute.push(DeviceOp::Compute { ns, what: "attention" });
+        }
+    }
+
+    /// The keys' and values' gradients, one K/V-sized block per token of every group, summed
+    /// over the devices holding the same heads and scattered to their owners: a ring
+    /// reduce-scatter-v, after attention.
+    fn kv_gradients(&self, programs: &mut [DeviceProgram]) -> Result<(), SimError> {
+        let n_groups = self.context.groups.len();
+        for (j, counts) in self.lane_counts(1).into_iter().enumerate() {
+            let lane: Vec<usize> = self.group_offsets.iter().map(|offset| offset + j).collect();
+            let steps = collective::plan_steps(
+                collective::Op::ReduceScatter { op: collective::ReduceOp::Sum },
+                &Group::new(vec![DomainId(0); n_groups])?,
+                &Counts::PerRank(counts),
+                Algorithm::Ring,
+                Chunking::Whole,
+            )?;
+            for (g, rank) in steps.iter().enumerate() {
+                let phase = Phase::KeysValues;
+                programs[lane[g]]
+                    .compute
+                    .extend(rank.steps.iter().filter_map(|step| message(step, |peer| lane[peer], phase)));
             }
         }
         Ok(())

@@ -418,11 +418,21 @@ fn even_context(text: &str, seq_len: u32, cp: u32, hp: u32) -> Plan {
 
 /// The forward bytes each device of `plan`'s first stage sends and receives in one layer.
 fn layer_bytes(plan: &Plan) -> Vec<(u64, u64)> {
+    pass_bytes(plan).into_iter().map(|(forward, _)| forward).collect()
+}
+
+/// The same in the backward, without recomputation.
+fn backward_layer_bytes(plan: &Plan) -> Vec<(u64, u64)> {
+    pass_bytes(plan).into_iter().map(|(_, backward)| backward).collect()
+}
+
+fn pass_bytes(plan: &Plan) -> Vec<((u64, u64), (u64, u64))> {
     let calibration = Calibration::default();
     let cost = CostModel::new(plan.model(), plan.seq_len(), &calibration);
     let stage = &plan.replicas()[0].stages[0];
-    let layer = simulate_context_layer(&cost, plan.cluster(), stage, plan.recompute()).unwrap();
-    layer.devices.iter().map(|(_, forward, _)| (forward.sent_bytes, forward.received_bytes)).collect()
+    let layer = simulate_context_layer(&cost, plan.cluster(), stage, Recompute::None).unwrap();
+    let bytes = |pass: &medley_sim::DevicePass| (pass.sent_bytes, pass.received_bytes);
+    layer.devices.iter().map(|(_, forward, backward)| (bytes(forward), bytes(backward))).collect()
 }
 
 #[test]
@@ -436,10 +446,16 @@ fn simulated_bytes_per_layer_equal_the_closed_forms() {
         let plan = even_context("8xh100", n as u32, p as u32, 1);
         assert!(layer_bytes(&plan).iter().all(|&bytes| bytes == (ring, ring)), "ring p={p}: {:?}", layer_bytes(&plan));
         // An all-gather moves the same bytes (it only gives up the overlap).
+        let plan_ring = plan.clone();
         let mut parts = plan.into_parts();
         parts.replicas[0].stages[0].context.as_mut().unwrap().kv_exchange = KvExchange::AllGather;
         let gathered = Plan::new(parts).unwrap();
         assert!(layer_bytes(&gathered).iter().all(|&bytes| bytes == (ring, ring)), "all-gather p={p}");
+        // Backward: a ring passes keys and values with their gradients, twice the bytes; an
+        // all-gather keeps them and reduce-scatters the gradients, as many bytes as it gathered.
+        let backward = |plan: &Plan| backward_layer_bytes(plan).into_iter().all(|bytes| bytes.0 == bytes.1);
+        assert!(backward(&plan_ring) && backward_layer_bytes(&plan_ring)[0].0 == 2 * ring, "ring backward p={p}");
+        assert!(backward(&gathered) && backward_layer_bytes(&gathered)[0].0 == ring, "all-gather backward p={p}");
         // Ulysses over p devices: (P − 1)/P·(N/P)·(2d + 2d_kv)·b each way.
         let ulysses = (p - 1) * (n / p) * (2 * d + 2 * d_kv) * b / p;
         let plan = even_context("8xh100", n as u32, 1, p as u32);

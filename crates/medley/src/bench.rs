@@ -49,6 +49,9 @@ pub enum BenchCommand {
     Train(crate::bench_train::TrainBenchArgs),
     /// Real training under a throttled pipeline link: adaptive kFkB against 1F1B.
     Kfkb(crate::bench_train::KfkbBenchArgs),
+    /// Real long-context training on an emulated 2:1 mix: uneven against even context-parallel
+    /// shards, measured and simulated.
+    ContextTrain(crate::bench_train::ContextTrainBenchArgs),
 }
 
 pub fn run(which: &BenchCommand) -> Result<()> {
@@ -60,6 +63,7 @@ pub fn run(which: &BenchCommand) -> Result<()> {
         BenchCommand::Comm(args) => crate::bench_comm::run(args),
         BenchCommand::Train(args) => crate::bench_train::run(args),
         BenchCommand::Kfkb(args) => crate::bench_train::run_kfkb(args),
+        BenchCommand::ContextTrain(args) => crate::bench_train::run_context(args),
     }
 }
 

@@ -1,14 +1,16 @@
 //! `medley bench train`: real training on an emulated mixed fleet, the heterogeneity-aware plan
 //! against the uniform (Megatron-style) one, each measured and predicted by the simulator under
-//! a calibration of this machine.
+//! a calibration of this machine; `medley bench context-train` the same for uneven against even
+//! context-parallel shards; `medley bench kfkb` schedules under a throttled link.
 
 use anyhow::{Context, Result, bail};
 use clap::Args;
 use medley_cost::Calibration;
+use medley_plan::long_context::even_fixed;
 use medley_plan::{Plan, SearchOptions, baselines, search};
 use medley_runtime::RankLayout;
 use medley_sim::{SimConfig, simulate_steps};
-use medley_spec::{Cluster, Schedule, catalog_model};
+use medley_spec::{Cluster, ModelSpec, Schedule, catalog_model};
 
 use crate::inputs::{JobFlags, load_model};
 use serde::Serialize;
@@ -17,7 +19,7 @@ use serde_json::Value;
 use crate::progress::Progress;
 use crate::render::{percent, right, table, times};
 use crate::run_dir::RunDir;
-use crate::train_cmd::{calibrate_here, launch_and_watch, runtime_job, write_run_inputs};
+use crate::train_cmd::{as_trained, calibrate_here, launch_and_watch, runtime_job, write_run_inputs};
 use crate::worker_cmd::{RunFlags, WorkerArgs};
 use medley_bench::stats::median;
 
@@ -59,7 +61,8 @@ struct Row {
     prediction_errors: Vec<f64>,
     prediction_error: f64,
     tokens_per_s: f64,
-    speedup_vs_uniform: f64,
+    /// Measured step time of the first (baseline) plan over this one's.
+    speedup: f64,
 }
 
 pub fn run(args: &TrainBenchArgs) -> Result<()> {
@@ -73,38 +76,109 @@ pub fn run(args: &TrainBenchArgs) -> Result<()> {
     let Some(uniform) = baselines::uniform(&cluster, &model, &job, &calibration).map(|candidate| candidate.plan) else {
         bail!("no uniform plan fits {} for this job", args.fleet)
     };
-    let plans = [("uniform", &uniform), ("heterogeneity-aware", &aware)];
-    // (predicted, measured) per plan and round.
-    let mut runs = vec![Vec::new(); plans.len()];
-    for _ in 0..args.rounds.max(1) {
-        for ((name, plan), runs) in plans.iter().zip(&mut runs) {
-            let calibration = calibrate_here(&cluster, &model, shape.seq_len, shape.micro_batch)?;
-            let predicted = simulate_steps(plan, &calibration, &SimConfig::default(), plan.schedule(), 1, None)
-                .with_context(|| format!("simulating the {name} plan"))?
-                .mean_step_time_s;
-            runs.push((predicted, measure(plan, &calibration, name, args.steps)?));
+    let rounds = Rounds { cluster: &cluster, model: &model, steps: args.steps, rounds: args.rounds };
+    let rows = rounds.compare(&[("uniform", &uniform), ("heterogeneity-aware", &aware)])?;
+    let title = format!(
+        "Real training on {} (emulated: passes stretched to each device's catalog speed); per round a fresh calibration, then {} timed steps after {WARM_UP_STEPS} warm-up per plan; medians over {} rounds:",
+        args.fleet, args.steps, args.rounds
+    );
+    print_rows(&rows, "vs uniform", &title, args.json)
+}
+
+#[derive(Args, Debug)]
+#[command(
+    mut_arg("model", |arg| arg.default_value("tiny")),
+    mut_arg("seq_len", |arg| arg.default_value("1024")),
+    mut_arg("global_batch", |arg| arg.default_value("2")),
+    mut_arg("micro_batch", |arg| arg.default_value("1"))
+)]
+pub struct ContextTrainBenchArgs {
+    /// The emulated fleet, one worker per device, each sequence split over all of them (keep it
+    /// to this machine's cores: the workers compute at once). By default an H100-PCIe and an
+    /// L40S, a 2.1:1 speed mix under a calibration of this machine.
+    #[arg(long, default_value = "1xh100-pcie,1xl40s")]
+    pub fleet: String,
+    /// Timed steps per plan and round (after two warm-up steps).
+    #[arg(long, default_value_t = 4)]
+    pub steps: u64,
+    /// Rounds; each calibrates afresh and runs both plans (this machine's speed drifts).
+    #[arg(long, default_value_t = 3)]
+    pub rounds: usize,
+    #[command(flatten)]
+    pub shape: JobFlags,
+    /// Print the rows as JSON instead of a table.
+    #[arg(long)]
+    pub json: bool,
+}
+
+/// Real long-context training: each sequence split over every device of the fleet by the
+/// planner's uneven shards against even ones (ring-style context parallelism), measured and
+/// simulated.
+pub fn run_context(args: &ContextTrainBenchArgs) -> Result<()> {
+    let cluster = Cluster::from_fleet(&args.fleet)?;
+    let shape = args.shape.shape()?;
+    let model = load_model(&shape.model)?;
+    let job = runtime_job(shape.seq_len, shape.global_batch, shape.micro_batch, None)?;
+    let calibration = calibrate_here(&cluster, &model, shape.seq_len, shape.micro_batch)?;
+    let cp = cluster.n_gpus();
+    let degrees = baselines::Degrees { cp, ..baselines::Degrees::new(1, 1, 1) };
+    let asymmetric = as_trained(baselines::fixed(&cluster, &model, &job, &calibration, degrees)?.plan)?;
+    let even = as_trained(even_fixed(&cluster, &model, &job, &calibration, cp, 1, 1, 1)?.plan)?;
+    let rounds = Rounds { cluster: &cluster, model: &model, steps: args.steps, rounds: args.rounds };
+    let rows = rounds.compare(&[("even shards", &even), ("asymmetric shards", &asymmetric)])?;
+    let title = format!(
+        "Real long-context training on {} ({} tokens a sequence over {cp} context-parallel devices; emulated speeds); per round a fresh calibration, then {} timed steps after {WARM_UP_STEPS} warm-up per plan; medians over {} rounds:",
+        args.fleet, shape.seq_len, args.steps, args.rounds
+    );
+    print_rows(&rows, "vs even", &title, args.json)
+}
+
+/// Plans measured against each other on one emulated fleet: rounds alternate between them.
+struct Rounds<'a> {
+    cluster: &'a Cluster,
+    model: &'a ModelSpec,
+    steps: u64,
+    rounds: usize,
+}
+
+impl Rounds<'_> {
+    /// Each plan's median prediction and measurement; speedups against the first plan.
+    fn compare(&self, plans: &[(&str, &Plan)]) -> Result<Vec<Row>> {
+        // (predicted, measured) per plan and round.
+        let mut runs = vec![Vec::new(); plans.len()];
+        for _ in 0..self.rounds.max(1) {
+            for ((name, plan), runs) in plans.iter().zip(&mut runs) {
+                let calibration = calibrate_here(self.cluster, self.model, plan.seq_len(), plan.micro_batch())?;
+                let predicted = simulate_steps(plan, &calibration, &SimConfig::default(), plan.schedule(), 1, None)
+                    .with_context(|| format!("simulating the {name} plan"))?
+                    .mean_step_time_s;
+                runs.push((predicted, measure(plan, &calibration, name, self.steps)?));
+            }
         }
+        let mut rows = Vec::new();
+        for ((name, plan), runs) in plans.iter().zip(runs) {
+            let measured = median(runs.iter().map(|run| run.1).collect());
+            let prediction_errors: Vec<f64> = runs.iter().map(|(p, m)| p / m - 1.0).collect();
+            rows.push(Row {
+                plan: name.to_string(),
+                layout: describe(plan),
+                predicted_step_s: median(runs.iter().map(|run| run.0).collect()),
+                measured_step_s: measured,
+                prediction_error: median(prediction_errors.clone()),
+                prediction_errors,
+                tokens_per_s: f64::from(plan.global_batch() * plan.seq_len()) / measured,
+                speedup: 0.0,
+            });
+        }
+        let baseline_s = rows[0].measured_step_s;
+        rows.iter_mut().for_each(|row| row.speedup = baseline_s / row.measured_step_s);
+        Ok(rows)
     }
-    let mut rows = Vec::new();
-    for ((name, plan), runs) in plans.iter().zip(runs) {
-        let predicted = median(runs.iter().map(|run| run.0).collect());
-        let measured = median(runs.iter().map(|run| run.1).collect());
-        let prediction_errors: Vec<f64> = runs.iter().map(|(p, m)| p / m - 1.0).collect();
-        rows.push(Row {
-            plan: name.to_string(),
-            layout: describe(plan),
-            predicted_step_s: predicted,
-            measured_step_s: measured,
-            prediction_error: median(prediction_errors.clone()),
-            prediction_errors,
-            tokens_per_s: f64::from(plan.global_batch() * plan.seq_len()) / measured,
-            speedup_vs_uniform: 0.0,
-        });
-    }
-    let uniform_s = rows[0].measured_step_s;
-    rows.iter_mut().for_each(|row| row.speedup_vs_uniform = uniform_s / row.measured_step_s);
-    if args.json {
-        println!("{}", serde_json::to_string_pretty(&rows)?);
+}
+
+fn print_rows(rows: &[Row], speedup_header: &str, title: &str, json: bool) -> Result<()> {
+    if json {
+        println!("{}", serde_json::to_string_pretty(rows)?);
         return Ok(());
     }
     let mut out = table(&[
@@ -115,9 +189,9 @@ pub fn run(args: &TrainBenchArgs) -> Result<()> {
         "error",
         "error per round",
         "tokens/s",
-        "vs uniform",
+        speedup_header,
     ]);
-    for row in &rows {
+    for row in rows {
         out.add_row(vec![
             right(&row.plan),
             right(&row.layout),
@@ -126,13 +200,10 @@ pub fn run(args: &TrainBenchArgs) -> Result<()> {
             right(percent(row.prediction_error)),
             right(row.prediction_errors.iter().map(|e| percent(*e)).collect::<Vec<_>>().join(" ")),
             right(format!("{:.0}", row.tokens_per_s)),
-            right(times(row.speedup_vs_uniform)),
+            right(times(row.speedup)),
         ]);
     }
-    println!(
-        "Real training on {} (emulated: passes stretched to each device's catalog speed); per round a fresh calibration, then {} timed steps after {WARM_UP_STEPS} warm-up per plan; medians over {} rounds:\n{out}",
-        args.fleet, args.steps, args.rounds
-    );
+    println!("{title}\n{out}");
     Ok(())
 }
 
@@ -274,12 +345,20 @@ pub fn run_kfkb(args: &KfkbBenchArgs) -> Result<()> {
     Ok(())
 }
 
-/// Layers per stage and micro-batches per replica, e.g. `[5+3]×8 | [8]×4`.
+/// Layers per stage and micro-batches per replica, e.g. `[5+3]×8 | [8]×4`, and a long-context
+/// stage's tokens per group, e.g. `[8 cp 768/256]×2`.
 fn describe(plan: &Plan) -> String {
+    let stage = |stage: &medley_plan::Stage| match &stage.context {
+        None => stage.layers.len().to_string(),
+        Some(context) => {
+            let tokens: Vec<String> = context.groups.iter().map(|group| group.tokens.to_string()).collect();
+            format!("{} cp {}", stage.layers.len(), tokens.join("/"))
+        }
+    };
     plan.replicas()
         .iter()
         .map(|replica| {
-            let layers: Vec<String> = replica.stages.iter().map(|stage| stage.layers.len().to_string()).collect();
+            let layers: Vec<String> = replica.stages.iter().map(stage).collect();
             format!("[{}]×{}", layers.join("+"), replica.n_micro_batches)
         })
         .collect::<Vec<_>>()

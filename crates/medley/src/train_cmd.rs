@@ -14,6 +14,7 @@ use std::time::{Duration, Instant};
 use anyhow::{Context, Result};
 use clap::Args;
 use medley_cost::Calibration;
+use medley_cost::context::KvExchange;
 use medley_launch::{Echo, JobEnd, LocalJob, RankCommand};
 use medley_plan::max_k_within_memory;
 use medley_plan::{Plan, SearchOptions, search};
@@ -107,6 +108,10 @@ pub fn run(args: &TrainArgs) -> Result<ExitCode> {
     report(&out, &outcome, &layouts, (started.elapsed(), predicted_step_s))
 }
 
+/// Sequences at least this long also get long-context plans in `medley train`: on an emulated
+/// fleet the model is small, so attention dominates a pass from a few thousand tokens on.
+const RUNTIME_CONTEXT_TOKENS: u32 = 2048;
+
 /// Waits on a peer legitimately last up to a step (a pipeline's fill, a slow replica before the
 /// all-reduce): the timeout is at least this many predicted steps.
 const TIMEOUT_STEPS: f64 = 10.0;
@@ -139,6 +144,7 @@ fn choose_plan(args: &TrainArgs) -> Result<(Plan, Calibration)> {
         None => calibrate_here(cluster, model, seq_len, micro_batch),
     };
     let given = |plan: Plan| -> Result<(Plan, Calibration)> {
+        let plan = as_trained(plan)?;
         medley_runtime::check_runnable(&plan)?;
         let calibration = calibration(plan.cluster(), plan.model(), plan.seq_len(), plan.micro_batch())?;
         Ok((plan, calibration))
@@ -163,10 +169,24 @@ fn choose_plan(args: &TrainArgs) -> Result<(Plan, Calibration)> {
     };
     let job = runtime_job(seq_len, global_batch, micro_batch, args.worker.schedule)?;
     let calibration = calibration(&cluster, &model, seq_len, micro_batch)?;
-    let options = SearchOptions { top: 1, ..SearchOptions::default() };
+    let options = SearchOptions { top: 1, context_from_tokens: RUNTIME_CONTEXT_TOKENS, ..SearchOptions::default() };
     let outcome = search(&cluster, &model, &job, &calibration, &options)
         .with_context(|| format!("planning {} on {fleet}", model.name()))?;
-    Ok((outcome.candidates.into_iter().next().expect("search returns at least one plan").plan, calibration))
+    let plan = outcome.candidates.into_iter().next().expect("search returns at least one plan").plan;
+    Ok((as_trained(plan)?, calibration))
+}
+
+/// The plan as the runtime trains it: long-context stages all-gather keys and values (it has no
+/// ring attention yet), said when that changes the plan.
+pub(crate) fn as_trained(plan: Plan) -> Result<Plan> {
+    let stages = plan.replicas().iter().flat_map(|replica| &replica.stages);
+    if !stages.filter_map(|stage| stage.context.as_ref()).any(|context| context.kv_exchange == KvExchange::Ring) {
+        return Ok(plan);
+    }
+    tracing::info!(
+        "the runtime all-gathers keys and values (no ring attention yet): training the plan with that exchange"
+    );
+    Ok(plan.with_kv_exchange(KvExchange::AllGather)?)
 }
 
 /// A job as the runtime trains it: whole optimizer states on every replica (no ZeRO-1 sharding).

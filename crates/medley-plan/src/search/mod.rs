@@ -46,11 +46,15 @@ pub struct SearchOptions {
     /// Enumerate every layer split instead of the min-max one, and price every layout exactly
     /// (small clusters only: the check that the fast search loses nothing).
     pub exhaustive: bool,
+    /// Sequences at least this long also get context-parallel candidates: by default
+    /// [`LONG_CONTEXT_TOKENS`]; lower for a small model trained on an emulated fleet, whose
+    /// attention dominates much sooner.
+    pub context_from_tokens: u32,
 }
 
 impl Default for SearchOptions {
     fn default() -> Self {
-        SearchOptions { top: 5, groups: None, exhaustive: false }
+        SearchOptions { top: 5, groups: None, exhaustive: false, context_from_tokens: LONG_CONTEXT_TOKENS }
     }
 }
 
@@ -67,8 +71,8 @@ const FINALISTS_PER_SETTING: usize = 6;
 const INTERLEAVED_CHUNKS: u32 = 2;
 
 /// Searches the plan space and returns the best plans that fit, fastest first: tensor-parallel
-/// stages, and for sequences of [`LONG_CONTEXT_TOKENS`] or more also stages that split each
-/// sequence over their devices ([`search_long_context`]), ranked together.
+/// stages, and for sequences of [`SearchOptions::context_from_tokens`] or more also stages that
+/// split each sequence over their devices ([`search_long_context`]), ranked together.
 pub fn search(
     cluster: &Cluster,
     model: &ModelSpec,
@@ -77,7 +81,7 @@ pub fn search(
     options: &SearchOptions,
 ) -> Result<SearchOutcome, PlanError> {
     let tensor = search_tensor_parallel(cluster, model, job, calibration, options);
-    if job.seq_len() < LONG_CONTEXT_TOKENS || long_context::unsupported(job).is_some() {
+    if job.seq_len() < options.context_from_tokens || long_context::unsupported(job).is_some() {
         return tensor;
     }
     let context = search_long_context(cluster, model, job, calibration, options.groups.as_deref(), None, options.top);
