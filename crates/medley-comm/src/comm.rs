@@ -4,7 +4,7 @@
 use std::net::IpAddr;
 use std::sync::Arc;
 
-use medley_collective::{Algorithm, Choice, Counts, Group, Op, RankSteps, ReduceOp, choose_call, plan_steps};
+use medley_collective::{Algorithm, Choice, Counts, Group, Op, RankSteps, ReduceOp, Step, choose_call, plan_steps};
 
 use crate::CommError;
 use crate::dtype::{DType, Element};
@@ -45,6 +45,8 @@ pub struct Communicator {
     n_sent: Vec<u64>,
     n_received: Vec<u64>,
     n_splits: u64,
+    /// Payload bytes this rank has sent as messages: collectives' sends and point-to-point.
+    bytes_sent: u64,
     /// The working buffer for operations whose result is a part of it (reduce-scatter).
     scratch: Vec<u64>,
     exec_scratch: Scratch,
@@ -71,6 +73,8 @@ struct PlanKey {
 struct CachedPlan {
     steps: RankSteps,
     fingerprint: u64,
+    /// Elements this rank's steps send as messages.
+    sent_elements: usize,
 }
 
 /// Plans kept per communicator.
@@ -119,6 +123,7 @@ impl Communicator {
             n_sent: vec![0; n],
             n_received: vec![0; n],
             n_splits: 0,
+            bytes_sent: 0,
             outbox: Vec::new(),
             scratch: Vec::new(),
             exec_scratch: Scratch::default(),
@@ -269,7 +274,15 @@ impl Communicator {
             bytemuck::cast_slice_mut::<T, u8>(output).copy_from_slice(&scratch[result]);
             done
         };
-        result.map_err(|err| self.fail(err))
+        result.map_err(|err| self.fail(err))?;
+        self.bytes_sent += (cached.sent_elements * size) as u64;
+        Ok(())
+    }
+
+    /// Payload bytes this rank has sent as messages so far (a collective's window reads are not
+    /// messages and do not count).
+    pub fn bytes_sent(&self) -> u64 {
+        self.bytes_sent
     }
 
     /// Reports a failure to the job, then closes the links so no send reads the caller's buffers.
@@ -289,7 +302,10 @@ impl Communicator {
             let mut plans = plan_steps(key.op, &self.group, &key.counts, algorithm, chunking)?;
             let PlanKey { op, counts, dtype, .. } = &key;
             let description = format!("{op:?}|{dtype:?}|{counts:?}|{algorithm:?}|{chunking:?}");
-            let plan = CachedPlan { steps: plans.swap_remove(self.rank), fingerprint: fingerprint(&description) };
+            let steps = plans.swap_remove(self.rank);
+            let sent_elements =
+                steps.steps.iter().map(|step| if let Step::Send { range, .. } = step { range.len() } else { 0 }).sum();
+            let plan = CachedPlan { steps, fingerprint: fingerprint(&description), sent_elements };
             if self.plans.len() == PLAN_CACHE {
                 self.plans.remove(0);
             }
@@ -320,6 +336,7 @@ impl Communicator {
         let header = self.p2p_header::<T>(data.len(), self.n_sent[peer]);
         self.n_sent[peer] += 1;
         let bytes: &[u8] = bytemuck::cast_slice(data);
+        self.bytes_sent += bytes.len() as u64;
         let link = self.links.to(peer);
         // SAFETY: `data` is borrowed until this function returns, after `wait_sent` (or `close`).
         let sent = unsafe { link.send(peer, header, bytes.as_ptr(), bytes.len(), &self.waiter) }
@@ -336,6 +353,7 @@ impl Communicator {
         self.n_sent[peer] += 1;
         let bytes: &[u8] = bytemuck::cast_slice(&data);
         let (ptr, len) = (bytes.as_ptr(), bytes.len());
+        self.bytes_sent += len as u64;
         // SAFETY: the heap buffer behind `ptr` moves into `outbox` unchanged and is freed only after
         // `wait_sent` for this ticket or later; a communicator dropped before that leaks it.
         let ticket = unsafe { self.links.to(peer).send(peer, header, ptr, len, &self.waiter) };

@@ -2,6 +2,7 @@
 //! all-to-all-v and the lane's ring all-gather-v and reduce-scatter-v, the step lists the
 //! simulator prices; and the pacing that emulates a slower device inside such a pass.
 
+use std::sync::atomic::{AtomicU64, Ordering};
 use std::sync::{Arc, Mutex};
 use std::time::Instant;
 
@@ -82,6 +83,14 @@ pub(crate) struct CommCollectives {
     /// The devices holding this worker's heads in every group, in group order.
     pub lane: Communicator,
     pub pacer: Pacer,
+    /// Bytes both communicators have sent, for the worker to report.
+    pub sent: Arc<AtomicU64>,
+}
+
+impl CommCollectives {
+    fn count_sent(&self) {
+        self.sent.store(self.group.bytes_sent() + self.lane.bytes_sent(), Ordering::Relaxed);
+    }
 }
 
 fn failed(what: &'static str) -> impl FnOnce(CommError) -> ModelError {
@@ -97,6 +106,7 @@ impl ContextCollectives for CommCollectives {
         self.pacer
             .around(|| group.collective(Op::AllToAll, &counts, Some(Algorithm::Pairwise), input, &mut output))
             .map_err(failed("the head group's all-to-all"))?;
+        self.count_sent();
         Ok(output)
     }
 
@@ -107,6 +117,7 @@ impl ContextCollectives for CommCollectives {
         self.pacer
             .around(|| lane.collective(Op::AllGather, &counts, Some(Algorithm::Ring), input, &mut output))
             .map_err(failed("the lane's all-gather of keys and values"))?;
+        self.count_sent();
         Ok(output)
     }
 
@@ -117,6 +128,7 @@ impl ContextCollectives for CommCollectives {
         self.pacer
             .around(|| lane.collective(op, &counts, Some(Algorithm::Ring), input, &mut output))
             .map_err(failed("the lane's reduce-scatter of the keys' and values' gradients"))?;
+        self.count_sent();
         Ok(output)
     }
 }

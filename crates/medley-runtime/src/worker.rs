@@ -1,6 +1,8 @@
 //! A worker: one pipeline rank's model chunks, executing the rank's program of each step.
 
 use std::collections::BTreeMap;
+use std::sync::Arc;
+use std::sync::atomic::{AtomicU64, Ordering};
 use std::time::{Duration, Instant, SystemTime, UNIX_EPOCH};
 
 use medley_comm::{Communicator, Config, Counts, LaunchEnv, Op, ReduceOp};
@@ -68,6 +70,8 @@ pub struct Worker {
     mailbox: Mailbox,
     /// Paces a long-context worker's passes to its emulated device around their collectives.
     pacer: Option<Pacer>,
+    /// Bytes a long-context worker's attention collectives have sent.
+    context_sent: Arc<AtomicU64>,
     /// Emulated links by destination job rank.
     links: BTreeMap<usize, EmulatedLink>,
     clock: JobClock,
@@ -129,7 +133,9 @@ impl Worker {
         let dp = split_dp_groups(&plan, &layouts, &layout, &mut world)?;
         let stretch = if options.emulate_speed { layout.device.slowdown } else { 1.0 };
         let pacer = layout.context.is_some().then(|| Pacer::new(stretch));
-        let mut collectives = split_context_groups(&layouts, &layout, &mut world, pacer.clone())?;
+        let context_sent = Arc::new(AtomicU64::new(0));
+        let mut collectives =
+            split_context_groups(&layouts, &layout, &mut world, pacer.clone(), Arc::clone(&context_sent))?;
         let config = ModelConfig::from_spec(plan.model(), plan.seq_len())?;
         let stages = layout
             .chunks
@@ -169,6 +175,7 @@ impl Worker {
             options,
             mailbox,
             pacer,
+            context_sent,
             links: BTreeMap::new(),
             clock: JobClock { origin_us: origin[0] as u64 },
             step: 0,
@@ -189,6 +196,12 @@ impl Worker {
     /// so a simulated and a measured step line up.
     pub fn timeline_pid(&self) -> u32 {
         self.layout.job_rank as u32 + 1
+    }
+
+    /// Bytes this worker's long-context attention has sent so far: its head group's all-to-alls
+    /// and its lane's keys and values.
+    pub fn context_bytes_sent(&self) -> u64 {
+        self.context_sent.load(Ordering::Relaxed)
     }
 
     /// This rank's stages, one per model chunk.
@@ -499,6 +512,7 @@ fn split_context_groups(
     layout: &RankLayout,
     world: &mut Communicator,
     pacer: Option<Pacer>,
+    sent: Arc<AtomicU64>,
 ) -> Result<Option<CommCollectives>, RuntimeError> {
     let seat = layout.context.as_ref();
     // Colours name a group and a lane by a job rank of theirs: the rank's first worker's, plus
@@ -511,7 +525,7 @@ fn split_context_groups(
     let (group_key, lane_key) = place.map_or((0, 0), |(group, member)| (member as i64, group as i64));
     let group = world.split(group_color, group_key).during(|| "forming the head-parallel groups".into())?;
     let lane = world.split(lane_color, lane_key).during(|| "forming the context-parallel lanes".into())?;
-    Ok(group.zip(lane).zip(pacer).map(|((group, lane), pacer)| CommCollectives { group, lane, pacer }))
+    Ok(group.zip(lane).zip(pacer).map(|((group, lane), pacer)| CommCollectives { group, lane, pacer, sent }))
 }
 
 /// The indices into `from` and into `to` (both ascending positions) of the positions they share.

@@ -250,9 +250,9 @@ impl<'a> LayerPrograms<'a> {
     /// and the MLP.
     fn append_forward(&self, programs: &mut [DeviceProgram]) -> Result<(), SimError> {
         self.compute(programs, "Q/K/V projections", |rates| rates.serial_forward_s * rates.before_attention);
-        self.all_to_all(programs, true)?;
+        self.all_to_all(programs, true, false)?;
         self.kv_exchange(programs, 1, 1.0)?;
-        self.all_to_all(programs, false)?;
+        self.all_to_all(programs, false, false)?;
         self.compute(programs, "output projection, MLP", |rates| {
             rates.serial_forward_s * (1.0 - rates.before_attention)
         });
@@ -277,7 +277,7 @@ impl<'a> LayerPrograms<'a> {
         self.compute(&mut programs, "MLP, output projection", |rates| {
             rates.serial_backward_s * (1.0 - rates.before_attention)
         });
-        self.all_to_all(&mut programs, false)?;
+        self.all_to_all(&mut programs, false, true)?;
         // Selective recomputation runs the forward's attention again inside the backward's; full
         // recomputation ran the whole forward above.
         let attention = if self.recompute == Recompute::Selective { 3.0 } else { 2.0 };
@@ -293,14 +293,15 @@ impl<'a> LayerPrograms<'a> {
             self.kv_exchange_attention(&mut programs, attention);
             self.kv_gradients(&mut programs)?;
         }
-        self.all_to_all(&mut programs, true)?;
+        self.all_to_all(&mut programs, true, true)?;
         self.compute(&mut programs, "Q/K/V projections", |rates| rates.serial_backward_s * rates.before_attention);
         Ok(programs)
     }
 
     /// Each group's all-to-all-v: to the heads (Q, K, V of every device's tokens for each
-    /// device's heads) or back (each device's heads' outputs for every device's tokens).
-    fn all_to_all(&self, programs: &mut [DeviceProgram], to_heads: bool) -> Result<(), SimError> {
+    /// device's heads) or back (each device's heads' outputs for every device's tokens); in the
+    /// backward the same tensors' gradients travel the other way.
+    fn all_to_all(&self, programs: &mut [DeviceProgram], to_heads: bool, backward: bool) -> Result<(), SimError> {
         let hd = self.head_dim();
         for (g, group) in self.context.groups.iter().enumerate() {
             let offset = self.group_offsets[g];
@@ -309,7 +310,7 @@ impl<'a> LayerPrograms<'a> {
                 continue;
             }
             let share = |j: usize| self.members[offset + j].2;
-            let matrix: Vec<Vec<usize>> = (0..size)
+            let forward: Vec<Vec<usize>> = (0..size)
                 .map(|i| {
                     (0..size)
                         .map(|j| match to_heads {
@@ -323,6 +324,10 @@ impl<'a> LayerPrograms<'a> {
                         .collect()
                 })
                 .collect();
+            let matrix = match backward {
+                true => (0..size).map(|i| (0..size).map(|j| forward[j][i]).collect()).collect(),
+                false => forward,
+            };
             let steps = collective::plan_steps(
                 collective::Op::AllToAll,
                 &Group::new(vec![DomainId(0); size])?,
