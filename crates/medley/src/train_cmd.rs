@@ -108,8 +108,9 @@ pub fn run(args: &TrainArgs) -> Result<ExitCode> {
     report(&out, &outcome, &layouts, (started.elapsed(), predicted_step_s))
 }
 
-/// Sequences at least this long also get long-context plans in `medley train`: on an emulated
-/// fleet the model is small, so attention dominates a pass from a few thousand tokens on.
+/// Sequences at least this long also get long-context plans in `medley train`, one sequence per
+/// micro-batch: on an emulated fleet the model is small, so attention dominates a pass from a few
+/// thousand tokens on.
 const RUNTIME_CONTEXT_TOKENS: u32 = 2048;
 
 /// Waits on a peer legitimately last up to a step (a pipeline's fill, a slow replica before the
@@ -166,6 +167,15 @@ fn choose_plan(args: &TrainArgs) -> Result<(Plan, Calibration)> {
             let shape = args.shape.shape()?;
             (load_model(&shape.model)?, shape.seq_len, shape.global_batch, shape.micro_batch)
         }
+    };
+    let micro_batch = if seq_len >= RUNTIME_CONTEXT_TOKENS && micro_batch != 1 {
+        tracing::info!(
+            "sequences of {seq_len} tokens train one per micro-batch (not {micro_batch}), so that a plan may split \
+             each over several devices"
+        );
+        1
+    } else {
+        micro_batch
     };
     let job = runtime_job(seq_len, global_batch, micro_batch, args.worker.schedule)?;
     let calibration = calibration(&cluster, &model, seq_len, micro_batch)?;
