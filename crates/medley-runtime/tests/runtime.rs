@@ -210,14 +210,15 @@ const WELL_CONDITIONED: AdamW = AdamW { eps: 1e-4, lr: 3e-3, beta1: 0.9, beta2: 
 fn long_context_plans_train_like_one_process() {
     let one_process = plan_of_length(CONTEXT_SEQ_LEN, "1xh100", &[(4, &[8])], 1);
     let reference = train_over(&one_process, one_f_one_b(), None, WELL_CONDITIONED);
+    let kfkb = Schedule::Fixed(ScheduleKind::Kfkb { k: 2.try_into().unwrap() });
     let cases = [
-        ("context parallel over two device types", context_plan("2xh100,2xa100", 4, 1, 1, 1)),
-        ("head parallel, KV heads fewer than devices", context_plan("4xh100", 1, 4, 1, 1)),
-        ("context × head parallel", context_plan("2xh100,2xa100", 2, 2, 1, 1)),
-        ("context × head with pipeline and data parallel", context_plan("8xh100,8xa100", 2, 2, 2, 2)),
+        ("context parallel over two device types", context_plan("2xh100,2xa100", 4, 1, 1, 1), one_f_one_b()),
+        ("head parallel, KV heads fewer than devices", context_plan("4xh100", 1, 4, 1, 1), one_f_one_b()),
+        ("context × head parallel", context_plan("2xh100,2xa100", 2, 2, 1, 1), one_f_one_b()),
+        ("context × head with pipeline and data parallel, kFkB", context_plan("8xh100,8xa100", 2, 2, 2, 2), kfkb),
     ];
-    for (name, plan) in cases {
-        let (losses, tensors) = train_over(&plan, one_f_one_b(), None, WELL_CONDITIONED);
+    for (name, plan, schedule) in cases {
+        let (losses, tensors) = train_over(&plan, schedule, None, WELL_CONDITIONED);
         let weights = f64::from(max_relative_difference(&reference.1, &tensors));
         let loss = losses.iter().zip(&reference.0).fold(0f64, |m, (a, b)| m.max((a - b).abs() / b.abs()));
         assert!(loss <= 1e-5 && weights <= 1e-4, "{name}: loss differs by {loss:e}, weights by {weights:e} (relative)");

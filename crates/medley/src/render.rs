@@ -413,14 +413,23 @@ pub fn explain(plan: &Plan) -> String {
     out
 }
 
-/// How the first long-context stage splits each sequence: per device type, its groups' shards,
-/// its devices' tokens and heads.
+/// How the long-context stages split each sequence: per stage that splits them differently from
+/// those before, per device type, its groups' shards, its devices' tokens and heads.
 fn explain_context(plan: &Plan) -> String {
-    let Some(stage) = plan.replicas().iter().flat_map(|replica| &replica.stages).find(|stage| stage.context.is_some())
-    else {
-        return String::new();
-    };
-    let context = stage.context.as_ref().expect("found");
+    let mut out = String::new();
+    let mut seen: Vec<String> = Vec::new();
+    for stage in plan.replicas().iter().flat_map(|replica| &replica.stages) {
+        let Some(context) = &stage.context else { continue };
+        let text = explain_stage_context(plan, stage, context);
+        if !seen.contains(&text) {
+            out.push_str(&text);
+            seen.push(text);
+        }
+    }
+    out
+}
+
+fn explain_stage_context(plan: &Plan, stage: &medley_plan::Stage, context: &medley_plan::StageContext) -> String {
     let mut out = format!(
         "- each sequence split over {} ({:?} exchange of keys and values, {}-token blocks, head–tail shards):\n",
         count(context.groups.len(), "head-parallel group"),
@@ -443,11 +452,15 @@ fn explain_context(plan: &Plan) -> String {
         let shards = range(groups.iter().map(|group| group.tokens).collect());
         let tokens = range(groups.iter().flat_map(|group| group.device_tokens.iter().copied()).collect());
         let heads = range(groups.iter().flat_map(|group| group.heads.iter().copied()).collect());
+        let sizes: Vec<u32> = groups.iter().map(|group| group.device_tokens.len() as u32).collect();
+        let devices = match sizes.iter().all(|&size| size == 1) {
+            true => "1 device".to_string(),
+            false => format!("{} devices", range(sizes)),
+        };
         let _ = writeln!(
             out,
-            "  - {name}: {} of {} devices, {shards} tokens each; {tokens} tokens and {heads} query heads per device",
+            "  - {name}: {} of {devices}, {shards} tokens each; {tokens} tokens and {heads} query heads per device",
             count(groups.len(), "group"),
-            range(groups.iter().map(|group| group.device_tokens.len() as u32).collect()),
         );
     }
     out

@@ -488,6 +488,51 @@ fn long_context_checkpoints_resume_under_another_layout() {
     }
 }
 
+#[test]
+fn plans_export_to_megatron_or_are_refused_with_the_reason() {
+    let plan = scratch("export-uniform.json");
+    let plan_text = plan.to_string_lossy().into_owned();
+    let planned = medley(&[
+        "plan",
+        "-q",
+        "--cluster",
+        "8xh100",
+        "--model",
+        "llama3-8b",
+        "--fix",
+        "tp=2,pp=2,dp=2",
+        "-o",
+        &plan_text,
+    ]);
+    assert!(planned.status.success(), "{}", stderr(&planned));
+    let script = check(&["export", "megatron", "--plan", &plan_text], 0, "pretrain_gpt.py");
+    let script = stdout(&script);
+    assert!(script.starts_with("#!/usr/bin/env bash") && script.contains("--tensor-model-parallel-size 2"), "{script}");
+    let json = medley(&["export", "megatron", "--plan", &plan_text, "--json"]);
+    let json: serde_json::Value = serde_json::from_slice(&json.stdout).unwrap();
+    assert_eq!(json["world_size"], 8);
+    // A plan across vendors: Megatron runs one NCCL world.
+    let mixed = scratch("export-mixed.json");
+    let mixed_text = mixed.to_string_lossy().into_owned();
+    let planned = medley(&[
+        "plan",
+        "-q",
+        "--cluster",
+        "2xh100,2xmi300x",
+        "--model",
+        "tiny",
+        "--seq-len",
+        "128",
+        "-o",
+        &mixed_text,
+    ]);
+    assert!(planned.status.success(), "{}", stderr(&planned));
+    let refused = medley(&["export", "megatron", "--plan", &mixed_text]);
+    let reason = stderr(&refused);
+    assert_eq!(refused.status.code(), Some(1), "{reason}");
+    assert!(reason.contains("Megatron-LM cannot run this plan"), "{reason}");
+}
+
 /// The steps the merged timeline has passes of, in the order they start.
 fn timeline_steps(out: &std::path::Path) -> Vec<u64> {
     let trace: serde_json::Value =
@@ -763,10 +808,12 @@ fn long_context_plans_are_searched_priced_simulated_and_checked() {
     let mut plan: serde_json::Value = serde_json::from_str(&fs::read_to_string(path).unwrap()).unwrap();
     assert_eq!(plan["version"], 2, "{plan}");
     assert!(plan["replicas"][0]["stages"][0]["context"]["groups"].is_array(), "{plan}");
-    // The plan file prices and simulates; training it waits for the runtime's context support.
+    // The plan file prices and simulates; the runtime takes it (its ring exchange as an
+    // all-gather), and only this machine's memory stops an 8B model at 128K tokens.
     check(&["plan", "--plan", path], 0, "head-parallel group");
     check(&["simulate", "--plan", path], 0, "step");
-    check(&["train", "--plan", path, "--steps", "1"], 2, "not implemented in the runtime yet");
+    let train = check(&["train", "--plan", path, "--steps", "1"], 2, "host memory");
+    assert!(stderr(&train).contains("all-gathers keys and values"), "{}", stderr(&train));
     // A broken split is named.
     plan["replicas"][0]["stages"][0]["context"]["groups"][0]["tokens"] = serde_json::json!(1);
     fs::write(path, plan.to_string()).unwrap();
