@@ -7,6 +7,7 @@ mod bench_context;
 mod bench_schedules;
 mod bench_train;
 mod calibrate_cmd;
+mod export_cmd;
 mod host;
 mod inputs;
 mod log;
@@ -50,6 +51,11 @@ enum Command {
     /// Run one rank of a training job under an external launcher (torchrun's RANK and
     /// WORLD_SIZE, or srun's or mpirun's rank variables; MASTER_ADDR, MASTER_PORT, MEDLEY_TOKEN).
     Worker(Box<worker_cmd::WorkerArgs>),
+    /// A plan as a framework runs it: `medley export megatron --plan plan.json`.
+    Export {
+        #[command(subcommand)]
+        which: export_cmd::ExportCommand,
+    },
     /// Benchmarks that print tables.
     Bench {
         #[command(subcommand)]
@@ -75,6 +81,7 @@ fn main() -> ExitCode {
         Command::Train(args) => train_cmd::run(&args),
         Command::Calibrate(args) => calibrate_cmd::run(&args).map(|()| ExitCode::SUCCESS),
         Command::Worker(args) => worker_cmd::run(&args).map(|()| ExitCode::SUCCESS),
+        Command::Export { which } => export_cmd::run(&which),
         Command::Bench { which } => bench::run(&which).map(|()| ExitCode::SUCCESS),
         Command::BenchCommWorker(args) => bench_comm::worker(&args).map(|()| ExitCode::SUCCESS),
     };

@@ -1,0 +1,174 @@
+//! Megatron-LM export of five kinds of plan: the arguments, the layout against Megatron's own
+//! rules, the rank placement, and the refusals.
+
+use medley_cost::context::KvExchange;
+use medley_cost::{Calibration, CostModel, Setting};
+use medley_export::ExportError;
+use medley_export::megatron::{MegatronExport, check_layout, megatron};
+use medley_plan::baselines::{Degrees, megatron_plan};
+use medley_plan::long_context::even_fixed;
+use medley_plan::{Plan, ReplicaLayout, assemble, stages_from_counts};
+use medley_spec::{Cluster, JobParts, JobSpec, Recompute, Schedule, ScheduleKind, catalog_model};
+
+fn cluster(text: &str) -> Cluster {
+    Cluster::from_inline(text, Default::default(), Default::default()).unwrap()
+}
+
+fn job(seq_len: u32, global_batch: u32) -> JobSpec {
+    let parts = JobParts { seq_len, global_batch, micro_batch: Some(1), ..JobParts::default() };
+    JobSpec::new(parts, "test").unwrap()
+}
+
+fn setting(tp: u32) -> Setting {
+    Setting { micro_batch: 1, tp, recompute: Recompute::Selective }
+}
+
+/// Megatron's layout of `degrees` over the first devices of `text`, llama3-8b.
+fn uniform(text: &str, degrees: Degrees) -> Plan {
+    let model = catalog_model("llama3-8b").unwrap();
+    let calibration = Calibration::default();
+    let cost = CostModel::new(&model, 4096, &calibration);
+    megatron_plan(&cluster(text), &cost, &job(4096, 32), setting(degrees.tp), degrees).unwrap()
+}
+
+/// Replicas of `(micro-batches, layers per stage)` on `text`'s devices in order, tp = 1.
+fn assembled(text: &str, replicas: &[(u32, &[u32])]) -> Plan {
+    let (cluster, model, calibration) = (cluster(text), catalog_model("llama3-8b").unwrap(), Calibration::default());
+    let cost = CostModel::new(&model, 4096, &calibration);
+    let global_batch = replicas.iter().map(|(m, _)| m).sum();
+    let mut next = 0;
+    let layouts = replicas
+        .iter()
+        .map(|&(n_micro_batches, counts)| {
+            let devices = (0..counts.len() as u32).map(|j| vec![next + j]).collect();
+            next += counts.len() as u32;
+            ReplicaLayout { n_micro_batches, stages: stages_from_counts(devices, counts) }
+        })
+        .collect();
+    let schedule = Schedule::Fixed(ScheduleKind::OneFOneB);
+    Plan::new(assemble(&cluster, &cost, &job(4096, global_batch), setting(1), schedule, 1, layouts)).unwrap()
+}
+
+fn value<'a>(export: &'a MegatronExport, flag: &str) -> Option<&'a str> {
+    export.args.iter().find(|arg| arg.flag == flag).map(|arg| arg.value.as_deref().unwrap_or(""))
+}
+
+fn refusal(plan: &Plan) -> String {
+    match megatron(plan) {
+        Err(ExportError::NotExpressible { framework, reason }) => {
+            assert_eq!(framework, "Megatron-LM");
+            reason
+        }
+        Ok(export) => panic!("exported what Megatron cannot run: {}", export.command_line()),
+    }
+}
+
+#[test]
+fn a_uniform_plan_exports_megatrons_own_sizes() {
+    let export = megatron(&uniform("8xh100", Degrees::new(2, 2, 2))).unwrap();
+    assert_eq!(export.world_size, 8);
+    for (flag, expected) in [
+        ("--tensor-model-parallel-size", "2"),
+        ("--pipeline-model-parallel-size", "2"),
+        ("--pipeline-model-parallel-layout", "Et*16|t*16L"),
+        ("--sequence-parallel", ""),
+        ("--micro-batch-size", "1"),
+        ("--global-batch-size", "32"),
+        ("--recompute-granularity", "selective"),
+        ("--num-layers", "32"),
+        ("--hidden-size", "4096"),
+        ("--ffn-hidden-size", "14336"),
+        ("--num-attention-heads", "32"),
+        ("--num-query-groups", "8"),
+        ("--seq-length", "4096"),
+        ("--normalization", "RMSNorm"),
+        ("--swiglu", ""),
+        ("--untie-embeddings-and-output-weights", ""),
+        ("--use-distributed-optimizer", ""),
+    ] {
+        assert_eq!(value(&export, flag), Some(expected), "{flag} in {}", export.command_line());
+    }
+    // One host of 8: Megatron's order (tp fastest, then dp, pp) is the plan's device order here.
+    assert_eq!(export.placement.hosts.len(), 1);
+    assert_eq!(export.placement.hosts[0].gpus, (0..8).collect::<Vec<u32>>());
+    let script = export.launch_script();
+    assert!(script.contains("--nproc-per-node 8") && script.contains("pretrain_gpt.py"), "{script}");
+    assert!(script.contains("\"Et*16|t*16L\""), "the layout is quoted for the shell: {script}");
+}
+
+#[test]
+fn uneven_stages_and_virtual_stages_become_a_layout_megatron_accepts() {
+    let uneven = megatron(&assembled("3xh100", &[(8, &[6, 10, 16])])).unwrap();
+    let layout = value(&uneven, "--pipeline-model-parallel-layout").unwrap();
+    assert_eq!(layout, "Et*6|t*10|t*16L");
+    check_layout(layout, 3, 32).unwrap();
+    let interleaved = megatron(&uniform("8xh100", Degrees { vpp: 2, ..Degrees::new(1, 4, 2) })).unwrap();
+    let layout = value(&interleaved, "--pipeline-model-parallel-layout").unwrap();
+    assert_eq!(layout.split('|').count(), 8, "{layout}: p·v stages in layer order");
+    check_layout(layout, 4, 32).unwrap();
+}
+
+#[test]
+fn ranks_follow_megatrons_order_onto_the_plans_devices() {
+    // tp = 2, pp = 2, dp = 2 over two nodes of 4: Megatron puts pipeline stage 0 on ranks 0–3.
+    let plan = uniform("8xh100", Degrees::new(2, 2, 2));
+    let export = megatron(&plan).unwrap();
+    for rank in &export.placement.ranks {
+        let (tp, dp, pp) = (rank.rank % 2, rank.rank / 2 % 2, rank.rank / 4);
+        let stage = &plan.replicas()[dp as usize].stages[pp as usize];
+        assert_eq!(rank.device, stage.devices[tp as usize], "rank {}", rank.rank);
+    }
+}
+
+#[test]
+fn even_context_parallelism_exports_and_uneven_is_refused() {
+    let model = catalog_model("llama3-8b").unwrap();
+    let calibration = Calibration::default();
+    let long = job(131_072, 4);
+    let ring = even_fixed(&cluster("8xh100"), &model, &long, &calibration, 8, 1, 1, 1).unwrap().plan;
+    let export = megatron(&ring).unwrap();
+    assert_eq!(value(&export, "--context-parallel-size"), Some("8"));
+    assert_eq!(value(&export, "--cp-comm-type"), Some("p2p"));
+    let usp = even_fixed(&cluster("8xh100"), &model, &long, &calibration, 2, 4, 1, 1).unwrap().plan;
+    let export = megatron(&usp).unwrap();
+    assert_eq!(value(&export, "--cp-comm-type"), Some("a2a+p2p"));
+    assert_eq!(value(&export, "--hierarchical-context-parallel-sizes"), Some("4 2"));
+    let gathered = megatron(&ring.clone().with_kv_exchange(KvExchange::AllGather).unwrap()).unwrap();
+    assert_eq!(value(&gathered, "--cp-comm-type"), Some("allgather"));
+    let mut parts = ring.into_parts();
+    let context = parts.replicas[0].stages[0].context.as_mut().unwrap();
+    let unit = 2 * context.block;
+    context.groups[0].tokens += unit;
+    context.groups[0].device_tokens[0] += unit;
+    context.groups[1].tokens -= unit;
+    context.groups[1].device_tokens[0] -= unit;
+    let uneven = Plan::new(parts).unwrap();
+    assert!(refusal(&uneven).contains("2·cp equal chunks"), "{}", refusal(&uneven));
+}
+
+#[test]
+fn what_megatron_cannot_run_is_refused_naming_it() {
+    let shares = refusal(&assembled("2xh100", &[(6, &[32]), (2, &[32])]));
+    assert!(shares.contains("replica 1 runs 2 micro-batches a step and replica 0 6"), "{shares}");
+    let splits = refusal(&assembled("4xh100", &[(4, &[12, 20]), (4, &[20, 12])]));
+    assert!(splits.contains("[20, 12]") && splits.contains("one pipeline split"), "{splits}");
+    let vendors = refusal(&assembled("1xh100,1xmi300x", &[(4, &[16, 16])]));
+    assert!(vendors.contains("does not cross vendors"), "{vendors}");
+    let gpipe = assembled("2xh100", &[(4, &[16, 16])]).with_schedule(Schedule::Fixed(ScheduleKind::Gpipe)).unwrap();
+    assert!(refusal(&gpipe).contains("1F1B"), "{}", refusal(&gpipe));
+}
+
+#[test]
+fn layouts_are_checked_by_megatrons_rules() {
+    check_layout("Et*3|t*2,tL", 2, 6).unwrap();
+    for (layout, pp, layers, wanted) in [
+        ("Et*3|t*3L", 4, 6, "not a multiple"),
+        ("t*3E|t*3L", 2, 6, "embedding must come first"),
+        ("Et*3|t*2L", 2, 6, "and 6"),
+        ("Et*3|t*3LL", 2, 6, "one, one"),
+        ("Et*3|m*3L", 2, 6, "not a layer"),
+    ] {
+        let error = check_layout(layout, pp, layers).unwrap_err();
+        assert!(error.contains(wanted), "{layout}: {error}");
+    }
+}

@@ -1,0 +1,62 @@
+//! `medley export megatron`: a plan as Megatron-LM runs it — its launch script with the
+//! arguments, or the arguments and placement as JSON — or the exact reason it cannot.
+
+use std::process::ExitCode;
+
+use anyhow::{Context, Result};
+use clap::{Args, Subcommand};
+use medley_export::ExportError;
+
+use crate::plan_cmd::load_plan;
+
+#[derive(Subcommand, Debug)]
+pub enum ExportCommand {
+    /// Megatron-LM: a torchrun launch script of `pretrain_gpt.py` with the plan's arguments,
+    /// each rank on the device the plan chose.
+    Megatron(ExportArgs),
+}
+
+#[derive(Args, Debug)]
+pub struct ExportArgs {
+    /// The plan file (`medley plan -o`).
+    #[arg(long)]
+    pub plan: String,
+    /// Print the arguments, world size and rank placement as JSON instead of the script.
+    #[arg(long)]
+    pub json: bool,
+    /// Write the launch script to this file (made executable) instead of standard output.
+    #[arg(long, short)]
+    pub output: Option<String>,
+}
+
+/// Exit code when the framework cannot run the plan: the plan is fine, the framework is not.
+const NOT_EXPRESSIBLE: u8 = 1;
+
+pub fn run(which: &ExportCommand) -> Result<ExitCode> {
+    let ExportCommand::Megatron(args) = which;
+    let plan = load_plan(&args.plan)?;
+    let export = match medley_export::megatron::megatron(&plan) {
+        Ok(export) => export,
+        Err(error @ ExportError::NotExpressible { .. }) => {
+            eprintln!("error: {error}");
+            return Ok(ExitCode::from(NOT_EXPRESSIBLE));
+        }
+    };
+    let text = match args.json {
+        true => serde_json::to_string_pretty(&export)? + "\n",
+        false => export.launch_script(),
+    };
+    match &args.output {
+        None => print!("{text}"),
+        Some(path) => {
+            std::fs::write(path, &text).with_context(|| format!("cannot write {path}"))?;
+            if !args.json {
+                use std::os::unix::fs::PermissionsExt;
+                std::fs::set_permissions(path, std::fs::Permissions::from_mode(0o755))
+                    .with_context(|| format!("cannot make {path} executable"))?;
+            }
+            tracing::info!("{path} written");
+        }
+    }
+    Ok(ExitCode::SUCCESS)
+}
