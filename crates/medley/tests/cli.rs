@@ -812,7 +812,8 @@ fn long_context_plans_are_searched_priced_simulated_and_checked() {
     // all-gather), and only this machine's memory stops an 8B model at 128K tokens.
     check(&["plan", "--plan", path], 0, "head-parallel group");
     check(&["simulate", "--plan", path], 0, "step");
-    let train = check(&["train", "--plan", path, "--steps", "1"], 2, "host memory");
+    let out = scratch("context-train");
+    let train = check(&["train", "--plan", path, "--steps", "1", "--out", &out.to_string_lossy()], 2, "host memory");
     assert!(stderr(&train).contains("all-gathers keys and values"), "{}", stderr(&train));
     // A broken split is named.
     plan["replicas"][0]["stages"][0]["context"]["groups"][0]["tokens"] = serde_json::json!(1);
