@@ -46,9 +46,22 @@ pub fn megatron(plan: &Plan) -> Result<MegatronExport, ExportError> {
             "the model attends over a sliding window of {window} tokens, which medley does not export yet"
         )));
     }
-    let devices = rank_devices(plan, context.map_or(1, |c| c.size()));
-    let placement = place(plan.cluster(), &devices).map_err(ExportError::megatron)?;
+    // Megatron's default order, or with --use-tp-pp-dp-mapping pipeline neighbours consecutive
+    // (the planner's placement of a replica's stages in one node).
+    let context_size = context.map_or(1, |c| c.size());
+    let (order, devices, placement) = [RankOrder::DataFirst, RankOrder::PipelineFirst]
+        .into_iter()
+        .map(|order| {
+            let devices = rank_devices(plan, context_size, order);
+            place(plan.cluster(), &devices).map(|placement| (order, devices, placement))
+        })
+        .reduce(|first, second| first.or(second))
+        .expect("two orders")
+        .map_err(ExportError::megatron)?;
     let mut args = Args::default();
+    if order == RankOrder::PipelineFirst {
+        args.flag("--use-tp-pp-dp-mapping");
+    }
     parallel_args(plan, context, &mut args)?;
     batch_and_memory_args(plan, &mut args);
     model_args(plan, &mut args);
@@ -179,17 +192,34 @@ fn context_degrees(plan: &Plan) -> Result<Option<ContextDegrees>, ExportError> {
     }))
 }
 
-/// The plan's device of each rank in Megatron's order (tensor-parallel rank fastest, then
-/// context-parallel, data-parallel, pipeline): rank = tp + TP·(cp + CP·(dp + DP·pp)).
-fn rank_devices(plan: &Plan, context_size: usize) -> Vec<DeviceId> {
+/// Megatron's two rank orders: tensor-parallel rank fastest, then context-parallel, then data
+/// parallel before pipeline (the default, `tp-cp-ep-dp-pp`) or pipeline before data parallel
+/// (`--use-tp-pp-dp-mapping`, `tp-cp-ep-pp-dp`).
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+enum RankOrder {
+    DataFirst,
+    PipelineFirst,
+}
+
+/// The plan's device of each rank in `order`: rank = tp + TP·(cp + CP·(dp + DP·pp)) by default,
+/// tp + TP·(cp + CP·(pp + PP·dp)) with pipeline first.
+fn rank_devices(plan: &Plan, context_size: usize, order: RankOrder) -> Vec<DeviceId> {
     let replicas = plan.replicas();
     let pipeline_ranks = plan.n_ranks(&replicas[0]);
+    let stage_devices = |pp: usize, dp: usize| {
+        let stage = &replicas[dp].stages[pp];
+        debug_assert_eq!(stage.devices.len(), context_size * plan.tp() as usize);
+        stage.devices.clone()
+    };
+    let (outer, inner) = match order {
+        RankOrder::DataFirst => (pipeline_ranks, replicas.len()),
+        RankOrder::PipelineFirst => (replicas.len(), pipeline_ranks),
+    };
     let mut devices = Vec::new();
-    for pp in 0..pipeline_ranks {
-        for replica in replicas {
-            let stage = &replica.stages[pp];
-            debug_assert_eq!(stage.devices.len(), context_size * plan.tp() as usize);
-            devices.extend(&stage.devices);
+    for slow in 0..outer {
+        for fast in 0..inner {
+            let (pp, dp) = if order == RankOrder::DataFirst { (slow, fast) } else { (fast, slow) };
+            devices.extend(stage_devices(pp, dp));
         }
     }
     devices
@@ -373,10 +403,14 @@ impl MegatronExport {
             hosts.len(),
             self.placement.procs_per_host
         ));
-        script.push_str(
-            "# Megatron's rank order is fixed (tensor-parallel rank fastest, then context-parallel, data-parallel,\n\
-             # pipeline), so the hosts must be listed in this order (host 0 is MASTER_ADDR), each with these GPUs:\n",
-        );
+        let order = match self.args.iter().any(|arg| arg.flag == "--use-tp-pp-dp-mapping") {
+            true => "pipeline, data-parallel: --use-tp-pp-dp-mapping",
+            false => "data-parallel, pipeline",
+        };
+        script.push_str(&format!(
+            "# Megatron's rank order is fixed: tensor-parallel rank fastest, then context-parallel, {order}.\n\
+             # So the hosts must be listed in this order (host 0 is MASTER_ADDR), each with these GPUs:\n"
+        ));
         for (idx, host) in hosts.iter().enumerate() {
             let gpus: Vec<String> = host.gpus.iter().map(ToString::to_string).collect();
             script.push_str(&format!(

@@ -121,6 +121,17 @@ fn ranks_follow_megatrons_order_onto_the_plans_devices() {
 }
 
 #[test]
+fn a_replicas_stages_in_one_node_take_megatrons_pipeline_first_order() {
+    // Replica 0's two stages on node 0, replica 1's on node 1: only tp-pp-dp order keeps each
+    // node's ranks consecutive.
+    let export = megatron(&assembled("2xh100,2xh100", &[(4, &[16, 16]), (4, &[16, 16])])).unwrap();
+    assert_eq!(value(&export, "--use-tp-pp-dp-mapping"), Some(""));
+    assert_eq!((export.placement.hosts.len(), export.placement.procs_per_host), (2, 2));
+    let uniform = megatron(&uniform("8xh100", Degrees::new(2, 2, 2))).unwrap();
+    assert_eq!(value(&uniform, "--use-tp-pp-dp-mapping"), None, "the default order places it");
+}
+
+#[test]
 fn even_context_parallelism_exports_and_uneven_is_refused() {
     let model = catalog_model("llama3-8b").unwrap();
     let calibration = Calibration::default();

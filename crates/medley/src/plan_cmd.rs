@@ -46,7 +46,20 @@ pub struct PlanArgs {
     /// Evaluate a plan file instead of searching (its cluster, model and job are used).
     #[arg(long)]
     pub plan: Option<String>,
+    /// Only plans this framework can run (`medley export`), and what that costs against the best
+    /// plan: `megatron`.
+    #[arg(long, value_enum, conflicts_with_all = ["plan", "fix"])]
+    pub expressible: Option<Framework>,
 }
+
+/// A framework plans can be exported to.
+#[derive(Clone, Copy, Debug, PartialEq, Eq, clap::ValueEnum)]
+pub enum Framework {
+    Megatron,
+}
+
+/// Candidates the search keeps when only some of them may be expressible.
+const EXPRESSIBLE_POOL: usize = 32;
 
 pub fn run(args: &PlanArgs) -> Result<ExitCode> {
     let given = args.plan.as_deref().map(|path| load_plan(path).map(|plan| (path, plan))).transpose()?;
@@ -65,9 +78,16 @@ pub fn run(args: &PlanArgs) -> Result<ExitCode> {
                 .map(|candidate| (vec![candidate], None))
         }
         (None, None) => {
-            let options = SearchOptions { top: args.top.max(args.pick as usize), ..SearchOptions::default() };
-            search(&specs.cluster, &specs.model, &specs.job, &specs.calibration, &options)
-                .map(|outcome| (outcome.candidates, Some(outcome.layouts_priced)))
+            let top = args.top.max(args.pick as usize);
+            let pool = if args.expressible.is_some() { top.max(EXPRESSIBLE_POOL) } else { top };
+            let options = SearchOptions { top: pool, ..SearchOptions::default() };
+            search(&specs.cluster, &specs.model, &specs.job, &specs.calibration, &options).and_then(|outcome| {
+                match args.expressible {
+                    Some(framework) => expressible(&specs, outcome.candidates, framework, top),
+                    None => Ok(outcome.candidates),
+                }
+                .map(|candidates| (candidates, Some(outcome.layouts_priced)))
+            })
         }
     };
     let (candidates, layouts_priced) = match found {
@@ -121,6 +141,39 @@ pub fn run(args: &PlanArgs) -> Result<ExitCode> {
         return Ok(ExitCode::from(1));
     }
     Ok(ExitCode::SUCCESS)
+}
+
+/// The best of `candidates` and the baselines that `framework` can run, fastest first, and a note
+/// of what the restriction costs against the fastest plan.
+fn expressible(
+    specs: &Specs,
+    candidates: Vec<Candidate>,
+    framework: Framework,
+    top: usize,
+) -> Result<Vec<Candidate>, PlanError> {
+    let Framework::Megatron = framework;
+    let best_s = candidates.first().map_or(f64::INFINITY, |best| best.prediction.step_time_s);
+    let first_refusal = candidates.first().and_then(|best| medley_export::megatron::megatron(&best.plan).err());
+    let baselines = Baselines::compute(&specs.cluster, &specs.model, &specs.job, &specs.calibration);
+    let mut pool: Vec<Candidate> = candidates
+        .into_iter()
+        .chain(baselines.uniform)
+        .chain(baselines.homogeneous.map(|(_, candidate)| candidate))
+        .filter(|candidate| medley_export::megatron::megatron(&candidate.plan).is_ok())
+        .collect();
+    pool.sort_by(|a, b| a.prediction.step_time_s.total_cmp(&b.prediction.step_time_s));
+    pool.truncate(top);
+    let Some(best) = pool.first() else {
+        let why = first_refusal.map_or_else(String::new, |refusal| format!(" (the best plan: {refusal})"));
+        return Err(PlanError::NothingFits(format!("no plan Megatron-LM can run was found{why}")));
+    };
+    let cost = best.prediction.step_time_s / best_s;
+    tracing::info!(
+        "restricted to plans Megatron-LM can run: the best takes {:.3} s a step, {cost:.2}× the unrestricted plan's {:.3} s",
+        best.prediction.step_time_s,
+        best_s
+    );
+    Ok(pool)
 }
 
 fn confirm_by_simulation(candidates: Vec<Candidate>, calibration: &Calibration) -> Result<Confirmed> {

@@ -531,6 +531,23 @@ fn plans_export_to_megatron_or_are_refused_with_the_reason() {
     let reason = stderr(&refused);
     assert_eq!(refused.status.code(), Some(1), "{reason}");
     assert!(reason.contains("Megatron-LM cannot run this plan"), "{reason}");
+    // Restricted to what Megatron runs: a plan that exports, and what the restriction costs.
+    let planned = medley(&[
+        "plan",
+        "--cluster",
+        "2xh100,2xmi300x",
+        "--model",
+        "tiny",
+        "--seq-len",
+        "128",
+        "--expressible",
+        "megatron",
+        "-o",
+        &mixed_text,
+    ]);
+    assert!(planned.status.success(), "{}", stderr(&planned));
+    assert!(stderr(&planned).contains("restricted to plans Megatron-LM can run"), "{}", stderr(&planned));
+    check(&["export", "megatron", "--plan", &mixed_text], 0, "pretrain_gpt.py");
 }
 
 /// The steps the merged timeline has passes of, in the order they start.
