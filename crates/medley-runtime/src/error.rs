@@ -24,6 +24,11 @@ pub enum RuntimeError {
     Io { path: PathBuf, error: std::io::Error },
     #[error("program of {rank}: {reason}")]
     Program { rank: String, reason: String },
+    #[error(
+        "training diverged at step {step}: {what}; that step was not checkpointed and the checkpoints before it \
+         are kept (try a lower learning rate)"
+    )]
+    Diverged { step: u64, what: String },
 }
 
 impl RuntimeError {

@@ -44,10 +44,18 @@ impl Worker {
             let metrics = self.step(&programs, timeline.as_deref_mut())?;
             schedules.observe(kind, metrics.step_time_s, metrics.pipeline_wait_fraction);
             on_step(&metrics)?;
+            // Every rank sees the same gathered loss, so all stop together.
+            if !metrics.loss.is_finite() {
+                return Err(RuntimeError::Diverged { step: self.step, what: format!("the loss is {}", metrics.loss) });
+            }
             let due = options.checkpoint_every > 0 && self.step.is_multiple_of(options.checkpoint_every);
             if let Some(dir) = &options.checkpoint_dir
                 && (due || self.step == options.until_step)
             {
+                if !self.weights_are_finite()? {
+                    let what = "a weight is not finite after the optimizer step".into();
+                    return Err(RuntimeError::Diverged { step: self.step, what });
+                }
                 self.save_checkpoint(dir, options.keep_checkpoints)?;
             }
         }

@@ -428,6 +428,18 @@ impl Worker {
         Ok(())
     }
 
+    /// Whether every worker's weights are finite: the same answer on every worker, so that none
+    /// checkpoints a diverged state and all stop together.
+    pub(crate) fn weights_are_finite(&mut self) -> Result<bool, RuntimeError> {
+        let params = self.stages.iter().flat_map(StageState::params);
+        let mine = params.flat_map(|param| &param.data).all(|weight| weight.is_finite());
+        let mut any_not = [0f64];
+        self.world
+            .all_reduce(&[f64::from(u8::from(!mine))], &mut any_not, ReduceOp::Max)
+            .during(|| "checking that the weights are finite".into())?;
+        Ok(any_not[0] == 0.0)
+    }
+
     /// Every rank's times and losses, gathered so that each rank reports (and adapts to) the same
     /// numbers.
     fn gather_metrics(&mut self, state: &StepState, programs: &Programs) -> Result<StepMetrics, RuntimeError> {

@@ -117,6 +117,58 @@ fn train_over(
     (losses, tensors)
 }
 
+#[test]
+fn a_diverging_run_stops_on_every_rank_without_checkpointing_it() {
+    let plan = plan("2xh100", &[(4, &[4, 4])], 1);
+    let world = medley_runtime::worker_count(&plan);
+    let port = TcpListener::bind("127.0.0.1:0").unwrap().local_addr().unwrap().port();
+    let dir = tempfile::tempdir().unwrap();
+    let options = WorkerOptions {
+        seed: 7,
+        adamw: AdamW { lr: 1e10, ..AdamW::default() },
+        emulate_speed: false,
+        comm: Config { timeout: Duration::from_secs(20), ..Config::default() },
+        calibration: Calibration::default(),
+        link: None,
+    };
+    let train = TrainOptions {
+        until_step: 6,
+        schedule: one_f_one_b(),
+        checkpoint_dir: Some(dir.path().to_path_buf()),
+        checkpoint_every: 1,
+        keep_checkpoints: 10,
+    };
+    let errors: Vec<String> = std::thread::scope(|scope| {
+        let workers: Vec<_> = (0..world)
+            .map(|rank| {
+                let (plan, options, train) = (plan.clone(), options.clone(), train.clone());
+                scope.spawn(move || {
+                    let vars = [
+                        ("RANK", rank.to_string()),
+                        ("WORLD_SIZE", world.to_string()),
+                        ("MASTER_ADDR", "127.0.0.1".into()),
+                        ("MASTER_PORT", port.to_string()),
+                        ("MEDLEY_TOKEN", "t".into()),
+                    ];
+                    let mut worker = Worker::join(plan, LaunchEnv::from_vars(vars).unwrap(), options).unwrap();
+                    worker.train(&train, None, |_: &StepMetrics| Ok(())).unwrap_err().to_string()
+                })
+            })
+            .collect();
+        workers.into_iter().map(|worker| worker.join().unwrap()).collect()
+    });
+    assert!(errors.iter().all(|error| error.contains("training diverged at step")), "{errors:?}");
+    // What was checkpointed is finite: the diverged step and those after it are not there.
+    let diverged: u64 = errors[0].split("step ").nth(1).unwrap().split(':').next().unwrap().parse().unwrap();
+    let steps: Vec<String> = std::fs::read_dir(dir.path())
+        .unwrap()
+        .map(|entry| entry.unwrap().file_name().to_string_lossy().into_owned())
+        .filter(|name| name.starts_with("step-"))
+        .collect();
+    assert!(diverged >= 2, "step 1's loss comes before any update: {errors:?}");
+    assert_eq!(steps.len() as u64, diverged - 1, "{steps:?} with divergence at {diverged}");
+}
+
 /// The largest difference between two runs' weights, relative to the largest weight.
 fn max_relative_difference(a: &[(String, HostTensor)], b: &[(String, HostTensor)]) -> f32 {
     assert_eq!(a.iter().map(|t| &t.0).collect::<Vec<_>>(), b.iter().map(|t| &t.0).collect::<Vec<_>>());

@@ -20,6 +20,15 @@ pub fn parse_gb_s(text: &str) -> Result<f64, String> {
     }
 }
 
+/// A learning rate AdamW can train with: finite, above 0 and at most 1 (each AdamW update moves a
+/// weight by about the learning rate, and the initial weights are ~0.02).
+pub fn parse_learning_rate(text: &str) -> Result<f32, String> {
+    match text.parse::<f32>() {
+        Ok(lr) if lr.is_finite() && lr > 0.0 && lr <= 1.0 => Ok(lr),
+        _ => Err(format!("{text:?} is not a learning rate above 0 and at most 1")),
+    }
+}
+
 /// The job's shape, declared once for every command that takes one. `plan` and `simulate`
 /// leave unset values to a `--job` file, the job defaults or the planner; `train`, `calibrate`
 /// and `bench train` give their own defaults with `#[command(mut_arg(..))]`, which their

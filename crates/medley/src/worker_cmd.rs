@@ -69,8 +69,8 @@ pub struct RunFlags {
     /// Seeds the initial weights and the data order.
     #[arg(long, default_value_t = 0)]
     pub seed: u64,
-    /// AdamW learning rate.
-    #[arg(long, default_value_t = AdamW::default().lr)]
+    /// AdamW learning rate, above 0 and at most 1.
+    #[arg(long, default_value_t = AdamW::default().lr, value_parser = crate::inputs::parse_learning_rate)]
     pub lr: f32,
     /// Compute at this machine's speed instead of stretching passes to the emulated device's.
     #[arg(long)]

@@ -489,6 +489,14 @@ fn long_context_checkpoints_resume_under_another_layout() {
 }
 
 #[test]
+fn nonsensical_learning_rates_are_refused() {
+    for lr in ["1e10", "0", "-1", "NaN", "inf"] {
+        let flag = format!("--lr={lr}");
+        check(&["train", &flag, "--steps", "1"], 2, "not a learning rate above 0 and at most 1");
+    }
+}
+
+#[test]
 fn plans_export_to_megatron_or_are_refused_with_the_reason() {
     let plan = scratch("export-uniform.json");
     let plan_text = plan.to_string_lossy().into_owned();
