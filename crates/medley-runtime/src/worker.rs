@@ -292,7 +292,7 @@ impl Worker {
                     Kind::Gradient
                 };
                 let tensor = take(&mut state.to_send, (kind, micro_batch, chunk), self.layout.id)?;
-                self.send_to_rank(to, Tag { kind, micro_batch, chunk }, &tensor)?;
+                self.send_to_rank(to, Tag { kind, micro_batch, chunk }, tensor)?;
                 Ok("send")
             }
             Instruction::RecvActivation { micro_batch, chunk, from }
@@ -326,7 +326,7 @@ impl Worker {
 
     /// Sends this worker's part of `tensor` (`[batch, positions, hidden]`) to each worker of
     /// pipeline rank `to` that holds some of its positions: every position once, to its holder.
-    fn send_to_rank(&mut self, to: RankId, tag: Tag, tensor: &HostTensor) -> Result<(), RuntimeError> {
+    fn send_to_rank(&mut self, to: RankId, tag: Tag, mut tensor: HostTensor) -> Result<(), RuntimeError> {
         let seq_len = self.config.seq_len;
         let mine = self.layout.positions(seq_len);
         for peer in self.workers_of(to) {
@@ -334,7 +334,12 @@ impl Worker {
             if rows.is_empty() {
                 continue;
             }
-            let data = select_rows(tensor, &rows);
+            // A peer holding every position (a stage of whole sequences) takes the tensor as it is;
+            // positions are held once per stage, so no other peer does.
+            let data = match rows.len() == tensor.shape[1] {
+                true => std::mem::take(&mut tensor.data),
+                false => select_rows(&tensor, &rows),
+            };
             let times = self.stamp(peer, data.len() * size_of::<f32>());
             self.mailbox.send(&mut self.world, peer, tag, data, times)?;
         }
@@ -361,7 +366,10 @@ impl Worker {
             let posted_us = asked_us.max(message.posted_us).min(done_us);
             state.clock.peer_wait_s += (posted_us - asked_us) as f64 * 1e-6;
             state.clock.transfer_wait_s += (done_us - posted_us) as f64 * 1e-6;
-            place_rows(&mut tensor, &rows, &message.data);
+            match rows.len() == mine.len() {
+                true => tensor.data = message.data,
+                false => place_rows(&mut tensor, &rows, &message.data),
+            }
         }
         Ok(tensor)
     }
