@@ -54,28 +54,25 @@ fn train(plan: &Plan, schedule: Schedule) -> (Vec<f64>, Vec<(String, HostTensor)
     train_over(plan, schedule, None, AdamW::default())
 }
 
-fn train_over(
-    plan: &Plan,
-    schedule: Schedule,
-    link: Option<LinkEmulation>,
-    adamw: AdamW,
-) -> (Vec<f64>, Vec<(String, HostTensor)>) {
-    let world = medley_runtime::worker_count(plan);
-    let port = TcpListener::bind("127.0.0.1:0").unwrap().local_addr().unwrap().port();
-    let options = WorkerOptions {
+fn worker_options(adamw: AdamW, link: Option<LinkEmulation>) -> WorkerOptions {
+    WorkerOptions {
         seed: 7,
         adamw,
         emulate_speed: false,
         comm: Config { timeout: Duration::from_secs(20), ..Config::default() },
         calibration: Calibration::default(),
         link,
-    };
-    let train =
-        TrainOptions { until_step: STEPS, schedule, checkpoint_dir: None, checkpoint_every: 0, keep_checkpoints: 1 };
-    let results: Vec<_> = std::thread::scope(|scope| {
+    }
+}
+
+/// Every worker of `plan` joined as a thread of this process over loopback, each running `body`.
+fn run_workers<R: Send>(plan: &Plan, options: WorkerOptions, body: impl Fn(Worker) -> R + Sync) -> Vec<R> {
+    let world = medley_runtime::worker_count(plan);
+    let port = TcpListener::bind("127.0.0.1:0").unwrap().local_addr().unwrap().port();
+    std::thread::scope(|scope| {
         let workers: Vec<_> = (0..world)
             .map(|rank| {
-                let (plan, options, train) = (plan.clone(), options.clone(), train.clone());
+                let (plan, options, body) = (plan.clone(), options.clone(), &body);
                 scope.spawn(move || {
                     let env = LaunchEnv::from_vars([
                         ("RANK", rank.to_string()),
@@ -85,25 +82,37 @@ fn train_over(
                         ("MEDLEY_TOKEN", "t".into()),
                     ])
                     .unwrap();
-                    let mut worker = Worker::join(plan, env, options).unwrap();
-                    let mut losses = Vec::new();
-                    worker
-                        .train(&train, None, |metrics: &StepMetrics| {
-                            losses.push(metrics.loss);
-                            Ok(())
-                        })
-                        .unwrap();
-                    let tensors: Vec<(String, HostTensor)> = worker
-                        .stages()
-                        .iter()
-                        .flat_map(|stage| stage.checkpoint_tensors())
-                        .map(|(name, tensor)| (name, tensor.clone()))
-                        .collect();
-                    (losses, tensors)
+                    body(Worker::join(plan, env, options).unwrap())
                 })
             })
             .collect();
         workers.into_iter().map(|worker| worker.join().unwrap()).collect()
+    })
+}
+
+fn train_over(
+    plan: &Plan,
+    schedule: Schedule,
+    link: Option<LinkEmulation>,
+    adamw: AdamW,
+) -> (Vec<f64>, Vec<(String, HostTensor)>) {
+    let train =
+        TrainOptions { until_step: STEPS, schedule, checkpoint_dir: None, checkpoint_every: 0, keep_checkpoints: 1 };
+    let results = run_workers(plan, worker_options(adamw, link), |mut worker| {
+        let mut losses = Vec::new();
+        worker
+            .train(&train, None, |metrics: &StepMetrics| {
+                losses.push(metrics.loss);
+                Ok(())
+            })
+            .unwrap();
+        let tensors: Vec<(String, HostTensor)> = worker
+            .stages()
+            .iter()
+            .flat_map(|stage| stage.checkpoint_tensors())
+            .map(|(name, tensor)| (name, tensor.clone()))
+            .collect();
+        (losses, tensors)
     });
     let losses = results[0].0.clone();
     assert!(results.iter().all(|(l, _)| *l == losses), "every rank reports the same losses");
@@ -120,17 +129,7 @@ fn train_over(
 #[test]
 fn a_diverging_run_stops_on_every_rank_without_checkpointing_it() {
     let plan = plan("2xh100", &[(4, &[4, 4])], 1);
-    let world = medley_runtime::worker_count(&plan);
-    let port = TcpListener::bind("127.0.0.1:0").unwrap().local_addr().unwrap().port();
     let dir = tempfile::tempdir().unwrap();
-    let options = WorkerOptions {
-        seed: 7,
-        adamw: AdamW { lr: 1e10, ..AdamW::default() },
-        emulate_speed: false,
-        comm: Config { timeout: Duration::from_secs(20), ..Config::default() },
-        calibration: Calibration::default(),
-        link: None,
-    };
     let train = TrainOptions {
         until_step: 6,
         schedule: one_f_one_b(),
@@ -138,24 +137,9 @@ fn a_diverging_run_stops_on_every_rank_without_checkpointing_it() {
         checkpoint_every: 1,
         keep_checkpoints: 10,
     };
-    let errors: Vec<String> = std::thread::scope(|scope| {
-        let workers: Vec<_> = (0..world)
-            .map(|rank| {
-                let (plan, options, train) = (plan.clone(), options.clone(), train.clone());
-                scope.spawn(move || {
-                    let vars = [
-                        ("RANK", rank.to_string()),
-                        ("WORLD_SIZE", world.to_string()),
-                        ("MASTER_ADDR", "127.0.0.1".into()),
-                        ("MASTER_PORT", port.to_string()),
-                        ("MEDLEY_TOKEN", "t".into()),
-                    ];
-                    let mut worker = Worker::join(plan, LaunchEnv::from_vars(vars).unwrap(), options).unwrap();
-                    worker.train(&train, None, |_: &StepMetrics| Ok(())).unwrap_err().to_string()
-                })
-            })
-            .collect();
-        workers.into_iter().map(|worker| worker.join().unwrap()).collect()
+    let options = worker_options(AdamW { lr: 1e10, ..AdamW::default() }, None);
+    let errors = run_workers(&plan, options, |mut worker| {
+        worker.train(&train, None, |_: &StepMetrics| Ok(())).unwrap_err().to_string()
     });
     assert!(errors.iter().all(|error| error.contains("training diverged at step")), "{errors:?}");
     // What was checkpointed is finite: the diverged step and those after it are not there.
