@@ -44,7 +44,7 @@ enum Command {
     /// Simulate training steps of a plan (or a what-if Megatron layout) event by event.
     Simulate(Box<simulate_cmd::SimulateArgs>),
     /// Train a model for real on an emulated fleet: plan it, start one worker process per
-    /// pipeline rank, show progress.
+    /// pipeline rank (per device of a long-context stage), show progress.
     Train(Box<train_cmd::TrainArgs>),
     /// Measure this machine and write the profile that prices an emulated fleet at its speed.
     Calibrate(calibrate_cmd::CalibrateArgs),
