@@ -8,8 +8,16 @@
 //! - [`placement`]: a framework's fixed rank order against the plan's devices: which host and GPU
 //!   each rank must run on, and whether hosts can be listed so that it does.
 
+mod common;
 pub mod megatron;
 pub mod placement;
+pub mod torchtitan;
+
+pub use common::Arg;
+
+/// The frameworks' names, as refusals name them.
+pub const MEGATRON: &str = "Megatron-LM";
+pub const TORCHTITAN: &str = "torchtitan";
 
 /// Why a plan cannot be exported.
 #[derive(Debug, Clone, PartialEq, Eq, thiserror::Error)]
@@ -20,7 +28,7 @@ pub enum ExportError {
 }
 
 impl ExportError {
-    pub(crate) fn megatron(reason: impl Into<String>) -> ExportError {
-        ExportError::NotExpressible { framework: "Megatron-LM", reason: reason.into() }
+    pub(crate) fn refused(framework: &'static str, reason: impl Into<String>) -> ExportError {
+        ExportError::NotExpressible { framework, reason: reason.into() }
     }
 }

@@ -79,3 +79,49 @@ pub fn place(cluster: &Cluster, devices: &[DeviceId]) -> Result<Placement, Strin
     }
     Ok(Placement { ranks, hosts, procs_per_host: procs_per_host as u32 })
 }
+
+impl Placement {
+    /// The launch script's part that says how the hosts must be listed, and on each host sets
+    /// `NODE_RANK` and the GPUs its ranks run on.
+    pub fn host_setup(&self) -> String {
+        let gpus = |host: &Host| host.gpus.iter().map(ToString::to_string).collect::<Vec<_>>().join(",");
+        let mut script = String::from(
+            "# So the hosts must be listed in this order (host 0 is MASTER_ADDR), each with these GPUs:\n",
+        );
+        for (idx, host) in self.hosts.iter().enumerate() {
+            script.push_str(&format!(
+                "#   host {idx}: the plan's node {} ({}), GPUs {}\n",
+                host.node,
+                host.device_type,
+                gpus(host)
+            ));
+        }
+        script.push_str(
+            "# Run it on every host with NODE_RANK set to the host's position (under Slurm, SLURM_NODEID does when the\n\
+             # nodelist is in this order) and MASTER_ADDR to host 0; extra arguments (data, tokenizer, ...) pass on.\n\
+             set -euo pipefail\n\
+             NODE_RANK=\"${NODE_RANK:-${SLURM_NODEID:?set NODE_RANK to the position of this host}}\"\n\
+             case \"$NODE_RANK\" in\n",
+        );
+        for (idx, host) in self.hosts.iter().enumerate() {
+            script.push_str(&format!("    {idx}) export CUDA_VISIBLE_DEVICES={} ;;\n", gpus(host)));
+        }
+        script.push_str(&format!(
+            "    *) echo \"NODE_RANK=$NODE_RANK: this plan has {} hosts\" >&2; exit 1 ;;\nesac\n",
+            self.hosts.len()
+        ));
+        script
+    }
+
+    /// The script's last line: torchrun starts this host's ranks of `program` with `args`, and
+    /// the script's own arguments after them.
+    pub fn torchrun(&self, program: &str, args: &str) -> String {
+        format!(
+            "exec torchrun --nnodes {} --nproc-per-node {} --node-rank \"$NODE_RANK\" \\\n    \
+             --master-addr \"${{MASTER_ADDR:?set MASTER_ADDR to host 0}}\" --master-port \"${{MASTER_PORT:-6000}}\" \\\n    \
+             {program} \\\n    {args} \\\n    \"$@\"\n",
+            self.hosts.len(),
+            self.procs_per_host
+        )
+    }
+}

@@ -1,53 +1,17 @@
 //! Megatron-LM export of five kinds of plan: the arguments, the layout against Megatron's own
 //! rules, the rank placement, and the refusals.
 
+mod plans;
+
+use medley_cost::Calibration;
 use medley_cost::context::KvExchange;
-use medley_cost::{Calibration, CostModel, Setting};
 use medley_export::ExportError;
 use medley_export::megatron::{MegatronExport, check_layout, megatron};
-use medley_plan::baselines::{Degrees, megatron_plan};
+use medley_plan::Plan;
+use medley_plan::baselines::Degrees;
 use medley_plan::long_context::even_fixed;
-use medley_plan::{Plan, ReplicaLayout, assemble, stages_from_counts};
-use medley_spec::{Cluster, JobParts, JobSpec, Recompute, Schedule, ScheduleKind, catalog_model};
-
-fn cluster(text: &str) -> Cluster {
-    Cluster::from_inline(text, Default::default(), Default::default()).unwrap()
-}
-
-fn job(seq_len: u32, global_batch: u32) -> JobSpec {
-    let parts = JobParts { seq_len, global_batch, micro_batch: Some(1), ..JobParts::default() };
-    JobSpec::new(parts, "test").unwrap()
-}
-
-fn setting(tp: u32) -> Setting {
-    Setting { micro_batch: 1, tp, recompute: Recompute::Selective }
-}
-
-/// Megatron's layout of `degrees` over the first devices of `text`, llama3-8b.
-fn uniform(text: &str, degrees: Degrees) -> Plan {
-    let model = catalog_model("llama3-8b").unwrap();
-    let calibration = Calibration::default();
-    let cost = CostModel::new(&model, 4096, &calibration);
-    megatron_plan(&cluster(text), &cost, &job(4096, 32), setting(degrees.tp), degrees).unwrap()
-}
-
-/// Replicas of `(micro-batches, layers per stage)` on `text`'s devices in order, tp = 1.
-fn assembled(text: &str, replicas: &[(u32, &[u32])]) -> Plan {
-    let (cluster, model, calibration) = (cluster(text), catalog_model("llama3-8b").unwrap(), Calibration::default());
-    let cost = CostModel::new(&model, 4096, &calibration);
-    let global_batch = replicas.iter().map(|(m, _)| m).sum();
-    let mut next = 0;
-    let layouts = replicas
-        .iter()
-        .map(|&(n_micro_batches, counts)| {
-            let devices = (0..counts.len() as u32).map(|j| vec![next + j]).collect();
-            next += counts.len() as u32;
-            ReplicaLayout { n_micro_batches, stages: stages_from_counts(devices, counts) }
-        })
-        .collect();
-    let schedule = Schedule::Fixed(ScheduleKind::OneFOneB);
-    Plan::new(assemble(&cluster, &cost, &job(4096, global_batch), setting(1), schedule, 1, layouts)).unwrap()
-}
+use medley_spec::{Schedule, ScheduleKind, catalog_model};
+use plans::{Zero1, assembled, cluster, job, launch, uniform, words};
 
 fn value<'a>(export: &'a MegatronExport, flag: &str) -> Option<&'a str> {
     export.args.iter().find(|arg| arg.flag == flag).map(|arg| arg.value.as_deref().unwrap_or(""))
@@ -65,7 +29,7 @@ fn refusal(plan: &Plan) -> String {
 
 #[test]
 fn a_uniform_plan_exports_megatrons_own_sizes() {
-    let export = megatron(&uniform("8xh100", Degrees::new(2, 2, 2))).unwrap();
+    let export = megatron(&uniform("8xh100", Degrees::new(2, 2, 2), Zero1::On)).unwrap();
     assert_eq!(export.world_size, 8);
     for (flag, expected) in [
         ("--tensor-model-parallel-size", "2"),
@@ -91,18 +55,36 @@ fn a_uniform_plan_exports_megatrons_own_sizes() {
     // One host of 8: Megatron's order (tp fastest, then dp, pp) is the plan's device order here.
     assert_eq!(export.placement.hosts.len(), 1);
     assert_eq!(export.placement.hosts[0].gpus, (0..8).collect::<Vec<u32>>());
-    let script = export.launch_script();
-    assert!(script.contains("--nproc-per-node 8") && script.contains("pretrain_gpt.py"), "{script}");
-    assert!(script.contains("\"Et*16|t*16L\""), "the layout is quoted for the shell: {script}");
+}
+
+#[test]
+fn the_launch_script_gives_torchrun_megatrons_arguments_word_for_word() {
+    for plan in [
+        uniform("8xh100", Degrees::new(2, 2, 2), Zero1::On),
+        assembled("2xh100,2xh100", &[(4, &[16, 16]), (4, &[16, 16])], Zero1::On),
+    ] {
+        let export = megatron(&plan).unwrap();
+        for host in &export.placement.hosts {
+            let node_rank = export.placement.hosts.iter().position(|listed| listed == host).unwrap() as u32;
+            let launched = launch(&export.launch_script(), node_rank, &["--data-path", "my data"]);
+            let program = launched.argv.iter().position(|arg| arg == "pretrain_gpt.py").unwrap();
+            let mut expected = words(&export.args);
+            expected.extend(["--data-path".to_string(), "my data".to_string()]);
+            assert_eq!(launched.argv[program + 1..], expected[..], "{}", export.launch_script());
+            let gpus: Vec<String> = host.gpus.iter().map(ToString::to_string).collect();
+            assert_eq!(launched.cuda_visible_devices, gpus.join(","));
+            assert!(launched.argv.contains(&export.placement.procs_per_host.to_string()));
+        }
+    }
 }
 
 #[test]
 fn uneven_stages_and_virtual_stages_become_a_layout_megatron_accepts() {
-    let uneven = megatron(&assembled("3xh100", &[(8, &[6, 10, 16])])).unwrap();
+    let uneven = megatron(&assembled("3xh100", &[(8, &[6, 10, 16])], Zero1::On)).unwrap();
     let layout = value(&uneven, "--pipeline-model-parallel-layout").unwrap();
     assert_eq!(layout, "Et*6|t*10|t*16L");
     check_layout(layout, 3, 32).unwrap();
-    let interleaved = megatron(&uniform("8xh100", Degrees { vpp: 2, ..Degrees::new(1, 4, 2) })).unwrap();
+    let interleaved = megatron(&uniform("8xh100", Degrees { vpp: 2, ..Degrees::new(1, 4, 2) }, Zero1::On)).unwrap();
     let layout = value(&interleaved, "--pipeline-model-parallel-layout").unwrap();
     assert_eq!(layout.split('|').count(), 8, "{layout}: p·v stages in layer order");
     check_layout(layout, 4, 32).unwrap();
@@ -111,7 +93,7 @@ fn uneven_stages_and_virtual_stages_become_a_layout_megatron_accepts() {
 #[test]
 fn ranks_follow_megatrons_order_onto_the_plans_devices() {
     // tp = 2, pp = 2, dp = 2 over two nodes of 4: Megatron puts pipeline stage 0 on ranks 0–3.
-    let plan = uniform("8xh100", Degrees::new(2, 2, 2));
+    let plan = uniform("8xh100", Degrees::new(2, 2, 2), Zero1::On);
     let export = megatron(&plan).unwrap();
     for rank in &export.placement.ranks {
         let (tp, dp, pp) = (rank.rank % 2, rank.rank / 2 % 2, rank.rank / 4);
@@ -124,10 +106,10 @@ fn ranks_follow_megatrons_order_onto_the_plans_devices() {
 fn a_replicas_stages_in_one_node_take_megatrons_pipeline_first_order() {
     // Replica 0's two stages on node 0, replica 1's on node 1: only tp-pp-dp order keeps each
     // node's ranks consecutive.
-    let export = megatron(&assembled("2xh100,2xh100", &[(4, &[16, 16]), (4, &[16, 16])])).unwrap();
+    let export = megatron(&assembled("2xh100,2xh100", &[(4, &[16, 16]), (4, &[16, 16])], Zero1::On)).unwrap();
     assert_eq!(value(&export, "--use-tp-pp-dp-mapping"), Some(""));
     assert_eq!((export.placement.hosts.len(), export.placement.procs_per_host), (2, 2));
-    let uniform = megatron(&uniform("8xh100", Degrees::new(2, 2, 2))).unwrap();
+    let uniform = megatron(&uniform("8xh100", Degrees::new(2, 2, 2), Zero1::On)).unwrap();
     assert_eq!(value(&uniform, "--use-tp-pp-dp-mapping"), None, "the default order places it");
 }
 
@@ -135,7 +117,7 @@ fn a_replicas_stages_in_one_node_take_megatrons_pipeline_first_order() {
 fn even_context_parallelism_exports_and_uneven_is_refused() {
     let model = catalog_model("llama3-8b").unwrap();
     let calibration = Calibration::default();
-    let long = job(131_072, 4);
+    let long = job(131_072, 4, Zero1::On);
     let ring = even_fixed(&cluster("8xh100"), &model, &long, &calibration, 8, 1, 1, 1).unwrap().plan;
     let export = megatron(&ring).unwrap();
     assert_eq!(value(&export, "--context-parallel-size"), Some("8"));
@@ -159,13 +141,14 @@ fn even_context_parallelism_exports_and_uneven_is_refused() {
 
 #[test]
 fn what_megatron_cannot_run_is_refused_naming_it() {
-    let shares = refusal(&assembled("2xh100", &[(6, &[32]), (2, &[32])]));
+    let shares = refusal(&assembled("2xh100", &[(6, &[32]), (2, &[32])], Zero1::On));
     assert!(shares.contains("replica 1 runs 2 micro-batches a step and replica 0 6"), "{shares}");
-    let splits = refusal(&assembled("4xh100", &[(4, &[12, 20]), (4, &[20, 12])]));
+    let splits = refusal(&assembled("4xh100", &[(4, &[12, 20]), (4, &[20, 12])], Zero1::On));
     assert!(splits.contains("[20, 12]") && splits.contains("one pipeline split"), "{splits}");
-    let vendors = refusal(&assembled("1xh100,1xmi300x", &[(4, &[16, 16])]));
+    let vendors = refusal(&assembled("1xh100,1xmi300x", &[(4, &[16, 16])], Zero1::On));
     assert!(vendors.contains("does not cross vendors"), "{vendors}");
-    let gpipe = assembled("2xh100", &[(4, &[16, 16])]).with_schedule(Schedule::Fixed(ScheduleKind::Gpipe)).unwrap();
+    let gpipe =
+        assembled("2xh100", &[(4, &[16, 16])], Zero1::On).with_schedule(Schedule::Fixed(ScheduleKind::Gpipe)).unwrap();
     assert!(refusal(&gpipe).contains("1F1B"), "{}", refusal(&gpipe));
 }
 

@@ -1,5 +1,5 @@
-//! `medley export megatron`: a plan as Megatron-LM runs it — its launch script with the
-//! arguments, or the arguments and placement as JSON — or the exact reason it cannot.
+//! `medley export megatron|torchtitan`: a plan as the framework runs it — its launch script, or
+//! the arguments and placement as JSON — or the exact reason it cannot.
 
 use std::process::ExitCode;
 
@@ -14,6 +14,10 @@ pub enum ExportCommand {
     /// Megatron-LM: a torchrun launch script of `pretrain_gpt.py` with the plan's arguments,
     /// each rank on the device the plan chose.
     Megatron(ExportArgs),
+    /// torchtitan: a torchrun launch script of `torchtitan.train` from the llama3 recipe of the
+    /// plan's model, with the plan's parallelism and batch as CLI overrides and its activation
+    /// checkpointing in a recipe module the script writes, each rank on the device the plan chose.
+    Torchtitan(ExportArgs),
 }
 
 #[derive(Args, Debug)]
@@ -21,7 +25,8 @@ pub struct ExportArgs {
     /// The plan file (`medley plan -o`).
     #[arg(long)]
     pub plan: String,
-    /// Print the arguments, world size and rank placement as JSON instead of the script.
+    /// Print the arguments, world size and rank placement (and torchtitan's recipe) as JSON
+    /// instead of the script.
     #[arg(long)]
     pub json: bool,
     /// Write the launch script to this file (made executable) instead of standard output.
@@ -33,18 +38,26 @@ pub struct ExportArgs {
 const NOT_EXPRESSIBLE: u8 = 1;
 
 pub fn run(which: &ExportCommand) -> Result<ExitCode> {
-    let ExportCommand::Megatron(args) = which;
+    let (ExportCommand::Megatron(args) | ExportCommand::Torchtitan(args)) = which;
     let plan = load_plan(&args.plan)?;
-    let export = match medley_export::megatron::megatron(&plan) {
-        Ok(export) => export,
+    let exported = match which {
+        ExportCommand::Megatron(_) => {
+            medley_export::megatron::megatron(&plan).map(|export| (to_json(&export), export.launch_script()))
+        }
+        ExportCommand::Torchtitan(_) => {
+            medley_export::torchtitan::torchtitan(&plan).map(|export| (to_json(&export), export.launch_script()))
+        }
+    };
+    let (json, script) = match exported {
+        Ok(exported) => exported,
         Err(error @ ExportError::NotExpressible { .. }) => {
             eprintln!("error: {error}");
             return Ok(ExitCode::from(NOT_EXPRESSIBLE));
         }
     };
     let text = match args.json {
-        true => serde_json::to_string_pretty(&export)? + "\n",
-        false => export.launch_script(),
+        true => json?,
+        false => script,
     };
     match &args.output {
         None => print!("{text}"),
@@ -59,4 +72,8 @@ pub fn run(which: &ExportCommand) -> Result<ExitCode> {
         }
     }
     Ok(ExitCode::SUCCESS)
+}
+
+fn to_json(export: &impl serde::Serialize) -> Result<String> {
+    Ok(serde_json::to_string_pretty(export)? + "\n")
 }

@@ -47,7 +47,7 @@ pub struct PlanArgs {
     #[arg(long)]
     pub plan: Option<String>,
     /// Only plans this framework can run (`medley export`), and what that costs against the best
-    /// plan: `megatron`.
+    /// plan: `megatron` or `torchtitan` (which has no ZeRO-1: its search plans without it).
     #[arg(long, value_enum, conflicts_with_all = ["plan", "fix"])]
     pub expressible: Option<Framework>,
 }
@@ -56,6 +56,24 @@ pub struct PlanArgs {
 #[derive(Clone, Copy, Debug, PartialEq, Eq, clap::ValueEnum)]
 pub enum Framework {
     Megatron,
+    Torchtitan,
+}
+
+impl Framework {
+    fn name(self) -> &'static str {
+        match self {
+            Framework::Megatron => medley_export::MEGATRON,
+            Framework::Torchtitan => medley_export::TORCHTITAN,
+        }
+    }
+
+    /// Why the framework cannot run `plan`, if it cannot.
+    fn refusal(self, plan: &Plan) -> Option<medley_export::ExportError> {
+        match self {
+            Framework::Megatron => medley_export::megatron::megatron(plan).err(),
+            Framework::Torchtitan => medley_export::torchtitan::torchtitan(plan).err(),
+        }
+    }
 }
 
 /// Candidates the search keeps when only some of them may be expressible.
@@ -83,7 +101,7 @@ pub fn run(args: &PlanArgs) -> Result<ExitCode> {
             let options = SearchOptions { top: pool, ..SearchOptions::default() };
             search(&specs.cluster, &specs.model, &specs.job, &specs.calibration, &options).and_then(|outcome| {
                 match args.expressible {
-                    Some(framework) => expressible(&specs, outcome.candidates, framework, top),
+                    Some(framework) => expressible(&specs, outcome.candidates, framework, top, &options),
                     None => Ok(outcome.candidates),
                 }
                 .map(|candidates| (candidates, Some(outcome.layouts_priced)))
@@ -144,32 +162,50 @@ pub fn run(args: &PlanArgs) -> Result<ExitCode> {
 }
 
 /// The best of `candidates` and the baselines that `framework` can run, fastest first, and a note
-/// of what the restriction costs against the fastest plan.
+/// of what the restriction costs against the fastest plan. torchtitan has no ZeRO-1, so its
+/// plans come from a search and baselines without it.
 fn expressible(
     specs: &Specs,
     candidates: Vec<Candidate>,
     framework: Framework,
     top: usize,
+    options: &SearchOptions,
 ) -> Result<Vec<Candidate>, PlanError> {
-    let Framework::Megatron = framework;
     let best_s = candidates.first().map_or(f64::INFINITY, |best| best.prediction.step_time_s);
-    let first_refusal = candidates.first().and_then(|best| medley_export::megatron::megatron(&best.plan).err());
-    let baselines = Baselines::compute(&specs.cluster, &specs.model, &specs.job, &specs.calibration);
+    let first_refusal = candidates.first().and_then(|best| framework.refusal(&best.plan));
+    let (cluster, model, calibration) = (&specs.cluster, &specs.model, &specs.calibration);
+    let (job, candidates) = match framework == Framework::Torchtitan && specs.job.zero1() {
+        true => {
+            tracing::info!(
+                "torchtitan has no ZeRO-1 (its FSDP shards parameters and gradients too): searching without it"
+            );
+            let job = specs.job.clone().with_zero1(false);
+            let searched = match search(cluster, model, &job, calibration, options) {
+                Ok(outcome) => outcome.candidates,
+                Err(PlanError::NothingFits(_)) => Vec::new(),
+                Err(err) => return Err(err),
+            };
+            (job, searched)
+        }
+        false => (specs.job.clone(), candidates),
+    };
+    let baselines = Baselines::compute(cluster, model, &job, calibration);
     let mut pool: Vec<Candidate> = candidates
         .into_iter()
         .chain(baselines.uniform)
         .chain(baselines.homogeneous.map(|(_, candidate)| candidate))
-        .filter(|candidate| medley_export::megatron::megatron(&candidate.plan).is_ok())
+        .filter(|candidate| framework.refusal(&candidate.plan).is_none())
         .collect();
     pool.sort_by(|a, b| a.prediction.step_time_s.total_cmp(&b.prediction.step_time_s));
     pool.truncate(top);
+    let name = framework.name();
     let Some(best) = pool.first() else {
         let why = first_refusal.map_or_else(String::new, |refusal| format!(" (the best plan: {refusal})"));
-        return Err(PlanError::NothingFits(format!("no plan Megatron-LM can run was found{why}")));
+        return Err(PlanError::NothingFits(format!("no plan {name} can run was found{why}")));
     };
     let cost = best.prediction.step_time_s / best_s;
     tracing::info!(
-        "restricted to plans Megatron-LM can run: the best takes {:.3} s a step, {cost:.2}× the unrestricted plan's {:.3} s",
+        "restricted to plans {name} can run: the best takes {:.3} s a step, {cost:.2}× the unrestricted plan's {:.3} s",
         best.prediction.step_time_s,
         best_s
     );

@@ -558,6 +558,24 @@ fn plans_export_to_megatron_or_are_refused_with_the_reason() {
     check(&["export", "megatron", "--plan", &mixed_text], 0, "pretrain_gpt.py");
 }
 
+#[test]
+fn plans_export_to_torchtitan_and_the_restricted_search_plans_without_zero1() {
+    let plan = scratch("export-torchtitan.json");
+    let plan_text = plan.to_string_lossy().into_owned();
+    let fleet = ["--cluster", "8xh100,8xmi300x", "--model", "llama3-8b", "--global-batch", "64"];
+    let planned = medley(&[&["plan", "-q"], &fleet[..], &["--expressible", "torchtitan", "-o", &plan_text]].concat());
+    assert!(planned.status.success(), "{}", stderr(&planned));
+    let json = medley(&["export", "torchtitan", "--plan", &plan_text, "--json"]);
+    assert!(json.status.success(), "{}", stderr(&json));
+    let json: serde_json::Value = serde_json::from_slice(&json.stdout).unwrap();
+    assert_eq!(json["base_config"], "llama3_8b");
+    check(&["export", "torchtitan", "--plan", &plan_text], 0, "-m torchtitan.train");
+    // The unrestricted plan keeps ZeRO-1, which torchtitan refuses naming the way out.
+    let planned = medley(&[&["plan", "-q"], &fleet[..], &["--fix", "tp=1,pp=1,dp=8", "-o", &plan_text]].concat());
+    assert!(planned.status.success(), "{}", stderr(&planned));
+    check(&["export", "torchtitan", "--plan", &plan_text], 1, "--no-zero1");
+}
+
 /// The steps the merged timeline has passes of, in the order they start.
 fn timeline_steps(out: &std::path::Path) -> Vec<u64> {
     let trace: serde_json::Value =
