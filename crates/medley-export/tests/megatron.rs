@@ -5,7 +5,6 @@ mod plans;
 
 use medley_cost::Calibration;
 use medley_cost::context::KvExchange;
-use medley_export::ExportError;
 use medley_export::megatron::{MegatronExport, check_layout, megatron};
 use medley_plan::Plan;
 use medley_plan::baselines::Degrees;
@@ -14,17 +13,11 @@ use medley_spec::{Schedule, ScheduleKind, catalog_model};
 use plans::{Zero1, assembled, cluster, job, launch, uniform, words};
 
 fn value<'a>(export: &'a MegatronExport, flag: &str) -> Option<&'a str> {
-    export.args.iter().find(|arg| arg.flag == flag).map(|arg| arg.value.as_deref().unwrap_or(""))
+    plans::value(&export.args, flag)
 }
 
 fn refusal(plan: &Plan) -> String {
-    match megatron(plan) {
-        Err(ExportError::NotExpressible { framework, reason }) => {
-            assert_eq!(framework, "Megatron-LM");
-            reason
-        }
-        Ok(export) => panic!("exported what Megatron cannot run: {}", export.command_line()),
-    }
+    plans::refusal(megatron(plan).map(|export| export.command_line()), "Megatron-LM")
 }
 
 #[test]

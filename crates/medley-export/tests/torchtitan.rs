@@ -5,7 +5,6 @@
 mod plans;
 
 use medley_cost::Calibration;
-use medley_export::ExportError;
 use medley_export::torchtitan::{TorchtitanExport, torchtitan};
 use medley_plan::Plan;
 use medley_plan::baselines::Degrees;
@@ -14,18 +13,11 @@ use medley_spec::{Schedule, ScheduleKind, catalog_model};
 use plans::{Zero1, assembled, cluster, job, launch, uniform, uniform_of, words};
 
 fn value<'a>(export: &'a TorchtitanExport, flag: &str) -> Option<&'a str> {
-    let flag = format!("--{flag}");
-    export.overrides.iter().find(|arg| arg.flag == flag).map(|arg| arg.value.as_deref().unwrap_or(""))
+    plans::value(&export.overrides, &format!("--{flag}"))
 }
 
 fn refusal(plan: &Plan) -> String {
-    match torchtitan(plan) {
-        Err(ExportError::NotExpressible { framework, reason }) => {
-            assert_eq!(framework, "torchtitan");
-            reason
-        }
-        Ok(export) => panic!("exported what torchtitan cannot run: {}", export.command_line()),
-    }
+    plans::refusal(torchtitan(plan).map(|export| export.command_line()), "torchtitan")
 }
 
 /// Checks the model parts as torchtitan's pipeline split needs them: every module of the model

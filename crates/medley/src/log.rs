@@ -20,7 +20,7 @@ pub const LOG_VAR: &str = "MEDLEY_LOG";
 
 /// medley's own crates, whose events `-v` and `-q` govern; every other crate's show only when they
 /// warn.
-const CRATES: [&str; 14] = [
+const CRATES: [&str; 15] = [
     "medley",
     "medley_bench",
     "medley_collective",
@@ -30,6 +30,7 @@ const CRATES: [&str; 14] = [
     "medley_launch",
     "medley_model",
     "medley_plan",
+    "medley_report",
     "medley_runtime",
     "medley_schedule",
     "medley_sim",

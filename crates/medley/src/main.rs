@@ -14,6 +14,7 @@ mod log;
 mod plan_cmd;
 mod progress;
 mod render;
+mod report_cmd;
 mod run_dir;
 mod simulate_cmd;
 mod train_cmd;
@@ -56,6 +57,9 @@ enum Command {
         #[command(subcommand)]
         which: export_cmd::ExportCommand,
     },
+    /// One self-contained HTML page of a plan (and of a training run with --run): the plan as a
+    /// picture, a simulated step's timeline, memory, candidates and baselines, loss and step times.
+    Report(report_cmd::ReportArgs),
     /// Benchmarks that print tables.
     Bench {
         #[command(subcommand)]
@@ -82,6 +86,7 @@ fn main() -> ExitCode {
         Command::Calibrate(args) => calibrate_cmd::run(&args).map(|()| ExitCode::SUCCESS),
         Command::Worker(args) => worker_cmd::run(&args).map(|()| ExitCode::SUCCESS),
         Command::Export { which } => export_cmd::run(&which),
+        Command::Report(args) => report_cmd::run(&args).map(|()| ExitCode::SUCCESS),
         Command::Bench { which } => bench::run(&which).map(|()| ExitCode::SUCCESS),
         Command::BenchCommWorker(args) => bench_comm::worker(&args).map(|()| ExitCode::SUCCESS),
     };

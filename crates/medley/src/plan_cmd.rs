@@ -212,7 +212,7 @@ fn expressible(
     Ok(pool)
 }
 
-fn confirm_by_simulation(candidates: Vec<Candidate>, calibration: &Calibration) -> Result<Confirmed> {
+pub(crate) fn confirm_by_simulation(candidates: Vec<Candidate>, calibration: &Calibration) -> Result<Confirmed> {
     let simulated: Vec<StepReport> = candidates
         .par_iter()
         .map(|candidate| {
@@ -230,6 +230,13 @@ fn confirm_by_simulation(candidates: Vec<Candidate>, calibration: &Calibration) 
 
 /// The specs a plan file carries, with the calibration the flags name.
 pub(crate) fn specs_of_plan(args: &SpecArgs, path: &str, plan: &Plan) -> Result<Specs> {
+    let calibration = args.resolve_calibration(plan.model())?;
+    check_calibration_names(&calibration, plan.cluster())?;
+    specs_with_calibration(path, plan, calibration)
+}
+
+/// The specs a plan file carries, priced with `calibration`.
+pub(crate) fn specs_with_calibration(path: &str, plan: &Plan, calibration: Calibration) -> Result<Specs> {
     let parts = JobParts {
         seq_len: plan.seq_len(),
         global_batch: plan.global_batch(),
@@ -243,11 +250,7 @@ pub(crate) fn specs_of_plan(args: &SpecArgs, path: &str, plan: &Plan) -> Result<
         job: JobSpec::new(parts, path)?,
         cluster: plan.cluster().clone(),
         model: plan.model().clone(),
-        calibration: {
-            let calibration = args.resolve_calibration(plan.model())?;
-            check_calibration_names(&calibration, plan.cluster())?;
-            calibration
-        },
+        calibration,
     })
 }
 
@@ -260,7 +263,7 @@ pub(crate) fn load_plan(path: &str) -> Result<Plan> {
 
 /// The rows of the report's baselines table: uniform and best homogeneous, and for long
 /// sequences the even context-parallel layouts.
-fn baseline_rows(specs: &Specs) -> Vec<Baseline> {
+pub(crate) fn baseline_rows(specs: &Specs) -> Vec<Baseline> {
     let (cluster, model, job, calibration) = (&specs.cluster, &specs.model, &specs.job, &specs.calibration);
     let (baselines, even) = rayon::join(
         || Baselines::compute(cluster, model, job, calibration),

@@ -9,6 +9,8 @@ use medley_plan::{Candidate, GradientAlgorithm, Plan, Route};
 use medley_sim::StepReport;
 use serde_json::{Value, json};
 
+use medley_spec::{Cluster, JobSpec, ModelSpec};
+
 use crate::inputs::Specs;
 
 /// The candidates ranked by simulated step time (analytical search first, simulation to
@@ -99,15 +101,30 @@ pub fn text(report: &Report) -> String {
 }
 
 fn headline(specs: &Specs) -> String {
-    let groups: Vec<String> =
-        specs.cluster.groups().iter().map(|group| format!("{}×{}", group.n_gpus(), group.device.name)).collect();
-    let job = &specs.job;
     format!(
-        "medley plan: {} ({} parameters) on {} ({})\njob: {} tokens × {} = {} tokens per step, schedule {}, ZeRO-1 {}",
-        specs.model.name(),
-        quantity(total_params(&specs.model) as f64),
-        count(specs.cluster.n_gpus() as usize, "GPU"),
-        groups.join(", "),
+        "medley plan: {} on {}\njob: {}",
+        model_summary(&specs.model),
+        cluster_summary(&specs.cluster),
+        job_summary(&specs.job)
+    )
+}
+
+/// `llama3-70b (70.6B parameters)`.
+pub(crate) fn model_summary(model: &ModelSpec) -> String {
+    format!("{} ({} parameters)", model.name(), quantity(total_params(model) as f64))
+}
+
+/// `224 GPUs (64×H100-SXM, 128×A100-80GB, 32×MI300X)`.
+pub(crate) fn cluster_summary(cluster: &Cluster) -> String {
+    let groups: Vec<String> =
+        cluster.groups().iter().map(|group| format!("{}×{}", group.n_gpus(), group.device.name)).collect();
+    format!("{} ({})", count(cluster.n_gpus() as usize, "GPU"), groups.join(", "))
+}
+
+/// `4096 tokens × 1,024 sequences = 4.19M tokens per step, schedule 1f1b, ZeRO-1 on`.
+pub(crate) fn job_summary(job: &JobSpec) -> String {
+    format!(
+        "{} tokens × {} = {} tokens per step, schedule {}, ZeRO-1 {}",
         job.seq_len(),
         count(job.global_batch() as usize, "sequence"),
         quantity(job.tokens_per_step() as f64),
@@ -303,15 +320,7 @@ pub(crate) fn count_words(figure: &str, n: usize, noun: &str) -> String {
     format!("{figure} {plural}")
 }
 
-/// A duration as a person reads it: `48.2 s`, `1.234 s`, `12.3 ms`, `45.6 µs`.
-pub(crate) fn seconds(s: f64) -> String {
-    match s {
-        s if s >= 10.0 => format!("{s:.1} s"),
-        s if s >= 1.0 => format!("{s:.3} s"),
-        s if s >= 1e-3 => format!("{:.1} ms", s * 1e3),
-        s => format!("{:.1} µs", s * 1e6),
-    }
-}
+pub(crate) use medley_report::seconds;
 
 /// A large count in words of three digits: `70.6B`, `1.62M`, `2,048`.
 pub(crate) fn quantity(n: f64) -> String {
@@ -344,7 +353,7 @@ pub(crate) fn times(ratio: f64) -> String {
 
 /// `8× [H100-SXM:2, A100-80GB:4]`-style summary of the replica shapes: pipeline ranks per
 /// device type (with ` ×2 chunks` when ranks hold several virtual stages).
-fn pipeline_summary(plan: &Plan) -> String {
+pub(crate) fn pipeline_summary(plan: &Plan) -> String {
     let chunks = if plan.virtual_stages() > 1 { format!(" ×{} chunks", plan.virtual_stages()) } else { String::new() };
     plan.replica_shapes()
         .iter()

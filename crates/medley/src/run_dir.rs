@@ -14,6 +14,7 @@ pub const TIMELINES: &str = "timeline";
 pub const TIMELINE: &str = "timeline.json";
 pub const PLAN: &str = "plan.json";
 pub const CALIBRATION: &str = "calibration.toml";
+pub const REPORT: &str = "report.html";
 /// Held (flock) while a run uses the directory; holds the holder's pid.
 const LOCK: &str = ".medley.lock";
 
@@ -140,7 +141,7 @@ fn remove_run(dir: &Path) -> Result<()> {
             fs::remove_dir_all(&path).with_context(|| format!("cannot remove {}", path.display()))?;
         }
     }
-    for name in [METRICS, TIMELINE] {
+    for name in [METRICS, TIMELINE, REPORT] {
         let path = dir.join(name);
         if path.exists() {
             fs::remove_file(&path).with_context(|| format!("cannot remove {}", path.display()))?;

@@ -31,7 +31,7 @@ use crate::host::check_memory;
 use crate::inputs::{JobFlags, load_model, read_emulation_profile};
 use crate::progress::Progress;
 use crate::render::{percent, right, seconds, table};
-use crate::run_dir::{CALIBRATION, CHECKPOINTS, METRICS, PLAN, RunDir, TIMELINE, TIMELINES};
+use crate::run_dir::{CALIBRATION, CHECKPOINTS, METRICS, PLAN, REPORT, RunDir, TIMELINE, TIMELINES};
 use crate::worker_cmd::{RunFlags, WorkerArgs, timeline_segment};
 
 /// Two fast NVIDIA GPUs and two slower AMD ones: the smallest fleet that shows every kind of
@@ -334,6 +334,7 @@ fn report(out: &Path, outcome: &Outcome, layouts: &[RankLayout], timing: Timing)
     if failed.is_empty() {
         merge_timelines(out)?;
         print_summary(out, &outcome.steps, timing);
+        write_report(out);
         return Ok(ExitCode::SUCCESS);
     }
     let mut lines = vec!["training stopped:".to_string()];
@@ -353,6 +354,16 @@ fn report(out: &Path, outcome: &Outcome, layouts: &[RankLayout], timing: Timing)
     });
     tracing::error!("{}", lines.join("\n"));
     Ok(ExitCode::from(1))
+}
+
+/// The run's report page; a report that cannot be written is said, and the run still succeeded.
+fn write_report(out: &Path) {
+    let (plan, calibration, path) = (out.join(PLAN), out.join(CALIBRATION), out.join(REPORT));
+    let page = crate::report_cmd::page(&plan.to_string_lossy(), Some(&calibration.to_string_lossy()), Some(out));
+    match page.and_then(|html| fs::write(&path, html).with_context(|| format!("cannot write {}", path.display()))) {
+        Ok(()) => println!("report: {} (open it in a browser)", path.display()),
+        Err(err) => tracing::warn!("the run's report was not written: {err:#}"),
+    }
 }
 
 /// One Perfetto file of the whole run from the workers' per-rank files: each segment (the first

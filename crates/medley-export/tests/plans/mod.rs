@@ -6,7 +6,7 @@ use std::path::Path;
 use std::process::Command;
 
 use medley_cost::{Calibration, CostModel, Setting};
-use medley_export::Arg;
+use medley_export::{Arg, ExportError};
 use medley_plan::baselines::{Degrees, megatron_plan};
 use medley_plan::{Plan, ReplicaLayout, assemble, stages_from_counts};
 use medley_spec::{Cluster, JobParts, JobSpec, Recompute, Schedule, ScheduleKind, catalog_model};
@@ -124,4 +124,20 @@ pub fn words(args: &[Arg]) -> Vec<String> {
         words.extend(arg.value.iter().flat_map(|value| value.split(' ').map(String::from)));
     }
     words
+}
+
+/// The value of `flag` in `args` ("" for a flag without one).
+pub fn value<'a>(args: &'a [Arg], flag: &str) -> Option<&'a str> {
+    args.iter().find(|arg| arg.flag == flag).map(|arg| arg.value.as_deref().unwrap_or(""))
+}
+
+/// The reason `framework` refused a plan; `exported` is the command line it gave instead.
+pub fn refusal(exported: Result<String, ExportError>, framework: &str) -> String {
+    match exported {
+        Err(ExportError::NotExpressible { framework: refused_by, reason }) => {
+            assert_eq!(refused_by, framework);
+            reason
+        }
+        Ok(command_line) => panic!("exported what {framework} cannot run: {command_line}"),
+    }
 }

@@ -1,0 +1,249 @@
+//! `medley report`: one self-contained HTML page of a plan — its picture, a simulated step's
+//! timeline, memory, the candidates and baselines — and of a training run when given its
+//! directory (loss, step times against the simulator, a measured step's timeline).
+
+use std::fs;
+use std::path::{Path, PathBuf};
+
+use anyhow::{Context, Result};
+use clap::Args;
+use medley_cost::Calibration;
+use medley_plan::{Candidate, Plan, SearchOptions, evaluate, search};
+use medley_report::timeline::Lanes;
+use medley_report::{Compared, MemoryBar, Report, RunRecord, RunStep};
+use medley_sim::timeline::trace_events;
+use medley_sim::{SimConfig, StepReport, simulate_steps};
+use serde_json::Value;
+
+use crate::inputs::{Specs, check_calibration_names, check_gpu_pricing, read};
+use crate::plan_cmd::{baseline_rows, confirm_by_simulation, load_plan};
+use crate::render::{self, percent, pipeline_summary, seconds};
+use crate::run_dir::{CALIBRATION, METRICS, PLAN, TIMELINE};
+
+#[derive(Args, Debug)]
+pub struct ReportArgs {
+    /// The plan file (`medley plan -o`) [default: the run's plan, with --run].
+    #[arg(long, required_unless_present = "run")]
+    pub plan: Option<String>,
+    /// A training run's directory (`medley train --out`): its loss, step times and a measured
+    /// step's timeline, priced with the run's own calibration.
+    #[arg(long)]
+    pub run: Option<PathBuf>,
+    /// Efficiency profile (TOML) for the cost model [default: the run's, or the built-in one].
+    #[arg(long)]
+    pub calibration: Option<String>,
+    /// Where to write the page.
+    #[arg(short = 'o', long, default_value = "report.html")]
+    pub output: PathBuf,
+}
+
+/// Ranks a timeline draws before it says how many it left out.
+const MAX_LANES: usize = 32;
+/// Other candidates the report compares with the plan.
+const CANDIDATES: usize = 4;
+
+pub fn run(args: &ReportArgs) -> Result<()> {
+    let plan_path = match (&args.plan, &args.run) {
+        (Some(plan), _) => plan.clone(),
+        (None, Some(run)) => run.join(PLAN).to_string_lossy().into_owned(),
+        (None, None) => unreachable!("clap requires --plan without --run"),
+    };
+    let calibration = match (&args.calibration, &args.run) {
+        (Some(path), _) => Some(path.clone()),
+        (None, Some(run)) => Some(run.join(CALIBRATION).to_string_lossy().into_owned()),
+        (None, None) => None,
+    };
+    let html = page(&plan_path, calibration.as_deref(), args.run.as_deref())?;
+    fs::write(&args.output, html).with_context(|| format!("cannot write {}", args.output.display()))?;
+    tracing::info!("{} written: open it in a browser", args.output.display());
+    Ok(())
+}
+
+/// The report page of the plan at `plan_path`, priced with `calibration` (a file) or the
+/// built-in profile, with the training run in `run` if given.
+pub fn page(plan_path: &str, calibration: Option<&str>, run: Option<&Path>) -> Result<String> {
+    let plan = load_plan(plan_path)?;
+    let calibration = match calibration {
+        Some(path) => {
+            let calibration = Calibration::from_toml(&read(path)?, path)?;
+            check_gpu_pricing(&calibration, plan.model(), path)?;
+            calibration
+        }
+        None => Calibration::default(),
+    };
+    check_calibration_names(&calibration, plan.cluster())?;
+    let specs = crate::plan_cmd::specs_with_calibration(plan_path, &plan, calibration)?;
+    let (simulated, lanes) = simulate_with_lanes(&plan, &specs.calibration)?;
+    let run = run.map(|dir| run_record(dir, simulated.step_time_s)).transpose()?;
+    let prediction = evaluate(&plan, &specs.calibration);
+    let memory = prediction
+        .peak_memory_gib
+        .iter()
+        .map(|(device_type, &predicted_gib)| MemoryBar {
+            device_type: device_type.clone(),
+            predicted_gib,
+            simulated_gib: simulated.peak_memory_by_device_gib.get(device_type).copied(),
+            capacity_gib: prediction.capacity_gib.get(device_type).copied().unwrap_or(f64::NAN),
+        })
+        .collect();
+    let report = Report {
+        title: format!("medley: {} on {}", plan.model().name(), render::cluster_summary(plan.cluster())),
+        facts: facts(&plan, &specs, &prediction, &simulated, run.as_ref()),
+        plan: &plan,
+        explanation: render::explain(&plan),
+        simulated: lanes,
+        memory,
+        compared: compared(&plan, &simulated, &specs)?,
+        run,
+    };
+    Ok(medley_report::html(&report))
+}
+
+/// One simulated step of `plan` and its timeline's lanes.
+fn simulate_with_lanes(plan: &Plan, calibration: &Calibration) -> Result<(StepReport, Lanes)> {
+    let mut trace = Vec::new();
+    let run = simulate_steps(plan, calibration, &SimConfig::default(), plan.schedule(), 1, Some(&mut trace))
+        .context("simulating the plan")?;
+    let events = trace_events(&String::from_utf8_lossy(&trace));
+    Ok((run.last_step, Lanes::from_events(&events, None, MAX_LANES)))
+}
+
+fn facts(
+    plan: &Plan,
+    specs: &Specs,
+    prediction: &medley_plan::Prediction,
+    simulated: &StepReport,
+    run: Option<&RunRecord>,
+) -> Vec<(String, String)> {
+    let mut facts = vec![
+        ("model".to_string(), render::model_summary(&specs.model)),
+        ("job".into(), render::job_summary(&specs.job)),
+        ("layout".into(), pipeline_summary(plan)),
+        (
+            "step time".into(),
+            format!(
+                "{} simulated, {} by the cost model",
+                seconds(simulated.step_time_s),
+                seconds(prediction.step_time_s)
+            ),
+        ),
+        (
+            "throughput".into(),
+            format!("{:.0} tokens/s, MFU {}", simulated.utilisation.tokens_per_s, percent(simulated.utilisation.mfu)),
+        ),
+        ("fits in memory".into(), if simulated.fits { "yes" } else { "no" }.into()),
+    ];
+    if let Some(run) = run
+        && let (Some(first), Some(last)) = (run.steps.first(), run.steps.last())
+    {
+        facts.push((
+            "trained".into(),
+            format!("steps {} to {}, loss {:.3} → {:.3}", first.step, last.step, first.loss, last.loss),
+        ));
+        if let Some(measured) = steady_median(&run.steps) {
+            facts.push((
+                "measured step".into(),
+                format!(
+                    "{} median after the first step; the simulator's {} is {}",
+                    seconds(measured),
+                    seconds(run.predicted_step_s),
+                    percent(run.predicted_step_s / measured - 1.0)
+                ),
+            ));
+        }
+    }
+    facts
+}
+
+/// The plan against the search's best others and the baselines, each simulated.
+fn compared(plan: &Plan, simulated: &StepReport, specs: &Specs) -> Result<Vec<Compared>> {
+    let options = SearchOptions { top: CANDIDATES + 1, ..SearchOptions::default() };
+    let searched = search(&specs.cluster, &specs.model, &specs.job, &specs.calibration, &options)
+        .map(|outcome| outcome.candidates)
+        .unwrap_or_default();
+    let others: Vec<Candidate> =
+        searched.into_iter().filter(|candidate| candidate.plan != *plan).take(CANDIDATES).collect();
+    let confirmed = confirm_by_simulation(others, &specs.calibration)?;
+    let mut rows = vec![row("this plan", plan, Some(simulated), false)];
+    rows[0].chosen = true;
+    for (idx, (candidate, simulated)) in confirmed.candidates.iter().zip(&confirmed.simulated).enumerate() {
+        rows.push(row(&format!("candidate {}", idx + 1), &candidate.plan, Some(simulated), false));
+    }
+    let baselines = baseline_rows(specs);
+    let (fitting, missing): (Vec<_>, Vec<_>) = baselines.into_iter().partition(|baseline| baseline.candidate.is_some());
+    let names: Vec<String> = fitting.iter().map(baseline_name).collect();
+    let candidates: Vec<Candidate> = fitting.into_iter().filter_map(|baseline| baseline.candidate).collect();
+    let plans: Vec<Plan> = candidates.iter().map(|candidate| candidate.plan.clone()).collect();
+    let simulated = confirm_by_simulation(candidates, &specs.calibration)?;
+    for (name, baseline_plan) in names.iter().zip(&plans) {
+        let idx =
+            simulated.candidates.iter().position(|candidate| candidate.plan == *baseline_plan).expect("each simulated");
+        rows.push(row(name, baseline_plan, Some(&simulated.simulated[idx]), true));
+    }
+    for baseline in &missing {
+        rows.push(Compared { layout: "does not fit".into(), ..row(&baseline_name(baseline), plan, None, true) });
+    }
+    Ok(rows)
+}
+
+fn baseline_name(baseline: &render::Baseline) -> String {
+    match &baseline.detail {
+        Some(detail) => format!("{} ({detail})", baseline.name),
+        None => baseline.name.clone(),
+    }
+}
+
+fn row(name: &str, plan: &Plan, simulated: Option<&StepReport>, baseline: bool) -> Compared {
+    Compared {
+        name: name.into(),
+        layout: pipeline_summary(plan),
+        step_time_s: simulated.filter(|step| step.fits).map(|step| step.step_time_s),
+        tokens_per_s: simulated.map(|step| step.utilisation.tokens_per_s),
+        mfu: simulated.map(|step| step.utilisation.mfu),
+        chosen: false,
+        baseline,
+    }
+}
+
+/// A training run's metrics and the timeline of its median step.
+fn run_record(dir: &Path, predicted_step_s: f64) -> Result<RunRecord> {
+    let metrics = dir.join(METRICS);
+    let text = fs::read_to_string(&metrics).with_context(|| format!("cannot read {}", metrics.display()))?;
+    let steps: Vec<RunStep> = text
+        .lines()
+        .filter(|line| !line.trim().is_empty())
+        .map(|line| {
+            let step: Value = serde_json::from_str(line)
+                .with_context(|| format!("{} holds a line that is not JSON", metrics.display()))?;
+            let number = |field: &str| {
+                step[field].as_f64().with_context(|| format!("{}: a step without {field}", metrics.display()))
+            };
+            Ok(RunStep { step: number("step")? as u64, loss: number("loss")?, step_time_s: number("step_time_s")? })
+        })
+        .collect::<Result<_>>()?;
+    let median = steady_median(&steps);
+    let measured_step = steps
+        .iter()
+        .skip(usize::from(steps.len() > 1))
+        .min_by(|a, b| {
+            (a.step_time_s - median.unwrap_or(0.0)).abs().total_cmp(&(b.step_time_s - median.unwrap_or(0.0)).abs())
+        })
+        .map(|step| step.step);
+    let timeline = dir.join(TIMELINE);
+    let measured = match fs::read(&timeline) {
+        Ok(bytes) => {
+            let document: Value =
+                serde_json::from_slice(&bytes).with_context(|| format!("{} is not a timeline", timeline.display()))?;
+            let events = document["traceEvents"].as_array().map_or(&[][..], Vec::as_slice);
+            Lanes::from_events(events, measured_step, MAX_LANES)
+        }
+        Err(_) => Lanes::default(),
+    };
+    Ok(RunRecord { steps, predicted_step_s, measured_step, measured })
+}
+
+/// The median step time after the first (which includes start-up), as `medley train` reports it.
+fn steady_median(steps: &[RunStep]) -> Option<f64> {
+    let steady = if steps.len() > 1 { &steps[1..] } else { steps };
+    (!steady.is_empty()).then(|| medley_bench::stats::median(steady.iter().map(|step| step.step_time_s).collect()))
+}
