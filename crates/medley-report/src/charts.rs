@@ -91,7 +91,8 @@ pub fn line_svg(id: &'static str, series: &[Series], width: f64, y_text: impl Fn
         svg.line((LEFT, y), (LEFT + plot_w, y), r##"stroke="#e4e4e4""##);
         svg.text((LEFT - 6.0, y + 4.0), &y_text(tick, y_step), r##"text-anchor="end" fill="#555""##);
     }
-    for tick in ticks(x_max, 8) {
+    // Steps are whole numbers.
+    for tick in ticks(x_max, 8).into_iter().filter(|tick| tick.fract() == 0.0) {
         let (x, y) = at((tick, 0.0));
         svg.text((x, y + 16.0), &format!("{tick}"), r##"text-anchor="middle" fill="#555""##);
     }
