@@ -58,6 +58,8 @@ pub fn torchtitan(plan: &Plan) -> Result<TorchtitanExport, ExportError> {
     let mut args = Args::default();
     parallel_overrides(plan, &mut args)?;
     batch_overrides(plan, &mut args);
+    check_overrides(&args.0, devices.len(), plan.model().n_layers())
+        .map_err(|reason| ExportError::refused(TORCHTITAN, reason))?;
     let activation_checkpoint = match plan.recompute() {
         Recompute::None => "none",
         Recompute::Selective => "selective",
@@ -167,6 +169,63 @@ fn batch_overrides(plan: &Plan, args: &mut Args) {
     args.value("--training.max_context_length", seq_len);
     args.value("--training.num_tokens_per_microbatch_per_dp_rank", u64::from(plan.micro_batch()) * seq_len);
     args.value("--training.num_tokens_per_train_step", u64::from(plan.global_batch()) * seq_len);
+}
+
+/// torchtitan's own checks of these overrides, read back from them: the degrees multiply to the
+/// world size (`ParallelDims._validate`), the model parts are a multiple of the pipeline degree,
+/// one a rank for GPipe and 1F1B and at least two for Interleaved1F1B
+/// (`_get_pipeline_metadata`), every module of the model in exactly one part in order (the
+/// pipeline split), and a step's tokens a whole number of gradient-accumulation iterations (the
+/// trainer).
+pub fn check_overrides(overrides: &[Arg], world_size: usize, n_layers: u32) -> Result<(), String> {
+    let text = |name: &str| {
+        let flag = format!("--{name}");
+        overrides.iter().find(|arg| arg.flag == flag).and_then(|arg| arg.value.as_deref())
+    };
+    let number = |name: &str| -> Result<u64, String> {
+        let value = text(name).ok_or_else(|| format!("--{name} is missing"))?;
+        value.parse().map_err(|_| format!("--{name} {value} is not a count"))
+    };
+    let degrees = [
+        "parallelism.data_parallel_replicate_degree",
+        "parallelism.data_parallel_shard_degree",
+        "parallelism.context_parallel_degree",
+        "parallelism.tensor_parallel_degree",
+        "parallelism.pipeline_parallel_degree",
+    ];
+    let product = degrees.iter().map(|name| number(name)).product::<Result<u64, String>>()?;
+    if product != world_size as u64 {
+        return Err(format!("the parallel degrees multiply to {product}, not the world size {world_size}"));
+    }
+    let (pp, dp) = (number(degrees[4])?, number(degrees[0])? * number(degrees[1])?);
+    let mut pp_microbatches = 1;
+    if pp > 1 {
+        pp_microbatches = number("parallelism.num_pp_microbatches")?;
+        let parts: Vec<&str> = text("parallelism.module_fqns_per_model_part").unwrap_or("").split(' ').collect();
+        let per_rank = parts.len() as u64 / pp;
+        let looped = text("parallelism.pipeline_parallel_schedule") == Some("Interleaved1F1B");
+        if !(parts.len() as u64).is_multiple_of(pp) || (looped && per_rank < 2) || (!looped && per_rank != 1) {
+            return Err(format!(
+                "{} model parts on {pp} pipeline ranks under {}: torchtitan wants one a rank, or at least two with a \
+                 looped schedule",
+                parts.len(),
+                text("parallelism.pipeline_parallel_schedule").unwrap_or("no schedule")
+            ));
+        }
+        let modules: Vec<&str> = parts.iter().flat_map(|part| part.split(',')).collect();
+        let mut expected = vec!["tok_embeddings".to_string()];
+        expected.extend((0..n_layers).map(|layer| format!("layers.{layer}")));
+        expected.extend(["norm".to_string(), "lm_head".to_string()]);
+        if modules != expected {
+            return Err("the model parts do not hold every module of the model once, in order".into());
+        }
+    }
+    let per_iteration = number("training.num_tokens_per_microbatch_per_dp_rank")? * pp_microbatches * dp;
+    let step = number("training.num_tokens_per_train_step")?;
+    if !step.is_multiple_of(per_iteration) {
+        return Err(format!("{step} tokens a step are not a whole number of iterations of {per_iteration}"));
+    }
+    Ok(())
 }
 
 impl TorchtitanExport {

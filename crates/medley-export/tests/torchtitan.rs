@@ -5,7 +5,7 @@
 mod plans;
 
 use medley_cost::Calibration;
-use medley_export::torchtitan::{TorchtitanExport, torchtitan};
+use medley_export::torchtitan::{TorchtitanExport, check_overrides, torchtitan};
 use medley_plan::Plan;
 use medley_plan::baselines::Degrees;
 use medley_plan::long_context::even_fixed;
@@ -117,4 +117,21 @@ fn even_rings_export_and_what_torchtitan_cannot_run_is_refused_naming_it() {
     assert!(refusal(&kfkb.unwrap()).contains("GPipe or 1F1B"));
     let gpt2 = refusal(&uniform_of("gpt2", "2xh100", Degrees::new(1, 1, 2), Zero1::Off));
     assert!(gpt2.contains("8B, 70B and 405B") && gpt2.contains("gpt2"), "{gpt2}");
+}
+
+#[test]
+fn overrides_are_checked_by_torchtitans_rules() {
+    let export = torchtitan(&uniform("8xh100", Degrees::new(2, 2, 2), Zero1::Off)).unwrap();
+    check_overrides(&export.overrides, 8, 32).unwrap();
+    let with = |flag: &str, value: &str| {
+        let mut overrides = export.overrides.clone();
+        let arg = overrides.iter_mut().find(|arg| arg.flag == format!("--{flag}")).unwrap();
+        arg.value = Some(value.to_string());
+        check_overrides(&overrides, 8, 32).unwrap_err()
+    };
+    assert!(with("parallelism.tensor_parallel_degree", "4").contains("world size 8"));
+    assert!(with("parallelism.pipeline_parallel_schedule", "Interleaved1F1B").contains("at least two"));
+    let parts = value(&export, "parallelism.module_fqns_per_model_part").unwrap();
+    assert!(with("parallelism.module_fqns_per_model_part", &parts.replace("layers.3,", "")).contains("every module"));
+    assert!(with("training.num_tokens_per_train_step", "100000").contains("whole number"));
 }
