@@ -89,7 +89,12 @@ impl Communicator {
         let session = Arc::new(Session::join(env, &config)?);
         let listen_ip = session.store.local_ip()?;
         let members: Vec<usize> = (0..env.world_size).collect();
-        Communicator::connect(session, "world".into(), members, env.rank, listen_ip, config)
+        let timeout = config.timeout;
+        let world = Communicator::connect(Arc::clone(&session), "world".into(), members, env.rank, listen_ip, config)?;
+        // Rendezvous may wait for processes still starting; once every rank has joined, a store
+        // call waits no longer on a silent peer than any other wait does.
+        session.store.set_timeout(timeout)?;
+        Ok(world)
     }
 
     fn connect(

@@ -4,6 +4,7 @@
 
 use std::io::{Read, Write};
 use std::net::{IpAddr, TcpListener, TcpStream};
+use std::path::PathBuf;
 use std::time::{Duration, Instant};
 
 use medley_collective::{DomainId, Group};
@@ -138,12 +139,12 @@ fn connect_shm(
     let Joining { session, ns, members, me, infos } = *joining;
     let n = members.len();
     let job = format!("{:016x}", fingerprint(&format!("{}|{}|{ns}", session.env.token, session.env.store_addr())));
-    let my_paths = [inbox_path(&job, me), window_path(&job, me)];
-    let inbox = Inbox::create(&my_paths[0], n)?;
+    let my_paths = RemovedOnDrop(vec![inbox_path(&job, me), window_path(&job, me)]);
+    let inbox = Inbox::create(&my_paths.0[0], n)?;
     let mut maps = Vec::new();
     if share_windows {
         maps = (0..n).map(|_| None).collect();
-        maps[me] = Some(window::create(&my_paths[1])?);
+        maps[me] = Some(window::create(&my_paths.0[1])?);
     }
     session.store.set(&format!("{ns}/inbox/{me}"), b"")?;
     let mut theirs: Vec<Option<(usize, u32, Inbox)>> = (0..n).map(|_| None).collect();
@@ -158,12 +159,22 @@ fn connect_shm(
     for &p in peers {
         session.store.get(&format!("{ns}/mapped/{p}"))?;
     }
-    for path in &my_paths {
-        std::fs::remove_file(path).ok();
-    }
+    drop(my_paths);
     let windows = share_windows.then(|| Windows::new(me, maps.into_iter().flatten().collect(), members.to_vec()));
     allow_reads_by(&peers.iter().map(|&p| infos[p].pid).collect::<Vec<_>>());
     Ok((ShmTransport::new(me, inbox, theirs), windows))
+}
+
+/// Shared-memory files this rank created, removed once the peers have mapped them — or when
+/// joining fails on the way, so a failed start leaves nothing in /dev/shm.
+struct RemovedOnDrop(Vec<PathBuf>);
+
+impl Drop for RemovedOnDrop {
+    fn drop(&mut self) {
+        for path in &self.0 {
+            std::fs::remove_file(path).ok();
+        }
+    }
 }
 
 /// Opens `config.tcp_streams` connections per TCP peer: to lower ranks this rank connects, from

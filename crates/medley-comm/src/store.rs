@@ -7,7 +7,7 @@
 use std::collections::{BTreeMap, BTreeSet};
 use std::io::{Read, Write};
 use std::net::{Shutdown, SocketAddr, TcpListener, TcpStream, ToSocketAddrs};
-use std::sync::atomic::{AtomicBool, Ordering};
+use std::sync::atomic::{AtomicBool, AtomicUsize, Ordering};
 use std::sync::{Arc, Condvar, Mutex};
 use std::thread::JoinHandle;
 use std::time::{Duration, Instant};
@@ -26,6 +26,15 @@ const REFUSED: u8 = 1;
 const ABSENT: u8 = 2;
 /// The largest key or value the store accepts: more is a malformed request, not an allocation.
 const MAX_FIELD_BYTES: usize = 1 << 20;
+/// What all keys and values may hold together: a job's rendezvous needs kilobytes a rank.
+const MAX_STORE_BYTES: usize = 256 << 20;
+/// How long a new connection has to greet the store with the job token, in all.
+const HANDSHAKE: Duration = Duration::from_secs(10);
+/// Connections still greeting, at most: more are closed at once, so that strangers cannot use up
+/// the host's file descriptors or threads.
+const MAX_GREETING: usize = 64;
+/// Connections that greeted with the token, at most (each rank holds two).
+const MAX_JOINED: usize = 4096;
 const STORE: &str = "store";
 const MONITOR: &str = "monitor";
 
@@ -52,14 +61,19 @@ struct State {
     /// Ranks gone from the store: said goodbye or closed their monitor.
     departed: BTreeSet<u64>,
     monitors: Vec<TcpStream>,
-    /// Every connection, to shut down when the store stops.
-    connections: Vec<TcpStream>,
+    /// Every joined connection by id, to shut down when the store stops; removed when it ends.
+    connections: BTreeMap<u64, TcpStream>,
+    next_connection: u64,
+    /// Bytes of all keys and values.
+    bytes: usize,
     /// The first failure reported, sent to monitors that connect later too.
     failure: Option<(u64, String)>,
 }
 
 struct Shared {
     token: String,
+    /// Connections accepted and not yet through their greeting.
+    greeting: AtomicUsize,
     state: Mutex<State>,
     changed: Condvar,
     stopping: AtomicBool,
@@ -97,6 +111,7 @@ impl StoreServer {
         let addr = listener.local_addr().map_err(|err| CommError::io("the store's address", &err))?;
         let shared = Arc::new(Shared {
             token: token.to_string(),
+            greeting: AtomicUsize::new(0),
             state: Mutex::default(),
             changed: Condvar::new(),
             stopping: AtomicBool::new(false),
@@ -110,6 +125,10 @@ impl StoreServer {
                         break;
                     }
                     let Ok(stream) = stream else { continue };
+                    if accepting.greeting.fetch_add(1, Ordering::AcqRel) >= MAX_GREETING {
+                        accepting.greeting.fetch_sub(1, Ordering::AcqRel);
+                        continue; // Dropped: closed at once.
+                    }
                     let shared = Arc::clone(&accepting);
                     std::thread::spawn(move || serve(stream, &shared));
                 }
@@ -145,7 +164,7 @@ impl Drop for StoreServer {
     fn drop(&mut self) {
         self.shared.stopping.store(true, Ordering::Release);
         self.shared.changed.notify_all();
-        for stream in &self.shared.state.lock().expect("store lock").connections {
+        for stream in self.shared.state.lock().expect("store lock").connections.values() {
             stream.shutdown(Shutdown::Both).ok();
         }
         // Wakes the accept loop so it sees `stopping`.
@@ -158,22 +177,64 @@ impl Drop for StoreServer {
 
 fn serve(mut stream: TcpStream, shared: &Shared) {
     stream.set_nodelay(true).ok();
-    let Ok(clone) = stream.try_clone() else { return };
-    shared.state.lock().expect("store lock").connections.push(clone);
-    let hello = match Hello::read(&mut stream) {
+    let hello = Hello::read(&mut Deadline::new(&stream, HANDSHAKE));
+    shared.greeting.fetch_sub(1, Ordering::AcqRel);
+    let hello = match hello {
         Ok(hello) => hello,
         Err(reason) => return refuse(&mut stream, &reason),
     };
     if !same_token(&hello.token, &shared.token) {
         return refuse(&mut stream, "wrong job token (MEDLEY_TOKEN)");
     }
-    if stream.write_all(&[ACCEPTED]).is_err() {
-        return;
+    let Some(id) = join(&stream, shared) else {
+        return refuse(&mut stream, &format!("the store holds {MAX_JOINED} connections already"));
+    };
+    if stream.set_read_timeout(None).is_ok() && stream.write_all(&[ACCEPTED]).is_ok() {
+        match hello.purpose.as_str() {
+            MONITOR => monitor(stream, hello.rank, shared),
+            STORE => while handle_request(&mut stream, hello.rank, shared).is_ok() {},
+            other => refuse(&mut stream, &format!("unknown purpose {other:?}")),
+        }
     }
-    match hello.purpose.as_str() {
-        MONITOR => monitor(stream, hello.rank, shared),
-        STORE => while handle_request(&mut stream, hello.rank, shared).is_ok() {},
-        other => refuse(&mut stream, &format!("unknown purpose {other:?}")),
+    shared.state.lock().expect("store lock").connections.remove(&id);
+}
+
+/// Records a connection that greeted with the token, to shut it down when the store stops; `None`
+/// when the store holds as many as it takes.
+fn join(stream: &TcpStream, shared: &Shared) -> Option<u64> {
+    let clone = stream.try_clone().ok()?;
+    let mut state = shared.state.lock().expect("store lock");
+    if state.connections.len() >= MAX_JOINED {
+        return None;
+    }
+    let id = state.next_connection;
+    state.next_connection += 1;
+    state.connections.insert(id, clone);
+    Some(id)
+}
+
+/// A stream read against one deadline for all its reads, so a client that trickles a byte at a
+/// time cannot hold a connection longer than the handshake allows.
+struct Deadline<'s> {
+    stream: &'s TcpStream,
+    by: Instant,
+}
+
+impl<'s> Deadline<'s> {
+    fn new(stream: &'s TcpStream, within: Duration) -> Deadline<'s> {
+        Deadline { stream, by: Instant::now() + within }
+    }
+}
+
+impl Read for Deadline<'_> {
+    fn read(&mut self, buf: &mut [u8]) -> std::io::Result<usize> {
+        let left = self.by.saturating_duration_since(Instant::now());
+        if left.is_zero() {
+            return Err(std::io::Error::new(std::io::ErrorKind::TimedOut, "no greeting within the handshake's time"));
+        }
+        self.stream.set_read_timeout(Some(left))?;
+        let mut stream = self.stream;
+        stream.read(buf)
     }
 }
 
@@ -222,7 +283,14 @@ fn handle_request(stream: &mut TcpStream, rank: u64, shared: &Shared) -> Result<
             }
         },
         SET => {
-            shared.state.lock().expect("store lock").keys.insert(key, value);
+            let mut state = shared.state.lock().expect("store lock");
+            let replaced = state.keys.get(&key).map_or(0, |old| key.len() + old.len());
+            let bytes = state.bytes - replaced + key.len() + value.len();
+            if bytes > MAX_STORE_BYTES {
+                return Err(format!("the store would hold {bytes} bytes, more than its {MAX_STORE_BYTES}"));
+            }
+            state.bytes = bytes;
+            state.keys.insert(key, value);
             shared.changed.notify_all();
             Vec::new()
         }
@@ -296,6 +364,12 @@ pub(crate) struct StoreClient {
 impl StoreClient {
     pub fn connect(addr: &str, token: &str, rank: usize, timeout: Duration) -> Result<StoreClient, CommError> {
         Ok(StoreClient { addr: addr.into(), stream: Mutex::new(connect(addr, token, rank, STORE, timeout)?) })
+    }
+
+    /// How long a call may wait for its answer (a get, for its key) from now on.
+    pub fn set_timeout(&self, timeout: Duration) -> Result<(), CommError> {
+        let stream = self.stream.lock().expect("store stream lock");
+        stream.set_read_timeout(Some(timeout)).map_err(|err| CommError::io(format!("the store at {}", self.addr), &err))
     }
 
     /// The address this rank reaches the store from: the interface its peers can reach it on.
@@ -443,5 +517,47 @@ mod tests {
             std::thread::sleep(Duration::from_millis(5));
         }
         assert_eq!(abort.check().unwrap_err().blamed_rank(), Some(3));
+    }
+
+    #[test]
+    fn a_greeting_that_trickles_in_runs_out_of_time() {
+        let listener = TcpListener::bind("127.0.0.1:0").unwrap();
+        let mut client = TcpStream::connect(listener.local_addr().unwrap()).unwrap();
+        let (server_side, _) = listener.accept().unwrap();
+        let trickle = std::thread::spawn(move || {
+            for byte in 0..20u8 {
+                if client.write_all(&[byte]).is_err() {
+                    break;
+                }
+                std::thread::sleep(Duration::from_millis(50));
+            }
+        });
+        let started = Instant::now();
+        let err = Hello::read(&mut Deadline::new(&server_side, Duration::from_millis(300))).unwrap_err();
+        assert!(started.elapsed() < Duration::from_millis(900), "{:?}: {err}", started.elapsed());
+        drop(server_side);
+        trickle.join().unwrap();
+    }
+
+    #[test]
+    fn strangers_that_never_greet_cannot_pile_up_and_the_store_still_serves_after_them() {
+        let server = StoreServer::bind("127.0.0.1:0", "t").unwrap();
+        let addr = server.addr;
+        let silent: Vec<TcpStream> = (0..MAX_GREETING).map(|_| TcpStream::connect(addr).unwrap()).collect();
+        // Give the store time to take them all in, then one more is closed at once.
+        let deadline = Instant::now() + Duration::from_secs(5);
+        while server.shared.greeting.load(Ordering::Acquire) < MAX_GREETING && Instant::now() < deadline {
+            std::thread::sleep(Duration::from_millis(5));
+        }
+        let mut extra = TcpStream::connect(addr).unwrap();
+        extra.set_read_timeout(Some(Duration::from_secs(5))).unwrap();
+        assert!(matches!(extra.read(&mut [0u8; 1]), Ok(0)), "closed without a word");
+        drop(silent);
+        while server.shared.greeting.load(Ordering::Acquire) > 0 && Instant::now() < deadline {
+            std::thread::sleep(Duration::from_millis(5));
+        }
+        let client = StoreClient::connect(&addr.to_string(), "t", 0, Duration::from_secs(5)).unwrap();
+        client.set("k", b"v").unwrap();
+        assert_eq!(client.get("k").unwrap(), b"v");
     }
 }

@@ -102,13 +102,37 @@ impl Inbox {
     }
 }
 
-/// Maps the shared file at `path` of `len` bytes: created (or a stale one replaced) zero-filled
-/// and with its memory reserved when `create`, else opened, and then it must have exactly that
-/// size.
+/// Maps the shared file at `path` of `len` bytes: created zero-filled, readable and writable by
+/// this user alone, with its memory reserved when `create` (a stale file or a planted link at the
+/// path is removed first, and the new file made with exclusive create, so nothing else's file is
+/// ever opened or truncated), else opened without following a link, and only if this user owns
+/// it; then it must have exactly that size.
 pub(crate) fn map_shared(path: &Path, len: usize, create: bool) -> Result<MmapRaw, CommError> {
+    use std::os::unix::fs::{MetadataExt, OpenOptionsExt};
     let what = if create { "creating" } else { "opening" };
     let io = |err: std::io::Error| CommError::io(format!("{what} {}", path.display()), &err);
-    let file = OpenOptions::new().read(true).write(true).create(create).truncate(create).open(path).map_err(io)?;
+    let mut options = OpenOptions::new();
+    options.read(true).write(true).custom_flags(libc::O_NOFOLLOW);
+    if create {
+        match std::fs::remove_file(path) {
+            Err(err) if err.kind() != std::io::ErrorKind::NotFound => return Err(io(err)),
+            _ => {}
+        }
+        options.create_new(true).mode(0o600);
+    }
+    let file = options.open(path).map_err(io)?;
+    let metadata = file.metadata().map_err(io)?;
+    // SAFETY: geteuid has no preconditions and cannot fail.
+    let me = unsafe { libc::geteuid() };
+    if metadata.uid() != me {
+        return Err(CommError::Io {
+            context: format!("{what} {}", path.display()),
+            message: format!(
+                "owned by user {}, not this job's user {me}: another user's file is never mapped",
+                metadata.uid()
+            ),
+        });
+    }
     if create {
         // Reserved now, so a full /dev/shm fails here, named, instead of raising SIGBUS at the
         // first touch of a page that does not fit.
@@ -413,4 +437,32 @@ impl Transport for ShmTransport {
 
     /// Posted messages point into this process, which only peers read: nothing here to stop.
     fn close(&mut self) {}
+}
+
+#[cfg(test)]
+mod tests {
+    use std::os::unix::fs::PermissionsExt;
+
+    use super::*;
+
+    fn scratch_path(name: &str) -> PathBuf {
+        PathBuf::from("/dev/shm").join(format!("medley-test-{}-{name}", std::process::id()))
+    }
+
+    #[test]
+    fn shared_files_are_this_users_alone_and_a_planted_link_is_never_followed() {
+        let target = tempfile::NamedTempFile::new().unwrap();
+        std::fs::write(target.path(), b"precious").unwrap();
+        let path = scratch_path("planted");
+        std::os::unix::fs::symlink(target.path(), &path).unwrap();
+        // Opening a peer's file refuses a link; creating replaces the link, not its target.
+        assert!(map_shared(&path, 4096, false).is_err());
+        let map = map_shared(&path, 4096, true).unwrap();
+        assert_eq!(std::fs::read(target.path()).unwrap(), b"precious");
+        let metadata = std::fs::symlink_metadata(&path).unwrap();
+        assert!(metadata.is_file() && metadata.len() == 4096);
+        assert_eq!(metadata.permissions().mode() & 0o777, 0o600);
+        drop(map);
+        std::fs::remove_file(&path).unwrap();
+    }
 }
