@@ -12,6 +12,9 @@ pub enum RuntimeError {
     Unsupported(String),
     #[error("launch: {0}")]
     Launch(String),
+    /// An emulated link too slow to deliver a message within the job's timeout.
+    #[error("{0}")]
+    LinkTooSlow(String),
     #[error("schedule: {0}")]
     Schedule(#[from] ScheduleError),
     #[error("{during}: {error}")]

@@ -27,7 +27,7 @@ mod train;
 mod worker;
 
 pub use calibrate::{Measured, emulation_calibration, measure_model_pass};
-pub use checkpoint::{Manifest, check_resumable, read_latest};
+pub use checkpoint::{FileChecksum, Manifest, check_resumable, read_latest, sweep_incomplete, verify_checkpoint};
 pub use error::RuntimeError;
 pub use host_memory::{HostMemory, calibration_memory, worker_memory};
 pub use layout::{ContextSeat, EmulatedDevice, RankLayout, check_runnable, context_groups, rank_ids, worker_count};

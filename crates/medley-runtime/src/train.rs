@@ -36,6 +36,23 @@ impl Worker {
         if options.schedule == Schedule::Fixed(ScheduleKind::ZbH1) {
             return Err(RuntimeError::zero_bubble());
         }
+        // Paths may differ between hosts; whether checkpoints are written may not (every rank
+        // takes part in each).
+        let stop_and_checkpoints = format!(
+            "{} {} {} {}",
+            options.until_step,
+            options.checkpoint_every,
+            options.keep_checkpoints,
+            options.checkpoint_dir.is_some()
+        );
+        crate::worker::check_same_job(
+            &mut self.world,
+            &[
+                ("--schedule", options.schedule.to_string()),
+                ("--steps or checkpoint options", stop_and_checkpoints),
+                ("step to resume from (--resume)", self.step.to_string()),
+            ],
+        )?;
         let k_max = max_k_within_memory(&self.plan, &self.options.calibration);
         let mut schedules = StepSchedules::new(options.schedule, k_max);
         while self.step < options.until_step {

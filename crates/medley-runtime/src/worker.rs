@@ -130,6 +130,18 @@ impl Worker {
             )));
         }
         let mut world = Communicator::init(&env, options.comm.clone()).during(|| "joining the job".into())?;
+        check_same_job(
+            &mut world,
+            &[
+                ("plan", serde_json::to_string(&plan).expect("a plan serialises")),
+                ("--seed", options.seed.to_string()),
+                ("optimizer (--lr)", format!("{:?}", options.adamw)),
+                ("emulation (--no-emulate)", options.emulate_speed.to_string()),
+                ("calibration", options.calibration.to_toml()),
+                ("link emulation (--link-gb-s, --link-trace)", format!("{:?}", options.link)),
+                ("--timeout-s", format!("{:?}", options.comm.timeout)),
+            ],
+        )?;
         let dp = split_dp_groups(&plan, &layouts, &layout, &mut world)?;
         let stretch = if options.emulate_speed { layout.device.slowdown } else { 1.0 };
         let pacer = layout.context.is_some().then(|| Pacer::new(stretch));
@@ -340,7 +352,7 @@ impl Worker {
                 true => std::mem::take(&mut tensor.data),
                 false => select_rows(&tensor, &rows),
             };
-            let times = self.stamp(peer, data.len() * size_of::<f32>());
+            let times = self.stamp(peer, data.len() * size_of::<f32>())?;
             self.mailbox.send(&mut self.world, peer, tag, data, times)?;
         }
         Ok(())
@@ -380,10 +392,11 @@ impl Worker {
     }
 
     /// The posting time of a message of `bytes` to `peer`, and when it arrives over the emulated
-    /// link (the same time without one).
-    fn stamp(&mut self, peer: usize, bytes: usize) -> (u64, u64) {
+    /// link (the same time without one). A link so slow that the message would arrive after the
+    /// job's timeout stops the job here, saying so, rather than leaving the receiver asleep.
+    fn stamp(&mut self, peer: usize, bytes: usize) -> Result<(u64, u64), RuntimeError> {
         let now_us = self.clock.now_us();
-        let Some(emulation) = &self.options.link else { return (now_us, now_us) };
+        let Some(emulation) = &self.options.link else { return Ok((now_us, now_us)) };
         let link_id = (self.layout.job_rank * self.layouts.len() + peer) as u64;
         let link = self
             .links
@@ -391,8 +404,19 @@ impl Worker {
             .or_insert_with(|| EmulatedLink { walker: TraceWalker::new(&emulation.trace, link_id), free_us: 0 });
         let start_us = now_us.max(link.free_us);
         let end_ns = link.walker.finish_ns(start_us * 1000, bytes as f64, emulation.full_bytes_per_s);
-        link.free_us = end_ns.div_ceil(1000);
-        (now_us, link.free_us)
+        let arrival_us = end_ns.div_ceil(1000);
+        let timeout = self.options.comm.timeout;
+        if Duration::from_micros(arrival_us.saturating_sub(now_us)) > timeout {
+            return Err(RuntimeError::LinkTooSlow(format!(
+                "the emulated link to worker {peer} ({} GB/s at full speed, as its trace allows) would deliver a \
+                 {bytes}-byte message in {:.0} s, past the {} s timeout: raise --link-gb-s, or --timeout-s",
+                emulation.full_bytes_per_s / 1e9,
+                (arrival_us - now_us) as f64 * 1e-6,
+                timeout.as_secs()
+            )));
+        }
+        link.free_us = arrival_us;
+        Ok((now_us, arrival_us))
     }
 
     /// This rank's micro-batches of the current step.
@@ -472,6 +496,35 @@ fn emulated<T>(pacer: Option<&Pacer>, stretch: f64, clock: &mut StepClock, pass:
     let result = pass();
     clock.collective_s += pacer.end_pass();
     result
+}
+
+/// Checks that every worker of the job was started with the same `fields` (a name people know
+/// it by, and its value as text): each worker's hashes are gathered by all, so every worker stops
+/// with the same error naming the first worker and field that differ from worker 0's — instead
+/// of training a silently different job, or failing later on a mismatch nobody can place.
+pub(crate) fn check_same_job(world: &mut Communicator, fields: &[(&str, String)]) -> Result<(), RuntimeError> {
+    use sha2::Digest;
+    let hash = |text: &str| {
+        let digest = sha2::Sha256::digest(text.as_bytes());
+        i64::from_le_bytes(digest[..8].try_into().expect("eight bytes"))
+    };
+    let mine: Vec<i64> = fields.iter().map(|(_, value)| hash(value)).collect();
+    let n = world.n_ranks();
+    let mut all = vec![0i64; n * mine.len()];
+    world
+        .all_gather(&mine, &mut all, &vec![mine.len(); n])
+        .during(|| "checking that every worker was given the same job".into())?;
+    let first = &all[..mine.len()];
+    for (rank, theirs) in all.chunks(mine.len()).enumerate().skip(1) {
+        if let Some(field) = (0..mine.len()).find(|&field| theirs[field] != first[field]) {
+            return Err(RuntimeError::Launch(format!(
+                "worker {rank} was started with another {} than worker 0: every worker of a job must be given the \
+                 same plan, seed and options",
+                fields[field].0
+            )));
+        }
+    }
+    Ok(())
 }
 
 /// Runs a pass, stretched to `stretch` times what it took here by sleeping, so a slower

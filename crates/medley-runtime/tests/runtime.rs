@@ -10,7 +10,7 @@ use medley_cost::{Calibration, CostModel, Setting};
 use medley_model::{AdamW, HostTensor};
 use medley_plan::baselines::{Degrees, fixed};
 use medley_plan::{Plan, ReplicaLayout, assemble, stages_from_counts};
-use medley_runtime::{LinkEmulation, StepMetrics, TrainOptions, Worker, WorkerOptions};
+use medley_runtime::{LinkEmulation, RuntimeError, StepMetrics, TrainOptions, Worker, WorkerOptions};
 use medley_schedule::ScheduleKind;
 use medley_spec::{Cluster, JobParts, JobSpec, Recompute, Schedule, catalog_model};
 use medley_trace::BandwidthTrace;
@@ -67,12 +67,22 @@ fn worker_options(adamw: AdamW, link: Option<LinkEmulation>) -> WorkerOptions {
 
 /// Every worker of `plan` joined as a thread of this process over loopback, each running `body`.
 fn run_workers<R: Send>(plan: &Plan, options: WorkerOptions, body: impl Fn(Worker) -> R + Sync) -> Vec<R> {
+    run_workers_each(plan, |_| options.clone(), |joined| body(joined.unwrap()))
+}
+
+/// Every worker of `plan`, worker r started with `options(r)`, joining as a thread of this
+/// process over loopback, each running `body` on what joining gave.
+fn run_workers_each<R: Send>(
+    plan: &Plan,
+    options: impl Fn(usize) -> WorkerOptions + Sync,
+    body: impl Fn(Result<Worker, RuntimeError>) -> R + Sync,
+) -> Vec<R> {
     let world = medley_runtime::worker_count(plan);
     let port = TcpListener::bind("127.0.0.1:0").unwrap().local_addr().unwrap().port();
     std::thread::scope(|scope| {
         let workers: Vec<_> = (0..world)
             .map(|rank| {
-                let (plan, options, body) = (plan.clone(), options.clone(), &body);
+                let (plan, options, body) = (plan.clone(), options(rank), &body);
                 scope.spawn(move || {
                     let env = LaunchEnv::from_vars([
                         ("RANK", rank.to_string()),
@@ -82,7 +92,7 @@ fn run_workers<R: Send>(plan: &Plan, options: WorkerOptions, body: impl Fn(Worke
                         ("MEDLEY_TOKEN", "t".into()),
                     ])
                     .unwrap();
-                    body(Worker::join(plan, env, options).unwrap())
+                    body(Worker::join(plan, env, options))
                 })
             })
             .collect();
@@ -124,6 +134,46 @@ fn train_over(
     }
     tensors.dedup_by(|a, b| a.0 == b.0);
     (losses, tensors)
+}
+
+#[test]
+fn workers_started_with_another_job_refuse_naming_the_worker_and_what_differs() {
+    let plan = plan("2xh100", &[(4, &[4, 4])], 1);
+    let base = worker_options(AdamW::default(), None);
+    let seed_of = |rank: usize| WorkerOptions { seed: 7 + rank as u64, ..base.clone() };
+    let errors = run_workers_each(&plan, seed_of, |joined| joined.err().map(|err| err.to_string()));
+    for error in &errors {
+        let error = error.as_deref().unwrap_or_default();
+        assert!(error.contains("worker 1 was started with another --seed than worker 0"), "{errors:?}");
+    }
+    let lr_of = |rank: usize| WorkerOptions {
+        adamw: AdamW { lr: 1e-3 * (1 + rank) as f32, ..AdamW::default() },
+        ..base.clone()
+    };
+    let errors = run_workers_each(&plan, lr_of, |joined| joined.err().map(|err| err.to_string()));
+    assert!(errors.iter().all(|error| error.as_deref().is_some_and(|e| e.contains("--lr"))), "{errors:?}");
+}
+
+#[test]
+fn a_link_too_slow_for_the_timeout_stops_the_job_saying_so() {
+    let plan = plan("2xh100", &[(4, &[4, 4])], 1);
+    // 16 KiB activations at one byte a second: hours a message, against a 3 s timeout.
+    let link = LinkEmulation { full_bytes_per_s: 1.0, trace: BandwidthTrace::Constant { fraction: 1.0 } };
+    let mut options = worker_options(AdamW::default(), Some(link));
+    options.comm.timeout = Duration::from_secs(3);
+    let train = TrainOptions {
+        until_step: 1,
+        schedule: one_f_one_b(),
+        checkpoint_dir: None,
+        checkpoint_every: 0,
+        keep_checkpoints: 1,
+    };
+    let errors = run_workers(&plan, options, |mut worker| {
+        worker.train(&train, None, |_: &StepMetrics| Ok(())).err().map(|err| err.to_string())
+    });
+    let sender = errors[0].as_deref().unwrap_or_default();
+    assert!(sender.contains("past the 3 s timeout") && sender.contains("--link-gb-s"), "{errors:?}");
+    assert!(errors[1].is_some(), "the receiver stops too: {errors:?}");
 }
 
 #[test]

@@ -20,7 +20,7 @@ use medley_plan::max_k_within_memory;
 use medley_plan::{Plan, SearchOptions, search};
 use medley_runtime::{
     RankLayout, calibration_memory, check_resumable, emulation_calibration, measure_model_pass, read_latest,
-    worker_memory,
+    verify_checkpoint, worker_memory,
 };
 use medley_sim::timeline::{merge_segments, trace_events};
 use medley_sim::{SimConfig, simulate_steps};
@@ -84,6 +84,7 @@ pub fn run(args: &TrainArgs) -> Result<ExitCode> {
     if let Some(dir) = &args.resume {
         let (checkpoint, manifest) = read_latest(&dir.join(CHECKPOINTS))?;
         check_resumable(&checkpoint, &manifest, &plan)?;
+        verify_checkpoint(&checkpoint, &manifest)?;
     }
     // Only a run that passed its checks touches the directory.
     run_dir.start_over_if_forced()?;
@@ -300,18 +301,29 @@ pub(crate) fn launch_and_watch(args: &WorkerArgs, layouts: &[RankLayout], progre
         Arc::new(move |line: &str| progress.println(line))
     };
     let mut job = LocalJob::start(&exe, &ranks, Some(echo))?;
-    let mut steps = Vec::new();
     let stdout = job.take_rank0_stdout().expect("rank 0's output is piped");
-    for line in BufReader::new(stdout).lines().map_while(Result::ok) {
-        let Ok(step) = serde_json::from_str::<Value>(&line) else { continue };
-        progress.step(
-            step["step"].as_u64().unwrap_or(0),
-            step["loss"].as_f64().unwrap_or(f64::NAN),
-            step["tokens_per_s"].as_f64().unwrap_or(0.0),
-        );
-        steps.push(step);
-    }
+    // Rank 0's metrics are read on a thread of their own while the job is watched, so a worker
+    // that stops answering (even rank 0, stopped with its pipe open) is killed once the others
+    // have failed on it, rather than waited for while its output stays open.
+    let reader = {
+        let progress = progress.clone();
+        std::thread::spawn(move || {
+            let mut steps = Vec::new();
+            for line in BufReader::new(stdout).lines().map_while(Result::ok) {
+                let Ok(step) = serde_json::from_str::<Value>(&line) else { continue };
+                progress.step(
+                    step["step"].as_u64().unwrap_or(0),
+                    step["loss"].as_f64().unwrap_or(f64::NAN),
+                    step["tokens_per_s"].as_f64().unwrap_or(0.0),
+                );
+                steps.push(step);
+            }
+            steps
+        })
+    };
     let end = job.wait(Duration::from_secs(args.run.timeout_s + 15), None);
+    // Every worker has exited or been killed: the pipe is closed and the reader done.
+    let steps = reader.join().unwrap_or_default();
     progress.finish();
     Ok(Outcome { end, steps })
 }

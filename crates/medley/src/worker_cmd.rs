@@ -14,7 +14,7 @@ use clap::Args;
 use medley_comm::{Config, LaunchEnv};
 use medley_cost::Calibration;
 use medley_model::AdamW;
-use medley_runtime::{LinkEmulation, RuntimeError, StepMetrics, TrainOptions, Worker, WorkerOptions};
+use medley_runtime::{LinkEmulation, RuntimeError, TrainOptions, Worker, WorkerOptions};
 use medley_sim::{BandwidthTrace, Timeline};
 use medley_spec::Schedule;
 
@@ -210,13 +210,20 @@ fn train_joined(worker: &mut Worker, args: &WorkerArgs, schedule: Schedule) -> R
     let label = format!("{} · {} (worker {rank}, emulated)", layout.id, layout.device.name);
     timeline.process(worker.timeline_pid(), &label, rank as u32);
     let mut metrics = (rank == 0).then(|| open_metrics(&args.out, resumed_at)).transpose()?;
+    let printer = (rank == 0 && args.print_metrics).then(MetricsPrinter::start);
     worker.train(&train, Some(&mut timeline), |step| {
         if let Some(file) = metrics.as_mut() {
-            record(file, step, args.print_metrics)
-                .map_err(|error| RuntimeError::Io { path: args.out.join(METRICS), error })?;
+            let line = serde_json::to_string(step).expect("metrics serialise");
+            writeln!(file, "{line}").map_err(|error| RuntimeError::Io { path: args.out.join(METRICS), error })?;
+            if let Some(printer) = &printer {
+                printer.print(line);
+            }
         }
         Ok(())
     })?;
+    if let Some(printer) = printer {
+        printer.finish();
+    }
     timeline.finish().with_context(|| format!("cannot write {}", timeline_path.display()))?;
     Ok(())
 }
@@ -263,15 +270,39 @@ fn open_metrics(out: &Path, resumed_at: Option<u64>) -> Result<File> {
     OpenOptions::new().append(true).open(&path).with_context(|| format!("cannot open {}", path.display()))
 }
 
-fn record(file: &mut File, step: &StepMetrics, print: bool) -> std::io::Result<()> {
-    let line = serde_json::to_string(step).expect("metrics serialise");
-    writeln!(file, "{line}")?;
-    if print {
-        let mut stdout = std::io::stdout().lock();
-        writeln!(stdout, "{line}")?;
-        stdout.flush()?;
+/// Prints metric lines on standard output from a thread of its own, so that a reader that stops
+/// reading (a paused launcher, its pipe full) holds up only that thread, never training: lines
+/// wait in memory (a hundred bytes a step) until it reads again.
+struct MetricsPrinter {
+    lines: std::sync::mpsc::Sender<String>,
+    thread: std::thread::JoinHandle<()>,
+}
+
+impl MetricsPrinter {
+    fn start() -> MetricsPrinter {
+        let (lines, received) = std::sync::mpsc::channel::<String>();
+        let thread = std::thread::spawn(move || {
+            let mut stdout = std::io::stdout();
+            for line in received {
+                // A reader that has gone away (a closed pipe) only loses the progress lines; the
+                // metrics file has them all.
+                if writeln!(stdout, "{line}").and_then(|()| stdout.flush()).is_err() {
+                    break;
+                }
+            }
+        });
+        MetricsPrinter { lines, thread }
     }
-    Ok(())
+
+    fn print(&self, line: String) {
+        self.lines.send(line).ok();
+    }
+
+    /// Waits until every line is printed.
+    fn finish(self) {
+        drop(self.lines);
+        self.thread.join().ok();
+    }
 }
 
 /// Says which worker stopped, and which other one it blames.

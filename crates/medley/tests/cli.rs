@@ -458,6 +458,38 @@ fn training_resumes_bit_for_bit_and_under_another_plan() {
 }
 
 #[test]
+fn corrupt_or_mixed_checkpoints_are_refused_naming_the_file() {
+    let out = scratch("train-corrupt");
+    train(&out, &["--fleet", "2xh100", "--steps", "4", "--checkpoint-every", "2"]);
+    let out_text = out.to_string_lossy().into_owned();
+    let resume = || {
+        let args: Vec<&str> =
+            ["train", "--resume", &out_text].into_iter().chain(QUICK_TRAIN).chain(["10", "--steps", "6"]).collect();
+        let output = medley(&args);
+        assert_ne!(output.status.code(), Some(0), "resumed from a bad checkpoint:\n{}", stdout(&output));
+        stderr(&output)
+    };
+    let checkpoints = out.join("checkpoints");
+    let newest = checkpoints.join("step-00000004/rank-1.safetensors");
+    let written = std::fs::read(&newest).unwrap();
+    let mut flipped = written.clone();
+    let middle = flipped.len() / 2;
+    flipped[middle..middle + 16].iter_mut().for_each(|byte| *byte ^= 0xff);
+    std::fs::write(&newest, &flipped).unwrap();
+    let refused = resume();
+    assert!(refused.contains("rank-1.safetensors") && refused.contains("not what was written"), "{refused}");
+    // Step 4's file in step 2's checkpoint: another file than the manifest recorded.
+    std::fs::write(&newest, &written).unwrap();
+    std::fs::copy(&newest, checkpoints.join("step-00000002/rank-1.safetensors")).unwrap();
+    std::fs::write(checkpoints.join("latest"), "step-00000002").unwrap();
+    let refused = resume();
+    assert!(
+        refused.contains("step-00000002/rank-1.safetensors") && refused.contains("another checkpoint"),
+        "{refused}"
+    );
+}
+
+#[test]
 fn long_context_checkpoints_resume_under_another_layout() {
     let whole = scratch("context-whole");
     train(&whole, &["--fleet", "1xh100", "--steps", "4"]);
