@@ -74,8 +74,10 @@ pub fn least_bound_s(stages: &[StageLoad], n_layers: u32) -> Option<f64> {
         if feasible(stages, n_layers, mid) { high = mid } else { low = mid }
     }
     // Snap to the stage time that sets the bound, so stages whose times equal it up to float
-    // rounding are all admitted.
-    Some(stages.iter().map(|stage| stage.time_s(stage.capacity(high))).fold(0.0, f64::max))
+    // rounding are all admitted — unless rounding at extreme magnitudes makes the snapped bound
+    // infeasible, when the bisection's own feasible bound stands.
+    let snapped = stages.iter().map(|stage| stage.time_s(stage.capacity(high))).fold(0.0, f64::max);
+    Some(if feasible(stages, n_layers, snapped) { snapped } else { high })
 }
 
 /// The next bound above `bound_s` at which some stage can take one more layer.

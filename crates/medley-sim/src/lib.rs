@@ -46,6 +46,10 @@ use setup::Setup;
 pub(crate) const ELEMENT_BYTES: f64 = 2.0;
 
 /// Seconds as the simulator's whole nanoseconds.
+/// The longest step the engine simulates, s: its clock counts nanoseconds in a `u64` (584 years),
+/// and a step the cost model prices beyond this (absurd device rates or links) would overflow it.
+const HORIZON_S: f64 = 1e9;
+
 pub(crate) fn ns(seconds: f64) -> u64 {
     (seconds * 1e9).round() as u64
 }
@@ -83,6 +87,11 @@ pub enum SimError {
     Timeline(#[from] std::io::Error),
     #[error("the simulator cannot run this plan yet: {0}")]
     Unsupported(&'static str),
+    #[error(
+        "the cost model prices one step of this plan at {predicted_s:.3e} s, beyond what the simulator's clock \
+         holds ({HORIZON_S:e} s): check the cluster's device rates, links and the calibration's efficiencies"
+    )]
+    BeyondHorizon { predicted_s: f64 },
 }
 
 /// Knobs of a simulation beyond the plan.
@@ -116,6 +125,10 @@ impl<'p, 'w> Simulation<'p, 'w> {
         config: &SimConfig,
         timeline: Option<&'w mut dyn Write>,
     ) -> Result<Self, SimError> {
+        let predicted_s = medley_plan::evaluate(plan, calibration).step_time_s;
+        if predicted_s.is_nan() || predicted_s >= HORIZON_S {
+            return Err(SimError::BeyondHorizon { predicted_s });
+        }
         let mut network = Network::new();
         let setup = Setup::new(plan, calibration, &mut network)?;
         let n_ranks = setup.ranks.len();

@@ -10,6 +10,9 @@ use crate::error::SpecError;
 /// that device counts never overflow.
 pub const MAX_GPUS: u32 = 1 << 20;
 
+/// The most node groups a cluster may list (the planner searches at most a handful).
+pub const MAX_GROUPS: usize = 64;
+
 /// GPUs per node when the inline form does not say (the common 8-GPU server).
 pub const DEFAULT_GPUS_PER_NODE: u32 = 8;
 
@@ -180,6 +183,16 @@ impl Cluster {
     pub fn new(groups: Vec<NodeGroup>, fabric: Fabric, bridge: Bridge, source: &str) -> Result<Self, SpecError> {
         if groups.is_empty() {
             return Err(SpecError::field(source, "group", "a cluster needs at least one node group"));
+        }
+        if groups.len() > MAX_GROUPS {
+            return Err(SpecError::field(
+                source,
+                "group",
+                format!(
+                    "{} node groups; medley takes at most {MAX_GROUPS}: merge groups of the same device and node shape",
+                    groups.len()
+                ),
+            ));
         }
         for (idx, group) in groups.iter().enumerate() {
             let counts = [

@@ -7,7 +7,7 @@ use std::fmt;
 
 use serde::{Deserialize, Serialize};
 
-use crate::error::{SpecError, close_names};
+use crate::error::{SpecError, check_name, close_names};
 
 /// Which vendor's native collective library a device speaks: its communication domain.
 #[derive(Clone, Copy, Debug, PartialEq, Eq, PartialOrd, Ord, Hash, Serialize, Deserialize)]
@@ -107,6 +107,7 @@ impl DeviceSpec {
         if self.name.trim().is_empty() {
             return Err(SpecError::field(source, "device.name", "must not be empty"));
         }
+        check_name(source, "device.name", &self.name)?;
         let rates = [
             ("bf16_tflops", self.bf16_tflops.unwrap_or(1.0)),
             ("fp16_tflops", self.fp16_tflops),

@@ -49,6 +49,21 @@ fn line_column(text: &str, offset: usize) -> (usize, usize) {
 }
 
 /// Names from `candidates` within a small edit distance of `name`, closest first.
+/// The longest name a spec may give a model or device.
+const MAX_NAME_CHARS: usize = 200;
+
+/// A name medley prints: at most 200 characters and no control characters, so that a file's
+/// name (a HuggingFace `_name_or_path`, say) cannot smuggle terminal escape sequences into output.
+pub(crate) fn check_name(source: &str, field: &str, name: &str) -> Result<(), SpecError> {
+    if name.chars().count() > MAX_NAME_CHARS {
+        return Err(SpecError::field(source, field, format!("must be at most {MAX_NAME_CHARS} characters")));
+    }
+    if name.chars().any(char::is_control) {
+        return Err(SpecError::field(source, field, "must not contain control characters (such as terminal escapes)"));
+    }
+    Ok(())
+}
+
 pub(crate) fn close_names<'a>(name: &str, candidates: impl Iterator<Item = &'a str>) -> Vec<String> {
     let name = name.to_ascii_lowercase();
     let mut scored: Vec<(f64, &str)> =

@@ -112,11 +112,18 @@ impl Default for JobParts {
     }
 }
 
+/// The largest job medley plans: 16M-token sequences, and 1M sequences a step (Llama 3 405B took
+/// 2,048 sequences of 8K tokens); beyond them the planner's time grows past what it is for.
+pub const MAX_SEQ_LEN: u32 = 1 << 24;
+pub const MAX_GLOBAL_BATCH: u32 = 1 << 20;
+
 impl JobSpec {
     pub fn new(parts: JobParts, source: &str) -> Result<Self, SpecError> {
-        for (field, value) in [("seq_len", parts.seq_len), ("global_batch", parts.global_batch)] {
-            if value == 0 {
-                return Err(SpecError::field(source, field, "must be at least 1"));
+        for (field, value, max) in
+            [("seq_len", parts.seq_len, MAX_SEQ_LEN), ("global_batch", parts.global_batch, MAX_GLOBAL_BATCH)]
+        {
+            if value == 0 || value > max {
+                return Err(SpecError::field(source, field, format!("must be from 1 to {max}, got {value}")));
             }
         }
         if let Some(micro_batch) = parts.micro_batch
@@ -177,6 +184,16 @@ impl JobSpec {
 #[cfg(test)]
 mod tests {
     use super::*;
+
+    #[test]
+    fn jobs_beyond_the_planners_limits_are_refused_naming_the_limit() {
+        for (seq_len, global_batch, wanted) in [(0, 8, "seq_len"), (1 << 25, 8, "16777216"), (8, 20_000_000, "1048576")]
+        {
+            let parts = JobParts { seq_len, global_batch, ..JobParts::default() };
+            let err = JobSpec::new(parts, "job.toml").unwrap_err().to_string();
+            assert!(err.contains(wanted), "{err}");
+        }
+    }
 
     #[test]
     fn micro_batch_must_divide_global_batch() {

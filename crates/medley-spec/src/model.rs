@@ -3,7 +3,7 @@
 use serde::{Deserialize, Serialize};
 use serde_json::Value;
 
-use crate::error::{SpecError, close_names};
+use crate::error::{SpecError, check_name, close_names};
 
 /// The MLP block's shape.
 #[derive(Clone, Copy, Debug, Default, PartialEq, Eq, Serialize, Deserialize)]
@@ -48,9 +48,15 @@ fn is_false(value: &bool) -> bool {
     !*value
 }
 
-/// The largest size of any model dimension: far beyond published models, and small enough that
-/// parameter and FLOP counts never overflow.
+/// The largest size of any model dimension: far beyond published models.
 const MAX_SIZE: u32 = 1 << 24;
+
+/// The most parameters a model may have: a thousand times the largest published dense models, and
+/// far enough below `u64::MAX` that parameter, byte and FLOP counts never overflow.
+pub const MAX_PARAMS: f64 = 1e15;
+
+/// The most routed experts.
+const MAX_EXPERTS: u32 = 1 << 16;
 
 /// A decoder-only transformer, every layer alike. Invariants (held by [`ModelSpec::new`]): every
 /// size positive, heads divide the hidden size unless the head size is given, kv heads divide
@@ -101,8 +107,27 @@ impl TryFrom<ModelParts> for ModelSpec {
     }
 }
 
+/// A bound above the parameter count of `parts` (every matrix of attention and MLP, every expert,
+/// the embedding and an untied head), in floating point so that it cannot overflow.
+fn params_upper_bound(parts: &ModelParts) -> f64 {
+    let hidden = f64::from(parts.hidden);
+    let head_dim = f64::from(parts.head_dim.unwrap_or(parts.hidden / parts.n_heads.max(1)));
+    let attention = hidden * head_dim * f64::from(2 * parts.n_heads + 2 * parts.n_kv_heads);
+    let (n_experts, expert_ffn, shared) = match parts.experts {
+        Some(experts) => (
+            f64::from(experts.n_experts),
+            f64::from(experts.ffn_hidden.unwrap_or(parts.ffn_hidden)),
+            f64::from(experts.shared_ffn_hidden),
+        ),
+        None => (1.0, f64::from(parts.ffn_hidden), 0.0),
+    };
+    let mlp = 3.0 * hidden * (n_experts * expert_ffn + shared);
+    f64::from(parts.n_layers) * (attention + mlp) + 2.0 * f64::from(parts.vocab) * hidden
+}
+
 impl ModelSpec {
     pub fn new(parts: ModelParts, source: &str) -> Result<Self, SpecError> {
+        check_name(source, "name", &parts.name)?;
         let sizes = [
             ("n_layers", parts.n_layers),
             ("hidden", parts.hidden),
@@ -140,6 +165,19 @@ impl ModelSpec {
             && experts.shared_ffn_hidden > MAX_SIZE
         {
             return Err(SpecError::field(source, "experts.shared_ffn_hidden", format!("must be at most {MAX_SIZE}")));
+        }
+        if let Some(experts) = parts.experts
+            && experts.n_experts > MAX_EXPERTS
+        {
+            return Err(SpecError::field(source, "experts.n_experts", format!("must be at most {MAX_EXPERTS}")));
+        }
+        let params = params_upper_bound(&parts);
+        if params > MAX_PARAMS {
+            return Err(SpecError::field(
+                source,
+                "n_layers",
+                format!("these sizes make about {params:.1e} parameters, beyond the {MAX_PARAMS:.0e} medley models"),
+            ));
         }
         if let Some(experts) = parts.experts
             && (experts.top_k == 0 || experts.top_k > experts.n_experts)
@@ -557,6 +595,26 @@ mod tests {
         assert_eq!(catalog_model("Llama3-70B").unwrap().n_layers(), 80);
         let err = catalog_model("llama3-7b").unwrap_err().to_string();
         assert!(err.contains("did you mean"), "{err}");
+    }
+
+    #[test]
+    fn a_name_with_terminal_escapes_is_refused() {
+        let text = r#"{"_name_or_path":"evil\u001b]0;pwned\u0007","model_type":"gpt2","n_layer":2,
+                       "n_embd":64,"n_head":2,"vocab_size":100}"#;
+        let err = ModelSpec::from_hf_config(text, "config.json").unwrap_err().to_string();
+        assert!(err.contains("control characters"), "{err}");
+    }
+
+    #[test]
+    fn models_past_the_parameter_limit_are_refused_and_the_largest_counts_fit_a_u64() {
+        let huge = entry("huge", 1 << 24, 1 << 24, 1 << 10, 1 << 10, 1 << 24, 1 << 24, MlpKind::SwiGlu, None, false);
+        let err = ModelSpec::new(huge, "huge.toml").unwrap_err().to_string();
+        assert!(err.contains("parameters") && err.contains("1e15"), "{err}");
+        let experts = Some(Experts { n_experts: 1 << 20, top_k: 1, ..Experts::default() });
+        let many = entry("many", 2, 64, 4, 4, 64, 64, MlpKind::SwiGlu, experts, false);
+        assert!(ModelSpec::new(many, "many.toml").unwrap_err().to_string().contains("n_experts"));
+        // At the limit, a count in bytes with optimizer state (16 a parameter) still fits a u64.
+        assert!(MAX_PARAMS * 16.0 * 1024.0 < u64::MAX as f64);
     }
 
     #[test]

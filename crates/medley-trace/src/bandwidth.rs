@@ -163,8 +163,11 @@ impl<'a> Fields<'a> {
         let text = self.get(key)?;
         let ns =
             parse_duration_ns(text).ok_or_else(|| format!("`{key}={text}`: expected a duration like 2s or 500ms"))?;
-        if ns == 0 {
-            return Err(format!("`{key}={text}`: the duration must be positive"));
+        if ns < MIN_PERIOD_NS {
+            return Err(format!(
+                "`{key}={text}`: periods are at least 10us (bandwidth other jobs take changes over microseconds or \
+                 more, and each change is an event to simulate)"
+            ));
         }
         Ok(ns)
     }
@@ -180,6 +183,9 @@ fn parse_fraction(text: &str) -> Result<f64, String> {
         _ => Err(format!("fraction `{text}` must be a number from 0 to 1")),
     }
 }
+
+/// The shortest period of an on-off or random trace.
+const MIN_PERIOD_NS: u64 = 10_000;
 
 /// `2s`, `1.5s`, `500ms`, `40us`, `100ns`: humantime's durations.
 fn parse_duration_ns(text: &str) -> Option<u64> {
@@ -351,6 +357,7 @@ mod tests {
             "constant:1.5",
             "on-off:full=2s,fraction=0.1",
             "on-off:full=2s,reduced=0s,fraction=0.1",
+            "on-off:full=1ns,reduced=1ns,fraction=0.1",
             "random:seed=x,full=1s,reduced=1s,fraction=0.1",
             "on-off:full=2parsecs,reduced=1s,fraction=0.1",
             "sometimes",

@@ -117,9 +117,18 @@ pub struct WorkerArgs {
     algorithms: Vec<Algorithm>,
 }
 
+/// The largest message the benchmark sends: every rank holds two buffers of it.
+const MAX_MESSAGE_BYTES: usize = 16 << 30;
+
 pub fn run(args: &CommArgs) -> Result<()> {
     if args.min_bytes == 0 || args.min_bytes > args.max_bytes {
         bail!("--min-bytes {} must be positive and at most --max-bytes {}", args.min_bytes, args.max_bytes);
+    }
+    if args.max_bytes > MAX_MESSAGE_BYTES {
+        bail!(
+            "--max-bytes {}: the benchmark sends at most {MAX_MESSAGE_BYTES} bytes (16 GiB) a message",
+            args.max_bytes
+        );
     }
     if let Some(n) = args.ranks.iter().find(|&&n| n == 0) {
         bail!("--ranks {n}: a run needs at least one rank");

@@ -60,7 +60,7 @@ pub fn run(which: &ExportCommand) -> Result<ExitCode> {
         false => script,
     };
     match &args.output {
-        None => print!("{text}"),
+        None => crate::render::emit(&text)?,
         Some(path) => {
             std::fs::write(path, &text).with_context(|| format!("cannot write {path}"))?;
             if !args.json {

@@ -254,6 +254,31 @@ fn looks_like_file(text: &str) -> bool {
     Path::new(text).is_file() || text.ends_with(".toml") || text.ends_with(".json") || text.contains('/')
 }
 
+/// The largest input file medley reads (a spec, plan, profile or trace): far beyond any real one,
+/// so that a wrong path (`/dev/zero`, a dataset) fails at once instead of filling memory.
+const MAX_INPUT_BYTES: u64 = 64 << 20;
+
 pub fn read(path: &str) -> Result<String> {
-    fs::read_to_string(path).with_context(|| format!("cannot read {path}"))
+    use std::io::Read;
+    let file = fs::File::open(path).with_context(|| format!("cannot read {path}"))?;
+    let mut bytes = Vec::new();
+    file.take(MAX_INPUT_BYTES + 1).read_to_end(&mut bytes).with_context(|| format!("cannot read {path}"))?;
+    if bytes.len() as u64 > MAX_INPUT_BYTES {
+        bail!(
+            "{path} is larger than {} MiB, more than any input medley reads: is it the right file?",
+            MAX_INPUT_BYTES >> 20
+        );
+    }
+    String::from_utf8(bytes).with_context(|| format!("{path} is not UTF-8 text"))
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn an_endless_input_is_refused_after_the_cap_not_read_to_the_end() {
+        let err = read("/dev/zero").unwrap_err().to_string();
+        assert!(err.contains("larger than 64 MiB"), "{err}");
+    }
 }

@@ -112,7 +112,9 @@ pub fn run(args: &PlanArgs) -> Result<ExitCode> {
         Ok(found) => found,
         Err(err @ PlanError::NothingFits(_)) => {
             if args.json {
-                println!("{}", serde_json::to_string_pretty(&json!({"fits": false, "error": err.to_string()}))?);
+                render::emit(
+                    &(serde_json::to_string_pretty(&json!({"fits": false, "error": err.to_string()}))? + "\n"),
+                )?;
             }
             tracing::error!("{err}");
             return Ok(ExitCode::from(1));
@@ -141,9 +143,9 @@ pub fn run(args: &PlanArgs) -> Result<ExitCode> {
         search_s,
     };
     if args.json {
-        println!("{}", serde_json::to_string_pretty(&render::json(&report))?);
+        render::emit(&(serde_json::to_string_pretty(&render::json(&report))? + "\n"))?;
     } else {
-        print!("{}", render::text(&report));
+        render::emit(&render::text(&report))?;
         std::io::stdout().flush()?;
         match &args.output {
             Some(path) => tracing::info!("plan #{} written to {}", args.pick, path.display()),
@@ -212,18 +214,27 @@ fn expressible(
     Ok(pool)
 }
 
+/// The candidates with one simulated step each (none above [`render::SIMULATE_UP_TO_GPUS`]), fastest
+/// first by the simulator where it ran and by the cost model where it did not.
 pub(crate) fn confirm_by_simulation(candidates: Vec<Candidate>, calibration: &Calibration) -> Result<Confirmed> {
-    let simulated: Vec<StepReport> = candidates
+    let simulated: Vec<Option<StepReport>> = candidates
         .par_iter()
         .map(|candidate| {
             let plan = &candidate.plan;
-            simulate_steps(plan, calibration, &SimConfig::default(), plan.schedule(), 1, None).map(|run| run.last_step)
+            if candidate.prediction.n_gpus_used > render::SIMULATE_UP_TO_GPUS {
+                return Ok(None);
+            }
+            simulate_steps(plan, calibration, &SimConfig::default(), plan.schedule(), 1, None)
+                .map(|run| Some(run.last_step))
         })
         .collect::<Result<_, _>>()
         .context("simulating the candidates")?;
+    let step_s =
+        |idx: usize| simulated[idx].as_ref().map_or(candidates[idx].prediction.step_time_s, |step| step.step_time_s);
     let mut order: Vec<usize> = (0..candidates.len()).collect();
-    order.sort_by(|&a, &b| simulated[a].step_time_s.total_cmp(&simulated[b].step_time_s));
-    let mut slots: Vec<Option<(Candidate, StepReport)>> = candidates.into_iter().zip(simulated).map(Some).collect();
+    order.sort_by(|&a, &b| step_s(a).total_cmp(&step_s(b)));
+    let mut slots: Vec<Option<(Candidate, Option<StepReport>)>> =
+        candidates.into_iter().zip(simulated).map(Some).collect();
     let (candidates, simulated) = order.iter().map(|&idx| slots[idx].take().expect("each once")).unzip();
     Ok(Confirmed { candidates, simulated, analytical_rank: order })
 }

@@ -13,11 +13,16 @@ use medley_spec::{Cluster, JobSpec, ModelSpec};
 
 use crate::inputs::Specs;
 
+/// Plans on more GPUs than this are ranked by the cost model alone: one simulated step of a
+/// 16,384-GPU plan takes seconds (every replica's collectives are simulated flow by flow).
+pub(crate) const SIMULATE_UP_TO_GPUS: u32 = 4096;
+
 /// The candidates ranked by simulated step time (analytical search first, simulation to
 /// confirm), and the cost model's rank of each.
 pub struct Confirmed {
     pub candidates: Vec<Candidate>,
-    pub simulated: Vec<StepReport>,
+    /// `None` for a plan too large to simulate in moments ([`SIMULATE_UP_TO_GPUS`]).
+    pub simulated: Vec<Option<StepReport>>,
     /// `analytical_rank[i]`: where the cost model ranked candidate i (0 = first).
     pub analytical_rank: Vec<usize>,
 }
@@ -62,12 +67,8 @@ pub fn json(report: &Report) -> Value {
             }),
         })
         .collect();
-    let simulated = &report.confirmed.simulated[report.picked];
-    json!({
-        "rank": report.picked + 1,
-        "plan": best.plan,
-        "prediction": best.prediction,
-        "simulated": {
+    let simulated = report.confirmed.simulated[report.picked].as_ref().map(|simulated| {
+        json!({
             "step_time_s": simulated.step_time_s,
             "tokens_per_s": simulated.utilisation.tokens_per_s,
             "mfu": simulated.utilisation.mfu,
@@ -75,7 +76,13 @@ pub fn json(report: &Report) -> Value {
             "peak_memory_gib": simulated.peak_memory_gib,
             "fits": simulated.fits,
             "cost_model_rank": report.confirmed.analytical_rank[report.picked] + 1,
-        },
+        })
+    });
+    json!({
+        "rank": report.picked + 1,
+        "plan": best.plan,
+        "prediction": best.prediction,
+        "simulated": simulated,
         "baselines": baselines,
     })
 }
@@ -145,12 +152,28 @@ pub(crate) fn right(text: impl ToString) -> Cell {
 
 /// Whether the simulator confirms the cost model's ranking, and how far apart their times are.
 fn agreement(confirmed: &Confirmed) -> String {
-    let worst_gap = confirmed
+    let gaps: Vec<f64> = confirmed
         .candidates
         .iter()
         .zip(&confirmed.simulated)
-        .map(|(candidate, simulated)| simulated.step_time_s / candidate.prediction.step_time_s - 1.0)
-        .fold(0.0, |worst: f64, gap| if gap.abs() > worst.abs() { gap } else { worst });
+        .filter_map(|(candidate, simulated)| {
+            simulated.as_ref().map(|simulated| simulated.step_time_s / candidate.prediction.step_time_s - 1.0)
+        })
+        .collect();
+    let unsimulated = confirmed.simulated.len() - gaps.len();
+    let skipped = match unsimulated {
+        0 => String::new(),
+        n => format!(
+            "; {} on more than {} GPUs ranked by the cost model alone, not simulated (a step of such a plan takes \
+             the simulator seconds: `medley simulate --plan` runs one)",
+            count(n, "plan"),
+            SIMULATE_UP_TO_GPUS
+        ),
+    };
+    if gaps.is_empty() {
+        return format!("\nthe cost model's ranking{skipped}\n");
+    }
+    let worst_gap = gaps.into_iter().fold(0.0, |worst: f64, gap| if gap.abs() > worst.abs() { gap } else { worst });
     let ranking = match confirmed.analytical_rank.iter().position(|&rank| rank == 0) {
         Some(0) | None => "the simulator confirms the cost model's first choice".to_string(),
         Some(position) => format!(
@@ -159,7 +182,10 @@ fn agreement(confirmed: &Confirmed) -> String {
             confirmed.analytical_rank[0] + 1
         ),
     };
-    format!("\n{ranking}; simulated step times differ from the cost model's by up to {:+.1}%\n", 100.0 * worst_gap)
+    format!(
+        "\n{ranking}; simulated step times differ from the cost model's by up to {:+.1}%{skipped}\n",
+        100.0 * worst_gap
+    )
 }
 
 /// The ranked candidates: simulated step time with the throughput and utilisation of that same
@@ -186,12 +212,17 @@ fn candidates_table(candidates: &[Candidate], confirmed: &Confirmed) -> Table {
     let mut table = table(&header);
     for (rank, (candidate, simulated)) in candidates.iter().zip(&confirmed.simulated).enumerate() {
         let plan = &candidate.plan;
+        // Unsimulated: the cost model's throughput and utilisation.
+        let (step, utilisation) = match simulated {
+            Some(simulated) => (seconds(simulated.step_time_s), &simulated.utilisation),
+            None => ("not simulated".to_string(), &candidate.prediction.utilisation),
+        };
         let mut row = vec![
             right(rank + 1),
-            right(seconds(simulated.step_time_s)),
-            right(format!("{:.0}", simulated.utilisation.tokens_per_s)),
-            right(percent(simulated.utilisation.mfu)),
-            right(percent(simulated.utilisation.hfu)),
+            right(step),
+            right(format!("{:.0}", utilisation.tokens_per_s)),
+            right(percent(utilisation.mfu)),
+            right(percent(utilisation.hfu)),
             right(seconds(candidate.prediction.step_time_s)),
             right(candidate.prediction.n_gpus_used),
             right(plan.tp()),
@@ -321,6 +352,15 @@ pub(crate) fn count_words(figure: &str, n: usize, noun: &str) -> String {
 }
 
 pub(crate) use medley_report::seconds;
+
+/// Writes a command's result to standard output: a full disk or a closed pipe is an error that
+/// says so, never a panic (as `println!` would).
+pub(crate) fn emit(text: &str) -> anyhow::Result<()> {
+    use anyhow::Context;
+    use std::io::Write;
+    let mut out = std::io::stdout().lock();
+    out.write_all(text.as_bytes()).and_then(|()| out.flush()).context("cannot write the result to standard output")
+}
 
 /// A large count in words of three digits: `70.6B`, `1.62M`, `2,048`.
 pub(crate) fn quantity(n: f64) -> String {

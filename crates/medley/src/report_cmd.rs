@@ -8,7 +8,7 @@ use std::path::{Path, PathBuf};
 use anyhow::{Context, Result};
 use clap::Args;
 use medley_cost::Calibration;
-use medley_plan::{Candidate, Plan, SearchOptions, evaluate, search};
+use medley_plan::{Candidate, Plan, SearchOptions, Utilisation, evaluate, search};
 use medley_report::timeline::Lanes;
 use medley_report::{Compared, MemoryBar, Report, RunRecord, RunStep};
 use medley_sim::timeline::trace_events;
@@ -155,7 +155,8 @@ fn facts(
     facts
 }
 
-/// The plan against the search's best others and the baselines, each simulated.
+/// The plan against the search's best others and the baselines, each simulated (up to the size
+/// `medley plan` simulates).
 fn compared(plan: &Plan, simulated: &StepReport, specs: &Specs) -> Result<Vec<Compared>> {
     let options = SearchOptions { top: CANDIDATES + 1, ..SearchOptions::default() };
     let searched = search(&specs.cluster, &specs.model, &specs.job, &specs.calibration, &options)
@@ -164,10 +165,24 @@ fn compared(plan: &Plan, simulated: &StepReport, specs: &Specs) -> Result<Vec<Co
     let others: Vec<Candidate> =
         searched.into_iter().filter(|candidate| candidate.plan != *plan).take(CANDIDATES).collect();
     let confirmed = confirm_by_simulation(others, &specs.calibration)?;
-    let mut rows = vec![row("this plan", plan, Some(simulated), false)];
+    let mut rows = vec![row("this plan", plan, (simulated.step_time_s, &simulated.utilisation), simulated.fits, false)];
     rows[0].chosen = true;
+    let mut add = |name: &str, candidate: &Candidate, simulated: &Option<StepReport>, baseline: bool| {
+        let mut compared = match simulated {
+            Some(step) => row(name, &candidate.plan, (step.step_time_s, &step.utilisation), step.fits, baseline),
+            None => {
+                let prediction = &candidate.prediction;
+                let timing = (prediction.step_time_s, &prediction.utilisation);
+                row(name, &candidate.plan, timing, prediction.fits, baseline)
+            }
+        };
+        if simulated.is_none() {
+            compared.layout += " (the cost model's: not simulated at this size)";
+        }
+        rows.push(compared);
+    };
     for (idx, (candidate, simulated)) in confirmed.candidates.iter().zip(&confirmed.simulated).enumerate() {
-        rows.push(row(&format!("candidate {}", idx + 1), &candidate.plan, Some(simulated), false));
+        add(&format!("candidate {}", idx + 1), candidate, simulated, false);
     }
     let baselines = baseline_rows(specs);
     let (fitting, missing): (Vec<_>, Vec<_>) = baselines.into_iter().partition(|baseline| baseline.candidate.is_some());
@@ -178,10 +193,18 @@ fn compared(plan: &Plan, simulated: &StepReport, specs: &Specs) -> Result<Vec<Co
     for (name, baseline_plan) in names.iter().zip(&plans) {
         let idx =
             simulated.candidates.iter().position(|candidate| candidate.plan == *baseline_plan).expect("each simulated");
-        rows.push(row(name, baseline_plan, Some(&simulated.simulated[idx]), true));
+        add(name, &simulated.candidates[idx], &simulated.simulated[idx], true);
     }
     for baseline in &missing {
-        rows.push(Compared { layout: "does not fit".into(), ..row(&baseline_name(baseline), plan, None, true) });
+        rows.push(Compared {
+            name: baseline_name(baseline),
+            layout: "no layout of this kind fits".into(),
+            step_time_s: None,
+            tokens_per_s: None,
+            mfu: None,
+            chosen: false,
+            baseline: true,
+        });
     }
     Ok(rows)
 }
@@ -193,13 +216,14 @@ fn baseline_name(baseline: &render::Baseline) -> String {
     }
 }
 
-fn row(name: &str, plan: &Plan, simulated: Option<&StepReport>, baseline: bool) -> Compared {
+/// A compared plan's row from its step time and utilisation (simulated or the cost model's).
+fn row(name: &str, plan: &Plan, (step_s, utilisation): (f64, &Utilisation), fits: bool, baseline: bool) -> Compared {
     Compared {
         name: name.into(),
         layout: pipeline_summary(plan),
-        step_time_s: simulated.filter(|step| step.fits).map(|step| step.step_time_s),
-        tokens_per_s: simulated.map(|step| step.utilisation.tokens_per_s),
-        mfu: simulated.map(|step| step.utilisation.mfu),
+        step_time_s: fits.then_some(step_s),
+        tokens_per_s: Some(utilisation.tokens_per_s),
+        mfu: Some(utilisation.mfu),
         chosen: false,
         baseline,
     }
