@@ -38,3 +38,5 @@ pub use error::CommError;
 pub use half::{bf16, f16};
 pub use medley_collective::{Algorithm, Counts, Op, ReduceOp};
 pub use store::StoreServer;
+#[doc(hidden)]
+pub use wire::{decode_untrusted, greeting_bytes};

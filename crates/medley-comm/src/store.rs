@@ -268,13 +268,18 @@ fn monitor(mut stream: TcpStream, rank: u64, shared: &Shared) {
     }
 }
 
-fn handle_request(stream: &mut TcpStream, rank: u64, shared: &Shared) -> Result<(), String> {
+/// A store request's operation, key and value, as a client sends them.
+pub(crate) fn read_request(input: &mut impl Read) -> Result<(u8, String, Vec<u8>), String> {
     let mut op = [0u8; 1];
-    stream.read_exact(&mut op).map_err(|e| e.to_string())?;
-    let key = String::from_utf8(read_field(stream)?).map_err(|_| "key is not UTF-8".to_string())?;
-    let value = read_field(stream)?;
+    input.read_exact(&mut op).map_err(|e| e.to_string())?;
+    let key = String::from_utf8(read_field(input)?).map_err(|_| "key is not UTF-8".to_string())?;
+    Ok((op[0], key, read_field(input)?))
+}
+
+fn handle_request(stream: &mut TcpStream, rank: u64, shared: &Shared) -> Result<(), String> {
+    let (op, key, value) = read_request(stream)?;
     let mut status = ACCEPTED;
-    let reply = match op[0] {
+    let reply = match op {
         TRY_GET => match shared.state.lock().expect("store lock").keys.get(&key) {
             Some(value) => value.clone(),
             None => {
