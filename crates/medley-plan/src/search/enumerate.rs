@@ -23,14 +23,19 @@ pub(super) fn type_orders(groups: &[NodeGroup], block: &[usize]) -> Vec<Vec<usiz
 }
 
 /// Distinct stages-per-group vectors `units[g] / d` for replica counts `d`, each with the largest
-/// `d` that gives it, keeping pipelines no deeper than the layers and replicas no more than the
-/// micro-batches.
+/// `d` that gives it, keeping replicas no more than the micro-batches. A pipeline would be deeper
+/// than the layers (a big cluster, a small batch) is cut to the layers, each group keeping its
+/// share, and the devices left over stay idle.
 pub(super) fn stage_vectors(units: &[u32], n_layers: u32, n_micro_batches: u32) -> Vec<(u32, Vec<u32>)> {
     let max_replicas = units.iter().copied().min().unwrap_or(0).min(n_micro_batches);
     let mut vectors: Vec<(u32, Vec<u32>)> = Vec::new();
     for n_replicas in 1..=max_replicas {
-        let stages: Vec<u32> = units.iter().map(|&u| u / n_replicas).collect();
-        if stages.iter().sum::<u32>() > n_layers {
+        let mut stages: Vec<u32> = units.iter().map(|&u| u / n_replicas).collect();
+        let total: u64 = stages.iter().map(|&s| u64::from(s)).sum();
+        if total > u64::from(n_layers) {
+            stages = stages.iter().map(|&s| (u64::from(s) * u64::from(n_layers) / total) as u32).collect();
+        }
+        if stages.iter().all(|&s| s == 0) {
             continue;
         }
         match vectors.last_mut() {
@@ -96,5 +101,8 @@ mod tests {
         // Deeper than 4 layers is pruned; more replicas than micro-batches too.
         assert_eq!(stage_vectors(&[8, 4], 4, 1000), [(4, vec![2, 1])]);
         assert_eq!(stage_vectors(&[8], 80, 2), [(1, vec![8]), (2, vec![4])]);
+        // 32,768 GPUs at tp 8 for 8 sequences: pipelines as deep as the layers, the rest idle.
+        assert_eq!(stage_vectors(&[4096], 80, 8), [(8, vec![80])]);
+        assert_eq!(stage_vectors(&[3000, 1000], 80, 1), [(1, vec![60, 20])]);
     }
 }
