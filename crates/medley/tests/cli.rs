@@ -3,6 +3,7 @@
 
 use std::collections::{BTreeMap, BTreeSet};
 use std::fs;
+use std::io::Read;
 use std::path::{Path, PathBuf};
 use std::process::{Child, Command, Output, Stdio};
 use std::time::{Duration, Instant};
@@ -795,6 +796,79 @@ fn killing_a_worker_stops_every_rank_and_keeps_the_last_checkpoint() {
     assert_eq!(losses(&out).last().unwrap().0, step + 1);
     let steps: Vec<u64> = (1..=step + 1).collect();
     assert_eq!(timeline_steps(&out), steps, "steps trained again after the resume appear once");
+}
+
+#[test]
+fn a_stalled_rank_0_is_named_and_killed_within_the_timeout() {
+    let out = scratch("train-stalled");
+    let out_text = out.to_string_lossy().into_owned();
+    let args: Vec<&str> = ["train", "--out", &out_text, "--fleet", "2xh100,2xmi300x", "--steps", "100000"]
+        .into_iter()
+        .chain(QUICK_TRAIN)
+        .chain(["3"])
+        .collect();
+    let mut launcher = Command::new(env!("CARGO_BIN_EXE_medley"))
+        .args(&args)
+        .stdout(Stdio::piped())
+        .stderr(Stdio::piped())
+        .spawn()
+        .unwrap();
+    let deadline = Instant::now() + Duration::from_secs(60);
+    while std::fs::read_to_string(out.join("metrics.jsonl")).map_or(0, |text| text.lines().count()) < 2 {
+        assert!(Instant::now() < deadline, "no steps within a minute");
+        std::thread::sleep(Duration::from_millis(50));
+    }
+    let (pid, _) = workers_of(launcher.id()).into_iter().find(|(_, rank)| rank == "0").expect("worker 0 runs");
+    // SAFETY: kill with a pid this test just read and a valid signal has no memory effects.
+    assert_eq!(unsafe { libc::kill(pid as i32, libc::SIGSTOP) }, 0);
+    let stopped = Instant::now();
+    while launcher.try_wait().unwrap().is_none() {
+        // The others give up after the 3 s timeout; the launcher kills rank 0 15 s later.
+        assert!(stopped.elapsed() < Duration::from_secs(45), "the job did not end within 45 s of the stop");
+        std::thread::sleep(Duration::from_millis(50));
+    }
+    let output = launcher.wait_with_output().unwrap();
+    let text = stdout(&output) + &stderr(&output);
+    assert_eq!(output.status.code(), Some(1), "{text}");
+    assert!(text.contains("worker 0 (") && text.contains("did not stop after the others failed; killed"), "{text}");
+    assert!(text.contains("(worker 0 failed or stopped answering)"), "nobody named worker 0:\n{text}");
+}
+
+#[test]
+fn rank_0_keeps_training_while_nobody_reads_its_output() {
+    let plan = scratch("unread-plan.json");
+    let plan_text = plan.to_string_lossy().into_owned();
+    let shape = ["--seq-len", "8", "--global-batch", "1", "--micro-batch", "1", "--fix", "tp=1,pp=1,dp=1"];
+    let args: Vec<&str> =
+        ["plan", "-q", "--cluster", "1xh100", "--model", "tiny", "-o", &plan_text].into_iter().chain(shape).collect();
+    check(&args, 0, "");
+    let out = scratch("unread-run");
+    let port = std::net::TcpListener::bind("127.0.0.1:0").unwrap().local_addr().unwrap().port().to_string();
+    // 500 steps of metrics (about 300 bytes each) overfill a 64 KiB pipe twice.
+    let steps = 500;
+    let mut worker = Command::new(env!("CARGO_BIN_EXE_medley"))
+        .args(["worker", "--plan", &plan_text, "--out", &out.to_string_lossy(), "--print-metrics", "--no-emulate"])
+        .args(["--steps", &steps.to_string(), "--checkpoint-every", "0"])
+        .envs([
+            ("RANK", "0".to_string()),
+            ("WORLD_SIZE", "1".into()),
+            ("MASTER_ADDR", "127.0.0.1".into()),
+            ("MASTER_PORT", port),
+            ("MEDLEY_TOKEN", "cli-test".into()),
+        ])
+        .stdout(Stdio::piped())
+        .stderr(Stdio::null())
+        .spawn()
+        .unwrap();
+    let deadline = Instant::now() + Duration::from_secs(120);
+    while std::fs::read_to_string(out.join("metrics.jsonl")).map_or(0, |text| text.lines().count()) < steps {
+        assert!(Instant::now() < deadline, "training stalled on its unread output");
+        std::thread::sleep(Duration::from_millis(50));
+    }
+    let mut printed = String::new();
+    worker.stdout.take().unwrap().read_to_string(&mut printed).unwrap();
+    assert!(worker.wait().unwrap().success());
+    assert_eq!(printed.lines().count(), steps, "every step's line printed once read");
 }
 
 #[test]
