@@ -798,6 +798,61 @@ fn killing_a_worker_stops_every_rank_and_keeps_the_last_checkpoint() {
     assert_eq!(timeline_steps(&out), steps, "steps trained again after the resume appear once");
 }
 
+/// A cluster of one custom device type whose `field` is `value`.
+fn cluster_with(name: &str, field: &str, value: &str) -> String {
+    let mut rates = BTreeMap::from([
+        ("bf16_tflops", "400"),
+        ("fp16_tflops", "400"),
+        ("fp32_tflops", "60"),
+        ("hbm_gib", "80"),
+        ("hbm_tb_s", "3"),
+        ("intra_link_gb_s", "450"),
+        ("nic_gbit_s", "400"),
+    ]);
+    rates.insert(field, value);
+    let rates: String = rates.iter().map(|(key, value)| format!("{key} = {value}\n")).collect();
+    let text = format!(
+        "[[group]]\ndevice = \"odd\"\nnodes = 2\ngpus_per_node = 4\n\n[[device]]\nname = \"odd\"\nvendor = \"nvidia\"\n\
+         intra_link = \"nvlink\"\nnics_per_node = 8\n{rates}"
+    );
+    let path = scratch(name);
+    fs::write(&path, text).unwrap();
+    path.to_string_lossy().into_owned()
+}
+
+#[test]
+fn inputs_that_once_panicked_are_refused_or_handled() {
+    let no_panic = |output: &Output| {
+        let text = stdout(output) + &stderr(output);
+        assert_ne!(output.status.code(), Some(101), "panicked:\n{text}");
+        assert!(!text.contains("panicked"), "{text}");
+        text
+    };
+    // Device rates so low a step overflows the simulator's clock.
+    let slow = cluster_with("slow-cluster.toml", "bf16_tflops", "1e-12");
+    check(&["simulate", "--cluster", &slow, "--model", "llama3-8b"], 2, "beyond what the simulator's clock holds");
+    // NICs at a bit a second: the layer partitioner's bounds meet float rounding.
+    let nic = cluster_with("nic-cluster.toml", "nic_gbit_s", "1e-9");
+    no_panic(&medley(&["plan", "-q", "--cluster", &nic, "--model", "llama3-8b"]));
+    // Results into a full disk.
+    let full = fs::File::create("/dev/full").unwrap();
+    let output = Command::new(env!("CARGO_BIN_EXE_medley"))
+        .args(["simulate", "--cluster", "8xh100", "--model", "llama3-8b", "--json"])
+        .stdout(full)
+        .stderr(Stdio::piped())
+        .output()
+        .unwrap();
+    assert!(no_panic(&output).contains("cannot write the result to standard output"));
+    check(&["bench", "comm", "--max-bytes", "16384P"], 2, "");
+    check(&["bench", "comm", "--max-bytes", "64G"], 2, "at most 17179869184 bytes");
+    check(&["plan", "--cluster", "8xh100", "--global-batch", "100000000"], 2, "from 1 to 1048576");
+    check(&["plan", "--cluster", "/dev/zero"], 2, "");
+    let groups: String = (0..65).map(|_| "[[group]]\ndevice = \"h100\"\nnodes = 1\n").collect();
+    let many = scratch("many-groups.toml");
+    fs::write(&many, groups).unwrap();
+    check(&["plan", "--cluster", &many.to_string_lossy()], 2, "at most 64");
+}
+
 #[test]
 fn a_stalled_rank_0_is_named_and_killed_within_the_timeout() {
     let out = scratch("train-stalled");
