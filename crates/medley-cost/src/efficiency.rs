@@ -180,6 +180,20 @@ impl Calibration {
         self.by_device.insert(device.name.clone(), efficiency);
     }
 
+    /// The profile with each device type of `devices` `factor` times slower: every efficiency
+    /// divided by it, so that compute and memory time both stretch by `factor`. An emulated
+    /// fleet whose time is dilated to fit its host's cores is priced this way.
+    pub fn dilated<'d>(&self, devices: impl IntoIterator<Item = &'d DeviceSpec>, factor: f64) -> Calibration {
+        let mut dilated = self.clone();
+        for device in devices {
+            let e = self.efficiency(device);
+            let efficiency =
+                Efficiency { matmul: e.matmul / factor, attention: e.attention / factor, memory: e.memory / factor };
+            dilated.set(device, efficiency);
+        }
+        dilated
+    }
+
     /// The profile as `from_toml` reads it.
     pub fn to_toml(&self) -> String {
         let head = match &self.kind {

@@ -33,4 +33,4 @@ pub use host_memory::{HostMemory, calibration_memory, worker_memory};
 pub use layout::{ContextSeat, EmulatedDevice, RankLayout, check_runnable, context_groups, rank_ids, worker_count};
 pub use metrics::{RankMetrics, StepMetrics};
 pub use train::TrainOptions;
-pub use worker::{LinkEmulation, Worker, WorkerOptions};
+pub use worker::{LinkEmulation, Worker, WorkerOptions, time_dilation};

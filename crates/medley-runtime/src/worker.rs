@@ -32,6 +32,9 @@ pub struct WorkerOptions {
     pub adamw: AdamW,
     /// Stretch each pass to the emulated device's speed ([`crate::EmulatedDevice::slowdown`]).
     pub emulate_speed: bool,
+    /// With `emulate_speed`, every device is this many times slower again (at least 1): the
+    /// common factor that fits the workers' CPU demand to the host's cores ([`time_dilation`]).
+    pub dilation: f64,
     pub comm: Config,
     /// Prices the emulated devices against each other.
     pub calibration: Calibration,
@@ -136,14 +139,17 @@ impl Worker {
                 ("plan", serde_json::to_string(&plan).expect("a plan serialises")),
                 ("--seed", options.seed.to_string()),
                 ("optimizer (--lr)", format!("{:?}", options.adamw)),
-                ("emulation (--no-emulate)", options.emulate_speed.to_string()),
+                (
+                    "emulation (--no-emulate, --time-dilation)",
+                    format!("{} {}", options.emulate_speed, options.dilation),
+                ),
                 ("calibration", options.calibration.to_toml()),
                 ("link emulation (--link-gb-s, --link-trace)", format!("{:?}", options.link)),
                 ("--timeout-s", format!("{:?}", options.comm.timeout)),
             ],
         )?;
         let dp = split_dp_groups(&plan, &layouts, &layout, &mut world)?;
-        let stretch = if options.emulate_speed { layout.device.slowdown } else { 1.0 };
+        let stretch = if options.emulate_speed { layout.device.slowdown * options.dilation } else { 1.0 };
         let pacer = layout.context.is_some().then(|| Pacer::new(stretch));
         let context_sent = Arc::new(AtomicU64::new(0));
         let mut collectives =
@@ -253,7 +259,7 @@ impl Worker {
     /// Executes one instruction; returns its timeline category.
     fn execute(&mut self, instruction: Instruction, state: &mut StepState) -> Result<&'static str, RuntimeError> {
         let layout = &self.layout;
-        let stretch = if self.options.emulate_speed { layout.device.slowdown } else { 1.0 };
+        let stretch = if self.options.emulate_speed { layout.device.slowdown * self.options.dilation } else { 1.0 };
         match instruction {
             Instruction::Forward { micro_batch, chunk } => {
                 let input = (!layout.is_first(chunk))
@@ -330,7 +336,8 @@ impl Worker {
                 self.world.wait_sends().during(|| "finishing the step's sends".into())?;
                 state.clock.collective_s += started.elapsed().as_secs_f64();
                 let adamw = self.options.adamw;
-                stretched(1.0, || self.stages.iter_mut().try_for_each(|stage| stage.optimizer_step(&adamw)))?;
+                let stretch = if self.options.emulate_speed { self.options.dilation } else { 1.0 };
+                stretched(stretch, || self.stages.iter_mut().try_for_each(|stage| stage.optimizer_step(&adamw)))?;
                 Ok("compute")
             }
         }
@@ -498,6 +505,15 @@ fn emulated<T>(pacer: Option<&Pacer>, stretch: f64, clock: &mut StepClock, pass:
     result
 }
 
+/// The common factor by which an emulated fleet's devices are slowed so that `workers` sharing
+/// `cores` keep their promise: when every worker computes at once (a pipeline's steady state, a
+/// step's first passes) each gets `cores / workers` of a core, so a pass takes `workers / cores`
+/// times its processor time. Every device is that much slower again (the fastest too), and the
+/// prediction with it; passes are paced by processor time, so the slowdown is not counted twice.
+pub fn time_dilation(workers: usize, cores: usize) -> f64 {
+    (workers as f64 / cores.max(1) as f64).max(1.0)
+}
+
 /// Checks that every worker of the job was started with the same `fields` (a name people know
 /// it by, and its value as text): each worker's hashes are gathered by all, so every worker stops
 /// with the same error naming the first worker and field that differ from worker 0's — instead
@@ -527,13 +543,17 @@ pub(crate) fn check_same_job(world: &mut Communicator, fields: &[(&str, String)]
     Ok(())
 }
 
-/// Runs a pass, stretched to `stretch` times what it took here by sleeping, so a slower
-/// emulated device's pass really takes longer.
+/// Runs a pass, stretched to `stretch` times the processor time it took here by sleeping, so a
+/// slower device's pass takes as long as it would. Paced by the pass's own processor time rather
+/// than its wall time: a pass slowed by workers competing for the cores is not stretched by that
+/// slowdown again (the time dilation keeps the emulated time above it).
 fn stretched<T>(stretch: f64, pass: impl FnOnce() -> T) -> T {
-    let started = Instant::now();
+    let (started, processor) = (Instant::now(), cpu_time::ThreadTime::now());
     let result = pass();
-    if stretch > 1.0 {
-        std::thread::sleep(started.elapsed().mul_f64(stretch - 1.0));
+    if stretch > 1.0
+        && let Some(left) = processor.elapsed().mul_f64(stretch).checked_sub(started.elapsed())
+    {
+        std::thread::sleep(left);
     }
     result
 }
@@ -637,5 +657,18 @@ fn place_rows(tensor: &mut HostTensor, rows: &[usize], data: &[f32]) {
         for (&row, part) in rows.iter().zip(parts.by_ref()) {
             batch_row[row * hidden..(row + 1) * hidden].copy_from_slice(part);
         }
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn dilation_fits_the_workers_to_the_cores() {
+        assert_eq!(time_dilation(4, 2), 2.0);
+        assert_eq!(time_dilation(2, 2), 1.0, "workers that fit are not slowed");
+        assert_eq!(time_dilation(6, 2), 3.0);
+        assert_eq!(time_dilation(1, 16), 1.0);
     }
 }

@@ -59,6 +59,7 @@ fn worker_options(adamw: AdamW, link: Option<LinkEmulation>) -> WorkerOptions {
         seed: 7,
         adamw,
         emulate_speed: false,
+        dilation: 1.0,
         comm: Config { timeout: Duration::from_secs(20), ..Config::default() },
         calibration: Calibration::default(),
         link,

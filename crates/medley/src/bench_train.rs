@@ -242,6 +242,8 @@ fn step_times(plan: &Plan, calibration: &Calibration, name: &str, steps: u64, tw
             seed: 0,
             lr: medley_model::AdamW::default().lr,
             no_emulate: false,
+            // Two workers on two cores: the runs fit the cores as they are.
+            time_dilation: 1.0,
             timeout_s: 30,
             link_gb_s,
             link_trace,

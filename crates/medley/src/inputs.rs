@@ -20,6 +20,14 @@ pub fn parse_gb_s(text: &str) -> Result<f64, String> {
     }
 }
 
+/// A time dilation: a finite factor of at least 1.
+pub fn parse_dilation(text: &str) -> Result<f64, String> {
+    match text.parse::<f64>() {
+        Ok(factor) if factor.is_finite() && (1.0..=1e6).contains(&factor) => Ok(factor),
+        _ => Err(format!("{text:?} is not a factor from 1 to 1e6")),
+    }
+}
+
 /// A learning rate AdamW can train with: finite, above 0 and at most 1 (each AdamW update moves a
 /// weight by about the learning rate, and the initial weights are ~0.02).
 pub fn parse_learning_rate(text: &str) -> Result<f32, String> {

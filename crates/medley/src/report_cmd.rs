@@ -18,7 +18,7 @@ use serde_json::Value;
 use crate::inputs::{Specs, check_calibration_names, check_gpu_pricing, read};
 use crate::plan_cmd::{baseline_rows, confirm_by_simulation, load_plan};
 use crate::render::{self, percent, pipeline_summary, seconds};
-use crate::run_dir::{CALIBRATION, METRICS, PLAN, TIMELINE};
+use crate::run_dir::{CALIBRATION, EMULATION, METRICS, PLAN, TIMELINE};
 
 #[derive(Args, Debug)]
 pub struct ReportArgs {
@@ -72,6 +72,11 @@ pub fn page(plan_path: &str, calibration: Option<&str>, run: Option<&Path>) -> R
         None => Calibration::default(),
     };
     check_calibration_names(&calibration, plan.cluster())?;
+    // A training run's prediction is priced at its time dilation, as medley train priced it.
+    let calibration = match run.map(run_dilation).transpose()? {
+        Some(dilation) => calibration.dilated(plan.cluster().groups().iter().map(|group| &group.device), dilation),
+        None => calibration,
+    };
     let specs = crate::plan_cmd::specs_with_calibration(plan_path, &plan, calibration)?;
     let (simulated, lanes) = simulate_with_lanes(&plan, &specs.calibration)?;
     let run = run.map(|dir| run_record(dir, simulated.step_time_s)).transpose()?;
@@ -264,6 +269,14 @@ fn run_record(dir: &Path, predicted_step_s: f64) -> Result<RunRecord> {
         Err(_) => Lanes::default(),
     };
     Ok(RunRecord { steps, predicted_step_s, measured_step, measured })
+}
+
+/// The time dilation a run trained at (`emulation.json`; 1 for runs from before it was kept).
+fn run_dilation(dir: &Path) -> Result<f64> {
+    let path = dir.join(EMULATION);
+    let Ok(text) = fs::read_to_string(&path) else { return Ok(1.0) };
+    let record: Value = serde_json::from_str(&text).with_context(|| format!("{} is not JSON", path.display()))?;
+    Ok(record["time_dilation"].as_f64().filter(|factor| factor.is_finite() && *factor >= 1.0).unwrap_or(1.0))
 }
 
 /// The median step time after the first (which includes start-up), as `medley train` reports it.

@@ -15,6 +15,8 @@ pub const TIMELINE: &str = "timeline.json";
 pub const PLAN: &str = "plan.json";
 pub const CALIBRATION: &str = "calibration.toml";
 pub const REPORT: &str = "report.html";
+/// The run's time dilation, which prices its prediction.
+pub const EMULATION: &str = "emulation.json";
 /// Held (flock) while a run uses the directory; holds the holder's pid.
 const LOCK: &str = ".medley.lock";
 
@@ -141,7 +143,7 @@ fn remove_run(dir: &Path) -> Result<()> {
             fs::remove_dir_all(&path).with_context(|| format!("cannot remove {}", path.display()))?;
         }
     }
-    for name in [METRICS, TIMELINE, REPORT] {
+    for name in [METRICS, TIMELINE, REPORT, EMULATION] {
         let path = dir.join(name);
         if path.exists() {
             fs::remove_file(&path).with_context(|| format!("cannot remove {}", path.display()))?;

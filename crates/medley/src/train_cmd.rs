@@ -20,7 +20,7 @@ use medley_plan::max_k_within_memory;
 use medley_plan::{Plan, SearchOptions, search};
 use medley_runtime::{
     RankLayout, calibration_memory, check_resumable, emulation_calibration, measure_model_pass, read_latest,
-    verify_checkpoint, worker_memory,
+    time_dilation, verify_checkpoint, worker_memory,
 };
 use medley_sim::timeline::{merge_segments, trace_events};
 use medley_sim::{SimConfig, simulate_steps};
@@ -31,7 +31,7 @@ use crate::host::check_memory;
 use crate::inputs::{JobFlags, load_model, read_emulation_profile};
 use crate::progress::Progress;
 use crate::render::{percent, right, seconds, table};
-use crate::run_dir::{CALIBRATION, CHECKPOINTS, METRICS, PLAN, REPORT, RunDir, TIMELINE, TIMELINES};
+use crate::run_dir::{CALIBRATION, CHECKPOINTS, EMULATION, METRICS, PLAN, REPORT, RunDir, TIMELINE, TIMELINES};
 use crate::worker_cmd::{RunFlags, WorkerArgs, timeline_segment};
 
 /// Two fast NVIDIA GPUs and two slower AMD ones: the smallest fleet that shows every kind of
@@ -92,7 +92,12 @@ pub fn run(args: &TrainArgs) -> Result<ExitCode> {
     println!("{}", crate::render::explain(&plan));
     println!("{}", workers_table(&plan, &layouts, !args.worker.no_emulate));
     let mut run = args.worker.clone();
-    let predicted_step_s = predict_step_s(&plan, &calibration, &run)?;
+    if !run.no_emulate {
+        run.time_dilation = run.time_dilation.max(dilation_here(layouts.len()));
+    }
+    write_emulation(run_dir.path(), &run, layouts.len())?;
+    let devices = plan.cluster().groups().iter().map(|group| &group.device);
+    let predicted_step_s = predict_step_s(&plan, &calibration.dilated(devices, run.time_dilation), &run)?;
     run.timeout_s = timeout_for(predicted_step_s, &run);
     let worker_args = WorkerArgs {
         plan: plan_path.to_string_lossy().into_owned(),
@@ -107,6 +112,29 @@ pub fn run(args: &TrainArgs) -> Result<ExitCode> {
     let started = Instant::now();
     let outcome = launch_and_watch(&worker_args, &layouts, Progress::new(worker_args.run.steps))?;
     report(&out, &outcome, &layouts, (started.elapsed(), predicted_step_s))
+}
+
+/// The time dilation that fits `workers` to this machine's cores, said when it slows the run.
+fn dilation_here(workers: usize) -> f64 {
+    let cores = std::thread::available_parallelism().map_or(1, usize::from);
+    let dilation = time_dilation(workers, cores);
+    if dilation > 1.0 {
+        tracing::info!(
+            "{} share {cores} cores: every emulated device runs {dilation:.2}× slower still (time dilation), so that \
+             the workers keep to it when all compute at once, and the prediction with it",
+            crate::render::count(workers, "worker")
+        );
+    }
+    dilation
+}
+
+/// Records the run's time dilation (`emulation.json`), which prices its prediction.
+fn write_emulation(out: &Path, run: &RunFlags, workers: usize) -> Result<()> {
+    let path = out.join(EMULATION);
+    let cores = std::thread::available_parallelism().map_or(1, usize::from);
+    let record = serde_json::json!({"time_dilation": run.time_dilation, "workers": workers, "cores": cores});
+    fs::write(&path, serde_json::to_string_pretty(&record)? + "\n")
+        .with_context(|| format!("cannot write {}", path.display()))
 }
 
 /// Sequences at least this long also get long-context plans in `medley train`, one sequence per

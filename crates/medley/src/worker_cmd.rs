@@ -75,6 +75,10 @@ pub struct RunFlags {
     /// Compute at this machine's speed instead of stretching passes to the emulated device's.
     #[arg(long)]
     pub no_emulate: bool,
+    /// Slow every emulated device by this common factor (at least 1); `medley train` sets it so
+    /// that the workers' CPU demand fits this machine's cores.
+    #[arg(long, default_value_t = 1.0, value_parser = crate::inputs::parse_dilation)]
+    pub time_dilation: f64,
     /// Seconds to wait for a silent peer before naming it and stopping.
     #[arg(long, default_value_t = 30)]
     pub timeout_s: u64,
@@ -101,6 +105,7 @@ impl RunFlags {
         ];
         flags.extend(self.schedule.map(|schedule| format!("--schedule={schedule}")));
         flags.extend(self.no_emulate.then(|| "--no-emulate".to_string()));
+        flags.push(format!("--time-dilation={}", self.time_dilation));
         flags.extend(self.link_gb_s.map(|gb_s| format!("--link-gb-s={gb_s}")));
         flags.extend(self.link_trace.as_ref().map(|trace| format!("--link-trace={trace}")));
         flags
@@ -138,6 +143,7 @@ pub fn run(args: &WorkerArgs) -> Result<()> {
         seed: args.run.seed,
         adamw: AdamW { lr: args.run.lr, ..AdamW::default() },
         emulate_speed: !args.run.no_emulate,
+        dilation: args.run.time_dilation,
         comm: Config { timeout: Duration::from_secs(args.run.timeout_s), ..Config::default() },
         calibration: match &args.calibration {
             Some(path) => Calibration::from_toml(&crate::inputs::read(path)?, path)?,

@@ -37,6 +37,7 @@ fn runtime_bytes(plan: &Plan) -> Vec<u64> {
         seed: 7,
         adamw: AdamW::default(),
         emulate_speed: false,
+        dilation: 1.0,
         comm: Config { timeout: Duration::from_secs(20), ..Config::default() },
         calibration: Calibration::default(),
         link: None,
