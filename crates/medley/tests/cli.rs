@@ -661,26 +661,34 @@ fn a_run_directory_is_never_overwritten_by_accident() {
     assert_eq!(losses(&out).len(), 1);
 }
 
+/// Starts `medley train` into `out` for good (100,000 steps) on `fleet` with `extra` flags, its
+/// output piped, and waits until `ready` holds of `out` (a minute at most).
+fn start_endless_run(out: &Path, fleet: &str, extra: &[&str], ready: impl Fn(&Path) -> bool) -> Child {
+    let out_text = out.to_string_lossy().into_owned();
+    let args: Vec<&str> = ["train", "--out", &out_text, "--fleet", fleet, "--steps", "100000"]
+        .into_iter()
+        .chain(QUICK_TRAIN)
+        .chain(extra.iter().copied())
+        .collect();
+    let run = start(&args);
+    let deadline = Instant::now() + Duration::from_secs(60);
+    while !ready(out) {
+        assert!(Instant::now() < deadline, "{args:?} was not ready within a minute");
+        std::thread::sleep(Duration::from_millis(50));
+    }
+    run
+}
+
+/// Whether the run in `dir` has recorded at least `steps` steps.
+fn has_steps(dir: &Path, steps: usize) -> bool {
+    fs::read_to_string(dir.join("metrics.jsonl")).map_or(0, |text| text.lines().count()) >= steps
+}
+
 #[test]
 fn a_run_directory_in_use_is_refused_naming_its_holder() {
     let out = scratch("train-locked");
     let out_text = out.to_string_lossy().into_owned();
-    let args: Vec<&str> = ["train", "--out", &out_text, "--fleet", "1xh100", "--steps", "100000"]
-        .into_iter()
-        .chain(QUICK_TRAIN)
-        .chain(["10"])
-        .collect();
-    let mut running = Command::new(env!("CARGO_BIN_EXE_medley"))
-        .args(&args)
-        .stdout(Stdio::null())
-        .stderr(Stdio::null())
-        .spawn()
-        .unwrap();
-    let deadline = Instant::now() + Duration::from_secs(60);
-    while !out.join("metrics.jsonl").exists() {
-        assert!(Instant::now() < deadline, "the first run did not start within a minute");
-        std::thread::sleep(Duration::from_millis(50));
-    }
+    let mut running = start_endless_run(&out, "1xh100", &["10"], |out| out.join("metrics.jsonl").exists());
     let resume: Vec<&str> = ["train", "--resume", &out_text, "--steps", "1"].into_iter().collect();
     let holder = format!("in use by another medley run (process {})", running.id());
     let output = medley(&resume);
@@ -748,22 +756,8 @@ fn workers_of(parent: u32) -> Vec<(u32, String)> {
 fn killing_a_worker_stops_every_rank_and_keeps_the_last_checkpoint() {
     let out = scratch("train-killed");
     let out_text = out.to_string_lossy().into_owned();
-    let args: Vec<&str> = ["train", "--out", &out_text, "--fleet", "2xh100,2xmi300x", "--steps", "100000"]
-        .into_iter()
-        .chain(QUICK_TRAIN)
-        .chain(["5", "--checkpoint-every", "1"])
-        .collect();
-    let mut launcher = Command::new(env!("CARGO_BIN_EXE_medley"))
-        .args(&args)
-        .stdout(Stdio::piped())
-        .stderr(Stdio::piped())
-        .spawn()
-        .unwrap();
-    let deadline = Instant::now() + Duration::from_secs(60);
-    while !out.join("checkpoints").join("latest").exists() {
-        assert!(Instant::now() < deadline, "no checkpoint within a minute");
-        std::thread::sleep(Duration::from_millis(50));
-    }
+    let checkpointed = |out: &Path| out.join("checkpoints").join("latest").exists();
+    let mut launcher = start_endless_run(&out, "2xh100,2xmi300x", &["5", "--checkpoint-every", "1"], checkpointed);
     // Checkpoints are written every step, so the kill often lands in the middle of one.
     std::thread::sleep(Duration::from_millis(300));
     let workers = workers_of(launcher.id());
@@ -856,23 +850,7 @@ fn inputs_that_once_panicked_are_refused_or_handled() {
 #[test]
 fn a_stalled_rank_0_is_named_and_killed_within_the_timeout() {
     let out = scratch("train-stalled");
-    let out_text = out.to_string_lossy().into_owned();
-    let args: Vec<&str> = ["train", "--out", &out_text, "--fleet", "2xh100,2xmi300x", "--steps", "100000"]
-        .into_iter()
-        .chain(QUICK_TRAIN)
-        .chain(["3"])
-        .collect();
-    let mut launcher = Command::new(env!("CARGO_BIN_EXE_medley"))
-        .args(&args)
-        .stdout(Stdio::piped())
-        .stderr(Stdio::piped())
-        .spawn()
-        .unwrap();
-    let deadline = Instant::now() + Duration::from_secs(60);
-    while std::fs::read_to_string(out.join("metrics.jsonl")).map_or(0, |text| text.lines().count()) < 2 {
-        assert!(Instant::now() < deadline, "no steps within a minute");
-        std::thread::sleep(Duration::from_millis(50));
-    }
+    let mut launcher = start_endless_run(&out, "2xh100,2xmi300x", &["3"], |out| has_steps(out, 2));
     let (pid, _) = workers_of(launcher.id()).into_iter().find(|(_, rank)| rank == "0").expect("worker 0 runs");
     // SAFETY: kill with a pid this test just read and a valid signal has no memory effects.
     assert_eq!(unsafe { libc::kill(pid as i32, libc::SIGSTOP) }, 0);
@@ -916,7 +894,7 @@ fn rank_0_keeps_training_while_nobody_reads_its_output() {
         .spawn()
         .unwrap();
     let deadline = Instant::now() + Duration::from_secs(120);
-    while std::fs::read_to_string(out.join("metrics.jsonl")).map_or(0, |text| text.lines().count()) < steps {
+    while !has_steps(&out, steps) {
         assert!(Instant::now() < deadline, "training stalled on its unread output");
         std::thread::sleep(Duration::from_millis(50));
     }
