@@ -28,6 +28,7 @@ mod mesh;
 mod session;
 mod store;
 mod transport;
+mod untrusted;
 mod wait;
 mod wire;
 
@@ -39,4 +40,4 @@ pub use half::{bf16, f16};
 pub use medley_collective::{Algorithm, Counts, Op, ReduceOp};
 pub use store::StoreServer;
 #[doc(hidden)]
-pub use wire::{decode_untrusted, greeting_bytes};
+pub use untrusted::{decode_untrusted, greeting_bytes};
