@@ -26,6 +26,29 @@ impl Link {
     }
 }
 
+/// Megatron-LM's DDP gradient bucket: at least 40M elements, and 1M per data-parallel rank.
+const BUCKET_ELEMENTS: f64 = 40e6;
+const BUCKET_ELEMENTS_PER_MEMBER: f64 = 1e6;
+
+/// Beyond this many buckets a group's reduction overlaps no better, only costs the simulator
+/// more events.
+const MAX_BUCKETS: u32 = 16;
+
+/// Buckets that `bytes` of bf16 gradients reduced over `n_members` replicas are cut into when
+/// their reduction overlaps the backward pass.
+pub fn gradient_buckets(bytes: f64, n_members: usize) -> u32 {
+    let bucket = BUCKET_ELEMENTS.max(BUCKET_ELEMENTS_PER_MEMBER * n_members as f64);
+    ((bytes / 2.0 / bucket).ceil() as u32).clamp(1, MAX_BUCKETS)
+}
+
+/// The part of a gradient reduction of `sync_s` in `n_buckets` buckets that a backward pass of
+/// `pass_s` cannot hide: bucket b of B is ready (b + 1)/B into the pass and the buckets reduce
+/// one after another, so the last finishes max(T/B, T − d·(B − 1)/B) after the pass ends.
+pub fn exposed_reduction_s(sync_s: f64, n_buckets: u32, pass_s: f64) -> f64 {
+    let n = f64::from(n_buckets.max(1));
+    (sync_s / n).max(sync_s - pass_s * (n - 1.0) / n)
+}
+
 fn steps(n: u32) -> f64 {
     f64::from(n.saturating_sub(1))
 }
@@ -108,6 +131,24 @@ mod tests {
     use super::*;
 
     const LINK: Link = Link { gb_s: 100.0, latency_us: 2.0 };
+
+    #[test]
+    fn buckets_follow_megatrons_size_and_stay_bounded() {
+        let bytes_of = |elements: f64| 2.0 * elements;
+        assert_eq!(gradient_buckets(bytes_of(1e6), 8), 1);
+        assert_eq!(gradient_buckets(bytes_of(100e6), 8), 3);
+        // 64 members make buckets of 64M elements.
+        assert_eq!(gradient_buckets(bytes_of(100e6), 64), 2);
+        assert_eq!(gradient_buckets(bytes_of(1e12), 8), MAX_BUCKETS);
+    }
+
+    #[test]
+    fn a_pass_hides_all_but_the_last_bucket_or_what_outlasts_it() {
+        assert_eq!(exposed_reduction_s(1.0, 4, 10.0), 0.25);
+        assert_eq!(exposed_reduction_s(1.0, 4, 0.0), 1.0);
+        assert!((exposed_reduction_s(1.0, 4, 0.8) - 0.4).abs() < 1e-12);
+        assert_eq!(exposed_reduction_s(1.0, 1, 10.0), 1.0);
+    }
 
     #[test]
     fn ring_matches_the_closed_form() {

@@ -1,18 +1,21 @@
 //! Achievable fractions of each device's peak, and calibration profiles that override them.
 //!
-//! Where the defaults come from:
+//! On GPUs the matmul and attention fractions are the rates of well-shaped kernels; the cost
+//! model lowers them for each GEMM's and attention's shape (`gemm`). Where the defaults come
+//! from:
 //! - A100 and H100 matmul and attention efficiencies are fitted, through the simulator, to
 //!   published measured training runs (`medley bench calibration` shows the fit and the runs held
 //!   out from it): A100 to Korthikanti et al. 2022 (arXiv 2205.05198) Table 4's 175B and 530B
 //!   runs, H100 to NVIDIA's dgxc-benchmarking GPT-3 175B BF16 run on 128 GPUs. One factor scales
-//!   the earlier stated pair (A100 0.75/0.55, H100 0.70/0.50), which keeps their ratio.
+//!   the stated pair (A100 0.75/0.55, H100 0.70/0.50), which keeps their ratio.
 //! - V100 takes A100's fit and H200 H100's (same architectures; no cited runs of their own).
-//! - The rest are stated assumptions, not measurements: Ada cards' GEMMs at about 65% of peak,
-//!   AMD's MI300-series at roughly half in public hipBLASLt measurements (MI250X less), fused
-//!   attention at 35-55%. Streaming kernels reach ~80% of HBM bandwidth everywhere.
+//! - The rest are stated assumptions, not measurements: Ada cards' large GEMMs at about 65% of
+//!   peak, AMD's MI300-series at roughly half in public hipBLASLt measurements (MI250X less),
+//!   fused attention at 35-55%. Streaming kernels reach ~80% of HBM bandwidth everywhere.
 //!
 //! A calibration profile (`medley plan --calibration FILE`) replaces them with what a user
-//! measured on their machines.
+//! measured on their machines: of well-shaped kernels for a GPU profile, of the one model it was
+//! measured on for an emulation profile (which the cost model applies as they are).
 
 use std::collections::BTreeMap;
 use std::fmt;
@@ -41,11 +44,11 @@ impl Efficiency {
         let (matmul, attention) = match device.vendor {
             Vendor::Amd if family("mi250") => (0.45, 0.30),
             Vendor::Amd => (0.50, 0.35),
-            // Fitted: 0.851 × (0.75, 0.55).
-            Vendor::Nvidia if family("a100") || family("v100") => (0.64, 0.47),
+            // Fitted: 1.008 × (0.75, 0.55).
+            Vendor::Nvidia if family("a100") || family("v100") => (0.756, 0.554),
             Vendor::Nvidia if family("l40") || family("rtx-4090") => (0.65, 0.45),
-            // Fitted on H100: 0.937 × (0.70, 0.50).
-            Vendor::Nvidia => (0.66, 0.47),
+            // Fitted on H100: 0.973 × (0.70, 0.50).
+            Vendor::Nvidia => (0.681, 0.487),
         };
         Efficiency { matmul, attention, memory: 0.8 }
     }

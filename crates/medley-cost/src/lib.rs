@@ -8,11 +8,13 @@ pub mod comm;
 pub mod context;
 mod efficiency;
 pub mod flops;
+pub mod gemm;
 pub mod memory;
 pub mod params;
 
 use context::{ContextLayerTime, ContextPass, ContextWork, KvExchange};
-use medley_spec::{ModelSpec, NodeGroup, Recompute};
+use gemm::{Gemm, GemmGeometry};
+use medley_spec::{AttentionKernel, ModelSpec, NodeGroup, Recompute};
 
 pub use efficiency::{Calibration, CalibrationError, Efficiency, ProfileKind};
 pub use memory::{GIB, MemoryBreakdown};
@@ -82,11 +84,36 @@ pub struct CostModel<'a> {
     model: &'a ModelSpec,
     seq_len: u32,
     calibration: &'a Calibration,
+    attention: AttentionKernel,
 }
 
+/// FlashAttention's backward recomputes the scores and runs four more matmuls: 2.5 times the
+/// forward's work (Dao 2023, arXiv 2307.08691).
+pub const FUSED_ATTENTION_BACKWARD: f64 = 2.5;
+
+/// Bytes an unfused attention moves per score (one query–key pair of one head) in the forward:
+/// QKᵀ writes it (2), the fused scale-mask-softmax reads and writes it (4), dropout reads it,
+/// writes it and its mask (5), score × V reads it (2).
+const UNFUSED_SCORE_BYTES_FORWARD: f64 = 13.0;
+
+/// The same in the backward: dV's matmul reads the probabilities and the score gradient is
+/// written (4), dropout's backward (5), softmax's reads probabilities and gradient and writes
+/// one (6), dQ's and dK's matmuls each read it (4).
+const UNFUSED_SCORE_BYTES_BACKWARD: f64 = 19.0;
+
 impl<'a> CostModel<'a> {
+    /// The cost model with a fused attention kernel (see [`CostModel::with_attention`]).
     pub fn new(model: &'a ModelSpec, seq_len: u32, calibration: &'a Calibration) -> Self {
-        CostModel { model, seq_len, calibration }
+        CostModel { model, seq_len, calibration, attention: AttentionKernel::Fused }
+    }
+
+    /// The same model pricing the attention core as `attention` runs it.
+    pub fn with_attention(self, attention: AttentionKernel) -> Self {
+        CostModel { attention, ..self }
+    }
+
+    pub fn attention(&self) -> AttentionKernel {
+        self.attention
     }
 
     pub fn model(&self) -> &'a ModelSpec {
@@ -101,32 +128,59 @@ impl<'a> CostModel<'a> {
     pub fn layer_time(&self, group: &NodeGroup, setting: Setting) -> PassTime {
         let rates = Rates::new(self.calibration, group, setting.tp);
         let flops = flops::layer_forward(self.model, self.seq_len, setting.micro_batch);
+        let tokens = f64::from(self.seq_len) * f64::from(setting.micro_batch);
+        let matmuls = rates.matmuls(&gemm::layer_gemms(self.model, tokens, setting.tp));
         let weight_bytes = 2.0 * params::layer_params(self.model) as f64;
-        let matmul_s = rates.matmul_s(flops.matmul).max(rates.memory_s(weight_bytes));
-        let attention_s = rates.attention_s(flops.attention);
+        let matmul_s = matmuls.forward_s.max(rates.memory_s(weight_bytes));
+        let attention = self.attention_core(&rates, flops.attention, setting);
         let elementwise_s = rates.memory_s(self.elementwise_bytes(setting.micro_batch));
         let tp_comm_s = self.tp_comm_per_pass_s(group, setting);
-        let forward_s = matmul_s + attention_s + elementwise_s + tp_comm_s;
+        let forward_s = matmul_s + attention.forward_s + elementwise_s + tp_comm_s;
         let recompute_s = match setting.recompute {
             Recompute::None => 0.0,
-            Recompute::Selective => attention_s,
+            Recompute::Selective => attention.forward_s,
             Recompute::Full => forward_s,
         };
         // Backward computes input and weight gradients: twice the forward's work. Only the
-        // matmuls have weights, so the weight-gradient half is one matmul pass.
-        let backward_s = 2.0 * (matmul_s + attention_s + elementwise_s) + tp_comm_s + recompute_s;
-        PassTime { forward_s, backward_s, weight_grad_s: matmul_s }
+        // matmuls have weights, so the weight-gradient half is their weight-gradient multiplies.
+        let backward_s = matmuls.backward_s() + 2.0 * elementwise_s + attention.backward_s + tp_comm_s + recompute_s;
+        PassTime { forward_s, backward_s, weight_grad_s: matmuls.weight_grad_s }
+    }
+
+    /// The attention core of one layer for one micro-batch whose causal attention does
+    /// `causal_flops`, as the job's kernel runs it: fused, only the causal half at the attention
+    /// efficiency; unfused, every score computed by batched matmuls (the mask comes after them)
+    /// and every score moved through memory by softmax and dropout.
+    fn attention_core(&self, rates: &Rates, causal_flops: f64, setting: Setting) -> PassTime {
+        match self.attention {
+            AttentionKernel::Fused => {
+                let forward_s = rates.attention_s(causal_flops, self.model, f64::from(self.seq_len));
+                PassTime { forward_s, backward_s: FUSED_ATTENTION_BACKWARD * forward_s, weight_grad_s: 0.0 }
+            }
+            AttentionKernel::Unfused => {
+                let gemms = gemm::unfused_attention_gemms(self.model, self.seq_len, setting.micro_batch, setting.tp);
+                let matmuls = rates.matmuls(&gemms);
+                let scores = memory::scores(self.model, self.seq_len, setting.micro_batch);
+                PassTime {
+                    forward_s: matmuls.forward_s + rates.memory_s(UNFUSED_SCORE_BYTES_FORWARD * scores),
+                    backward_s: matmuls.backward_s() + rates.memory_s(UNFUSED_SCORE_BYTES_BACKWARD * scores),
+                    weight_grad_s: 0.0,
+                }
+            }
+        }
     }
 
     /// The output projection and loss on the last stage.
     pub fn head_time(&self, group: &NodeGroup, setting: Setting) -> PassTime {
         let rates = Rates::new(self.calibration, group, setting.tp);
-        head_pass(self.model, &rates, f64::from(self.seq_len) * f64::from(setting.micro_batch))
+        head_pass(self.model, &rates, f64::from(self.seq_len) * f64::from(setting.micro_batch), setting.tp)
     }
 
     /// The output projection and loss for `tokens` of a long-context stage's sequence.
     pub fn context_head_time(&self, group: &NodeGroup, tokens: f64) -> PassTime {
-        head_pass(self.model, &Rates::new(self.calibration, group, 1), tokens)
+        // At the whole sequence's shapes, scaled: linear in tokens, as for the layers.
+        let whole = f64::from(self.seq_len);
+        head_pass(self.model, &Rates::new(self.calibration, group, 1), whole, 1).scaled(tokens / whole)
     }
 
     /// A whole stage for one micro-batch.
@@ -158,7 +212,9 @@ impl<'a> CostModel<'a> {
         optimizer_shards: u32,
     ) -> MemoryBreakdown {
         let per_layer = |recompute| {
-            memory::layer_activation_bytes(self.model, self.seq_len, setting.micro_batch, setting.tp, recompute)
+            let shape =
+                memory::ActivationShape { seq_len: self.seq_len, micro_batch: setting.micro_batch, tp: setting.tp };
+            memory::layer_activation_bytes(self.model, shape, recompute, self.attention)
         };
         let logits = memory::logits_bytes(self.model, self.seq_len, setting.micro_batch, setting.tp);
         let mut breakdown = MemoryBreakdown::model_states(self.stage_params(shape), setting.tp, optimizer_shards);
@@ -168,17 +224,21 @@ impl<'a> CostModel<'a> {
 
     /// One layer of a long-context stage on a device of `group` doing `work` (tp = 1: context
     /// and head parallelism replace tensor parallelism). The backward computes twice the
-    /// forward's matmuls and attention (input and weight gradients; FlashAttention's backward),
+    /// forward's matmuls (input and weight gradients) and FlashAttention's backward,
     /// sends the all-to-alls' gradients back, and exchanges keys and values twice over: a ring
     /// passes K/V again and dK/dV home (Liu et al. 2023), an all-gather gathers again and
     /// reduce-scatters the gradients (Megatron-LM's `allgather` CP). Selective recomputation
     /// runs attention and its exchange again; full recomputation the whole forward.
     pub fn context_layer_time(&self, group: &NodeGroup, work: ContextWork, recompute: Recompute) -> ContextLayerTime {
         let rates = Rates::new(self.calibration, group, 1);
-        let per_token = flops::layer_forward(self.model, 1, 1).matmul;
-        let matmul_s = rates.matmul_s(per_token * work.tokens);
+        // Priced at the whole sequence's shapes and scaled to the shard, so that time stays
+        // linear in tokens as the shard split's linear program needs; shards of thousands of
+        // tokens quantise little.
+        let whole = f64::from(self.seq_len);
+        let matmuls = rates.matmuls(&gemm::layer_gemms(self.model, whole, 1)).scaled(work.tokens / whole);
+        let matmul_s = matmuls.forward_s;
         let elementwise_s = rates.memory_s(self.elementwise_bytes_per_token() * work.tokens);
-        let attention_s = rates.attention_s(work.attention_flops);
+        let attention_s = rates.attention_s(work.attention_flops, self.model, f64::from(self.seq_len));
         let forward =
             ContextPass { serial_s: matmul_s + elementwise_s + work.all_to_all_s, attention_s, kv_s: work.kv_s };
         let overlaps = work.kv_exchange == KvExchange::Ring;
@@ -186,8 +246,8 @@ impl<'a> CostModel<'a> {
         // them from the forward and reduce-scatters only the gradients.
         let backward_kv = if overlaps { 2.0 } else { 1.0 };
         let mut backward = ContextPass {
-            serial_s: 2.0 * (matmul_s + elementwise_s) + work.all_to_all_s,
-            attention_s: 2.0 * attention_s,
+            serial_s: matmuls.backward_s() + 2.0 * elementwise_s + work.all_to_all_s,
+            attention_s: FUSED_ATTENTION_BACKWARD * attention_s,
             kv_s: backward_kv * work.kv_s,
         };
         if recompute != Recompute::None {
@@ -197,7 +257,7 @@ impl<'a> CostModel<'a> {
         if recompute == Recompute::Full {
             backward.serial_s += forward.serial_s;
         }
-        ContextLayerTime { forward, backward, overlaps, weight_grad_s: matmul_s }
+        ContextLayerTime { forward, backward, overlaps, weight_grad_s: matmuls.weight_grad_s }
     }
 
     /// Peak memory of one device of a long-context stage holding `tokens` of each sequence
@@ -214,7 +274,10 @@ impl<'a> CostModel<'a> {
         buffer_bytes: f64,
     ) -> MemoryBreakdown {
         // Per token: a one-token sequence keeps no score matrix, whatever the mode.
-        let per_layer = |recompute| tokens * memory::layer_activation_bytes(self.model, 1, 1, 1, recompute);
+        let one_token = memory::ActivationShape { seq_len: 1, micro_batch: 1, tp: 1 };
+        let per_layer = |recompute| {
+            tokens * memory::layer_activation_bytes(self.model, one_token, recompute, AttentionKernel::Fused)
+        };
         let logits = tokens * memory::logits_bytes(self.model, 1, 1, 1);
         let mut breakdown = MemoryBreakdown::model_states(self.stage_params(shape), 1, optimizer_shards);
         breakdown.activations = held_activations(shape, recompute, in_flight, per_layer, logits) + buffer_bytes;
@@ -272,10 +335,35 @@ fn held_activations(
 }
 
 /// The output projection and loss over `tokens` at `rates`.
-fn head_pass(model: &ModelSpec, rates: &Rates, tokens: f64) -> PassTime {
-    let matmul_s = rates.matmul_s(tokens * flops::head_forward(model, 1, 1));
+fn head_pass(model: &ModelSpec, rates: &Rates, tokens: f64, tp: u32) -> PassTime {
+    let matmuls = rates.matmuls(&[gemm::head_gemm(model, tokens, tp)]);
     let logits_s = rates.memory_s(tokens * memory::logits_bytes(model, 1, 1, 1));
-    PassTime { forward_s: matmul_s + logits_s, backward_s: 2.0 * matmul_s + logits_s, weight_grad_s: matmul_s }
+    PassTime {
+        forward_s: matmuls.forward_s + logits_s,
+        backward_s: matmuls.backward_s() + logits_s,
+        weight_grad_s: matmuls.weight_grad_s,
+    }
+}
+
+/// Seconds of a set of multiplies in the forward and of the backward's two kinds.
+struct MatmulTime {
+    forward_s: f64,
+    input_grad_s: f64,
+    weight_grad_s: f64,
+}
+
+impl MatmulTime {
+    fn backward_s(&self) -> f64 {
+        self.input_grad_s + self.weight_grad_s
+    }
+
+    fn scaled(self, factor: f64) -> MatmulTime {
+        MatmulTime {
+            forward_s: self.forward_s * factor,
+            input_grad_s: self.input_grad_s * factor,
+            weight_grad_s: self.weight_grad_s * factor,
+        }
+    }
 }
 
 /// A TP group's achievable rates: the device's peaks times its efficiencies, split over TP ranks.
@@ -284,6 +372,10 @@ struct Rates {
     flops_per_s: f64,
     bytes_per_s: f64,
     tp: f64,
+    /// Shapes count on GPUs; an emulation profile was measured on its one model's shapes, on a
+    /// CPU, and prices them as measured.
+    shape_aware: bool,
+    geometry: Option<GemmGeometry>,
 }
 
 impl Rates {
@@ -293,15 +385,29 @@ impl Rates {
             flops_per_s: group.device.half_precision_tflops() * 1e12,
             bytes_per_s: group.device.hbm_tb_s * 1e12,
             tp: f64::from(tp),
+            shape_aware: *calibration.kind() == ProfileKind::Gpu,
+            geometry: GemmGeometry::of(&group.device),
         }
     }
 
-    fn matmul_s(&self, flops: f64) -> f64 {
-        flops / self.tp / (self.flops_per_s * self.efficiency.matmul)
+    /// `gemms`, already split over the TP ranks, at the device's matmul rate for their shapes.
+    fn matmuls(&self, gemms: &[Gemm]) -> MatmulTime {
+        let seconds = |gemm: Gemm| {
+            let factor = if self.shape_aware { gemm::gemm_shape_factor(self.geometry, &gemm) } else { 1.0 };
+            gemm.flops() / (self.flops_per_s * self.efficiency.matmul * factor)
+        };
+        let sum = |shape: fn(Gemm) -> Gemm| gemms.iter().map(|&gemm| seconds(shape(gemm))).sum();
+        MatmulTime {
+            forward_s: sum(|gemm| gemm),
+            input_grad_s: sum(Gemm::input_gradient),
+            weight_grad_s: sum(Gemm::weight_gradient),
+        }
     }
 
-    fn attention_s(&self, flops: f64) -> f64 {
-        flops / self.tp / (self.flops_per_s * self.efficiency.attention)
+    /// Fused attention's `flops` (of the whole TP group) with `model`'s heads over `key_len` keys.
+    fn attention_s(&self, flops: f64, model: &ModelSpec, key_len: f64) -> f64 {
+        let factor = if self.shape_aware { gemm::attention_shape_factor(model, key_len) } else { 1.0 };
+        flops / self.tp / (self.flops_per_s * self.efficiency.attention * factor)
     }
 
     fn memory_s(&self, bytes: f64) -> f64 {
@@ -347,19 +453,44 @@ mod tests {
     fn recompute_trades_time_for_memory() {
         let model = catalog_model("llama3-70b").unwrap();
         let calibration = Calibration::default();
-        let cost = CostModel::new(&model, 4096, &calibration);
         let shape = StageShape { n_layers: 10, embedding: false, head: false };
-        let results: Vec<(f64, f64)> = Recompute::ALL
-            .into_iter()
-            .map(|recompute| {
-                let setting = Setting { micro_batch: 1, tp: 8, recompute };
-                (
-                    cost.stage_time(&group("h100"), shape, setting).total_s(),
-                    cost.stage_memory(shape, setting, 4.0, 8).total(),
-                )
-            })
-            .collect();
-        assert!(results[0].0 < results[1].0 && results[1].0 < results[2].0, "{results:?}");
-        assert!(results[0].1 > results[1].1 && results[1].1 > results[2].1, "{results:?}");
+        let priced = |attention| -> Vec<(f64, f64)> {
+            let cost = CostModel::new(&model, 4096, &calibration).with_attention(attention);
+            Recompute::ALL
+                .into_iter()
+                .map(|recompute| {
+                    let setting = Setting { micro_batch: 1, tp: 8, recompute };
+                    (
+                        cost.stage_time(&group("h100"), shape, setting).total_s(),
+                        cost.stage_memory(shape, setting, 4.0, 8).total(),
+                    )
+                })
+                .collect()
+        };
+        let unfused = priced(AttentionKernel::Unfused);
+        assert!(unfused[0].0 < unfused[1].0 && unfused[1].0 < unfused[2].0, "{unfused:?}");
+        assert!(unfused[0].1 > unfused[1].1 && unfused[1].1 > unfused[2].1, "{unfused:?}");
+        // A fused kernel keeps no scores: selective recomputation only costs time.
+        let fused = priced(AttentionKernel::Fused);
+        assert!(fused[0].0 < fused[1].0 && fused[1].0 < fused[2].0, "{fused:?}");
+        assert!(fused[0].1 == fused[1].1 && fused[1].1 > fused[2].1, "{fused:?}");
+        assert!(fused[0].1 < unfused[0].1 && fused[0].0 < unfused[0].0, "{fused:?} vs {unfused:?}");
+    }
+
+    #[test]
+    fn the_unfused_kernel_computes_and_moves_every_score() {
+        // GPT-3 175B's attention at 2K on 8 A100s: unfused, the s² scores pass through memory
+        // about 32 bytes each and both matmuls run over all of them; fused, half the work.
+        let model = catalog_model("gpt3-175b").unwrap();
+        let calibration = Calibration::default();
+        let setting = Setting { micro_batch: 1, tp: 8, recompute: Recompute::None };
+        let time = |attention| {
+            CostModel::new(&model, 2048, &calibration).with_attention(attention).layer_time(&group("a100"), setting)
+        };
+        let (fused, unfused) = (time(AttentionKernel::Fused), time(AttentionKernel::Unfused));
+        let a100 = catalog_device("a100").unwrap();
+        let memory_s = 32.0 * memory::scores(&model, 2048, 1) / 8.0 / (a100.hbm_tb_s * 1e12 * 0.8);
+        let extra = unfused.total_s() - fused.total_s();
+        assert!(extra > memory_s * 0.9, "{extra} vs {memory_s}");
     }
 }

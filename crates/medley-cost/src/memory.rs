@@ -8,11 +8,12 @@
 //! keep 4, attention 7 + 4·kv/heads plus 5·a·s/h for scores, softmax and dropout (with q = heads ×
 //! head size apart from h: 3 + 4·q/h + 4·kv/h), a GELU MLP 3 + 4f/h, a SwiGLU MLP 3 + 6f/h (gate,
 //! up and their product), once per routed expert a token visits and per shared expert.
-//! `Recompute::None` keeps attention's score, softmax and dropout buffers (the 5·a·s/h term) as
-//! Megatron-LM does without a fused attention kernel; a fused (FlashAttention) kernel never stores
-//! them and recomputes them in its backward, which is what `Recompute::Selective` prices.
+//! An unfused attention kernel under `Recompute::None` keeps its score, softmax and dropout
+//! buffers (the 5·a·s/h term), as Megatron-LM did before FlashAttention; selective recomputation
+//! drops them. A fused (FlashAttention) kernel never stores them, only its softmax statistics
+//! (fp32, one per head and token), and recomputes the scores in its backward.
 
-use medley_spec::{MlpKind, ModelSpec, Recompute};
+use medley_spec::{AttentionKernel, MlpKind, ModelSpec, Recompute};
 
 /// A fixed reserve per device: runtime context, communicator buffers, GEMM workspaces and
 /// allocator fragmentation (a common rule of thumb; calibrate for a given software stack).
@@ -53,10 +54,30 @@ impl MemoryBreakdown {
     }
 }
 
-/// Activation bytes one layer keeps for one micro-batch of `micro_batch` sequences on each of
-/// `tp` tensor-parallel ranks (sequence parallelism on whenever `tp > 1`).
-pub fn layer_activation_bytes(model: &ModelSpec, seq_len: u32, micro_batch: u32, tp: u32, recompute: Recompute) -> f64 {
-    let (s, b, h, t) = (f64::from(seq_len), f64::from(micro_batch), f64::from(model.hidden()), f64::from(tp));
+/// One micro-batch on one tensor-parallel rank: `micro_batch` sequences of `seq_len` tokens
+/// split over `tp` ranks (sequence parallelism on whenever `tp > 1`).
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub struct ActivationShape {
+    pub seq_len: u32,
+    pub micro_batch: u32,
+    pub tp: u32,
+}
+
+/// Scores (query–key pairs of every head) one layer's attention computes for `micro_batch`
+/// sequences without a fused kernel: all s², the causal mask applied after.
+pub fn scores(model: &ModelSpec, seq_len: u32, micro_batch: u32) -> f64 {
+    f64::from(micro_batch) * f64::from(model.n_heads()) * f64::from(seq_len) * f64::from(seq_len)
+}
+
+/// Activation bytes one layer keeps for one micro-batch of `shape` with `attention`.
+pub fn layer_activation_bytes(
+    model: &ModelSpec,
+    shape: ActivationShape,
+    recompute: Recompute,
+    attention: AttentionKernel,
+) -> f64 {
+    let (s, b, h, t) =
+        (f64::from(shape.seq_len), f64::from(shape.micro_batch), f64::from(model.hidden()), f64::from(shape.tp));
     let sbh = s * b * h;
     if recompute == Recompute::Full {
         return 2.0 * sbh / t;
@@ -65,7 +86,7 @@ pub fn layer_activation_bytes(model: &ModelSpec, seq_len: u32, micro_batch: u32,
     // and V (4, kv-wide): Korthikanti's 7 + 4·kv/heads when q = h.
     let q_ratio = model.q_width() as f64 / h;
     let kv_ratio = model.kv_width() as f64 / h;
-    let attention = 3.0 + 4.0 * q_ratio + 4.0 * kv_ratio;
+    let attention_parts = 3.0 + 4.0 * q_ratio + 4.0 * kv_ratio;
     let mlp = |ffn_width: f64| match model.mlp() {
         MlpKind::Gelu => 3.0 + 4.0 * ffn_width / h,
         MlpKind::SwiGlu => 3.0 + 6.0 * ffn_width / h,
@@ -80,10 +101,12 @@ pub fn layer_activation_bytes(model: &ModelSpec, seq_len: u32, micro_batch: u32,
         }
         None => mlp(f64::from(model.ffn_hidden())),
     };
-    let linear_parts = 4.0 + attention + mlp;
-    let scores = match recompute {
-        Recompute::None => 5.0 * f64::from(model.n_heads()) * s / h,
-        Recompute::Selective | Recompute::Full => 0.0,
+    let linear_parts = 4.0 + attention_parts + mlp;
+    let heads_per_h = f64::from(model.n_heads()) / h;
+    let scores = match (attention, recompute) {
+        (AttentionKernel::Unfused, Recompute::None) => 5.0 * heads_per_h * s,
+        (AttentionKernel::Unfused, _) => 0.0,
+        (AttentionKernel::Fused, _) => 4.0 * heads_per_h,
     };
     sbh * (linear_parts + scores) / t
 }
@@ -106,14 +129,19 @@ mod tests {
         let model = gpt3_like();
         let (s, b, t) = (2048u32, 1u32, 8u32);
         let (sf, bf, h, a, tf) = (2048.0, 1.0, 12288.0, 96.0, 8.0);
+        let shape = ActivationShape { seq_len: s, micro_batch: b, tp: t };
         let check = |recompute, expected: f64| {
-            let got = layer_activation_bytes(&model, s, b, t, recompute);
+            let got = layer_activation_bytes(&model, shape, recompute, AttentionKernel::Unfused);
             assert!((got / expected - 1.0).abs() < 1e-12, "{recompute}: {got} vs {expected}");
         };
         // TP + SP: sbh(34 + 5as/h)/t; TP + SP + selective: 34·sbh/t; full: 2sbh (per TP rank /t).
         check(Recompute::None, sf * bf * h * (34.0 + 5.0 * a * sf / h) / tf);
         check(Recompute::Selective, sf * bf * h * 34.0 / tf);
         check(Recompute::Full, 2.0 * sf * bf * h / tf);
+        // A fused kernel keeps no scores, only fp32 softmax statistics per head and token.
+        let fused = layer_activation_bytes(&model, shape, Recompute::None, AttentionKernel::Fused);
+        let expected = sf * bf * h * (34.0 + 4.0 * a / h) / tf;
+        assert!((fused / expected - 1.0).abs() < 1e-12, "{fused} vs {expected}");
     }
 
     #[test]

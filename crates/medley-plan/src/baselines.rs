@@ -113,8 +113,7 @@ pub fn megatron_plan(
         )));
     }
     let n_stages = degrees.pp * degrees.vpp;
-    let counts: Vec<u32> =
-        (0..n_stages).map(|stage| n_layers / n_stages + u32::from(stage < n_layers % n_stages)).collect();
+    let counts = layer_counts(n_layers, n_stages);
     let replicas = (0..degrees.dp)
         .map(|dp_rank| {
             let device_groups = (0..n_stages)
@@ -131,6 +130,20 @@ pub fn megatron_plan(
         })
         .collect();
     Ok(Plan::assembled(assemble(cluster, cost, job, setting, schedule, degrees.vpp, replicas)))
+}
+
+/// Layers per stage as even as they go; where they do not divide, the first and last stages
+/// (then the second and second to last, …) take one fewer, as Llama 3 did (arXiv 2407.21783,
+/// §3.3.2) and Megatron-LM's `--decoder-first/last-pipeline-num-layers` allow: the first stage
+/// also holds the embedding and the most micro-batches in flight, the last the output layer.
+fn layer_counts(n_layers: u32, n_stages: u32) -> Vec<u32> {
+    let short = (n_stages - n_layers % n_stages) % n_stages;
+    let shortened = |stage: u32| {
+        let from_edge = stage.min(n_stages - 1 - stage);
+        let rank = 2 * from_edge + u32::from(stage > n_stages - 1 - stage);
+        rank < short
+    };
+    (0..n_stages).map(|stage| n_layers.div_ceil(n_stages) - u32::from(shortened(stage))).collect()
 }
 
 /// The schedule a Megatron-style plan with `vpp` chunks per rank runs: 1F1B over several
@@ -209,7 +222,7 @@ pub fn fixed(
         return Ok(outcome.candidates.into_iter().next().expect("a search returns a plan or an error"));
     }
     check_degrees(cluster, model, degrees)?;
-    let cost = CostModel::new(model, job.seq_len(), calibration);
+    let cost = CostModel::new(model, job.seq_len(), calibration).with_attention(job.attention());
     let mut layout_error = None;
     let (mut built, mut best) = (false, None::<Candidate>);
     for setting in settings_with_tp(job, degrees.tp) {
@@ -249,7 +262,7 @@ pub fn uniform(cluster: &Cluster, model: &ModelSpec, job: &JobSpec, calibration:
             layouts.push((setting, Degrees::new(setting.tp, pp, per_tp / pp)));
         }
     }
-    let cost = CostModel::new(model, job.seq_len(), calibration);
+    let cost = CostModel::new(model, job.seq_len(), calibration).with_attention(job.attention());
     layouts
         .par_iter()
         .filter_map(|&(setting, degrees)| {
@@ -319,5 +332,24 @@ mod tests {
         assert_eq!("pp=2,cp=4,hp=2".parse(), Ok(context));
         assert_eq!(context.to_string(), "tp=1,pp=2,dp=1,cp=4,hp=2");
         assert!("tp8".parse::<Degrees>().unwrap_err().contains("AXIS=DEGREE"));
+    }
+
+    #[test]
+    fn uneven_layers_leave_the_edge_stages_one_short() {
+        // Llama 3 405B over 16 stages: 7 on the first and last, 8 between.
+        let llama = layer_counts(126, 16);
+        assert_eq!((llama[0], llama[15]), (7, 7));
+        assert!(llama[1..15].iter().all(|&n| n == 8), "{llama:?}");
+        assert_eq!(layer_counts(10, 4), [2, 3, 3, 2]);
+        assert_eq!(layer_counts(9, 4), [2, 2, 3, 2]);
+        assert_eq!(layer_counts(8, 4), [2, 2, 2, 2]);
+        for n_stages in 1..40 {
+            for n_layers in n_stages..130 {
+                let counts = layer_counts(n_layers, n_stages);
+                assert_eq!(counts.iter().sum::<u32>(), n_layers, "{n_layers} over {n_stages}");
+                let (min, max) = (counts.iter().min().unwrap(), counts.iter().max().unwrap());
+                assert!(max - min <= 1, "{n_layers} over {n_stages}: {counts:?}");
+            }
+        }
     }
 }

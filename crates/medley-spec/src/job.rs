@@ -18,6 +18,44 @@ pub enum Precision {
     Bf16Mixed,
 }
 
+/// How the attention core (scores, softmax, score × V) runs; orthogonal to [`Recompute`].
+#[derive(Clone, Copy, Debug, Default, PartialEq, Eq, Hash, Serialize, Deserialize)]
+#[serde(rename_all = "lowercase")]
+pub enum AttentionKernel {
+    /// One kernel that never writes the s × s scores to memory and recomputes them in its
+    /// backward (FlashAttention, Dao et al. 2022, arXiv 2205.14135): the default of current
+    /// Megatron-LM, torchtitan and NeMo.
+    #[default]
+    Fused,
+    /// Separate matmuls and softmax/mask/dropout kernels that write the full s × s scores to
+    /// memory and keep them for the backward unless recomputed (Megatron-LM before
+    /// FlashAttention, as in Korthikanti et al. 2022).
+    Unfused,
+}
+
+impl AttentionKernel {
+    pub const ALL: [AttentionKernel; 2] = [AttentionKernel::Fused, AttentionKernel::Unfused];
+}
+
+impl fmt::Display for AttentionKernel {
+    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
+        f.write_str(match self {
+            AttentionKernel::Fused => "fused",
+            AttentionKernel::Unfused => "unfused",
+        })
+    }
+}
+
+impl FromStr for AttentionKernel {
+    type Err = String;
+    fn from_str(text: &str) -> Result<Self, String> {
+        AttentionKernel::ALL
+            .into_iter()
+            .find(|kernel| kernel.to_string() == text.to_ascii_lowercase())
+            .ok_or_else(|| format!("unknown attention kernel `{text}`; expected fused or unfused"))
+    }
+}
+
 /// Activation recomputation (Korthikanti et al. 2022, arXiv 2205.05198).
 #[derive(Clone, Copy, Debug, PartialEq, Eq, PartialOrd, Ord, Hash, Serialize, Deserialize)]
 #[serde(rename_all = "lowercase")]
@@ -64,6 +102,8 @@ pub struct JobSpec {
     precision: Precision,
     zero1: bool,
     recompute: Option<Recompute>,
+    attention: AttentionKernel,
+    overlap_grad_reduce: bool,
     schedule: Schedule,
 }
 
@@ -82,6 +122,13 @@ pub struct JobParts {
     pub zero1: bool,
     #[serde(default)]
     pub recompute: Option<Recompute>,
+    #[serde(default)]
+    pub attention: AttentionKernel,
+    /// Reduce each bucket of gradients while the last backward pass still computes the rest
+    /// (Megatron-LM's `--overlap-grad-reduce`); off, gradients are reduced after the pipeline
+    /// drains.
+    #[serde(default = "yes")]
+    pub overlap_grad_reduce: bool,
     #[serde(default)]
     pub schedule: Schedule,
 }
@@ -107,6 +154,8 @@ impl Default for JobParts {
             precision: Precision::Bf16Mixed,
             zero1: true,
             recompute: None,
+            attention: AttentionKernel::Fused,
+            overlap_grad_reduce: true,
             schedule: Schedule::Fixed(ScheduleKind::OneFOneB),
         }
     }
@@ -142,6 +191,8 @@ impl JobSpec {
             precision: parts.precision,
             zero1: parts.zero1,
             recompute: parts.recompute,
+            attention: parts.attention,
+            overlap_grad_reduce: parts.overlap_grad_reduce,
             schedule: parts.schedule,
         })
     }
@@ -172,6 +223,16 @@ impl JobSpec {
     }
     pub fn recompute(&self) -> Option<Recompute> {
         self.recompute
+    }
+    /// The same job with its recomputation fixed (no invariant depends on it).
+    pub fn with_recompute(self, recompute: Recompute) -> Self {
+        JobSpec { recompute: Some(recompute), ..self }
+    }
+    pub fn attention(&self) -> AttentionKernel {
+        self.attention
+    }
+    pub fn overlap_grad_reduce(&self) -> bool {
+        self.overlap_grad_reduce
     }
     pub fn schedule(&self) -> Schedule {
         self.schedule

@@ -16,6 +16,6 @@ pub use cluster::{
 };
 pub use device::{DeviceSpec, LinkKind, Vendor, catalog_device, catalog_devices};
 pub use error::SpecError;
-pub use job::{JobParts, JobSpec, Precision, Recompute};
+pub use job::{AttentionKernel, JobParts, JobSpec, Precision, Recompute};
 pub use model::{Experts, MlpKind, ModelParts, ModelSpec, catalog_model, catalog_model_names};
 pub use schedule::{Schedule, ScheduleKind};
