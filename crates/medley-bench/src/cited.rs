@@ -9,9 +9,12 @@
 
 use medley_cost::{Calibration, CostModel, Efficiency, Setting};
 use medley_plan::Plan;
-use medley_plan::baselines::{Degrees, megatron_plan};
+use medley_plan::baselines::{Degrees, fixed, megatron_plan};
 use medley_sim::{SimConfig, StepReport, simulate_steps};
-use medley_spec::{Bridge, Cluster, Fabric, JobParts, JobSpec, ModelSpec, Recompute, catalog_device, catalog_model};
+use medley_spec::{
+    AttentionKernel, Bridge, Cluster, Fabric, JobParts, JobSpec, ModelSpec, Recompute, catalog_device, catalog_model,
+};
+use rayon::prelude::*;
 use serde::Serialize;
 
 use crate::BenchError;
@@ -46,6 +49,9 @@ pub struct CitedRun {
     pub micro_batch: u32,
     pub degrees: Degrees,
     pub recompute: Recompute,
+    pub attention: AttentionKernel,
+    /// Megatron-LM's `--overlap-grad-reduce` (which it did not have before 2023).
+    pub overlap_grad_reduce: bool,
     pub zero1: bool,
     pub measured: Reported,
     pub role: Role,
@@ -54,7 +60,8 @@ pub struct CitedRun {
 pub const KORTHIKANTI: &str =
     "Korthikanti et al. 2022, arXiv 2205.05198, Table 4 (times via calculon's validation data)";
 pub const NARAYANAN: &str = "Narayanan et al. 2021, arXiv 2104.04473, Table 2";
-pub const DGXC: &str = "NVIDIA dgxc-benchmarking, NeMo 24.09, GPT-3 175B BF16 README";
+pub const DGXC: &str = "NVIDIA dgxc-benchmarking, NeMo 24.09, GPT-3 175B BF16 README (nemo_megatron/README_175b.md)";
+pub const DGXC_LLAMA: &str = "NVIDIA dgxc-benchmarking, NeMo 24.09, Llama 3.1 8B BF16 README (llama3.1/README_8b.md)";
 pub const LLAMA3: &str = "Llama 3 paper, arXiv 2407.21783, Table 4";
 
 /// Megatron's GPT-3-style models with its padded 51,200-token vocabulary.
@@ -68,7 +75,7 @@ const fn degrees(tp: u32, pp: u32, dp: u32, vpp: u32) -> Degrees {
 }
 
 /// The sources, in the order a report lists them.
-pub const SOURCES: [&str; 4] = [KORTHIKANTI, NARAYANAN, DGXC, LLAMA3];
+pub const SOURCES: [&str; 5] = [KORTHIKANTI, NARAYANAN, DGXC, DGXC_LLAMA, LLAMA3];
 
 /// Korthikanti et al.'s runs: one model-parallel group (dp = 1), sequence 2048; calculon's
 /// validation configs give the 175B and 530B runs three virtual stages per rank.
@@ -91,6 +98,8 @@ const fn korthikanti(
         micro_batch,
         degrees,
         recompute,
+        attention: AttentionKernel::Unfused,
+        overlap_grad_reduce: false,
         zero1: false,
         measured: Reported::StepS(step_s),
         role,
@@ -108,12 +117,18 @@ const fn narayanan(cluster: &'static str, dp: u32, tflops: f64) -> CitedRun {
         micro_batch: 1,
         degrees: degrees(8, 12, dp, 1),
         recompute: Recompute::Full,
+        attention: AttentionKernel::Unfused,
+        overlap_grad_reduce: false,
         zero1: false,
         measured: Reported::HardwareTflopsPerGpu(tflops),
         role: Role::Check,
     }
 }
 
+/// Llama 3 405B's 8K pre-training runs: Table 4's layouts, FlashAttention and no activation
+/// recomputation (§3.3.2), the embedding and output layer's stages one layer short (§3.3.2, what
+/// medley's Megatron-style layouts do anyway), and an interleaved schedule whose depth the paper
+/// does not give: the least, two chunks per rank.
 const fn llama3(cluster: &'static str, dp: u32, tflops: f64) -> CitedRun {
     CitedRun {
         source: LLAMA3,
@@ -123,16 +138,62 @@ const fn llama3(cluster: &'static str, dp: u32, tflops: f64) -> CitedRun {
         seq_len: 8192,
         global_batch: 2048,
         micro_batch: 1,
-        degrees: degrees(8, 16, dp, 1),
-        recompute: Recompute::Selective,
+        degrees: degrees(8, 16, dp, 2),
+        recompute: Recompute::None,
+        attention: AttentionKernel::Fused,
+        overlap_grad_reduce: true,
         zero1: true,
         measured: Reported::ModelTflopsPerGpu(tflops),
         role: Role::Check,
     }
 }
 
+/// NeMo's GPT-3 175B on H100s (tp 4, pp 8, 12 chunks per rank, 64 sequences per replica). NeMo's
+/// recompute and optimizer settings are not in the README; selective recompute and a distributed
+/// optimizer are what fits this layout in 80 GiB; NeMo overlaps gradient reduction by default.
+const fn dgxc_gpt3(cluster: &'static str, dp: u32, step_s: f64, role: Role) -> CitedRun {
+    CitedRun {
+        source: DGXC,
+        label: "GPT 175B, interleaved v=12",
+        model: GPT_175B,
+        cluster,
+        seq_len: 2048,
+        global_batch: 64 * dp,
+        micro_batch: 1,
+        degrees: degrees(4, 8, dp, 12),
+        recompute: Recompute::Selective,
+        attention: AttentionKernel::Fused,
+        overlap_grad_reduce: true,
+        zero1: true,
+        measured: Reported::StepS(step_s),
+        role,
+    }
+}
+
+/// NeMo's Llama 3.1 8B on H100s: context parallelism 2 and no other model parallelism, 32
+/// sequences of 8K per replica; recompute none (what fits), a distributed optimizer and
+/// overlapped reduction (NeMo's defaults).
+const fn dgxc_llama31_8b(cluster: &'static str, dp: u32, step_s: f64) -> CitedRun {
+    CitedRun {
+        source: DGXC_LLAMA,
+        label: "Llama 3.1 8B, cp=2",
+        model: "llama3-8b",
+        cluster,
+        seq_len: 8192,
+        global_batch: 32 * dp,
+        micro_batch: 1,
+        degrees: Degrees { cp: 2, ..Degrees::new(1, 1, dp) },
+        recompute: Recompute::None,
+        attention: AttentionKernel::Fused,
+        overlap_grad_reduce: true,
+        zero1: true,
+        measured: Reported::StepS(step_s),
+        role: Role::Check,
+    }
+}
+
 /// Every cited run, tuning runs and held-out checks.
-pub const RUNS: [CitedRun; 14] = [
+pub const RUNS: [CitedRun; 17] = [
     korthikanti(
         ("GPT 175B, selective", GPT_175B),
         "64xa100",
@@ -200,22 +261,10 @@ pub const RUNS: [CitedRun; 14] = [
     narayanan("384xa100", 4, 153.0),
     narayanan("768xa100", 8, 149.0),
     narayanan("1536xa100", 16, 141.0),
-    // NeMo's recompute and optimizer settings are not in the README; selective recompute and a
-    // distributed optimizer are what fits this layout in 80 GiB.
-    CitedRun {
-        source: DGXC,
-        label: "GPT 175B, 128 GPUs, interleaved v=12",
-        model: GPT_175B,
-        cluster: "128xh100",
-        seq_len: 2048,
-        global_batch: 256,
-        micro_batch: 1,
-        degrees: degrees(4, 8, 4, 12),
-        recompute: Recompute::Selective,
-        zero1: true,
-        measured: Reported::StepS(8.309),
-        role: Role::Tune,
-    },
+    dgxc_gpt3("128xh100", 4, 8.309, Role::Tune),
+    dgxc_gpt3("2048xh100", 64, 8.49, Role::Check),
+    dgxc_llama31_8b("8xh100", 4, 12.91),
+    dgxc_llama31_8b("128xh100", 64, 13.10),
     llama3("8192xh100", 64, 430.0),
     llama3("16384xh100", 128, 400.0),
 ];
@@ -232,6 +281,47 @@ pub struct CitedPrediction {
     pub predicted_step_s: f64,
     /// Predicted over measured step time: above 1, the model is pessimistic.
     pub time_ratio: f64,
+}
+
+impl CitedPrediction {
+    /// How far off the prediction is, as a fraction of the measurement.
+    pub fn abs_error(&self) -> f64 {
+        (self.time_ratio - 1.0).abs()
+    }
+}
+
+/// How far the predictions of one source's runs in one role are off (all sources' with
+/// `source` `None`).
+#[derive(Clone, Debug, Serialize)]
+pub struct ErrorSummary {
+    pub source: Option<&'static str>,
+    pub role: Role,
+    pub n_runs: usize,
+    /// Mean absolute percentage error, as a fraction.
+    pub mean_abs_error: f64,
+    pub worst_abs_error: f64,
+}
+
+/// Per source and role, then over all sources per role: the errors of `rows`.
+pub fn error_summaries(rows: &[CitedPrediction]) -> Vec<ErrorSummary> {
+    let sources = SOURCES.iter().map(|&source| Some(source)).chain([None]);
+    sources
+        .flat_map(|source| [Role::Tune, Role::Check].map(|role| (source, role)))
+        .filter_map(|(source, role)| {
+            let errors: Vec<f64> = rows
+                .iter()
+                .filter(|row| row.role == role && source.is_none_or(|source| row.source == source))
+                .map(CitedPrediction::abs_error)
+                .collect();
+            (!errors.is_empty()).then(|| ErrorSummary {
+                source,
+                role,
+                n_runs: errors.len(),
+                mean_abs_error: errors.iter().sum::<f64>() / errors.len() as f64,
+                worst_abs_error: errors.iter().copied().fold(0.0, f64::max),
+            })
+        })
+        .collect()
 }
 
 /// The efficiency factor that fits one device type's tuning runs.
@@ -261,11 +351,18 @@ impl CitedRun {
             global_batch: self.global_batch,
             micro_batch: Some(self.micro_batch),
             zero1: self.zero1,
+            attention: self.attention,
+            overlap_grad_reduce: self.overlap_grad_reduce,
             ..JobParts::default()
         };
         let job = JobSpec::new(parts, self.source).map_err(|err| failed(err.to_string()))?;
         let calibration = Calibration::default();
-        let cost = CostModel::new(&model, self.seq_len, &calibration);
+        if self.degrees.splits_sequences() {
+            let job = job.with_recompute(self.recompute);
+            let candidate = fixed(&cluster, &model, &job, &calibration, self.degrees);
+            return candidate.map(|candidate| candidate.plan).map_err(|err| failed(err.to_string()));
+        }
+        let cost = CostModel::new(&model, self.seq_len, &calibration).with_attention(self.attention);
         let setting = Setting { micro_batch: self.micro_batch, tp: self.degrees.tp, recompute: self.recompute };
         megatron_plan(&cluster, &cost, &job, setting, self.degrees).map_err(|err| failed(err.to_string()))
     }
@@ -295,7 +392,7 @@ pub fn predict(
     runs: &[(&'static CitedRun, Plan)],
     calibration: &Calibration,
 ) -> Result<Vec<CitedPrediction>, BenchError> {
-    runs.iter()
+    runs.par_iter()
         .map(|(run, plan)| {
             let report = simulate_one(plan, calibration)?;
             Ok(CitedPrediction {
@@ -356,11 +453,11 @@ fn scaled(device: &str, factor: f64) -> Result<(Calibration, Efficiency), BenchE
 fn fit(device: &str, runs: &[(&CitedRun, Plan)]) -> Result<Fit, BenchError> {
     let log_ratio = |factor: f64| -> Result<f64, BenchError> {
         let (calibration, _) = scaled(device, factor)?;
-        let mut sum = 0.0;
-        for (run, plan) in runs {
-            sum += run.time_ratio(&simulate_one(plan, &calibration)?).ln();
-        }
-        Ok(sum / runs.len() as f64)
+        let log_ratios: Vec<f64> = runs
+            .par_iter()
+            .map(|(run, plan)| Ok(run.time_ratio(&simulate_one(plan, &calibration)?).ln()))
+            .collect::<Result<_, BenchError>>()?;
+        Ok(log_ratios.iter().sum::<f64>() / runs.len() as f64)
     };
     let factor = falling_root(log_ratio, FACTOR_RANGE)?;
     let (_, efficiency) = scaled(device, factor)?;
@@ -370,8 +467,9 @@ fn fit(device: &str, runs: &[(&CitedRun, Plan)]) -> Result<Fit, BenchError> {
 /// Where the fit looks for its factor.
 const FACTOR_RANGE: (f64, f64) = (0.3, 1.5);
 
-/// Bisection steps: the range shrinks by 2³⁰, far below the simulator's own resolution.
-const BISECTION_STEPS: usize = 30;
+/// Bisection steps: the range shrinks by 2²⁰ to about 1e-6, below the three digits the defaults
+/// keep.
+const BISECTION_STEPS: usize = 20;
 
 /// The root of `f`, which falls as its argument grows (a faster device predicts shorter
 /// steps), within `(low, high)`; the nearer end when the root lies outside.

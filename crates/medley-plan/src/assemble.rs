@@ -82,6 +82,8 @@ pub fn assemble(
         micro_batch: setting.micro_batch,
         schedule,
         recompute: setting.recompute,
+        attention: job.attention(),
+        overlap_grad_reduce: job.overlap_grad_reduce(),
         zero1: job.zero1(),
         tp: setting.tp,
         virtual_stages,

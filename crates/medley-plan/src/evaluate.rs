@@ -19,7 +19,8 @@ pub struct Prediction {
     pub step_time_s: f64,
     /// The slowest replica's pipeline: forward and backward of all its micro-batches.
     pub pipeline_s: f64,
-    /// Gradient synchronisation after the pipeline drains (not overlapped, a conservative choice).
+    /// Gradient synchronisation after the pipeline drains: with overlapped reduction, the part
+    /// of it the rank's last backward pass does not hide.
     pub dp_sync_s: f64,
     pub optimizer_s: f64,
     #[serde(flatten)]
@@ -76,7 +77,7 @@ fn plan_setting(plan: &Plan) -> Setting {
 
 /// Prices `plan` (valid by construction).
 pub fn evaluate(plan: &Plan, calibration: &Calibration) -> Prediction {
-    let cost = &CostModel::new(plan.model(), plan.seq_len(), calibration);
+    let cost = &CostModel::new(plan.model(), plan.seq_len(), calibration).with_attention(plan.attention());
     let slots = plan.cluster().devices();
     let prices: Vec<ReplicaPrice> =
         plan.replicas().iter().map(|replica| price_replica(plan, cost, &slots, replica)).collect();
@@ -84,7 +85,7 @@ pub fn evaluate(plan: &Plan, calibration: &Calibration) -> Prediction {
     let optimizer_s = prices.iter().map(|price| price.optimizer_s).fold(0.0, f64::max);
     let busy: Vec<f64> = prices.iter().flat_map(|price| price.busy_fractions.iter().copied()).collect();
     let memory = MemoryPeaks::of(plan, cost, &slots);
-    let dp_sync_s = dp_sync_s(plan, cost, &slots);
+    let dp_sync_s = dp_sync_s(plan, cost, &slots, &prices);
     let step_time_s = pipeline_s + dp_sync_s + optimizer_s;
     Prediction {
         step_time_s,
@@ -106,6 +107,9 @@ struct ReplicaPrice {
     time_s: f64,
     busy_fractions: Vec<f64>,
     optimizer_s: f64,
+    /// Per rank, one micro-batch's backward over all its chunks: what overlapped gradient
+    /// reduction hides behind.
+    backward_s: Vec<f64>,
 }
 
 fn price_replica(plan: &Plan, cost: &CostModel, slots: &[DeviceSlot], replica: &Replica) -> ReplicaPrice {
@@ -151,7 +155,9 @@ fn price_replica(plan: &Plan, cost: &CostModel, slots: &[DeviceSlot], replica: &
             rank_s * f64::from(replica.n_micro_batches) / time_s
         })
         .collect();
-    ReplicaPrice { time_s, busy_fractions, optimizer_s }
+    let backward_s =
+        (0..n_ranks).map(|rank| passes.iter().skip(rank).step_by(n_ranks).map(|pass| pass.backward_s).sum()).collect();
+    ReplicaPrice { time_s, busy_fractions, optimizer_s, backward_s }
 }
 
 /// Replicas that share each optimizer state: all of them with ZeRO-1, else one.
@@ -246,7 +252,7 @@ fn micro_batches_in_flight(plan: &Plan, replica: &Replica, rank: usize, n_ranks:
 /// most the largest micro-batch count, beyond which k changes nothing): how far an adaptive
 /// schedule may raise k. The simulator and the runtime both bound their `StepSchedules` by it.
 pub fn max_k_within_memory(plan: &Plan, calibration: &Calibration) -> u32 {
-    let cost = CostModel::new(plan.model(), plan.seq_len(), calibration);
+    let cost = CostModel::new(plan.model(), plan.seq_len(), calibration).with_attention(plan.attention());
     let slots = plan.cluster().devices();
     let memories = |stage, shape, in_flight| stage_memories(plan, &cost, &slots, stage, shape, in_flight);
     // Per device of each rank: (the rank's index and the pipeline's depth, micro-batches, bytes
@@ -358,10 +364,13 @@ fn route_mode(route: Route) -> BridgeMode {
     }
 }
 
-/// The slowest device's total gradient synchronisation time.
-fn dp_sync_s(plan: &Plan, cost: &CostModel, slots: &[DeviceSlot]) -> f64 {
-    // Per (replica, rank): the summed time of the DP groups its chunks take part in.
-    let mut per_rank: BTreeMap<(usize, usize), f64> = BTreeMap::new();
+/// The slowest device's exposed gradient synchronisation time: the DP groups its chunks take
+/// part in, less what its last backward hides when reduction overlaps it, then its long-context
+/// stage's own reduction.
+fn dp_sync_s(plan: &Plan, cost: &CostModel, slots: &[DeviceSlot], prices: &[ReplicaPrice]) -> f64 {
+    // Per (replica, rank): the summed time of the DP groups its chunks take part in, and their
+    // buckets.
+    let mut per_rank: BTreeMap<(usize, usize), (f64, u32)> = BTreeMap::new();
     for (group_idx, group) in plan.dp_groups().iter().enumerate() {
         let holders = plan.holders(group_idx);
         let holder_stages: Vec<&Stage> =
@@ -372,10 +381,22 @@ fn dp_sync_s(plan: &Plan, cost: &CostModel, slots: &[DeviceSlot]) -> f64 {
         let shares = holder_stages.iter().map(|stage| sequence_holders(stage)).min().unwrap_or(1);
         let bytes = dp_group_bytes(cost, plan.tp(), group.layers) / f64::from(shares);
         let time_s = dp_group_time_s(plan.cluster(), &members, bytes, group.route, group.algorithm);
+        let buckets = comm::gradient_buckets(bytes, members.len());
         for ((replica_idx, &stage_idx), replica) in holders.iter().enumerate().zip(plan.replicas()) {
-            *per_rank.entry((replica_idx, plan.rank_of(replica, stage_idx))).or_insert(0.0) += time_s;
+            let rank = per_rank.entry((replica_idx, plan.rank_of(replica, stage_idx))).or_insert((0.0, 0));
+            *rank = (rank.0 + time_s, rank.1 + buckets);
         }
     }
+    let mut per_rank: BTreeMap<(usize, usize), f64> = per_rank
+        .into_iter()
+        .map(|((replica_idx, rank), (sync_s, buckets))| {
+            let exposed_s = match plan.overlap_grad_reduce() {
+                true => comm::exposed_reduction_s(sync_s, buckets, prices[replica_idx].backward_s[rank]),
+                false => sync_s,
+            };
+            ((replica_idx, rank), exposed_s)
+        })
+        .collect();
     // Each long-context rank reduces its whole stage's gradients over its devices.
     let pricer = ContextPricer { cost, cluster: plan.cluster(), slots };
     for (replica_idx, replica) in plan.replicas().iter().enumerate() {

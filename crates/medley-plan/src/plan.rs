@@ -9,7 +9,9 @@ use std::collections::BTreeSet;
 use std::fmt;
 
 use medley_cost::context::KvExchange;
-use medley_spec::{BridgeMode, Cluster, DeviceId, ModelSpec, Recompute, Schedule, ScheduleKind, Vendor};
+use medley_spec::{
+    AttentionKernel, BridgeMode, Cluster, DeviceId, ModelSpec, Recompute, Schedule, ScheduleKind, Vendor,
+};
 use serde::{Deserialize, Serialize};
 
 use crate::context::StageContext;
@@ -63,6 +65,14 @@ pub struct PlanParts {
     pub micro_batch: u32,
     pub schedule: Schedule,
     pub recompute: Recompute,
+    /// How the attention core runs; plans written before it was a setting read as fused.
+    #[serde(default)]
+    pub attention: AttentionKernel,
+    /// Gradients of a model chunk are reduced bucket by bucket during its last backward pass
+    /// (the programs place each all-reduce right after that pass); off, after the whole
+    /// backward. Plans written before it was a setting read as off, as they were priced.
+    #[serde(default)]
+    pub overlap_grad_reduce: bool,
     /// Optimizer states sharded over the data-parallel replicas (ZeRO-1).
     pub zero1: bool,
     /// Tensor-parallel degree of every stage; sequence parallelism is on when it exceeds 1.
@@ -227,6 +237,12 @@ impl Plan {
     }
     pub fn recompute(&self) -> Recompute {
         self.parts.recompute
+    }
+    pub fn attention(&self) -> AttentionKernel {
+        self.parts.attention
+    }
+    pub fn overlap_grad_reduce(&self) -> bool {
+        self.parts.overlap_grad_reduce
     }
     /// Optimizer states sharded over the data-parallel replicas (ZeRO-1).
     pub fn zero1(&self) -> bool {

@@ -189,7 +189,10 @@ impl RankLayout {
 /// One layer's forward and backward on `group`'s device at the plan's micro-batch.
 fn pass_time_s(plan: &Plan, group: &medley_spec::NodeGroup, calibration: &Calibration) -> f64 {
     let setting = Setting { micro_batch: plan.micro_batch(), tp: 1, recompute: Recompute::None };
-    CostModel::new(plan.model(), plan.seq_len(), calibration).layer_time(group, setting).total_s()
+    CostModel::new(plan.model(), plan.seq_len(), calibration)
+        .with_attention(plan.attention())
+        .layer_time(group, setting)
+        .total_s()
 }
 
 fn fastest_pass_time_s(plan: &Plan, calibration: &Calibration) -> f64 {

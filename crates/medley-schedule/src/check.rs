@@ -9,7 +9,7 @@ use std::collections::{BTreeMap, BTreeSet};
 use medley_plan::Plan;
 
 use crate::error::ScheduleError;
-use crate::geometry::{VirtualPipeline, check_chunks, rank_dp_groups};
+use crate::geometry::{VirtualPipeline, check_chunks, dp_group_chunk, rank_dp_groups};
 use crate::program::{Instruction, Program, Programs, RankId};
 
 /// Checks `programs` against the validated `plan` they were generated for. Ranks are physical:
@@ -156,8 +156,12 @@ fn check_program(plan: &Plan, programs: &Programs, program: &Program) -> Result<
                 if plan.dp_groups().get(dp_group as usize).map(|group| group.layers) != Some(layers) {
                     return malformed(format!("the plan has no dp group {dp_group} over layers {layers}"));
                 }
-                if seen.iter().any(|entry| entry.backward + entry.backward_weight == 0) {
-                    return malformed("comes before every micro-batch's weight gradient".into());
+                let Some(chunk) = dp_group_chunk(plan, rank, dp_group) else {
+                    return malformed(format!("the rank holds no layers of dp group {dp_group}"));
+                };
+                let mut of_chunk = seen.iter().skip(chunk as usize).step_by(n_chunks as usize);
+                if of_chunk.any(|entry| entry.backward + entry.backward_weight == 0) {
+                    return malformed(format!("comes before every micro-batch's weight gradient of chunk {chunk}"));
                 }
                 all_reduced.push(dp_group);
             }

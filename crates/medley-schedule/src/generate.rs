@@ -5,7 +5,7 @@ use medley_plan::Plan;
 use medley_spec::ScheduleKind;
 
 use crate::error::ScheduleError;
-use crate::geometry::{VirtualPipeline, check_chunks, rank_dp_groups};
+use crate::geometry::{VirtualPipeline, check_chunks, dp_group_chunk, rank_dp_groups};
 use crate::program::{Instruction, Program, Programs, RankId};
 use crate::schedules::{ChunkPass, Pass, passes};
 
@@ -29,7 +29,8 @@ pub fn generate(plan: &Plan, schedule: ScheduleKind) -> Result<Programs, Schedul
             let rank = RankId::new(replica_idx, rank_idx);
             let passes = passes(schedule, rank_idx, pipeline.n_ranks, pipeline.n_chunks, replica.n_micro_batches);
             let mut instructions = lower_passes(rank, pipeline, &passes);
-            instructions.extend(synchronise(plan, rank));
+            synchronise(plan, rank, &mut instructions);
+            instructions.push(Instruction::OptimizerStep);
             programs.push(Program { rank, instructions });
         }
     }
@@ -78,20 +79,42 @@ fn lower_passes(rank: RankId, pipeline: VirtualPipeline, passes: &[ChunkPass]) -
     instructions
 }
 
-/// The end of a step: one all-reduce per data-parallel group whose layers the rank holds, last
-/// layers first (the order backward finishes them, and one order for every member so the
-/// collectives cannot wait on each other in a cycle), then the optimizer step.
-fn synchronise(plan: &Plan, rank: RankId) -> Vec<Instruction> {
-    let mut instructions: Vec<Instruction> = rank_dp_groups(plan, rank)
-        .into_iter()
-        .rev()
-        .map(|dp_group| Instruction::AllReduceGradients {
-            dp_group,
-            layers: plan.dp_groups()[dp_group as usize].layers,
-        })
-        .collect();
-    instructions.push(Instruction::OptimizerStep);
-    instructions
+/// The gradient synchronisation: one all-reduce per data-parallel group whose layers the rank
+/// holds, last layers first (the order backward finishes them, and one order for every member
+/// so the collectives cannot wait on each other in a cycle). Without overlap they all come after
+/// the last pass; with it, each right after the pass that completes its chunk's gradients (and
+/// that pass's gradient send), where the simulator overlaps it with that pass, bucket by bucket,
+/// and the runtime runs it before the rank's remaining chunks. Never earlier than the group
+/// before it, so the order holds whatever order chunks finish in.
+fn synchronise(plan: &Plan, rank: RankId, instructions: &mut Vec<Instruction>) {
+    let groups: Vec<u32> = rank_dp_groups(plan, rank).into_iter().rev().collect();
+    let mut placed: Vec<(usize, Instruction)> = Vec::with_capacity(groups.len());
+    for dp_group in groups {
+        let at = match plan.overlap_grad_reduce() {
+            true => dp_group_chunk(plan, rank, dp_group)
+                .map_or(instructions.len(), |chunk| after_last_backward(instructions, chunk)),
+            false => instructions.len(),
+        };
+        let at = placed.last().map_or(at, |&(previous, _)| at.max(previous));
+        let layers = plan.dp_groups()[dp_group as usize].layers;
+        placed.push((at, Instruction::AllReduceGradients { dp_group, layers }));
+    }
+    // From the back, so that earlier positions stay put and ties keep their order.
+    for (at, instruction) in placed.into_iter().rev() {
+        instructions.insert(at, instruction);
+    }
+}
+
+/// Just after the last pass computing weight gradients of `chunk` and its gradient send.
+fn after_last_backward(instructions: &[Instruction], chunk: u32) -> usize {
+    let last = instructions.iter().rposition(|instruction| {
+        matches!(*instruction, Instruction::Backward { chunk: c, .. } | Instruction::BackwardWeight { chunk: c, .. } if c == chunk)
+    });
+    let Some(last) = last else { return instructions.len() };
+    match instructions.get(last + 1) {
+        Some(Instruction::SendGradient { chunk: c, .. }) if *c == chunk => last + 2,
+        _ => last + 1,
+    }
 }
 
 #[cfg(test)]

@@ -53,11 +53,13 @@ impl VirtualPipeline {
 
 /// The data-parallel groups whose layers rank `rank` holds in any of its chunks, ascending.
 pub(crate) fn rank_dp_groups(plan: &Plan, rank: RankId) -> Vec<u32> {
+    (0..plan.dp_groups().len() as u32).filter(|&dp_group| dp_group_chunk(plan, rank, dp_group).is_some()).collect()
+}
+
+/// The chunk of rank `rank` that holds data-parallel group `dp_group`'s layers, if any does.
+pub(crate) fn dp_group_chunk(plan: &Plan, rank: RankId, dp_group: u32) -> Option<u32> {
     let replica = &plan.replicas()[rank.replica as usize];
-    let chunks: Vec<_> = replica.stages.iter().skip(rank.pp_rank as usize).step_by(plan.n_ranks(replica)).collect();
-    (0..plan.dp_groups().len() as u32)
-        .filter(|&dp_group| {
-            chunks.iter().any(|stage| stage.layers.contains(plan.dp_groups()[dp_group as usize].layers))
-        })
-        .collect()
+    let layers = plan.dp_groups().get(dp_group as usize)?.layers;
+    let mut chunks = replica.stages.iter().skip(rank.pp_rank as usize).step_by(plan.n_ranks(replica));
+    chunks.position(|stage| stage.layers.contains(layers)).map(|chunk| chunk as u32)
 }

@@ -22,7 +22,10 @@
 //!   TP rank k.
 //! - Gradient synchronisation: `AllReduceGradients` on `plan.dp_groups[dp_group]`, one per group
 //!   whose layers the rank holds in any chunk, last layers first; the members are the group's holder stage
-//!   in every replica (a group of one replica is a no-op the engines may skip).
+//!   in every replica (a group of one replica is a no-op the engines may skip). With the plan's
+//!   `overlap_grad_reduce`, each comes right after the last pass computing its chunk's weight
+//!   gradients, and the simulator runs it bucket by bucket alongside that pass (Megatron-LM's
+//!   `--overlap-grad-reduce`); without, all come after the last pass.
 //! - `OptimizerStep`, the last instruction.
 //!
 //! # Execution semantics

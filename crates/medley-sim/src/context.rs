@@ -11,11 +11,11 @@
 //! own that forwards each block as soon as it is in, ahead of attention, buffering what attention
 //! has not reached yet (up to every block, as an all-gather holds): a lock-step ring, which passes
 //! a block on only after computing on the last, would run at the pace of the slowest device's
-//! largest block once shards are uneven. The backward does the same with twice the compute and
-//! the keys' and values' gradients travelling with them; recomputation adds the forward's
-//! attention (selective) or the whole forward (full). The communication is medley-collective's
-//! step lists, the same description the runtime's communicator executes; counts are uneven
-//! wherever the plan's shards, tokens and heads are.
+//! largest block once shards are uneven. The backward does the same with twice the matmuls,
+//! FlashAttention's backward and the keys' and values' gradients travelling with them;
+//! recomputation adds the forward's attention (selective) or the whole forward (full). The
+//! communication is medley-collective's step lists, the same description the runtime's
+//! communicator executes; counts are uneven wherever the plan's shards, tokens and heads are.
 
 use std::cmp::Reverse;
 use std::collections::{BTreeMap, BinaryHeap, VecDeque};
@@ -280,7 +280,8 @@ impl<'a> LayerPrograms<'a> {
         self.all_to_all(&mut programs, false, true)?;
         // Selective recomputation runs the forward's attention again inside the backward's; full
         // recomputation ran the whole forward above.
-        let attention = if self.recompute == Recompute::Selective { 3.0 } else { 2.0 };
+        let recomputed = if self.recompute == Recompute::Selective { 1.0 } else { 0.0 };
+        let attention = medley_cost::FUSED_ATTENTION_BACKWARD + recomputed;
         if self.context.kv_exchange == KvExchange::Ring {
             // Keys and values go around again with their gradients, as ring attention passes them.
             self.kv_exchange(&mut programs, 2, attention)?;

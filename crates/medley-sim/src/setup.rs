@@ -148,7 +148,7 @@ impl<'p> Setup<'p> {
         calibration: &Calibration,
         network: &mut Network<P>,
     ) -> Result<Self, SimError> {
-        let cost = CostModel::new(plan.model(), plan.seq_len(), calibration);
+        let cost = CostModel::new(plan.model(), plan.seq_len(), calibration).with_attention(plan.attention());
         let setting = Setting { micro_batch: plan.micro_batch(), tp: plan.tp(), recompute: plan.recompute() };
         let slots = plan.cluster().devices();
         let shards = if plan.zero1() { plan.replicas().len() as u32 } else { 1 };

@@ -7,9 +7,9 @@ use std::num::NonZeroU32;
 use medley_cost::comm::{self, Link};
 use medley_cost::context::KvExchange;
 use medley_cost::{Calibration, CostModel, Setting};
-use medley_plan::Plan;
 use medley_plan::baselines::{Degrees, megatron_plan};
 use medley_plan::long_context::{even_fixed, search_long_context};
+use medley_plan::{Plan, PlanParts};
 use medley_schedule::{Instruction, Schedule, ScheduleKind, generate};
 use medley_sim::{BandwidthTrace, SimConfig, SimError, Simulation, simulate, simulate_context_layer, simulate_steps};
 use medley_spec::{Bridge, Cluster, Fabric, JobParts, JobSpec, ModelSpec, Recompute, catalog_model};
@@ -126,10 +126,15 @@ fn interleaved_bubbles_match_the_closed_form() {
     }
 }
 
+/// `plan` with its gradients reduced after the whole backward.
+fn without_overlap(plan: Plan) -> Plan {
+    Plan::try_from(PlanParts { overlap_grad_reduce: false, ..plan.into_parts() }).unwrap()
+}
+
 #[test]
-fn an_idle_ring_all_reduce_takes_the_alpha_beta_time() {
+fn an_idle_ring_all_reduce_takes_the_alpha_beta_time_and_overlap_hides_it_behind_backward() {
     // Data parallelism across nodes, TP inside: each gradient all-reduce is a ring over NICs.
-    let plan = megatron(Layout {
+    let overlapped = megatron(Layout {
         cluster: "64xh100",
         model: catalog_model("llama3.2-1b").unwrap(),
         seq_len: 2048,
@@ -137,15 +142,16 @@ fn an_idle_ring_all_reduce_takes_the_alpha_beta_time() {
         degrees: Degrees::new(8, 1, 8),
         recompute: Recompute::None,
     });
-    let report = run(&plan, ScheduleKind::OneFOneB);
+    let blocking = run(&without_overlap(overlapped.clone()), ScheduleKind::OneFOneB);
     let calibration = Calibration::default();
-    let cost = CostModel::new(plan.model(), plan.seq_len(), &calibration);
+    let cost = CostModel::new(overlapped.model(), overlapped.seq_len(), &calibration);
     let setting = Setting { micro_batch: 1, tp: 8, recompute: Recompute::None };
-    let pass = cost.stage_time(&plan.cluster().groups()[0], medley_cost::StageShape::in_pipeline(0, 1, 16), setting);
-    let link: Link = comm::nic_link(plan.cluster(), &[&plan.cluster().groups()[0]]);
+    let group = &overlapped.cluster().groups()[0];
+    let pass = cost.stage_time(group, medley_cost::StageShape::in_pipeline(0, 1, 16), setting);
+    let link: Link = comm::nic_link(overlapped.cluster(), &[group]);
     let bytes = 2.0 * cost.stage_params(medley_cost::StageShape::in_pipeline(0, 1, 16)) / 8.0;
     let all_reduce_s = comm::ring_all_reduce_s(bytes, 8, link);
-    let rank = &report.ranks[0];
+    let rank = &blocking.ranks[0];
     // Every rank computes the same and waits only for the all-reduce.
     assert!(
         (rank.times.comm_wait_s - all_reduce_s).abs() < 0.01 * all_reduce_s,
@@ -153,6 +159,11 @@ fn an_idle_ring_all_reduce_takes_the_alpha_beta_time() {
         rank.times.comm_wait_s
     );
     assert!((rank.times.compute_s - pass.total_s()).abs() < 0.05 * pass.total_s() + 1e-3, "{rank:?}");
+    // Overlapped, buckets reduce while the one backward pass runs: what is hidden is at most
+    // that pass, and most of it.
+    let exposed = run(&overlapped, ScheduleKind::OneFOneB).ranks[0].times.comm_wait_s;
+    let hidden = rank.times.comm_wait_s - exposed;
+    assert!(hidden > 0.5 * pass.backward_s && hidden <= pass.backward_s * 1.01, "{hidden} of {}", pass.backward_s);
 }
 
 // ---------------------------------------------------------------------------------------------

@@ -1,41 +1,61 @@
 //! `medley bench calibration`: the simulator's predictions against published, measured training
-//! runs, and the efficiency factor that fits each device type's tuning runs (the runs, the
-//! predictions and the fit are `medley_bench::cited`'s; this prints them).
+//! runs, their errors per source for the tuning runs and the held-out ones, and the efficiency
+//! factor that fits each device type's tuning runs (the runs, the predictions and the fit are
+//! `medley_bench::cited`'s; this prints them).
 
 use std::fmt::Write as _;
 
 use anyhow::Result;
 use comfy_table::Cell;
-use medley_bench::cited::{CitedPrediction, Fit, Reported, Role, SOURCES, fit_devices, planned_runs, predict};
-use medley_bench::stats::geometric_mean;
+use medley_bench::cited::{
+    CitedPrediction, ErrorSummary, Fit, Reported, Role, SOURCES, error_summaries, fit_devices, planned_runs, predict,
+};
 use medley_cost::Calibration;
 use serde::Serialize;
 
 use crate::render::{right, table};
 
+/// What the held-out runs must stay within (issue 20): on average, and each.
+const HELD_OUT_MEAN_TARGET: f64 = 0.05;
+const HELD_OUT_WORST_TARGET: f64 = 0.10;
+
 pub fn bench_calibration(json: bool) -> Result<()> {
     let runs = planned_runs()?;
     let rows = predict(&runs, &Calibration::default())?;
+    let errors = error_summaries(&rows);
     let fits = fit_devices(&runs)?;
     if json {
         #[derive(Serialize)]
         struct Out<'a> {
             runs: &'a [CitedPrediction],
+            errors: &'a [ErrorSummary],
             fits: &'a [Fit],
         }
-        println!("{}", serde_json::to_string_pretty(&Out { runs: &rows, fits: &fits })?);
+        println!("{}", serde_json::to_string_pretty(&Out { runs: &rows, errors: &errors, fits: &fits })?);
         return Ok(());
     }
-    println!("{}", text(&rows, &fits));
+    println!("{}", text(&rows, &errors, &fits));
     Ok(())
 }
 
-fn text(rows: &[CitedPrediction], fits: &[Fit]) -> String {
+/// A source's number in the list that ends the report.
+fn source_number(source: &str) -> usize {
+    SOURCES.iter().position(|&known| known == source).map_or(0, |idx| idx + 1)
+}
+
+fn role_name(role: Role) -> &'static str {
+    match role {
+        Role::Tune => "tuning",
+        Role::Check => "held out",
+    }
+}
+
+fn text(rows: &[CitedPrediction], errors: &[ErrorSummary], fits: &[Fit]) -> String {
     let mut out = String::from(
         "Simulated steps against published measurements, with the default efficiencies\n\
          (time ratio = predicted / measured step time; above 1 the model is pessimistic)\n",
     );
-    let mut runs = table(&["run", "cluster", "layout", "role", "measured", "predicted step", "time ratio"]);
+    let mut runs = table(&["source", "run", "cluster", "layout", "role", "measured", "predicted step", "time ratio"]);
     for row in rows {
         let measured = match row.measured {
             Reported::StepS(step_s) => format!("{step_s:.2} s"),
@@ -43,27 +63,43 @@ fn text(rows: &[CitedPrediction], fits: &[Fit]) -> String {
             Reported::ModelTflopsPerGpu(tflops) => format!("{tflops:.0} TFLOP/s (model)"),
         };
         runs.add_row(vec![
+            right(format!("[{}]", source_number(row.source))),
             Cell::new(row.run),
             Cell::new(row.cluster),
             Cell::new(&row.layout),
-            Cell::new(format!("{:?}", row.role).to_lowercase()),
+            Cell::new(role_name(row.role)),
             right(measured),
             right(format!("{:.2} s", row.predicted_step_s)),
-            right(format!("{:.2}", row.time_ratio)),
+            right(format!("{:.3}", row.time_ratio)),
         ]);
     }
     out += &runs.to_string();
-    for role in [Role::Tune, Role::Check] {
-        let ratios: Vec<f64> = rows.iter().filter(|row| row.role == role).map(|row| row.time_ratio).collect();
-        let geomean = geometric_mean(&ratios);
-        let worst = ratios.iter().map(|r| (r.ln()).abs()).fold(0.0, f64::max).exp();
+    out += "\n\nErrors (mean and worst absolute percentage error of the step time)\n";
+    let mut summary = table(&["source", "runs", "n", "mean error", "worst"]);
+    for error in errors {
+        summary.add_row(vec![
+            Cell::new(error.source.map_or("all".to_string(), |source| format!("[{}]", source_number(source)))),
+            Cell::new(role_name(error.role)),
+            right(error.n_runs.to_string()),
+            right(format!("{:.1}%", 100.0 * error.mean_abs_error)),
+            right(format!("{:.1}%", 100.0 * error.worst_abs_error)),
+        ]);
+    }
+    out += &summary.to_string();
+    if let Some(held_out) = errors.iter().find(|error| error.source.is_none() && error.role == Role::Check) {
+        let verdict = |value: f64, target: f64| if value <= target { "within" } else { "OVER" };
         let _ = write!(
             out,
-            "\n{role:?} runs: geometric-mean time ratio {geomean:.3}, worst off by {:.1}%",
-            100.0 * (worst - 1.0)
+            "\nHeld-out runs: mean error {:.1}% ({} the {:.0}% target), worst {:.1}% ({} the {:.0}% target)\n",
+            100.0 * held_out.mean_abs_error,
+            verdict(held_out.mean_abs_error, HELD_OUT_MEAN_TARGET),
+            100.0 * HELD_OUT_MEAN_TARGET,
+            100.0 * held_out.worst_abs_error,
+            verdict(held_out.worst_abs_error, HELD_OUT_WORST_TARGET),
+            100.0 * HELD_OUT_WORST_TARGET,
         );
     }
-    out += "\n\nFits on the tuning runs (one factor on the stated matmul and attention efficiencies)\n";
+    out += "\nFits on the tuning runs (one factor on the default matmul and attention efficiencies;\n1.000 means the defaults are the fit)\n";
     let mut fitted = table(&["device", "factor", "matmul", "attention"]);
     for fit in fits {
         fitted.add_row(vec![
@@ -75,8 +111,8 @@ fn text(rows: &[CitedPrediction], fits: &[Fit]) -> String {
     }
     out += &fitted.to_string();
     out += "\nSources:\n";
-    for source in SOURCES {
-        let _ = writeln!(out, "  {source}");
+    for (idx, source) in SOURCES.iter().enumerate() {
+        let _ = writeln!(out, "  [{}] {source}", idx + 1);
     }
     out
 }

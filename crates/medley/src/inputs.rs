@@ -6,7 +6,9 @@ use std::path::Path;
 use anyhow::{Context, Result, bail};
 use clap::Args;
 use medley_cost::{Calibration, ProfileKind};
-use medley_spec::{Bridge, Cluster, Fabric, JobParts, JobSpec, ModelSpec, Recompute, Schedule, catalog_model};
+use medley_spec::{
+    AttentionKernel, Bridge, Cluster, Fabric, JobParts, JobSpec, ModelSpec, Recompute, Schedule, catalog_model,
+};
 
 /// The example mixed cluster `medley plan` uses when none is given.
 pub const DEFAULT_CLUSTER: &str = "64xh100,128xa100,32xmi300x";
@@ -89,7 +91,7 @@ pub struct SpecArgs {
     pub cluster: String,
     #[command(flatten)]
     pub shape: JobFlags,
-    /// A job TOML file (seq_len, global_batch, micro_batch, zero1, recompute, schedule); flags
+    /// A job TOML file (seq_len, global_batch, micro_batch, zero1, recompute, attention, schedule); flags
     /// given on the command line override it. Without either, sequences of 4096 tokens, 1024 per
     /// step, and the micro-batch and recompute the planner chooses.
     #[arg(long)]
@@ -97,6 +99,10 @@ pub struct SpecArgs {
     /// Activation recompute: none, selective or full [default: the planner chooses].
     #[arg(long)]
     pub recompute: Option<Recompute>,
+    /// Attention kernel: fused (FlashAttention-style, keeps no s × s scores) or unfused
+    /// [default: fused].
+    #[arg(long)]
+    pub attention: Option<AttentionKernel>,
     /// Pipeline schedule: 1f1b, gpipe, interleaved (needs --fix with vpp > 1), kfkb:K, zb-h1 or
     /// adaptive [default: 1f1b].
     #[arg(long)]
@@ -104,6 +110,10 @@ pub struct SpecArgs {
     /// Keep optimizer states whole on every replica instead of ZeRO-1 sharding.
     #[arg(long)]
     pub no_zero1: bool,
+    /// Reduce gradients after the whole backward instead of bucket by bucket during each model
+    /// chunk's last backward pass (Megatron-LM without `--overlap-grad-reduce`).
+    #[arg(long)]
+    pub no_overlap_grad_reduce: bool,
     /// Efficiency profile (TOML) overriding the cost model's defaults per device type.
     #[arg(long)]
     pub calibration: Option<String>,
@@ -177,8 +187,10 @@ impl SpecArgs {
         parts.global_batch = self.shape.global_batch.unwrap_or(parts.global_batch);
         parts.micro_batch = self.shape.micro_batch.or(parts.micro_batch);
         parts.recompute = self.recompute.or(parts.recompute);
+        parts.attention = self.attention.unwrap_or(parts.attention);
         parts.schedule = self.schedule.unwrap_or(parts.schedule);
         parts.zero1 &= !self.no_zero1;
+        parts.overlap_grad_reduce &= !self.no_overlap_grad_reduce;
         Ok(JobSpec::new(parts, source)?)
     }
 

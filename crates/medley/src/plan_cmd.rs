@@ -255,6 +255,8 @@ pub(crate) fn specs_with_calibration(path: &str, plan: &Plan, calibration: Calib
         precision: Default::default(),
         zero1: plan.zero1(),
         recompute: None,
+        attention: plan.attention(),
+        overlap_grad_reduce: plan.overlap_grad_reduce(),
         schedule: plan.schedule(),
     };
     Ok(Specs {

@@ -160,7 +160,8 @@ fn what_if(args: &SimulateArgs) -> Result<(Specs, Plan)> {
                 setting.micro_batch,
                 setting.recompute
             );
-            let cost = CostModel::new(&specs.model, specs.job.seq_len(), &specs.calibration);
+            let cost = CostModel::new(&specs.model, specs.job.seq_len(), &specs.calibration)
+                .with_attention(specs.job.attention());
             let plan = megatron_plan(&specs.cluster, &cost, &specs.job, setting, degrees)?;
             Ok((specs, plan))
         }

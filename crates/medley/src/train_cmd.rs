@@ -236,6 +236,9 @@ pub fn runtime_job(seq_len: u32, global_batch: u32, micro_batch: u32, schedule: 
         micro_batch: Some(micro_batch),
         schedule: schedule.unwrap_or_default(),
         zero1: false,
+        // The runtime reduces each chunk's gradients where the program says, but blocking: it
+        // does not overlap them with backward, so its plans are priced without overlap.
+        overlap_grad_reduce: false,
         ..JobParts::default()
     };
     Ok(JobSpec::new(parts, "command line")?)

@@ -258,10 +258,15 @@ fn simulate_a_plan_file_with_a_timeline_and_a_network_trace() {
     check(&["plan", "--cluster", "8xh100,8xmi300x", "--model", "llama3-8b", "-o", plan], 0, "written");
     let args = ["simulate", "--plan", plan, "--trace", timeline, "--network-trace", csv, "--steps", "2"];
     check(&args, 0, "Where the time went");
-    // A schedule given on the command line replaces the plan's, if the plan can run it; this
-    // plan's memory was sized for 1F1B, and ZB-H1 keeps more micro-batches in flight.
-    check(&["simulate", "--plan", plan, "--schedule", "zb-h1", "--json"], 1, "\"schedule\": \"zb-h1\"");
-    check(&["simulate", "--plan", plan, "--schedule", "interleaved"], 2, "interleaved");
+    // A schedule given on the command line replaces the plan's, if the plan can run it: this
+    // plan runs two chunks per rank (interleaved 1F1B), which a one-chunk schedule cannot.
+    check(&["simulate", "--plan", plan, "--schedule", "zb-h1"], 2, "virtual stage");
+    let one_chunk = scratch("sim-plan-kfkb.json");
+    let one_chunk = one_chunk.to_str().unwrap();
+    let search = ["plan", "--cluster", "8xh100,8xmi300x", "--model", "llama3-8b", "--schedule", "kfkb:1"];
+    check(&[&search[..], &["-o", one_chunk]].concat(), 0, "written");
+    check(&["simulate", "--plan", one_chunk, "--schedule", "zb-h1", "--json"], 0, "\"schedule\": \"zb-h1\"");
+    check(&["simulate", "--plan", one_chunk, "--schedule", "interleaved"], 2, "interleaved");
     let document: serde_json::Value = serde_json::from_str(&std::fs::read_to_string(timeline).unwrap()).unwrap();
     assert!(document["traceEvents"].as_array().unwrap().len() > 100);
 }
@@ -318,8 +323,9 @@ fn simulate_what_if_chooses_micro_batch_and_recompute_as_the_planner_does() {
     let output = check(&args, 0, "the fastest setting that fits");
     let value: serde_json::Value = serde_json::from_str(&stdout(&output)).unwrap();
     assert_eq!(value["fits"], true, "{value}");
-    // Given both, the layout is simulated as given, and shown even when it does not fit.
-    let fixed = [&args[..13], &["--micro-batch", "1", "--recompute", "none"]].concat();
+    // Given both, the layout is simulated as given, and shown even when it does not fit (an
+    // unfused attention kernel keeps every score).
+    let fixed = [&args[..13], &["--micro-batch", "1", "--recompute", "none", "--attention", "unfused"]].concat();
     let (code, text) = interleaved(&fixed);
     assert_eq!(code, Some(1), "{text}");
     let verdict = text.find("does not fit in memory").expect("a verdict");
@@ -350,7 +356,7 @@ fn plan_json_reports_nothing_fits_as_an_object() {
 
 #[test]
 fn any_ranked_plan_can_be_picked_and_look_alikes_are_told_apart() {
-    let base = ["plan", "--cluster", "16xh100,16xa100", "--model", "llama3-8b", "--top", "6"];
+    let base = ["plan", "--cluster", "16xh100,16xa100", "--model", "llama3-8b", "--top", "12"];
     let output = check(&base, 0, "differs in");
     assert!(stdout(&output).contains("replica 1 on devices"), "{}", stdout(&output));
     let path = scratch("picked.json");

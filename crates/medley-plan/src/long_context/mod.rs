@@ -294,9 +294,15 @@ impl<'a> ContextSpace<'a> {
         let pass = PassTime { forward_s: stage_s / 3.0, backward_s: 2.0 * stage_s / 3.0, weight_grad_s: 0.0 };
         let timing = PipelineTiming::new(&vec![pass; pp as usize], &vec![boundary_s; pp as usize - 1]);
         let params = self.cost.stage_params(first);
-        // Gradients reduce over each cell's devices, then across the replicas by shares.
+        // Gradients reduce over each cell's devices, then across the replicas by shares, which
+        // an overlapping job hides behind the last backward pass as far as it goes.
         let in_cell_s = comm::ring_all_reduce_s(2.0 * params, cell_devices, kv_link);
-        let across_s = comm::ring_all_reduce_s(2.0 * params / f64::from(cell_devices), dp, self.nic(&kinds));
+        let across_bytes = 2.0 * params / f64::from(cell_devices);
+        let mut across_s = comm::ring_all_reduce_s(across_bytes, dp, self.nic(&kinds));
+        if self.job.overlap_grad_reduce() {
+            let buckets = comm::gradient_buckets(across_bytes, dp as usize);
+            across_s = comm::exposed_reduction_s(across_s, buckets, pass.backward_s);
+        }
         let sync_s = in_cell_s + across_s;
         let optimizer_s = kinds
             .iter()

@@ -24,7 +24,9 @@ impl Space<'_> {
         let mut cuts: Vec<u32> = starts.iter().flatten().copied().chain([self.cost.model().n_layers()]).collect();
         cuts.sort_unstable();
         cuts.dedup();
-        let mut per_stage: Vec<Vec<f64>> = blocks.iter().map(|block| vec![0.0; block.layers.len()]).collect();
+        // Per stage: the summed sync time and bytes of the ranges it holds.
+        let mut per_stage: Vec<Vec<(f64, f64)>> =
+            blocks.iter().map(|block| vec![(0.0, 0.0); block.layers.len()]).collect();
         for range in cuts.windows(2).map(|pair| LayerRange { start: pair[0], end: pair[1] }) {
             let holders: Vec<usize> = starts
                 .iter()
@@ -33,10 +35,25 @@ impl Space<'_> {
             let bytes = dp_group_bytes(&self.cost, setting.tp, range);
             let time_s = self.range_sync_s(blocks, &holders, bytes, n_replicas);
             for (stages, &holder) in per_stage.iter_mut().zip(&holders) {
-                stages[holder] += time_s;
+                stages[holder] = (stages[holder].0 + time_s, stages[holder].1 + bytes);
             }
         }
-        per_stage.into_iter().flatten().fold(0.0, f64::max)
+        let exposed = per_stage.iter().zip(blocks).flat_map(|(stages, block)| {
+            stages
+                .iter()
+                .zip(&block.stage_backward_s)
+                .map(|(&(sync_s, bytes), &backward_s)| self.exposed_sync_s(sync_s, bytes, n_replicas, backward_s))
+        });
+        exposed.fold(0.0, f64::max)
+    }
+
+    /// What a stage's gradient reduction of `sync_s` over `bytes` and `n_replicas` leaves after
+    /// its last backward pass of `backward_s` when the job overlaps the two (all of it when not).
+    pub(super) fn exposed_sync_s(&self, sync_s: f64, bytes: f64, n_replicas: u32, backward_s: f64) -> f64 {
+        if !self.job.overlap_grad_reduce() {
+            return sync_s;
+        }
+        comm::exposed_reduction_s(sync_s, comm::gradient_buckets(bytes, n_replicas as usize), backward_s)
     }
 
     /// One range's all-reduce over its holder stage in every block.

@@ -108,7 +108,7 @@ fn search_tensor_parallel(
     calibration: &Calibration,
     options: &SearchOptions,
 ) -> Result<SearchOutcome, PlanError> {
-    let cost = CostModel::new(model, job.seq_len(), calibration);
+    let cost = CostModel::new(model, job.seq_len(), calibration).with_attention(job.attention());
     let allowed: Vec<usize> = options.groups.clone().unwrap_or_else(|| (0..cluster.groups().len()).collect());
     check_group_count(allowed.len())?;
     let space = Space {

@@ -62,6 +62,8 @@ pub(super) struct BlockConfig {
     pub stage_groups: Vec<usize>,
     /// The slowest link of each stage's gradient ring over the block's replicas.
     pub stage_dp_links: Vec<Link>,
+    /// Each stage's backward pass of one micro-batch: what overlapped reduction hides behind.
+    pub stage_backward_s: Vec<f64>,
 }
 
 impl BlockConfig {
@@ -293,9 +295,12 @@ impl<'s, 'a> Template<'s, 'a> {
         let shards = if self.space.job.zero1() { self.n_replicas } else { 1 };
         let (mut sync_s, mut update_s) = (0.0_f64, 0.0_f64);
         for (idx, (&count, g)) in counts.iter().zip(self.stage_groups()).enumerate() {
-            let params = cost.stage_params(self.shape(idx, count));
-            let ring_s = comm::ring_all_reduce_s(2.0 * params / tp, self.n_replicas, self.stage_dp_links[idx]);
-            sync_s = sync_s.max(ring_s);
+            let shape = self.shape(idx, count);
+            let params = cost.stage_params(shape);
+            let bytes = 2.0 * params / tp;
+            let ring_s = comm::ring_all_reduce_s(bytes, self.n_replicas, self.stage_dp_links[idx]);
+            let backward_s = cost.stage_time(&groups[g], shape, self.setting).backward_s;
+            sync_s = sync_s.max(self.space.exposed_sync_s(ring_s, bytes, self.n_replicas, backward_s));
             update_s = update_s.max(cost.optimizer_step_s(&groups[g], params / tp / f64::from(shards)));
         }
         sync_s + update_s
@@ -314,6 +319,7 @@ impl<'s, 'a> Template<'s, 'a> {
             placement: self.placement,
             n_replicas: self.n_replicas,
             timing: PipelineTiming::new(&passes, &self.boundary_s),
+            stage_backward_s: passes.iter().map(|pass| pass.backward_s).collect(),
             layers,
             stage_groups: self.stage_groups().collect(),
             stage_dp_links: self.stage_dp_links.clone(),

@@ -1,22 +1,56 @@
 //! Gradient all-reduces: members join, the collective is lowered to its algorithm's steps once
 //! all have, and each member walks its steps as transfers.
+//!
+//! Without overlap a group's all-reduce is one collective that its members' programs walk,
+//! blocking. With the plan's `overlap_grad_reduce`, the pass just before a group's all-reduce
+//! starts it: the group's gradients are cut into buckets as Megatron-LM's DDP cuts them, bucket
+//! b of B of a pass of length d is ready (b + 1)·d/B into it, and each bucket is a collective of its own
+//! that the members' transfers walk while their programs go on; the optimizer step waits for
+//! the rank's buckets.
 
 use super::*;
 
+/// One collective of this step: a group's whole all-reduce, or one bucket of it.
+pub(super) struct CollectiveState {
+    pub(super) members: Vec<usize>,
+    joined_ns: Vec<Option<u64>>,
+    steps: Option<Vec<RankSteps>>,
+    cursors: Vec<usize>,
+    sent: HashMap<(u32, u32), u32>,
+    received: HashMap<(u32, u32), u32>,
+    bytes: f64,
+}
+
+/// Each DP group's collectives: its buckets when reduction overlaps backward, else one.
+pub(super) fn collectives(setup: &crate::setup::Setup, overlapped: bool) -> Vec<Vec<CollectiveState>> {
+    setup
+        .dp_members
+        .iter()
+        .zip(&setup.dp_bytes)
+        .map(|(members, &bytes)| {
+            let n_buckets = if overlapped { medley_cost::comm::gradient_buckets(bytes, members.len()) } else { 1 };
+            (0..n_buckets)
+                .map(|_| CollectiveState {
+                    members: members.clone(),
+                    joined_ns: vec![None; members.len()],
+                    steps: None,
+                    cursors: vec![0; members.len()],
+                    sent: HashMap::new(),
+                    received: HashMap::new(),
+                    bytes: bytes / f64::from(n_buckets),
+                })
+                .collect()
+        })
+        .collect()
+}
+
 impl StepRun<'_, '_, '_> {
-    /// Runs `rank`'s part of DP group `group`'s all-reduce as far as it can.
+    /// Runs `rank`'s part of DP group `group`'s blocking all-reduce as far as it can.
     pub(super) fn all_reduce(&mut self, rank: usize, group: u32) -> Result<Progress, SimError> {
+        let member = self.member(rank, group)?;
         let group_idx = group as usize;
-        let Some(collective) = self.collectives.get_mut(group_idx) else {
-            return Err(SimError::UnknownGroup { rank: self.sim.setup.ranks[rank].id.to_string(), group });
-        };
-        let n_members = collective.members.len();
-        let member = collective
-            .members
-            .iter()
-            .position(|&m| m == rank)
-            .ok_or_else(|| SimError::NotAMember { rank: self.sim.setup.ranks[rank].id.to_string(), group })?;
-        if n_members < 2 {
+        let collective = &mut self.collectives[group_idx][0];
+        if collective.members.len() < 2 {
             return Ok(Progress::Done);
         }
         if collective.steps.is_none() {
@@ -25,54 +59,144 @@ impl StepRun<'_, '_, '_> {
                 self.block(rank, Wait::CollectiveStart(group));
                 return Ok(Progress::Blocked);
             }
-            self.start_all_reduce(group_idx)?;
+            self.lower(group, 0)?;
+            let members = self.collectives[group_idx][0].members.clone();
+            for member in members {
+                if matches!(self.ranks[member].blocked, Some((_, Wait::CollectiveStart(_)))) {
+                    self.push(self.now(), Event::Resume(member));
+                }
+            }
         }
+        if let Err(key) = self.walk(group, 0, member) {
+            self.waiting.insert(key, rank);
+            self.block(rank, Wait::Message(key));
+            return Ok(Progress::Blocked);
+        }
+        let joined_ns = self.collectives[group_idx][0].joined_ns[member].expect("joined");
+        self.collective_slice(group, 0, member, joined_ns);
+        Ok(Progress::Done)
+    }
+
+    /// Starts `rank`'s buckets of group `group`'s overlapped reduction over a pass of `pass_ns`
+    /// starting now: each joins its collective when the pass has produced it.
+    pub(super) fn launch_reduction(&mut self, rank: usize, group: u32, pass_ns: u64) -> Result<(), SimError> {
+        self.member(rank, group)?;
+        if !self.launched.insert((rank, group)) {
+            return Ok(());
+        }
+        let buckets = &self.collectives[group as usize];
+        if buckets[0].members.len() < 2 {
+            return Ok(());
+        }
+        let n_buckets = buckets.len() as u32;
+        self.ranks[rank].open_reductions += n_buckets;
+        let now = self.now();
+        for bucket in 0..n_buckets {
+            let ready_ns = now + pass_ns * u64::from(bucket + 1) / u64::from(n_buckets);
+            self.push(ready_ns, Event::JoinBucket { group, bucket, rank });
+        }
+        Ok(())
+    }
+
+    /// A bucket of `rank`'s is ready: it joins, and once every member has, all walk it.
+    pub(super) fn join_bucket(&mut self, group: u32, bucket: u32, rank: usize) -> Result<(), SimError> {
+        let member = self.member(rank, group)?;
+        let now = self.now();
+        let collective = &mut self.collectives[group as usize][bucket as usize];
+        collective.joined_ns[member] = Some(now);
+        if collective.joined_ns.iter().any(Option::is_none) {
+            return Ok(());
+        }
+        self.lower(group, bucket)?;
+        for member in 0..self.collectives[group as usize][bucket as usize].members.len() {
+            self.advance_bucket(group, bucket, member);
+        }
+        Ok(())
+    }
+
+    /// Walks a member's part of an overlapped bucket until it waits on a message or is done.
+    pub(super) fn advance_bucket(&mut self, group: u32, bucket: u32, member: usize) {
+        if let Err(key) = self.walk(group, bucket, member) {
+            self.bucket_waits.insert(key, (group, bucket, member));
+            return;
+        }
+        let collective = &self.collectives[group as usize][bucket as usize];
+        let (rank, joined_ns) = (collective.members[member], collective.joined_ns[member].expect("joined"));
+        self.collective_slice(group, bucket, member, joined_ns);
+        let state = &mut self.ranks[rank];
+        state.open_reductions -= 1;
+        if state.open_reductions == 0 && matches!(state.blocked, Some((_, Wait::Reductions))) {
+            self.push(self.now(), Event::Resume(rank));
+        }
+    }
+
+    fn member(&self, rank: usize, group: u32) -> Result<usize, SimError> {
+        let name = || self.sim.setup.ranks[rank].id.to_string();
+        let buckets =
+            self.collectives.get(group as usize).ok_or_else(|| SimError::UnknownGroup { rank: name(), group })?;
+        buckets[0].members.iter().position(|&m| m == rank).ok_or_else(|| SimError::NotAMember { rank: name(), group })
+    }
+
+    /// Takes a member's steps of a lowered collective as far as its messages have arrived;
+    /// `Err` names the message it waits for.
+    fn walk(&mut self, group: u32, bucket: u32, member: usize) -> Result<(), MessageKey> {
+        let group_idx = group as usize;
         loop {
-            let collective = &mut self.collectives[group_idx];
-            let steps = collective.steps.as_ref().expect("started");
-            let Some(step) = steps[member].steps.get(collective.cursors[member]).cloned() else { break };
+            let collective = &mut self.collectives[group_idx][bucket as usize];
+            let steps = collective.steps.as_ref().expect("lowered");
+            let Some(step) = steps[member].steps.get(collective.cursors[member]).cloned() else { return Ok(()) };
             match step {
                 Step::Send { to, range, .. } => {
                     let seq = next_seq(&mut collective.sent, member, to);
-                    let key = MessageKey::Collective { group, from: member as u32, to: to as u32, seq };
-                    let to_rank = collective.members[to];
+                    let key = MessageKey::Collective { group, bucket, from: member as u32, to: to as u32, seq };
+                    let (from_rank, to_rank) = (collective.members[member], collective.members[to]);
                     let route = self.sim.setup.plan.dp_groups()[group_idx].route;
-                    self.send(rank, to_rank, key, range.len() as f64 * ELEMENT_BYTES, route);
+                    self.send(from_rank, to_rank, key, range.len() as f64 * ELEMENT_BYTES, route);
                 }
                 Step::Recv { from, .. } => {
                     let seq = *collective.received.get(&(from as u32, member as u32)).unwrap_or(&0);
-                    let key = MessageKey::Collective { group, from: from as u32, to: member as u32, seq };
-                    if !self.take(rank, key) {
-                        return Ok(Progress::Blocked);
+                    let key = MessageKey::Collective { group, bucket, from: from as u32, to: member as u32, seq };
+                    if !self.mailbox.remove(&key) {
+                        return Err(key);
                     }
-                    next_seq(&mut self.collectives[group_idx].received, from, member);
+                    next_seq(&mut self.collectives[group_idx][bucket as usize].received, from, member);
                 }
                 // Local memory passes run at HBM speed, far beneath the transfers they sit between.
                 Step::Copy { .. } | Step::DivideBy { .. } => {}
                 // `as_messages` has turned every window step into the transfers above.
                 Step::Publish { .. } | Step::Fence | Step::ReduceWindows { .. } | Step::Gather { .. } => {}
             }
-            self.collectives[group_idx].cursors[member] += 1;
+            self.collectives[group_idx][bucket as usize].cursors[member] += 1;
         }
-        let joined_ns = self.collectives[group_idx].joined_ns[member].expect("joined");
-        if self.sim.timeline.is_some() {
-            let name = format!("all-reduce dp{group}");
-            let args = json!({"bytes": self.sim.setup.dp_bytes[group_idx], "members": n_members});
-            self.timeline_slice(rank, COLLECTIVE_TID, &name, "collective", (joined_ns, self.now()), args);
-        }
-        Ok(Progress::Done)
     }
 
-    /// Lowers the all-reduce to its algorithm's steps once every member has joined, and wakes
-    /// the members waiting for that.
-    pub(super) fn start_all_reduce(&mut self, group_idx: usize) -> Result<(), SimError> {
+    /// The collective's slice on the member's collective track, from when it joined (or the
+    /// track's previous slice ended: overlapped buckets run side by side) until now.
+    fn collective_slice(&mut self, group: u32, bucket: u32, member: usize, joined_ns: u64) {
+        let collective = &self.collectives[group as usize][bucket as usize];
+        let (rank, n_members, bytes) = (collective.members[member], collective.members.len(), collective.bytes);
+        let start_ns = joined_ns.max(self.ranks[rank].collective_track_end_ns);
+        if self.sim.timeline.is_none() || start_ns >= self.now() {
+            return;
+        }
+        self.ranks[rank].collective_track_end_ns = self.now();
+        let name = match self.collectives[group as usize].len() {
+            1 => format!("all-reduce dp{group}"),
+            _ => format!("all-reduce dp{group} bucket {bucket}"),
+        };
+        let args = json!({"bytes": bytes, "members": n_members});
+        self.timeline_slice(rank, COLLECTIVE_TID, &name, "collective", (start_ns, self.now()), args);
+    }
+
+    /// Lowers a collective to its algorithm's steps once every member has joined.
+    fn lower(&mut self, group: u32, bucket: u32) -> Result<(), SimError> {
         let setup = &self.sim.setup;
-        let dp_group = &setup.plan.dp_groups()[group_idx];
-        let collective = &mut self.collectives[group_idx];
+        let dp_group = &setup.plan.dp_groups()[group as usize];
+        let collective = &mut self.collectives[group as usize][bucket as usize];
         let domains = collective.members.iter().map(|&m| DomainId(setup.ranks[m].vendor as u32)).collect();
         let group = Group::new(domains)?;
         let algorithm = dp_group.algorithm.into();
-        let n_elements = (setup.dp_bytes[group_idx] / ELEMENT_BYTES).round() as usize;
+        let n_elements = (collective.bytes / ELEMENT_BYTES).round() as usize;
         let op = Op::AllReduce { op: ReduceOp::Sum };
         let counts = Counts::Same(n_elements);
         // Chunked as the communicator chunks it, so that both engines run the same step lists.
@@ -82,12 +206,6 @@ impl StepRun<'_, '_, '_> {
         let plans = collective::plan_steps(op, &group, &counts, algorithm, chunking)?;
         // Reads of a peer's window are transfers from that peer.
         collective.steps = Some(collective::as_messages(&plans)?);
-        let members = collective.members.clone();
-        for member in members {
-            if matches!(self.ranks[member].blocked, Some((_, Wait::CollectiveStart(_)))) {
-                self.push(self.now(), Event::Resume(member));
-            }
-        }
         Ok(())
     }
 }

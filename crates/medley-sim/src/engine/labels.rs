@@ -22,6 +22,7 @@ impl StepRun<'_, '_, '_> {
             Wait::Message(key) => format!("wait {}", self.key_label(key)),
             Wait::CollectiveStart(group) => format!("wait all-reduce dp{group} members"),
             Wait::Sends => format!("wait {} sends", self.ranks[rank].pending_sends),
+            Wait::Reductions => format!("wait {} gradient buckets", self.ranks[rank].open_reductions),
         }
     }
 
@@ -38,10 +39,15 @@ impl StepRun<'_, '_, '_> {
             MessageKey::Gradient { from, to, micro_batch, chunk } => {
                 format!("gradient mb{micro_batch}{} {}→{}", chunk_suffix(chunk), name(from), name(to))
             }
-            MessageKey::Collective { group, from, to, seq } => {
-                let members = &self.collectives[group as usize].members;
+            MessageKey::Collective { group, bucket, from, to, seq } => {
+                let members = &self.collectives[group as usize][0].members;
+                let bucket = if self.collectives[group as usize].len() > 1 {
+                    format!(" bucket {bucket}")
+                } else {
+                    String::new()
+                };
                 format!(
-                    "dp{group} #{seq} {}→{}",
+                    "dp{group}{bucket} #{seq} {}→{}",
                     name(members[from as usize] as u32),
                     name(members[to as usize] as u32)
                 )

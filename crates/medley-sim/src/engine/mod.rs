@@ -6,7 +6,9 @@
 //! stream; a send starts a transfer and never blocks; a receive blocks until its message has
 //! arrived; an all-reduce starts when every member has reached it and is lowered to its
 //! algorithm's steps from `medley-collective`, each send a transfer; the optimizer step waits for
-//! the rank's outstanding sends.
+//! the rank's outstanding sends. With overlapped gradient reduction, an all-reduce does not
+//! block: the pass before it reduces the gradients bucket by bucket, and the optimizer step
+//! waits for them (see `all_reduce`).
 
 use std::cmp::Reverse;
 use std::collections::{BinaryHeap, HashMap, HashSet, VecDeque};
@@ -22,6 +24,7 @@ use crate::{SimError, Simulation};
 
 // The step's parts, each an `impl StepRun` over this module's state.
 mod all_reduce;
+use all_reduce::CollectiveState;
 mod labels;
 mod transfers;
 
@@ -42,9 +45,11 @@ pub(crate) enum MessageKey {
         micro_batch: u32,
         chunk: u32,
     },
-    /// The `seq`-th message from member `from` to member `to` of DP group `group`'s all-reduce.
+    /// The `seq`-th message from member `from` to member `to` of DP group `group`'s all-reduce
+    /// (of its bucket `bucket` when overlapped).
     Collective {
         group: u32,
+        bucket: u32,
         from: u32,
         to: u32,
         seq: u32,
@@ -69,6 +74,7 @@ enum Event {
     Drained { flow: FlowId, version: u64 },
     Deliver(Transfer),
     Bandwidth(usize),
+    JoinBucket { group: u32, bucket: u32, rank: usize },
 }
 
 struct Scheduled {
@@ -117,6 +123,8 @@ enum Wait {
     Message(MessageKey),
     CollectiveStart(u32),
     Sends,
+    /// The optimizer step waits for the rank's overlapped gradient buckets.
+    Reductions,
 }
 
 #[derive(Clone, Debug, Default)]
@@ -141,16 +149,10 @@ pub(crate) struct RankState {
     pub pipeline_wait_ns: u64,
     pub last_pass_end_ns: u64,
     pub done_ns: Option<u64>,
-}
-
-/// One DP group's all-reduce in this step.
-struct CollectiveState {
-    members: Vec<usize>,
-    joined_ns: Vec<Option<u64>>,
-    steps: Option<Vec<RankSteps>>,
-    cursors: Vec<usize>,
-    sent: HashMap<(u32, u32), u32>,
-    received: HashMap<(u32, u32), u32>,
+    /// Overlapped gradient buckets started and not yet reduced.
+    open_reductions: u32,
+    /// Where the last slice on the rank's collective track ends.
+    collective_track_end_ns: u64,
 }
 
 enum Progress {
@@ -178,7 +180,12 @@ pub(crate) struct StepRun<'s, 'p, 'w> {
     channels: HashMap<(usize, usize), Channel>,
     /// When each message's send was issued.
     issued_ns: HashMap<MessageKey, u64>,
-    collectives: Vec<CollectiveState>,
+    /// Per DP group, its collectives (see `all_reduce::collectives`).
+    collectives: Vec<Vec<CollectiveState>>,
+    /// Overlapped buckets waiting on a message: group, bucket, member.
+    bucket_waits: HashMap<MessageKey, (u32, u32, usize)>,
+    /// The (rank, group) reductions already started by the pass before them.
+    launched: HashSet<(usize, u32)>,
     drains: Vec<DrainAt>,
     n_done: usize,
     pub start_ns: u64,
@@ -191,19 +198,7 @@ pub(crate) struct StepRun<'s, 'p, 'w> {
 impl<'s, 'p, 'w> StepRun<'s, 'p, 'w> {
     pub(crate) fn new(sim: &'s mut Simulation<'p, 'w>, programs: &'s [Program]) -> Self {
         let n_ranks = sim.setup.ranks.len();
-        let collectives = sim
-            .setup
-            .dp_members
-            .iter()
-            .map(|members| CollectiveState {
-                members: members.clone(),
-                joined_ns: vec![None; members.len()],
-                steps: None,
-                cursors: vec![0; members.len()],
-                sent: HashMap::new(),
-                received: HashMap::new(),
-            })
-            .collect();
+        let collectives = all_reduce::collectives(&sim.setup, sim.setup.plan.overlap_grad_reduce());
         let ranks = sim
             .setup
             .ranks
@@ -226,6 +221,8 @@ impl<'s, 'p, 'w> StepRun<'s, 'p, 'w> {
             channels: HashMap::new(),
             issued_ns: HashMap::new(),
             collectives,
+            bucket_waits: HashMap::new(),
+            launched: HashSet::new(),
             drains: Vec::new(),
             n_done: 0,
             start_ns,
@@ -272,6 +269,7 @@ impl<'s, 'p, 'w> StepRun<'s, 'p, 'w> {
                 Event::Drained { flow, version } => self.drained(flow, version),
                 Event::Deliver(transfer) => self.deliver(transfer),
                 Event::Bandwidth(endpoint) => self.bandwidth(endpoint),
+                Event::JoinBucket { group, bucket, rank } => self.join_bucket(group, bucket, rank)?,
             }
         }
         Ok(())
@@ -310,7 +308,7 @@ impl<'s, 'p, 'w> StepRun<'s, 'p, 'w> {
             let issued_ns = match wait {
                 Wait::Message(key) => self.issued_ns.get(&key).map_or(now, |&at| at.clamp(since_ns, now)),
                 Wait::CollectiveStart(_) => now,
-                Wait::Sends => since_ns,
+                Wait::Sends | Wait::Reductions => since_ns,
             };
             self.ranks[rank].peer_wait_ns += issued_ns - since_ns;
             self.ranks[rank].transfer_wait_ns += now - issued_ns;
@@ -368,12 +366,20 @@ impl<'s, 'p, 'w> StepRun<'s, 'p, 'w> {
                         return Ok(());
                     }
                 }
+                // Started by the pass before it, or now if no pass did.
+                Instruction::AllReduceGradients { dp_group, .. } if self.sim.setup.plan.overlap_grad_reduce() => {
+                    self.launch_reduction(rank, dp_group, 0)?;
+                }
                 Instruction::AllReduceGradients { dp_group, .. } => {
                     if let Progress::Blocked = self.all_reduce(rank, dp_group)? {
                         return Ok(());
                     }
                 }
                 Instruction::OptimizerStep => {
+                    if self.ranks[rank].open_reductions > 0 {
+                        self.block(rank, Wait::Reductions);
+                        return Ok(());
+                    }
                     if self.ranks[rank].pending_sends > 0 {
                         self.block(rank, Wait::Sends);
                         return Ok(());
@@ -475,7 +481,28 @@ impl<'s, 'p, 'w> StepRun<'s, 'p, 'w> {
                 self.sim.timeline.as_mut().expect("checked").counter(pid, "memory GiB", at_ns, memory_gib);
             }
         }
+        if matches!(kind, PassKind::Backward | PassKind::BackwardWeight) {
+            self.launch_reductions_after(rank, duration_ns)?;
+        }
         self.push(now + duration_ns, Event::Resume(rank));
+        Ok(())
+    }
+
+    /// Under overlapped reduction, starts the all-reduces that follow a backward pass (past its
+    /// gradient send) alongside it: the pass produces their gradients.
+    fn launch_reductions_after(&mut self, rank: usize, pass_ns: u64) -> Result<(), SimError> {
+        if !self.sim.setup.plan.overlap_grad_reduce() {
+            return Ok(());
+        }
+        let programs = self.programs;
+        let following = programs[rank].instructions[self.ranks[rank].pc..]
+            .iter()
+            .take_while(|i| matches!(i, Instruction::SendGradient { .. } | Instruction::AllReduceGradients { .. }));
+        for instruction in following {
+            if let Instruction::AllReduceGradients { dp_group, .. } = *instruction {
+                self.launch_reduction(rank, dp_group, pass_ns)?;
+            }
+        }
         Ok(())
     }
 }

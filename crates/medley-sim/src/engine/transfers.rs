@@ -98,7 +98,9 @@ impl StepRun<'_, '_, '_> {
             self.push(now, Event::Resume(transfer.from));
         }
         self.mailbox.insert(transfer.key);
-        if let Some(receiver) = self.waiting.remove(&transfer.key) {
+        if let Some((group, bucket, member)) = self.bucket_waits.remove(&transfer.key) {
+            self.advance_bucket(group, bucket, member);
+        } else if let Some(receiver) = self.waiting.remove(&transfer.key) {
             self.push(now, Event::Resume(receiver));
         }
     }
