@@ -142,8 +142,12 @@ impl GemmGeometry {
     /// The better of the large tile and half of it (at [`HALF_TILE_RATE`]), as GEMM libraries
     /// pick smaller tiles for matrices that would leave units idle.
     fn quantisation(&self, gemm: &Gemm) -> f64 {
-        let half = (self.tile.0, self.tile.1 / 2);
-        self.useful_area(gemm, self.tile).max(HALF_TILE_RATE * self.useful_area(gemm, half))
+        let large = self.useful_area(gemm, self.tile);
+        // Half tiles cannot beat large ones that waste less than they lose.
+        if large >= HALF_TILE_RATE {
+            return large;
+        }
+        large.max(HALF_TILE_RATE * self.useful_area(gemm, (self.tile.0, self.tile.1 / 2)))
     }
 
     /// The fraction of the computed tile area that is `gemm`'s output with tiles of `tile`:

@@ -61,7 +61,7 @@ impl PassTime {
         self.forward_s + self.backward_s
     }
 
-    fn scaled(self, factor: f64) -> PassTime {
+    pub fn scaled(self, factor: f64) -> PassTime {
         PassTime {
             forward_s: self.forward_s * factor,
             backward_s: self.backward_s * factor,

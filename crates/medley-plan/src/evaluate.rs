@@ -79,8 +79,9 @@ fn plan_setting(plan: &Plan) -> Setting {
 pub fn evaluate(plan: &Plan, calibration: &Calibration) -> Prediction {
     let cost = &CostModel::new(plan.model(), plan.seq_len(), calibration).with_attention(plan.attention());
     let slots = plan.cluster().devices();
+    let mut layers = LayerTimes::default();
     let prices: Vec<ReplicaPrice> =
-        plan.replicas().iter().map(|replica| price_replica(plan, cost, &slots, replica)).collect();
+        plan.replicas().iter().map(|replica| price_replica(plan, cost, &slots, replica, &mut layers)).collect();
     let pipeline_s = prices.iter().map(|price| price.time_s).fold(0.0, f64::max);
     let optimizer_s = prices.iter().map(|price| price.optimizer_s).fold(0.0, f64::max);
     let busy: Vec<f64> = prices.iter().flat_map(|price| price.busy_fractions.iter().copied()).collect();
@@ -112,7 +113,40 @@ struct ReplicaPrice {
     backward_s: Vec<f64>,
 }
 
-fn price_replica(plan: &Plan, cost: &CostModel, slots: &[DeviceSlot], replica: &Replica) -> ReplicaPrice {
+/// One layer's and the head's pass on each node group, priced once per plan: replicas repeat the
+/// same stages, and a big plan has thousands of them.
+#[derive(Default)]
+struct LayerTimes {
+    by_group: BTreeMap<usize, (PassTime, PassTime)>,
+}
+
+impl LayerTimes {
+    fn stage_time(
+        &mut self,
+        plan: &Plan,
+        cost: &CostModel,
+        slot: DeviceSlot,
+        stage: &Stage,
+        shape: StageShape,
+    ) -> PassTime {
+        let group_idx = slot.group_idx;
+        let setting = plan_setting(plan);
+        let (layer, head) = *self.by_group.entry(group_idx).or_insert_with(|| {
+            let group = plan.stage_group(stage);
+            (cost.layer_time(group, setting), cost.head_time(group, setting))
+        });
+        let layers = layer.scaled(f64::from(shape.n_layers));
+        if shape.head { layers.plus(head) } else { layers }
+    }
+}
+
+fn price_replica(
+    plan: &Plan,
+    cost: &CostModel,
+    slots: &[DeviceSlot],
+    replica: &Replica,
+    layers: &mut LayerTimes,
+) -> ReplicaPrice {
     let setting = plan_setting(plan);
     let pricer = ContextPricer { cost, cluster: plan.cluster(), slots };
     let passes: Vec<PassTime> = replica
@@ -121,7 +155,7 @@ fn price_replica(plan: &Plan, cost: &CostModel, slots: &[DeviceSlot], replica: &
         .zip(stage_shapes(replica))
         .map(|(stage, shape)| match &stage.context {
             Some(context) => pricer.stage_pass(&pricer.device_works(context, &stage.devices), shape, plan.recompute()),
-            None => cost.stage_time(plan.stage_group(stage), shape, setting),
+            None => layers.stage_time(plan, cost, slots[stage.devices[0] as usize], stage, shape),
         })
         .collect();
     let boundary_s: Vec<f64> = replica

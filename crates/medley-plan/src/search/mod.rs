@@ -19,11 +19,11 @@ mod enumerate;
 mod estimate;
 mod template;
 
-use std::collections::BTreeMap;
+use std::collections::{BTreeMap, HashMap};
 
 use itertools::iproduct;
 use medley_cost::comm::{self, Link};
-use medley_cost::{Calibration, CostModel, Setting};
+use medley_cost::{Calibration, CostModel, PassTime, Setting, StageShape};
 use medley_spec::{BridgeMode, Cluster, DeviceSlot, JobSpec, ModelSpec, NodeGroup, Recompute, Schedule, ScheduleKind};
 use rayon::prelude::*;
 
@@ -111,6 +111,15 @@ fn search_tensor_parallel(
     let cost = CostModel::new(model, job.seq_len(), calibration).with_attention(job.attention());
     let allowed: Vec<usize> = options.groups.clone().unwrap_or_else(|| (0..cluster.groups().len()).collect());
     check_group_count(allowed.len())?;
+    let settings = candidate_settings(cluster, model, job, &allowed);
+    let passes = settings
+        .iter()
+        .flat_map(|&setting| allowed.iter().map(move |&g| (g, setting)))
+        .map(|(g, setting)| {
+            let group = &cluster.groups()[g];
+            ((g, setting), (cost.layer_time(group, setting), cost.head_time(group, setting)))
+        })
+        .collect();
     let space = Space {
         cluster,
         slots: cluster.devices(),
@@ -119,11 +128,10 @@ fn search_tensor_parallel(
         job,
         cost,
         exhaustive: options.exhaustive,
+        passes,
     };
-    let per_setting: Vec<(Vec<Layout>, usize)> = candidate_settings(cluster, model, job, &allowed)
-        .par_iter()
-        .map(|&setting| space.layouts(setting, &allowed))
-        .collect();
+    let per_setting: Vec<(Vec<Layout>, usize)> =
+        settings.par_iter().map(|&setting| space.layouts(setting, &allowed)).collect();
     let layouts_priced = per_setting.iter().map(|(_, priced)| priced).sum();
     let finalists: Vec<Layout> = per_setting.into_iter().flat_map(|(layouts, _)| layouts).collect();
     // 1F1B lets every finalist also run interleaved, when that is faster (fewer micro-batches
@@ -187,9 +195,28 @@ struct Space<'a> {
     job: &'a JobSpec,
     cost: CostModel<'a>,
     exhaustive: bool,
+    /// One layer's and the head's pass per (node group, setting), priced once: the search
+    /// prices the same stages over and over.
+    passes: HashMap<(usize, Setting), (PassTime, PassTime)>,
 }
 
 impl Space<'_> {
+    /// One layer's pass on node group `g` under `setting`.
+    fn layer_time(&self, g: usize, setting: Setting) -> PassTime {
+        self.passes.get(&(g, setting)).map_or_else(|| self.cost.layer_time(&self.cluster.groups()[g], setting), |p| p.0)
+    }
+
+    /// The head's pass on node group `g` under `setting`.
+    fn head_time(&self, g: usize, setting: Setting) -> PassTime {
+        self.passes.get(&(g, setting)).map_or_else(|| self.cost.head_time(&self.cluster.groups()[g], setting), |p| p.1)
+    }
+
+    /// A stage of `shape` on node group `g` under `setting`.
+    fn stage_time(&self, g: usize, shape: StageShape, setting: Setting) -> PassTime {
+        let layers = self.layer_time(g, setting).scaled(f64::from(shape.n_layers));
+        if shape.head { layers.plus(self.head_time(g, setting)) } else { layers }
+    }
+
     fn n_micro_batches(&self, setting: Setting) -> u32 {
         self.job.global_batch() / setting.micro_batch
     }

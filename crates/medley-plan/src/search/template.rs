@@ -214,14 +214,15 @@ impl<'s, 'a> Template<'s, 'a> {
             .enumerate()
             .map(|(idx, g)| {
                 let group = &groups[g];
-                let head = if idx + 1 == n_stages { cost.head_time(group, self.setting) } else { PassTime::default() };
+                let head =
+                    if idx + 1 == n_stages { self.space.head_time(g, self.setting) } else { PassTime::default() };
                 let transfers =
                     boundary_s.get(idx).copied().unwrap_or(0.0) + if idx > 0 { boundary_s[idx - 1] } else { 0.0 };
                 let in_flight = f64::from(self.space.job.schedule().in_flight(idx, n_stages, 1, replica_share));
                 let memory =
                     |n_layers| cost.stage_memory(self.shape(idx, n_layers), self.setting, in_flight, shards).total();
                 StageLoad {
-                    per_layer_s: cost.layer_time(group, self.setting).total_s(),
+                    per_layer_s: self.space.layer_time(g, self.setting).total_s(),
                     fixed_s: head.total_s() + transfers,
                     max_layers: max_layers_within(
                         memory,
@@ -255,7 +256,23 @@ impl<'s, 'a> Template<'s, 'a> {
             let (sum, max) = times.fold((0.0, 0.0_f64), |(sum, max), time| (sum + time, max.max(time)));
             sum + steady * max
         };
-        let step_s = |counts: &[u32]| pipeline_s(counts) + self.sync_and_update_s(counts);
+        // Each stage's backward share of its pass, what overlapped reduction hides behind.
+        let backward_shares: Vec<f64> = self
+            .stage_groups()
+            .map(|g| {
+                let layer = self.space.layer_time(g, self.setting);
+                layer.backward_s / layer.total_s()
+            })
+            .collect();
+        let step_s = |counts: &[u32]| {
+            let backward_s: Vec<f64> = counts
+                .iter()
+                .zip(loads)
+                .zip(&backward_shares)
+                .map(|((&count, load), share)| share * load.time_s(count))
+                .collect();
+            pipeline_s(counts) + self.sync_and_update_s(counts, &backward_s)
+        };
         let mut best_pipeline = (pipeline_s(&min_max), min_max.clone());
         let mut best_step = (step_s(&min_max), min_max.clone());
         // No split's fill is shorter than with every layer on the fastest stages that fit them.
@@ -287,8 +304,9 @@ impl<'s, 'a> Template<'s, 'a> {
         splits
     }
 
-    /// The block alone: its slowest stage's gradient ring plus its slowest optimizer step.
-    fn sync_and_update_s(&self, counts: &[u32]) -> f64 {
+    /// The block alone: its slowest stage's gradient ring (what its last backward pass of
+    /// `backward_s` leaves of it when reduction overlaps) plus its slowest optimizer step.
+    fn sync_and_update_s(&self, counts: &[u32], backward_s: &[f64]) -> f64 {
         let cost = &self.space.cost;
         let groups = self.space.cluster.groups();
         let tp = f64::from(self.setting.tp);
@@ -299,20 +317,17 @@ impl<'s, 'a> Template<'s, 'a> {
             let params = cost.stage_params(shape);
             let bytes = 2.0 * params / tp;
             let ring_s = comm::ring_all_reduce_s(bytes, self.n_replicas, self.stage_dp_links[idx]);
-            let backward_s = cost.stage_time(&groups[g], shape, self.setting).backward_s;
-            sync_s = sync_s.max(self.space.exposed_sync_s(ring_s, bytes, self.n_replicas, backward_s));
+            sync_s = sync_s.max(self.space.exposed_sync_s(ring_s, bytes, self.n_replicas, backward_s[idx]));
             update_s = update_s.max(cost.optimizer_step_s(&groups[g], params / tp / f64::from(shards)));
         }
         sync_s + update_s
     }
 
     pub fn config(&self, layers: Vec<u32>) -> BlockConfig {
-        let groups = self.space.cluster.groups();
-        let cost = &self.space.cost;
         let passes: Vec<PassTime> = self
             .stage_groups()
             .enumerate()
-            .map(|(idx, g)| cost.stage_time(&groups[g], self.shape(idx, layers[idx]), self.setting))
+            .map(|(idx, g)| self.space.stage_time(g, self.shape(idx, layers[idx]), self.setting))
             .collect();
         BlockConfig {
             order: self.order.clone(),

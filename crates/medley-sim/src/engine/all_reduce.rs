@@ -8,13 +8,16 @@
 //! that the members' transfers walk while their programs go on; the optimizer step waits for
 //! the rank's buckets.
 
+use std::rc::Rc;
+
 use super::*;
 
 /// One collective of this step: a group's whole all-reduce, or one bucket of it.
 pub(super) struct CollectiveState {
     pub(super) members: Vec<usize>,
     joined_ns: Vec<Option<u64>>,
-    steps: Option<Vec<RankSteps>>,
+    /// Lowered when every member has joined; a group's buckets share one lowering.
+    steps: Option<Rc<Vec<RankSteps>>>,
     cursors: Vec<usize>,
     sent: HashMap<(u32, u32), u32>,
     received: HashMap<(u32, u32), u32>,
@@ -188,24 +191,38 @@ impl StepRun<'_, '_, '_> {
         self.timeline_slice(rank, COLLECTIVE_TID, &name, "collective", (start_ns, self.now()), args);
     }
 
-    /// Lowers a collective to its algorithm's steps once every member has joined.
+    /// Lowers a collective to its algorithm's steps once every member has joined. Chunked as
+    /// the communicator chunks the group's whole all-reduce, so that both engines run the same
+    /// step lists, and a bucket's chunks are the whole's that fall in it (equal buckets lower
+    /// alike: the first lowering serves them all).
     fn lower(&mut self, group: u32, bucket: u32) -> Result<(), SimError> {
+        let buckets = &self.collectives[group as usize];
+        if let Some(steps) = buckets.iter().find_map(|collective| collective.steps.clone()) {
+            self.collectives[group as usize][bucket as usize].steps = Some(steps);
+            return Ok(());
+        }
         let setup = &self.sim.setup;
         let dp_group = &setup.plan.dp_groups()[group as usize];
-        let collective = &mut self.collectives[group as usize][bucket as usize];
+        let collective = &buckets[bucket as usize];
         let domains = collective.members.iter().map(|&m| DomainId(setup.ranks[m].vendor as u32)).collect();
-        let group = Group::new(domains)?;
-        let algorithm = dp_group.algorithm.into();
-        let n_elements = (collective.bytes / ELEMENT_BYTES).round() as usize;
+        let domains = Group::new(domains)?;
         let op = Op::AllReduce { op: ReduceOp::Sum };
-        let counts = Counts::Same(n_elements);
-        // Chunked as the communicator chunks it, so that both engines run the same step lists.
         let elem_bytes = ELEMENT_BYTES as usize;
-        let Choice { algorithm, chunking } =
-            collective::choose_call(op, &group, &counts, Some(algorithm), elem_bytes, false, collective::CHUNK_BYTES);
-        let plans = collective::plan_steps(op, &group, &counts, algorithm, chunking)?;
+        let whole = Counts::Same((setup.dp_bytes[group as usize] / ELEMENT_BYTES).round() as usize);
+        let Choice { algorithm, chunking } = collective::choose_call(
+            op,
+            &domains,
+            &whole,
+            Some(dp_group.algorithm.into()),
+            elem_bytes,
+            false,
+            collective::CHUNK_BYTES,
+        );
+        let counts = Counts::Same((collective.bytes / ELEMENT_BYTES).round() as usize);
+        let plans = collective::plan_steps(op, &domains, &counts, algorithm, chunking)?;
         // Reads of a peer's window are transfers from that peer.
-        collective.steps = Some(collective::as_messages(&plans)?);
+        let steps = Rc::new(collective::as_messages(&plans)?);
+        self.collectives[group as usize][bucket as usize].steps = Some(steps);
         Ok(())
     }
 }
