@@ -7,7 +7,7 @@
 
 use medley_cost::context::KvExchange;
 use medley_plan::{Plan, Stage};
-use medley_spec::{MlpKind, Recompute, Schedule, ScheduleKind};
+use medley_spec::{AttentionKernel, MlpKind, Recompute, Schedule, ScheduleKind};
 use serde::Serialize;
 
 use crate::common::{Arg, Args, ContextDegrees, RankOrder, check_common, command_line, context_degrees, rank_devices};
@@ -178,6 +178,13 @@ fn batch_and_memory_args(plan: &Plan, args: &mut Args) {
     }
     if plan.zero1() {
         args.flag("--use-distributed-optimizer");
+    }
+    if plan.overlap_grad_reduce() {
+        args.flag("--overlap-grad-reduce");
+    }
+    // Megatron's default (`auto`) picks a fused kernel; an unfused plan asks for Megatron's own.
+    if plan.attention() == AttentionKernel::Unfused {
+        args.value("--attention-backend", "unfused");
     }
 }
 

@@ -10,7 +10,7 @@
 //! shards, with no head parallelism. A plan outside that is refused naming what differs.
 
 use medley_plan::{Plan, Stage};
-use medley_spec::{MlpKind, ModelSpec, Recompute, Schedule, ScheduleKind};
+use medley_spec::{AttentionKernel, MlpKind, ModelSpec, Recompute, Schedule, ScheduleKind};
 use serde::Serialize;
 
 use crate::common::{Arg, Args, RankOrder, check_common, command_line, context_degrees, rank_devices};
@@ -51,6 +51,13 @@ pub fn torchtitan(plan: &Plan) -> Result<TorchtitanExport, ExportError> {
             "the plan shards only the optimizer state (ZeRO-1); torchtitan shards data-parallel state with FSDP, which \
              shards parameters and gradients too and moves more data a step: plan with --no-zero1 (or zero1 = false in \
              the job)",
+        ));
+    }
+    if plan.attention() == AttentionKernel::Unfused {
+        return Err(ExportError::refused(
+            TORCHTITAN,
+            "the plan prices an unfused attention kernel; torchtitan's llama3 runs attention through PyTorch's fused \
+             SDPA or FlexAttention: plan with --attention fused",
         ));
     }
     let devices = rank_devices(plan, RankOrder::DataFirst);

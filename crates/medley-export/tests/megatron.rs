@@ -6,10 +6,10 @@ mod plans;
 use medley_cost::Calibration;
 use medley_cost::context::KvExchange;
 use medley_export::megatron::{MegatronExport, check_layout, megatron};
-use medley_plan::Plan;
 use medley_plan::baselines::Degrees;
 use medley_plan::long_context::even_fixed;
-use medley_spec::{Schedule, ScheduleKind, catalog_model};
+use medley_plan::{Plan, PlanParts};
+use medley_spec::{AttentionKernel, Schedule, ScheduleKind, catalog_model};
 use plans::{Zero1, assembled, cluster, job, launch, uniform, words};
 
 fn value<'a>(export: &'a MegatronExport, flag: &str) -> Option<&'a str> {
@@ -42,9 +42,17 @@ fn a_uniform_plan_exports_megatrons_own_sizes() {
         ("--swiglu", ""),
         ("--untie-embeddings-and-output-weights", ""),
         ("--use-distributed-optimizer", ""),
+        ("--overlap-grad-reduce", ""),
     ] {
         assert_eq!(value(&export, flag), Some(expected), "{flag} in {}", export.command_line());
     }
+    // A fused kernel is Megatron's default; an unfused one, and no overlap, are asked for.
+    assert_eq!(value(&export, "--attention-backend"), None);
+    let parts = uniform("8xh100", Degrees::new(2, 2, 2), Zero1::On).into_parts();
+    let other = PlanParts { attention: AttentionKernel::Unfused, overlap_grad_reduce: false, ..parts };
+    let other = megatron(&Plan::try_from(other).unwrap()).unwrap();
+    assert_eq!(value(&other, "--attention-backend"), Some("unfused"));
+    assert_eq!(value(&other, "--overlap-grad-reduce"), None);
     // One host of 8: Megatron's order (tp fastest, then dp, pp) is the plan's device order here.
     assert_eq!(export.placement.hosts.len(), 1);
     assert_eq!(export.placement.hosts[0].gpus, (0..8).collect::<Vec<u32>>());

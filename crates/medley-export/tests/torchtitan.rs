@@ -6,10 +6,10 @@ mod plans;
 
 use medley_cost::Calibration;
 use medley_export::torchtitan::{TorchtitanExport, check_overrides, torchtitan};
-use medley_plan::Plan;
 use medley_plan::baselines::Degrees;
 use medley_plan::long_context::even_fixed;
-use medley_spec::{Schedule, ScheduleKind, catalog_model};
+use medley_plan::{Plan, PlanParts};
+use medley_spec::{AttentionKernel, Schedule, ScheduleKind, catalog_model};
 use plans::{Zero1, assembled, cluster, job, launch, uniform, uniform_of, words};
 
 fn value<'a>(export: &'a TorchtitanExport, flag: &str) -> Option<&'a str> {
@@ -117,6 +117,9 @@ fn even_rings_export_and_what_torchtitan_cannot_run_is_refused_naming_it() {
     assert!(refusal(&kfkb.unwrap()).contains("GPipe or 1F1B"));
     let gpt2 = refusal(&uniform_of("gpt2", "2xh100", Degrees::new(1, 1, 2), Zero1::Off));
     assert!(gpt2.contains("8B, 70B and 405B") && gpt2.contains("gpt2"), "{gpt2}");
+    let parts = uniform("8xh100", Degrees::new(2, 2, 2), Zero1::Off).into_parts();
+    let unfused = Plan::try_from(PlanParts { attention: AttentionKernel::Unfused, ..parts }).unwrap();
+    assert!(refusal(&unfused).contains("--attention fused"), "{}", refusal(&unfused));
 }
 
 #[test]
