@@ -114,9 +114,14 @@ pub fn run(args: &TrainArgs) -> Result<ExitCode> {
     report(&out, &outcome, &layouts, (started.elapsed(), predicted_step_s))
 }
 
+/// The cores this process may run on.
+fn cores_here() -> usize {
+    std::thread::available_parallelism().map_or(1, usize::from)
+}
+
 /// The time dilation that fits `workers` to this machine's cores, said when it slows the run.
 fn dilation_here(workers: usize) -> f64 {
-    let cores = std::thread::available_parallelism().map_or(1, usize::from);
+    let cores = cores_here();
     let dilation = time_dilation(workers, cores);
     if dilation > 1.0 {
         tracing::info!(
@@ -131,7 +136,7 @@ fn dilation_here(workers: usize) -> f64 {
 /// Records the run's time dilation (`emulation.json`), which prices its prediction.
 fn write_emulation(out: &Path, run: &RunFlags, workers: usize) -> Result<()> {
     let path = out.join(EMULATION);
-    let cores = std::thread::available_parallelism().map_or(1, usize::from);
+    let cores = cores_here();
     let record = serde_json::json!({"time_dilation": run.time_dilation, "workers": workers, "cores": cores});
     fs::write(&path, serde_json::to_string_pretty(&record)? + "\n")
         .with_context(|| format!("cannot write {}", path.display()))
@@ -279,7 +284,7 @@ fn check_workers_memory(
 /// Measures this machine and prices the fleet at its speed (see `medley calibrate`).
 pub fn calibrate_here(cluster: &Cluster, model: &ModelSpec, seq_len: u32, micro_batch: u32) -> Result<Calibration> {
     // As many passes at once as the workers will run on this machine's cores.
-    let cores = std::thread::available_parallelism().map_or(1, usize::from);
+    let cores = cores_here();
     let concurrency = (cluster.n_gpus() as usize).min(cores);
     let need = calibration_memory(model, seq_len, micro_batch, concurrency)?;
     let what = format!("calibrating {} ({concurrency} whole models at once)", model.name());
