@@ -58,12 +58,6 @@ pub fn layer_forward(model: &ModelSpec, seq_len: u32, micro_batch: u32) -> Layer
     }
 }
 
-/// Forward FLOPs of one layer's attention core for one micro-batch without a fused kernel:
-/// QKᵀ and score × V over all s² pairs, whatever the mask keeps.
-pub fn unfused_attention_forward(model: &ModelSpec, seq_len: u32, micro_batch: u32) -> f64 {
-    4.0 * f(micro_batch) * f(seq_len) * f(seq_len) * model.q_width() as f64
-}
-
 /// Forward FLOPs of the output projection (logits) for one micro-batch.
 pub fn head_forward(model: &ModelSpec, seq_len: u32, micro_batch: u32) -> f64 {
     2.0 * f(seq_len) * f(micro_batch) * embedding_params(model) as f64

@@ -42,6 +42,12 @@ impl StageShape {
     pub fn in_pipeline(stage_idx: usize, n_stages: usize, n_layers: u32) -> Self {
         StageShape { n_layers, embedding: stage_idx == 0, head: stage_idx + 1 == n_stages }
     }
+
+    /// The stage's pass from one layer's and the head's: its layers, and the head if it has it.
+    pub fn pass(self, layer: PassTime, head: PassTime) -> PassTime {
+        let layers = layer.scaled(f64::from(self.n_layers));
+        if self.head { layers.plus(head) } else { layers }
+    }
 }
 
 /// Seconds of one micro-batch's forward and backward pass (compute plus tensor-parallel
@@ -61,7 +67,7 @@ impl PassTime {
         self.forward_s + self.backward_s
     }
 
-    pub fn scaled(self, factor: f64) -> PassTime {
+    fn scaled(self, factor: f64) -> PassTime {
         PassTime {
             forward_s: self.forward_s * factor,
             backward_s: self.backward_s * factor,
@@ -110,10 +116,6 @@ impl<'a> CostModel<'a> {
     /// The same model pricing the attention core as `attention` runs it.
     pub fn with_attention(self, attention: AttentionKernel) -> Self {
         CostModel { attention, ..self }
-    }
-
-    pub fn attention(&self) -> AttentionKernel {
-        self.attention
     }
 
     pub fn model(&self) -> &'a ModelSpec {
@@ -185,8 +187,8 @@ impl<'a> CostModel<'a> {
 
     /// A whole stage for one micro-batch.
     pub fn stage_time(&self, group: &NodeGroup, shape: StageShape, setting: Setting) -> PassTime {
-        let layers = self.layer_time(group, setting).scaled(f64::from(shape.n_layers));
-        if shape.head { layers.plus(self.head_time(group, setting)) } else { layers }
+        let head = if shape.head { self.head_time(group, setting) } else { PassTime::default() };
+        shape.pass(self.layer_time(group, setting), head)
     }
 
     /// Parameters a stage holds before tensor parallelism splits them.

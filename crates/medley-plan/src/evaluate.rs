@@ -135,8 +135,7 @@ impl LayerTimes {
             let group = plan.stage_group(stage);
             (cost.layer_time(group, setting), cost.head_time(group, setting))
         });
-        let layers = layer.scaled(f64::from(shape.n_layers));
-        if shape.head { layers.plus(head) } else { layers }
+        shape.pass(layer, head)
     }
 }
 

@@ -39,7 +39,9 @@
 //!   is reused; the simulator starts a transfer);
 //! - a receive blocks until the matching send has been issued (the runtime may post it earlier
 //!   as long as it completes before the next instruction);
-//! - an all-reduce blocks until every member of its group has reached it.
+//! - an all-reduce blocks until every member of its group has reached it (the simulator lets an
+//!   overlapped one run beside the rank's later instructions; programs that cannot deadlock when
+//!   it blocks cannot when it does not).
 //!
 //! Rendezvous sends (a send that blocks until its receive is posted) are not assumed: under
 //! them 1F1B's steady state needs the send and the receive of neighbouring stages fused into one

@@ -213,8 +213,7 @@ impl Space<'_> {
 
     /// A stage of `shape` on node group `g` under `setting`.
     fn stage_time(&self, g: usize, shape: StageShape, setting: Setting) -> PassTime {
-        let layers = self.layer_time(g, setting).scaled(f64::from(shape.n_layers));
-        if shape.head { layers.plus(self.head_time(g, setting)) } else { layers }
+        shape.pass(self.layer_time(g, setting), self.head_time(g, setting))
     }
 
     fn n_micro_batches(&self, setting: Setting) -> u32 {
