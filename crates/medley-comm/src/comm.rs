@@ -7,6 +7,7 @@ use std::sync::Arc;
 use medley_collective::{Algorithm, Choice, Counts, Group, Op, RankSteps, ReduceOp, Step, choose_call, plan_steps};
 
 use crate::CommError;
+use crate::bind::Cores;
 use crate::dtype::{DType, Element};
 use crate::env::{Config, LaunchEnv};
 use crate::exec::{Call, Scratch, execute};
@@ -114,7 +115,7 @@ impl Communicator {
                 timeout: config.timeout,
                 abort: Arc::clone(&session.abort),
                 blame: Some(Arc::clone(&session) as Arc<dyn Blame>),
-                own_core: session.own_core,
+                own_core: matches!(session.cores, Cores::Bound(_)),
             },
             session,
             config,
@@ -138,6 +139,32 @@ impl Communicator {
 
     pub fn rank(&self) -> usize {
         self.rank
+    }
+
+    /// How many threads this rank's compute should run on: one per core it was bound to, or its
+    /// share of the host's cores when the scheduler places it (never more, which would
+    /// oversubscribe the cores that other local ranks compute on).
+    pub fn compute_threads(&self) -> usize {
+        self.session.cores.threads()
+    }
+
+    /// The value `root` makes, on every rank of this communicator, through the job's rendezvous
+    /// store: how a native library's bootstrap (NCCL's unique id) reaches its ranks. Every rank
+    /// calls it once per `key`, which names the value within this communicator; only `root` calls
+    /// `make`, the others wait (up to the timeout) for its value.
+    pub fn share_via_store<E: From<CommError>>(
+        &self,
+        key: &str,
+        root: usize,
+        make: impl FnOnce() -> Result<Vec<u8>, E>,
+    ) -> Result<Vec<u8>, E> {
+        let key = format!("{}/shared/{key}", self.ns);
+        if self.rank != root {
+            return Ok(self.session.store.get(&key)?);
+        }
+        let value = make()?;
+        self.session.store.set(&key, &value)?;
+        Ok(value)
     }
 
     pub fn n_ranks(&self) -> usize {

@@ -9,6 +9,7 @@ use std::time::{Duration, Instant};
 const PEER_REPORT_GRACE: Duration = Duration::from_millis(250);
 
 use crate::CommError;
+use crate::bind::Cores;
 use crate::env::{Config, LaunchEnv, StoreHost};
 use crate::store::{Monitor, StoreClient, StoreServer};
 use crate::wait::{Abort, Blame};
@@ -17,8 +18,8 @@ pub(crate) struct Session {
     pub env: LaunchEnv,
     pub store: StoreClient,
     pub abort: Arc<Abort>,
-    /// Whether this rank was bound to a core of its own when it joined.
-    pub own_core: bool,
+    /// The CPUs this rank was bound to when it joined, or its share of the host's.
+    pub cores: Cores,
     timeout: Duration,
     monitor: Option<Monitor>,
     server: Option<StoreServer>,
@@ -28,22 +29,14 @@ impl Session {
     /// Joins the job, first binding the calling thread to a core as `env` asks (see
     /// [`crate::CpuBinding`]): the store's threads started here inherit the binding.
     pub fn join(env: &LaunchEnv, config: &Config) -> Result<Session, CommError> {
-        let own_core = crate::bind::bind_to_core(env).is_some();
+        let cores = crate::bind::bind_to_cores(env);
         let addr = env.store_addr();
         let hosts_store = env.rank == 0 && env.store_host == StoreHost::Rank0;
         let server = if hosts_store { Some(StoreServer::bind(&addr, &env.token)?) } else { None };
         let store = StoreClient::connect(&addr, &env.token, env.rank, config.connect_timeout)?;
         let abort = Arc::new(Abort::default());
         let monitor = Monitor::start(&addr, &env.token, env.rank, config.connect_timeout, Arc::clone(&abort))?;
-        Ok(Session {
-            env: env.clone(),
-            store,
-            abort,
-            own_core,
-            timeout: config.timeout,
-            monitor: Some(monitor),
-            server,
-        })
+        Ok(Session { env: env.clone(), store, abort, cores, timeout: config.timeout, monitor: Some(monitor), server })
     }
 
     /// Records a failure this rank found and tells the job who is to blame; returns the error to

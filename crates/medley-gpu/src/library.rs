@@ -1,0 +1,53 @@
+//! Finding a vendor library at run time and reading its entry points into a typed table.
+
+use libloading::Library;
+
+use crate::GpuError;
+
+/// Opens the first of `names` the dynamic loader finds.
+pub(crate) fn open_first(what: &'static str, names: &[&str]) -> Result<Library, GpuError> {
+    let mut reasons = Vec::new();
+    for name in names {
+        // SAFETY: loading runs the library's initialisers; these are the vendors' own runtime
+        // libraries, whose initialisers only set up their own state.
+        match unsafe { Library::new(name) } {
+            Ok(library) => return Ok(library),
+            Err(err) => reasons.push(err.to_string()),
+        }
+    }
+    Err(GpuError::LibraryMissing { what, tried: names.join(", "), reason: reasons.last().cloned().unwrap_or_default() })
+}
+
+/// A struct of C entry points read from one library, which it keeps loaded for as long as the
+/// pointers live: `api!(Name from "what" { field = "symbol": fn(args) -> ret; ... })`.
+macro_rules! api {
+    ($name:ident from $what:literal { $($field:ident = $symbol:literal : fn($($arg:ty),*) -> $ret:ty;)* }) => {
+        struct $name {
+            $($field: unsafe extern "C" fn($($arg),*) -> $ret,)*
+            _library: libloading::Library,
+        }
+
+        impl $name {
+            fn load(library: libloading::Library) -> Result<Self, $crate::GpuError> {
+                Ok($name {
+                    $($field: {
+                        // SAFETY: the symbol's C signature is the one declared here (from the
+                        // vendor's header), and the pointer is only used while `_library`, moved
+                        // into the same struct below, keeps the library loaded.
+                        let symbol = unsafe {
+                            library.get::<unsafe extern "C" fn($($arg),*) -> $ret>(concat!($symbol, "\0").as_bytes())
+                        };
+                        *symbol.map_err(|err| $crate::GpuError::SymbolMissing {
+                            library: $what,
+                            symbol: $symbol,
+                            reason: err.to_string(),
+                        })?
+                    },)*
+                    _library: library,
+                })
+            }
+        }
+    };
+}
+
+pub(crate) use api;
