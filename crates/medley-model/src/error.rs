@@ -17,6 +17,11 @@ pub enum ModelError {
     Context(String),
     #[error("{what}: {source}")]
     Collective { what: String, source: Box<dyn std::error::Error + Send + Sync> },
+    #[error(
+        "this medley was built without {device}'s backend: rebuild with `cargo build --release --features {}`",
+        device.feature().unwrap_or("cpu")
+    )]
+    NotBuilt { device: crate::ComputeDevice },
     #[error("tensor library: {0}")]
     Compute(String),
     #[error("{}: {reason}", path.display())]

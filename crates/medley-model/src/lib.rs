@@ -7,8 +7,7 @@
 //!   which depends only on the seed and the name, so any plan starts from the same weights.
 //! - [`StageCompute`]: the thin trait a tensor library implements (forward, backward with an
 //!   external upstream gradient, accumulated parameter gradients, loading parameters).
-//!   [`BurnStage`] implements it with burn's CPU backend; a GPU library slots in behind the same
-//!   trait.
+//!   [`BurnStage`] implements it with burn, on the CPU or a CUDA/ROCm GPU ([`ComputeDevice`]).
 //! - [`context`]: where a device of a long-context stage stands (its tokens, its heads, its
 //!   group and lane) and the collectives its passes run; [`ContextStage`] is its compute.
 //! - [`StageState`]: one rank's parameters, gradients and AdamW state on the host, with safetensors
@@ -24,6 +23,7 @@ mod compute;
 mod config;
 pub mod context;
 pub mod data;
+mod device;
 mod error;
 mod optim;
 pub mod params;
@@ -33,6 +33,7 @@ pub use burn_stage::{BurnStage, ContextStage};
 pub use checkpoint::{NamedTensors, load_tensors, load_tensors_where, save_tensors, write_atomically};
 pub use compute::{HostTensor, MicroBatch, StageCompute, StageOutput};
 pub use config::ModelConfig;
+pub use device::ComputeDevice;
 pub use error::ModelError;
 pub use optim::{AdamW, AdamWState};
 pub use stage::StageState;

@@ -5,7 +5,7 @@ use std::collections::HashMap;
 use std::ops::Range;
 
 use medley_model::data::Dataset;
-use medley_model::{AdamW, BurnStage, HostTensor, MicroBatch, ModelConfig, StageOutput, StageState};
+use medley_model::{AdamW, BurnStage, ComputeDevice, HostTensor, MicroBatch, ModelConfig, StageOutput, StageState};
 
 const SEED: u64 = 42;
 
@@ -24,7 +24,8 @@ fn small_config() -> ModelConfig {
 }
 
 fn stage(config: &ModelConfig, layers: Range<usize>) -> StageState {
-    StageState::new(config, layers.clone(), SEED, Box::new(BurnStage::new(config, layers))).unwrap()
+    StageState::new(config, layers.clone(), SEED, Box::new(BurnStage::new(config, layers, ComputeDevice::Cpu).unwrap()))
+        .unwrap()
 }
 
 fn batch(config: &ModelConfig, first: u64, count: usize) -> MicroBatch {
@@ -113,7 +114,7 @@ fn gradients_match_finite_differences() {
         let loss_at = |delta: f32| {
             let mut shifted = params.clone();
             shifted[param_idx].data[element] += delta;
-            let mut compute = BurnStage::new(&config, 0..config.n_layers);
+            let mut compute = BurnStage::new(&config, 0..config.n_layers, ComputeDevice::Cpu).unwrap();
             medley_model::StageCompute::load_parameters(&mut compute, &shifted).unwrap();
             match medley_model::StageCompute::forward(&mut compute, 0, &batch, None).unwrap() {
                 StageOutput::Loss(loss) => loss,
@@ -133,7 +134,7 @@ fn gradients_match_finite_differences() {
 #[test]
 fn attention_is_causal() {
     let config = small_config();
-    let mut first = BurnStage::new(&config, 0..2);
+    let mut first = BurnStage::new(&config, 0..2, ComputeDevice::Cpu).unwrap();
     let specs = medley_model::params::stage_params(&config, 0..2);
     let params: Vec<HostTensor> = specs.iter().map(|spec| spec.initial_value(SEED)).collect();
     medley_model::StageCompute::load_parameters(&mut first, &params).unwrap();

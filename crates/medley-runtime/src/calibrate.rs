@@ -8,7 +8,7 @@ use std::time::Instant;
 
 use medley_cost::{Calibration, CostModel, Efficiency, Setting, StageShape};
 use medley_model::data::{Dataset, loss_scale};
-use medley_model::{AdamW, BurnStage, ModelConfig, StageState};
+use medley_model::{AdamW, BurnStage, ComputeDevice, ModelConfig, StageState};
 use medley_spec::{Cluster, ModelSpec, NodeGroup, Recompute};
 use statrs::statistics::{Data, OrderStatistics};
 
@@ -30,18 +30,27 @@ const WARM_UP: usize = 2;
 /// Times `repeats` passes of one `micro_batch` through the whole model and as many optimizer
 /// steps, after a warm-up, on `concurrency` threads at once (as many as the workers that will
 /// share this machine's cores: they slow each other down through shared caches and memory
-/// bandwidth), and keeps the medians over all of them.
+/// bandwidth), each computing on one thread as an emulating worker does, on `device`; keeps the
+/// medians over all of them.
 pub fn measure_model_pass(
     model: &ModelSpec,
     seq_len: u32,
     micro_batch: u32,
     repeats: usize,
     concurrency: usize,
+    device: ComputeDevice,
 ) -> Result<Measured, RuntimeError> {
     let config = ModelConfig::from_spec(model, seq_len)?;
+    let one_thread = || {
+        rayon::ThreadPoolBuilder::new()
+            .num_threads(1)
+            .build()
+            .map_err(|err| RuntimeError::Launch(format!("starting a compute thread: {err}")))
+    };
     let timings: Vec<Result<Timings, RuntimeError>> = std::thread::scope(|scope| {
-        let threads: Vec<_> =
-            (0..concurrency.max(1)).map(|_| scope.spawn(|| time_passes(&config, micro_batch, repeats))).collect();
+        let threads: Vec<_> = (0..concurrency.max(1))
+            .map(|_| scope.spawn(|| one_thread()?.install(|| time_passes(&config, micro_batch, repeats, device))))
+            .collect();
         threads.into_iter().map(|thread| thread.join().expect("a timing thread does not panic")).collect()
     });
     let (mut passes, mut updates) = (Vec::new(), Vec::new());
@@ -56,9 +65,14 @@ pub fn measure_model_pass(
 /// One thread's pass times and optimizer-step times, seconds.
 type Timings = (Vec<f64>, Vec<f64>);
 
-fn time_passes(config: &ModelConfig, micro_batch: u32, repeats: usize) -> Result<Timings, RuntimeError> {
+fn time_passes(
+    config: &ModelConfig,
+    micro_batch: u32,
+    repeats: usize,
+    device: ComputeDevice,
+) -> Result<Timings, RuntimeError> {
     let layers = 0..config.n_layers;
-    let mut stage = StageState::new(config, layers.clone(), 0, Box::new(BurnStage::new(config, layers)))?;
+    let mut stage = StageState::new(config, layers.clone(), 0, Box::new(BurnStage::new(config, layers, device)?))?;
     let dataset = Dataset::shakespeare(config.seq_len, 0)?;
     let scale = loss_scale(u64::from(micro_batch), config.seq_len);
     let (mut passes, mut updates) = (Vec::new(), Vec::new());

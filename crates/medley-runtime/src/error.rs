@@ -12,6 +12,8 @@ pub enum RuntimeError {
     Unsupported(String),
     #[error("launch: {0}")]
     Launch(String),
+    #[error("compute device: {0}")]
+    Device(String),
     /// An emulated link too slow to deliver a message within the job's timeout.
     #[error("{0}")]
     LinkTooSlow(String),

@@ -10,7 +10,9 @@
 //! global batch's token count, so the summed gradients are the sample-weighted mean whatever the
 //! replicas' shares.
 //!
-//! Heterogeneity is emulated: every worker computes on this machine's CPU, stands in for the
+//! Each worker computes where [`WorkerOptions::device`] says: this machine's CPU cores (the
+//! default, on as many threads as the worker owns cores), or a CUDA or ROCm GPU through the same
+//! model code. Heterogeneity is emulated: every worker stands in for the
 //! plan's device at its rank ([`EmulatedDevice`]), joins that device's vendor domain, and with
 //! [`WorkerOptions::emulate_speed`] stretches each pass by the device's cost-model slowdown
 //! relative to the cluster's fastest device type.
@@ -18,6 +20,7 @@
 mod calibrate;
 mod checkpoint;
 mod context;
+mod device;
 mod error;
 mod host_memory;
 mod layout;
@@ -28,6 +31,7 @@ mod worker;
 
 pub use calibrate::{Measured, emulation_calibration, measure_model_pass};
 pub use checkpoint::{FileChecksum, Manifest, check_resumable, read_latest, sweep_incomplete, verify_checkpoint};
+pub use device::DeviceChoice;
 pub use error::RuntimeError;
 pub use host_memory::{HostMemory, calibration_memory, worker_memory};
 pub use layout::{ContextSeat, EmulatedDevice, RankLayout, check_runnable, context_groups, rank_ids, worker_count};

@@ -22,7 +22,7 @@ use crate::context::{CommCollectives, Pacer};
 use crate::error::CommContext;
 use crate::metrics::{StepClock, StepMetrics};
 use crate::p2p::{Kind, Mailbox, Tag};
-use crate::{RankLayout, RuntimeError};
+use crate::{DeviceChoice, RankLayout, RuntimeError};
 
 /// How a worker trains.
 #[derive(Clone, Debug)]
@@ -40,6 +40,8 @@ pub struct WorkerOptions {
     pub calibration: Calibration,
     /// Throttles the pipeline links; none sends at this machine's speed.
     pub link: Option<LinkEmulation>,
+    /// Where the stages compute.
+    pub device: DeviceChoice,
 }
 
 /// An emulated pipeline link: each message between two stages takes its size over
@@ -68,6 +70,9 @@ pub struct Worker {
     /// One communicator per plan DP group this rank is a member of (none for one replica).
     dp: Vec<Option<Communicator>>,
     pub(crate) stages: Vec<StageState>,
+    /// The threads the stages compute on: one per core the worker owns, or one when emulating
+    /// (emulation paces a pass by its thread's processor time).
+    threads: Arc<rayon::ThreadPool>,
     pub(crate) dataset: Dataset,
     pub(crate) options: WorkerOptions,
     mailbox: Mailbox,
@@ -155,6 +160,13 @@ impl Worker {
         let mut collectives =
             split_context_groups(&layouts, &layout, &mut world, pacer.clone(), Arc::clone(&context_sent))?;
         let config = ModelConfig::from_spec(plan.model(), plan.seq_len())?;
+        let device = options.device.resolve(env.local_rank)?;
+        let threads = if options.emulate_speed { 1 } else { world.compute_threads() };
+        let threads = rayon::ThreadPoolBuilder::new()
+            .num_threads(threads)
+            .thread_name(move |i| format!("medley-compute-{i}"))
+            .build()
+            .map_err(|err| RuntimeError::Launch(format!("starting {threads} compute threads: {err}")))?;
         let stages = layout
             .chunks
             .iter()
@@ -165,13 +177,14 @@ impl Worker {
                         layers.clone(),
                         seat.placement.clone(),
                         Box::new(collectives),
-                    )),
+                        device,
+                    )?),
                     (Some(_), None) => {
                         return Err(RuntimeError::Unsupported(
                             "a long-context stage on a rank with several model chunks".into(),
                         ));
                     }
-                    (None, _) => Box::new(BurnStage::new(&config, layers.clone())),
+                    (None, _) => Box::new(BurnStage::new(&config, layers.clone(), device)?),
                 };
                 Ok(StageState::new(&config, layers.clone(), options.seed, compute)?)
             })
@@ -189,6 +202,7 @@ impl Worker {
             world,
             dp,
             stages,
+            threads: Arc::new(threads),
             dataset,
             options,
             mailbox,
@@ -274,7 +288,10 @@ impl Worker {
                 let batch = &state.batches[micro_batch as usize];
                 let stage = &mut self.stages[chunk as usize];
                 let pacer = self.pacer.as_ref();
-                let output = emulated(pacer, stretch, &mut state.clock, || stage.forward(micro_batch, batch, input))?;
+                let clock = &mut state.clock;
+                let output = self
+                    .threads
+                    .install(|| emulated(pacer, stretch, clock, || stage.forward(micro_batch, batch, input)))?;
                 match output {
                     StageOutput::Activations(out) => {
                         state.to_send.insert((Kind::Activation, micro_batch, chunk), out);
@@ -295,7 +312,10 @@ impl Worker {
                     .transpose()?;
                 let stage = &mut self.stages[chunk as usize];
                 let pacer = self.pacer.as_ref();
-                let input_grad = emulated(pacer, stretch, &mut state.clock, || stage.backward(micro_batch, upstream))?;
+                let clock = &mut state.clock;
+                let input_grad = self
+                    .threads
+                    .install(|| emulated(pacer, stretch, clock, || stage.backward(micro_batch, upstream)))?;
                 if let Some(grad) = input_grad {
                     state.to_send.insert((Kind::Gradient, micro_batch, chunk), grad);
                 }
@@ -337,7 +357,10 @@ impl Worker {
                 state.clock.collective_s += started.elapsed().as_secs_f64();
                 let adamw = self.options.adamw;
                 let stretch = if self.options.emulate_speed { self.options.dilation } else { 1.0 };
-                stretched(stretch, || self.stages.iter_mut().try_for_each(|stage| stage.optimizer_step(&adamw)))?;
+                let stages = &mut self.stages;
+                self.threads.install(|| {
+                    stretched(stretch, || stages.iter_mut().try_for_each(|stage| stage.optimizer_step(&adamw)))
+                })?;
                 Ok("compute")
             }
         }

@@ -10,7 +10,7 @@ use medley_cost::{Calibration, CostModel, Setting};
 use medley_model::{AdamW, HostTensor};
 use medley_plan::baselines::{Degrees, fixed};
 use medley_plan::{Plan, ReplicaLayout, assemble, stages_from_counts};
-use medley_runtime::{LinkEmulation, RuntimeError, StepMetrics, TrainOptions, Worker, WorkerOptions};
+use medley_runtime::{DeviceChoice, LinkEmulation, RuntimeError, StepMetrics, TrainOptions, Worker, WorkerOptions};
 use medley_schedule::ScheduleKind;
 use medley_spec::{Cluster, JobParts, JobSpec, Recompute, Schedule, catalog_model};
 use medley_trace::BandwidthTrace;
@@ -56,6 +56,7 @@ fn train(plan: &Plan, schedule: Schedule) -> (Vec<f64>, Vec<(String, HostTensor)
 
 fn worker_options(adamw: AdamW, link: Option<LinkEmulation>) -> WorkerOptions {
     WorkerOptions {
+        device: DeviceChoice::Cpu,
         seed: 7,
         adamw,
         emulate_speed: false,

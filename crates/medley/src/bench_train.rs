@@ -8,7 +8,7 @@ use clap::Args;
 use medley_cost::Calibration;
 use medley_plan::long_context::even_fixed;
 use medley_plan::{Plan, SearchOptions, baselines, search};
-use medley_runtime::RankLayout;
+use medley_runtime::{DeviceChoice, RankLayout};
 use medley_sim::{SimConfig, simulate_steps};
 use medley_spec::{Cluster, ModelSpec, Schedule, catalog_model};
 
@@ -70,7 +70,7 @@ pub fn run(args: &TrainBenchArgs) -> Result<()> {
     let shape = args.shape.shape()?;
     let model = load_model(&shape.model)?;
     let job = runtime_job(shape.seq_len, shape.global_batch, shape.micro_batch, None)?;
-    let calibration = calibrate_here(&cluster, &model, shape.seq_len, shape.micro_batch)?;
+    let calibration = calibrate_here(&cluster, &model, shape.seq_len, shape.micro_batch, DeviceChoice::Cpu)?;
     let best = search(&cluster, &model, &job, &calibration, &SearchOptions { top: 1, ..SearchOptions::default() })?;
     let aware = best.candidates.into_iter().next().expect("at least one plan").plan;
     let Some(uniform) = baselines::uniform(&cluster, &model, &job, &calibration).map(|candidate| candidate.plan) else {
@@ -119,7 +119,7 @@ pub fn run_context(args: &ContextTrainBenchArgs) -> Result<()> {
     let shape = args.shape.shape()?;
     let model = load_model(&shape.model)?;
     let job = runtime_job(shape.seq_len, shape.global_batch, shape.micro_batch, None)?;
-    let calibration = calibrate_here(&cluster, &model, shape.seq_len, shape.micro_batch)?;
+    let calibration = calibrate_here(&cluster, &model, shape.seq_len, shape.micro_batch, DeviceChoice::Cpu)?;
     let cp = cluster.n_gpus();
     let degrees = baselines::Degrees { cp, ..baselines::Degrees::new(1, 1, 1) };
     let asymmetric = as_trained(baselines::fixed(&cluster, &model, &job, &calibration, degrees)?.plan)?;
@@ -148,7 +148,8 @@ impl Rounds<'_> {
         let mut runs = vec![Vec::new(); plans.len()];
         for _ in 0..self.rounds.max(1) {
             for ((name, plan), runs) in plans.iter().zip(&mut runs) {
-                let calibration = calibrate_here(self.cluster, self.model, plan.seq_len(), plan.micro_batch())?;
+                let calibration =
+                    calibrate_here(self.cluster, self.model, plan.seq_len(), plan.micro_batch(), DeviceChoice::Cpu)?;
                 let predicted = simulate_steps(plan, &calibration, &SimConfig::default(), plan.schedule(), 1, None)
                     .with_context(|| format!("simulating the {name} plan"))?
                     .mean_step_time_s;
@@ -242,6 +243,7 @@ fn step_times(plan: &Plan, calibration: &Calibration, name: &str, steps: u64, tw
             seed: 0,
             lr: medley_model::AdamW::default().lr,
             no_emulate: false,
+            device: DeviceChoice::Cpu,
             // Two workers on two cores: the runs fit the cores as they are.
             time_dilation: 1.0,
             timeout_s: 30,

@@ -6,6 +6,7 @@ use std::path::PathBuf;
 
 use anyhow::{Context, Result};
 use clap::Args;
+use medley_runtime::DeviceChoice;
 use medley_spec::Cluster;
 
 use crate::inputs::{JobFlags, load_model};
@@ -35,7 +36,7 @@ pub fn run(args: &CalibrateArgs) -> Result<()> {
     let cluster = Cluster::from_fleet(&args.fleet)?;
     let shape = args.shape.shape()?;
     let model = load_model(&shape.model)?;
-    let calibration = calibrate_here(&cluster, &model, shape.seq_len, shape.micro_batch)?;
+    let calibration = calibrate_here(&cluster, &model, shape.seq_len, shape.micro_batch, DeviceChoice::Cpu)?;
     let text = format!(
         "# medley calibrate --fleet {} --model {} --seq-len {} --micro-batch {}\n# Efficiencies under which the cost model runs the fleet at this machine's emulated speeds.\n{}",
         args.fleet,

@@ -19,8 +19,8 @@ use medley_launch::{Echo, JobEnd, LocalJob, RankCommand};
 use medley_plan::max_k_within_memory;
 use medley_plan::{Plan, SearchOptions, search};
 use medley_runtime::{
-    RankLayout, calibration_memory, check_resumable, emulation_calibration, measure_model_pass, read_latest,
-    time_dilation, verify_checkpoint, worker_memory,
+    DeviceChoice, RankLayout, calibration_memory, check_resumable, emulation_calibration, measure_model_pass,
+    read_latest, time_dilation, verify_checkpoint, worker_memory,
 };
 use medley_sim::timeline::{merge_segments, trace_events};
 use medley_sim::{SimConfig, simulate_steps};
@@ -176,7 +176,7 @@ fn timeout_for(predicted_step_s: f64, run: &RunFlags) -> u64 {
 fn choose_plan(args: &TrainArgs) -> Result<(Plan, Calibration)> {
     let calibration = |cluster: &Cluster, model: &ModelSpec, seq_len: u32, micro_batch: u32| match &args.calibration {
         Some(path) => read_emulation_profile(path, model),
-        None => calibrate_here(cluster, model, seq_len, micro_batch),
+        None => calibrate_here(cluster, model, seq_len, micro_batch, args.worker.device),
     };
     let given = |plan: Plan| -> Result<(Plan, Calibration)> {
         let plan = as_trained(plan)?;
@@ -282,14 +282,20 @@ fn check_workers_memory(
 }
 
 /// Measures this machine and prices the fleet at its speed (see `medley calibrate`).
-pub fn calibrate_here(cluster: &Cluster, model: &ModelSpec, seq_len: u32, micro_batch: u32) -> Result<Calibration> {
+pub fn calibrate_here(
+    cluster: &Cluster,
+    model: &ModelSpec,
+    seq_len: u32,
+    micro_batch: u32,
+    device: DeviceChoice,
+) -> Result<Calibration> {
     // As many passes at once as the workers will run on this machine's cores.
     let cores = cores_here();
     let concurrency = (cluster.n_gpus() as usize).min(cores);
     let need = calibration_memory(model, seq_len, micro_batch, concurrency)?;
     let what = format!("calibrating {} ({concurrency} whole models at once)", model.name());
     check_memory(&what, &[need], SMALLER_RUN)?;
-    let measured = measure_model_pass(model, seq_len, micro_batch, 6, concurrency)?;
+    let measured = measure_model_pass(model, seq_len, micro_batch, 6, concurrency, device.resolve(0)?)?;
     tracing::info!(
         "calibrated: one micro-batch ({micro_batch}×{seq_len} tokens) through {} takes {:.1} ms forward and backward here with {concurrency} at once, an optimizer step {:.1} ms; the fleet's fastest device is emulated at that speed",
         model.name(),

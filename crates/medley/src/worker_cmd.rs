@@ -14,7 +14,7 @@ use clap::Args;
 use medley_comm::{Config, LaunchEnv};
 use medley_cost::Calibration;
 use medley_model::AdamW;
-use medley_runtime::{LinkEmulation, RuntimeError, TrainOptions, Worker, WorkerOptions};
+use medley_runtime::{DeviceChoice, LinkEmulation, RuntimeError, TrainOptions, Worker, WorkerOptions};
 use medley_sim::{BandwidthTrace, Timeline};
 use medley_spec::Schedule;
 
@@ -75,6 +75,11 @@ pub struct RunFlags {
     /// Compute at this machine's speed instead of stretching passes to the emulated device's.
     #[arg(long)]
     pub no_emulate: bool,
+    /// What the workers compute on: cpu (emulation's default), cuda, rocm (a binary built with
+    /// `--features cuda` / `rocm`), or auto (a GPU when this build and machine have one). A
+    /// worker takes its host's GPU number LOCAL_RANK modulo the host's count.
+    #[arg(long, default_value_t = DeviceChoice::Cpu)]
+    pub device: DeviceChoice,
     /// Slow every emulated device by this common factor (at least 1); `medley train` sets it so
     /// that the workers' CPU demand fits this machine's cores.
     #[arg(long, default_value_t = 1.0, value_parser = crate::inputs::parse_dilation)]
@@ -105,6 +110,7 @@ impl RunFlags {
         ];
         flags.extend(self.schedule.map(|schedule| format!("--schedule={schedule}")));
         flags.extend(self.no_emulate.then(|| "--no-emulate".to_string()));
+        flags.push(format!("--device={}", self.device));
         flags.push(format!("--time-dilation={}", self.time_dilation));
         flags.extend(self.link_gb_s.map(|gb_s| format!("--link-gb-s={gb_s}")));
         flags.extend(self.link_trace.as_ref().map(|trace| format!("--link-trace={trace}")));
@@ -143,6 +149,7 @@ pub fn run(args: &WorkerArgs) -> Result<()> {
         seed: args.run.seed,
         adamw: AdamW { lr: args.run.lr, ..AdamW::default() },
         emulate_speed: !args.run.no_emulate,
+        device: args.run.device,
         dilation: args.run.time_dilation,
         comm: Config { timeout: Duration::from_secs(args.run.timeout_s), ..Config::default() },
         calibration: match &args.calibration {

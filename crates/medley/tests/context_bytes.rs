@@ -12,7 +12,7 @@ use medley_cost::{Calibration, CostModel};
 use medley_model::AdamW;
 use medley_plan::Plan;
 use medley_plan::baselines::{Degrees, fixed};
-use medley_runtime::{StepMetrics, TrainOptions, Worker, WorkerOptions, worker_count};
+use medley_runtime::{DeviceChoice, StepMetrics, TrainOptions, Worker, WorkerOptions, worker_count};
 use medley_sim::simulate_context_layer;
 use medley_spec::{Cluster, JobParts, JobSpec, Recompute, Schedule, ScheduleKind, catalog_model};
 
@@ -34,6 +34,7 @@ fn runtime_bytes(plan: &Plan) -> Vec<u64> {
     let world = worker_count(plan);
     let port = TcpListener::bind("127.0.0.1:0").unwrap().local_addr().unwrap().port();
     let options = WorkerOptions {
+        device: DeviceChoice::Cpu,
         seed: 7,
         adamw: AdamW::default(),
         emulate_speed: false,

@@ -7,11 +7,12 @@ use std::collections::HashMap;
 use std::ops::Range;
 
 use burn::tensor::activation::softmax;
-use burn::tensor::{Bool, Gradients, Int, Tensor, TensorData};
+use burn::tensor::{Bool, Int, TensorData};
 
 use super::{PendingOutput, Rotation, Weights, device_to_host, input_gradient};
 use crate::context::{ContextCollectives, ContextPlacement, HeadsLayout};
-use crate::{HostTensor, MicroBatch, ModelConfig, ModelError, StageCompute, StageOutput};
+use crate::device::{Gradients, Tensor};
+use crate::{ComputeDevice, HostTensor, MicroBatch, ModelConfig, ModelError, StageCompute, StageOutput};
 
 /// A stage's graph between two attentions: from the previous layer's attention output (or the
 /// stage's input) to this layer's queries, keys and values (or the stage's output).
@@ -68,8 +69,9 @@ impl ContextStage {
         layers: Range<usize>,
         placement: ContextPlacement,
         collectives: Box<dyn ContextCollectives>,
-    ) -> Self {
-        let weights = Weights::new(config, layers);
+        device: ComputeDevice,
+    ) -> Result<Self, ModelError> {
+        let weights = Weights::new(config, layers, device)?;
         let rotation = weights.rotation_at(placement.positions());
         let (group, member) = placement.group_and_member();
         let queries = &placement.groups()[group].positions;
@@ -79,7 +81,7 @@ impl ContextStage {
         let (q_heads, kv_heads) = (placement.q_heads(member), placement.kv_heads(member));
         let per_kv = config.n_heads / config.n_kv_heads;
         let kv_of_head = weights.int_tensor(q_heads.map(|h| (h / per_kv - kv_heads.start) as i64).collect());
-        ContextStage { weights, placement, collectives, pending: HashMap::new(), rotation, future, kv_of_head }
+        Ok(ContextStage { weights, placement, collectives, pending: HashMap::new(), rotation, future, kv_of_head })
     }
 
     fn member(&self) -> usize {

@@ -1,19 +1,20 @@
-//! [`StageCompute`] on burn: the flex CPU backend with autodiff today; the same model code runs
-//! on burn's CUDA and ROCm devices once those features can be built.
+//! [`StageCompute`] on burn with autodiff: one model code on the CPU (flex) and on CUDA and ROCm
+//! GPUs, the device chosen at run time through burn's dispatch backend.
 
 use std::collections::HashMap;
 use std::ops::Range;
 
-use burn::tensor::Gradients;
+use burn::DispatchDevice as Device;
 use burn::tensor::activation::{log_softmax, silu, softmax};
-use burn::tensor::{Bool, Device, Int, Tensor, TensorData};
+use burn::tensor::{Bool, Int, TensorData};
 
 mod context;
 
 pub use context::ContextStage;
 
+use crate::device::{Gradients, Tensor};
 use crate::params::{LAYER_TENSORS, ParamSpec, stage_params};
-use crate::{HostTensor, MicroBatch, ModelConfig, ModelError, StageCompute, StageOutput};
+use crate::{ComputeDevice, HostTensor, MicroBatch, ModelConfig, ModelError, StageCompute, StageOutput};
 
 /// A parameter on the device: norm gains are vectors, everything else matrices.
 enum DeviceParam {
@@ -53,10 +54,10 @@ struct Rotation {
 }
 
 impl Weights {
-    fn new(config: &ModelConfig, layers: Range<usize>) -> Self {
-        let device = Device::flex().autodiff();
+    fn new(config: &ModelConfig, layers: Range<usize>, device: ComputeDevice) -> Result<Self, ModelError> {
+        let device = device.autodiff()?;
         let (rope_cos, rope_sin) = rope_tables(config, &device);
-        Weights {
+        Ok(Weights {
             config: config.clone(),
             specs: stage_params(config, layers.clone()),
             layers,
@@ -64,7 +65,7 @@ impl Weights {
             params: Vec::new(),
             rope_cos,
             rope_sin,
-        }
+        })
     }
 
     fn is_first(&self) -> bool {
@@ -206,11 +207,11 @@ pub struct BurnStage {
 }
 
 impl BurnStage {
-    /// A stage holding `layers` on burn's CPU backend, with autodiff.
-    pub fn new(config: &ModelConfig, layers: Range<usize>) -> Self {
-        let weights = Weights::new(config, layers);
+    /// A stage holding `layers` on `device`, with autodiff.
+    pub fn new(config: &ModelConfig, layers: Range<usize>, device: ComputeDevice) -> Result<Self, ModelError> {
+        let weights = Weights::new(config, layers, device)?;
         let causal_mask = Tensor::<2, Bool>::tril_mask([config.seq_len, config.seq_len], 0, &weights.device);
-        BurnStage { weights, pending: HashMap::new(), causal_mask }
+        Ok(BurnStage { weights, pending: HashMap::new(), causal_mask })
     }
 
     fn decoder_layer(&self, layer_offset: usize, x: Tensor<3>) -> Tensor<3> {
@@ -238,7 +239,7 @@ impl BurnStage {
 
 fn device_to_host<const D: usize>(tensor: Tensor<D>) -> Result<HostTensor, ModelError> {
     let shape = tensor.dims().to_vec();
-    let data = tensor.into_data().try_into_vec::<f32>().map_err(|err| ModelError::Compute(format!("{err:?}")))?;
+    let data = tensor.into_data().into_vec::<f32>().map_err(|err| ModelError::Compute(format!("{err:?}")))?;
     Ok(HostTensor::new(shape, data))
 }
 
@@ -306,7 +307,7 @@ impl Weights {
     ) -> Result<(PendingOutput, StageOutput), ModelError> {
         Ok(if self.is_last() {
             let loss = self.loss(x, targets, loss_scale);
-            let value = loss.clone().into_scalar::<f32>();
+            let value = loss.clone().into_scalar();
             (PendingOutput::Loss(loss), StageOutput::Loss(f64::from(value)))
         } else {
             (PendingOutput::Activations(x.clone()), StageOutput::Activations(device_to_host(x.detach())?))
