@@ -77,3 +77,28 @@ pub trait StageCompute: Send {
         grads: &mut [HostTensor],
     ) -> Result<Option<HostTensor>, ModelError>;
 }
+
+/// A boxed stage is a stage: the constructors return them boxed, whichever device they chose.
+impl<T: StageCompute + ?Sized> StageCompute for Box<T> {
+    fn load_parameters(&mut self, params: &[HostTensor]) -> Result<(), ModelError> {
+        (**self).load_parameters(params)
+    }
+
+    fn forward(
+        &mut self,
+        micro_batch: u32,
+        batch: &MicroBatch,
+        input: Option<HostTensor>,
+    ) -> Result<StageOutput, ModelError> {
+        (**self).forward(micro_batch, batch, input)
+    }
+
+    fn backward(
+        &mut self,
+        micro_batch: u32,
+        upstream: Option<HostTensor>,
+        grads: &mut [HostTensor],
+    ) -> Result<Option<HostTensor>, ModelError> {
+        (**self).backward(micro_batch, upstream, grads)
+    }
+}

@@ -1,22 +1,14 @@
-//! Where a stage computes: this machine's CPU cores, or one CUDA or ROCm GPU. Every device runs
-//! the same model code through burn's dispatch backend, which picks the kernels at run time.
+//! Where a stage computes: this machine's CPU cores, or one CUDA or ROCm GPU, and the stage
+//! code built for it.
 
 use std::fmt;
+use std::ops::Range;
 use std::str::FromStr;
 
-use burn::DispatchDevice;
 use serde::{Deserialize, Serialize};
 
-use crate::ModelError;
-
-/// The backend every stage's tensors live on; the device inside decides where they compute.
-pub(crate) type Backend = burn::Dispatch;
-
-/// The parameter gradients one backward pass produces.
-pub(crate) type Gradients = <Backend as burn::tensor::backend::AutodiffBackend>::Gradients;
-
-/// A tensor of the model on whichever device its stage runs.
-pub(crate) type Tensor<const D: usize, K = burn::tensor::Float> = burn::tensor::Tensor<Backend, D, K>;
+use crate::context::{ContextCollectives, ContextPlacement};
+use crate::{ModelConfig, ModelError, StageCompute};
 
 /// The device of one worker's stage.
 #[derive(Clone, Copy, Debug, PartialEq, Eq, Hash, Serialize, Deserialize)]
@@ -48,20 +40,42 @@ impl ComputeDevice {
             ComputeDevice::Rocm(_) => cfg!(feature = "rocm"),
         }
     }
+}
 
-    /// The device with automatic differentiation on it, as the stages build their tensors.
-    pub(crate) fn autodiff(self) -> Result<DispatchDevice, ModelError> {
-        let device: DispatchDevice = match self {
-            ComputeDevice::Cpu => burn::backend::flex::FlexDevice.into(),
-            #[cfg(feature = "cuda")]
-            ComputeDevice::Cuda(index) => burn::backend::cuda::CudaDevice::new(index).into(),
-            #[cfg(feature = "rocm")]
-            ComputeDevice::Rocm(index) => burn::backend::rocm::RocmDevice::new(index).into(),
-            #[allow(unreachable_patterns)]
-            device => return Err(ModelError::NotBuilt { device }),
-        };
-        Ok(DispatchDevice::autodiff(device))
-    }
+/// A stage holding `layers`, computing on `device`: on the CPU, on every thread of the rayon pool
+/// it runs in (blocks of each micro-batch's samples in parallel).
+pub fn stage_compute(
+    config: &ModelConfig,
+    layers: Range<usize>,
+    device: ComputeDevice,
+) -> Result<Box<dyn StageCompute>, ModelError> {
+    Ok(match device {
+        ComputeDevice::Cpu => Box::new(crate::row_split::RowSplit::new(config, layers)?),
+        #[cfg(any(feature = "cuda", feature = "rocm"))]
+        _ => Box::new(crate::gpu::stage::BurnStage::new(config, layers, device)?),
+        #[cfg(not(any(feature = "cuda", feature = "rocm")))]
+        _ => return Err(ModelError::NotBuilt { device }),
+    })
+}
+
+/// The device at `placement` of a long-context stage holding `layers`, exchanging keys and
+/// values through `collectives`, computing on `device`.
+pub fn context_compute(
+    config: &ModelConfig,
+    layers: Range<usize>,
+    placement: ContextPlacement,
+    collectives: Box<dyn ContextCollectives>,
+    device: ComputeDevice,
+) -> Result<Box<dyn StageCompute>, ModelError> {
+    Ok(match device {
+        ComputeDevice::Cpu => {
+            Box::new(crate::cpu::stage::ContextStage::new(config, layers, placement, collectives, device)?)
+        }
+        #[cfg(any(feature = "cuda", feature = "rocm"))]
+        _ => Box::new(crate::gpu::stage::ContextStage::new(config, layers, placement, collectives, device)?),
+        #[cfg(not(any(feature = "cuda", feature = "rocm")))]
+        _ => return Err(ModelError::NotBuilt { device }),
+    })
 }
 
 impl fmt::Display for ComputeDevice {
@@ -112,12 +126,12 @@ mod tests {
 
     #[test]
     fn a_device_this_build_lacks_is_refused_naming_its_feature() {
-        let cpu = ComputeDevice::Cpu;
-        assert!(cpu.is_built() && cpu.autodiff().is_ok());
+        let config = ModelConfig::from_spec(&medley_spec::catalog_model("tiny").unwrap(), 16).unwrap();
+        assert!(ComputeDevice::Cpu.is_built() && stage_compute(&config, 0..1, ComputeDevice::Cpu).is_ok());
         for device in [ComputeDevice::Cuda(0), ComputeDevice::Rocm(0)] {
             if !device.is_built() {
-                let message = device.autodiff().unwrap_err().to_string();
-                assert!(message.contains(device.feature().unwrap()), "{message}");
+                let message = stage_compute(&config, 0..1, device).err().unwrap().to_string();
+                assert!(message.contains(&format!("--features {}", device.feature().unwrap())), "{message}");
             }
         }
     }

@@ -7,9 +7,10 @@
 //!   which depends only on the seed and the name, so any plan starts from the same weights.
 //! - [`StageCompute`]: the thin trait a tensor library implements (forward, backward with an
 //!   external upstream gradient, accumulated parameter gradients, loading parameters).
-//!   [`BurnStage`] implements it with burn, on the CPU or a CUDA/ROCm GPU ([`ComputeDevice`]).
+//!   [`stage_compute`] builds it on a [`ComputeDevice`]: one model source on burn, compiled
+//!   against burn 0.22 for the CPU and against burn 0.21 for CUDA and ROCm GPUs.
 //! - [`context`]: where a device of a long-context stage stands (its tokens, its heads, its
-//!   group and lane) and the collectives its passes run; [`ContextStage`] is its compute.
+//!   group and lane) and the collectives its passes run; [`context_compute`] is its compute.
 //! - [`StageState`]: one rank's parameters, gradients and AdamW state on the host, with safetensors
 //!   checkpoints, driving a `StageCompute`.
 //! - [`data`]: the byte-level tokenizer, the shipped corpus and deterministic sample indexing.
@@ -17,23 +18,25 @@
 //! Parameters live on the host as `f32` between steps: gradients are all-reduced and the optimizer
 //! runs there, so the compute library only ever sees one step's tensors.
 
-mod burn_stage;
 mod checkpoint;
 mod compute;
 mod config;
 pub mod context;
+mod cpu;
 pub mod data;
 mod device;
 mod error;
+#[cfg(any(feature = "cuda", feature = "rocm"))]
+mod gpu;
 mod optim;
 pub mod params;
+mod row_split;
 mod stage;
 
-pub use burn_stage::{BurnStage, ContextStage};
 pub use checkpoint::{NamedTensors, load_tensors, load_tensors_where, save_tensors, write_atomically};
 pub use compute::{HostTensor, MicroBatch, StageCompute, StageOutput};
 pub use config::ModelConfig;
-pub use device::ComputeDevice;
+pub use device::{ComputeDevice, context_compute, stage_compute};
 pub use error::ModelError;
 pub use optim::{AdamW, AdamWState};
 pub use stage::StageState;

@@ -9,7 +9,8 @@ use std::sync::{Arc, Barrier, Mutex};
 use medley_model::context::{ContextCollectives, ContextGroup, ContextPlacement};
 use medley_model::data::Dataset;
 use medley_model::{
-    BurnStage, ComputeDevice, ContextStage, HostTensor, MicroBatch, ModelConfig, ModelError, StageOutput, StageState,
+    ComputeDevice, HostTensor, MicroBatch, ModelConfig, ModelError, StageOutput, StageState, context_compute,
+    stage_compute,
 };
 
 const SEED: u64 = 42;
@@ -154,9 +155,9 @@ fn split_run(
                         let placement = ContextPlacement::new(&config, groups.clone(), g, m).unwrap();
                         let collectives = Box::new(InMemory { group: seats.0.clone(), lane: seats.1.clone() });
                         let compute =
-                            ContextStage::new(&config, layers.clone(), placement, collectives, ComputeDevice::Cpu)
+                            context_compute(&config, layers.clone(), placement, collectives, ComputeDevice::Cpu)
                                 .unwrap();
-                        StageState::new(&config, layers.clone(), SEED, Box::new(compute)).unwrap()
+                        StageState::new(&config, layers.clone(), SEED, compute).unwrap()
                     })
                     .collect();
                 let loss = train(&mut stages, &batches);
@@ -180,10 +181,8 @@ fn split_run(
 fn check_against_one_process(seq: usize, groups: Vec<ContextGroup>, stage_ends: &[usize]) {
     let config = config(seq);
     let batches = [batch(&config, 0, 2), batch(&config, 5, 2)];
-    let mut whole = vec![
-        StageState::new(&config, 0..4, SEED, Box::new(BurnStage::new(&config, 0..4, ComputeDevice::Cpu).unwrap()))
-            .unwrap(),
-    ];
+    let mut whole =
+        vec![StageState::new(&config, 0..4, SEED, stage_compute(&config, 0..4, ComputeDevice::Cpu).unwrap()).unwrap()];
     let whole_loss = train(&mut whole, &batches);
     let (split_loss, split_grads) = split_run(&config, &groups, stage_ends, &batches);
     assert!(((split_loss - whole_loss) / whole_loss).abs() <= 1e-5, "loss {split_loss} vs {whole_loss}");

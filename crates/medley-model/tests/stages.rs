@@ -5,7 +5,7 @@ use std::collections::HashMap;
 use std::ops::Range;
 
 use medley_model::data::Dataset;
-use medley_model::{AdamW, BurnStage, ComputeDevice, HostTensor, MicroBatch, ModelConfig, StageOutput, StageState};
+use medley_model::{AdamW, ComputeDevice, HostTensor, MicroBatch, ModelConfig, StageOutput, StageState, stage_compute};
 
 const SEED: u64 = 42;
 
@@ -24,8 +24,7 @@ fn small_config() -> ModelConfig {
 }
 
 fn stage(config: &ModelConfig, layers: Range<usize>) -> StageState {
-    StageState::new(config, layers.clone(), SEED, Box::new(BurnStage::new(config, layers, ComputeDevice::Cpu).unwrap()))
-        .unwrap()
+    StageState::new(config, layers.clone(), SEED, stage_compute(config, layers, ComputeDevice::Cpu).unwrap()).unwrap()
 }
 
 fn batch(config: &ModelConfig, first: u64, count: usize) -> MicroBatch {
@@ -114,7 +113,7 @@ fn gradients_match_finite_differences() {
         let loss_at = |delta: f32| {
             let mut shifted = params.clone();
             shifted[param_idx].data[element] += delta;
-            let mut compute = BurnStage::new(&config, 0..config.n_layers, ComputeDevice::Cpu).unwrap();
+            let mut compute = stage_compute(&config, 0..config.n_layers, ComputeDevice::Cpu).unwrap();
             medley_model::StageCompute::load_parameters(&mut compute, &shifted).unwrap();
             match medley_model::StageCompute::forward(&mut compute, 0, &batch, None).unwrap() {
                 StageOutput::Loss(loss) => loss,
@@ -131,10 +130,41 @@ fn gradients_match_finite_differences() {
     }
 }
 
+/// On the CPU a stage computes blocks of a micro-batch's samples on every thread of its pool:
+/// whatever the thread count (more threads than samples too), the loss and every gradient match
+/// one thread's up to float summation order, through a pipeline whose middle stage takes
+/// activations and returns their gradient.
+#[test]
+fn samples_split_over_threads_match_one_thread() {
+    let config = small_config();
+    let batch = batch(&config, 3, 5);
+    let run = |threads: usize| {
+        let pool = rayon::ThreadPoolBuilder::new().num_threads(threads).build().unwrap();
+        pool.install(|| {
+            let mut stages = vec![stage(&config, 0..1), stage(&config, 1..3), stage(&config, 3..4)];
+            (train_micro_batch(&mut stages, 0, &batch), all_grads(&stages))
+        })
+    };
+    let (loss, grads) = run(1);
+    for threads in [2, 3, 7] {
+        let (split_loss, split_grads) = run(threads);
+        assert!((split_loss - loss).abs() <= 1e-6 * loss.abs(), "{threads} threads: loss {split_loss} vs {loss}");
+        for (a, b) in split_grads.iter().zip(&grads) {
+            assert_eq!(a.shape, b.shape);
+            let scale = b.data.iter().fold(0f32, |m, g| m.max(g.abs()));
+            let worst = a.data.iter().zip(&b.data).fold(0f32, |m, (x, y)| m.max((x - y).abs()));
+            assert!(
+                worst <= 1e-5 * scale.max(1e-12),
+                "{threads} threads: a gradient differs by {worst} (scale {scale})"
+            );
+        }
+    }
+}
+
 #[test]
 fn attention_is_causal() {
     let config = small_config();
-    let mut first = BurnStage::new(&config, 0..2, ComputeDevice::Cpu).unwrap();
+    let mut first = stage_compute(&config, 0..2, ComputeDevice::Cpu).unwrap();
     let specs = medley_model::params::stage_params(&config, 0..2);
     let params: Vec<HostTensor> = specs.iter().map(|spec| spec.initial_value(SEED)).collect();
     medley_model::StageCompute::load_parameters(&mut first, &params).unwrap();

@@ -8,7 +8,7 @@ use std::time::Instant;
 
 use medley_cost::{Calibration, CostModel, Efficiency, Setting, StageShape};
 use medley_model::data::{Dataset, loss_scale};
-use medley_model::{AdamW, BurnStage, ComputeDevice, ModelConfig, StageState};
+use medley_model::{AdamW, ComputeDevice, ModelConfig, StageState, stage_compute};
 use medley_spec::{Cluster, ModelSpec, NodeGroup, Recompute};
 use statrs::statistics::{Data, OrderStatistics};
 
@@ -72,7 +72,7 @@ fn time_passes(
     device: ComputeDevice,
 ) -> Result<Timings, RuntimeError> {
     let layers = 0..config.n_layers;
-    let mut stage = StageState::new(config, layers.clone(), 0, Box::new(BurnStage::new(config, layers, device)?))?;
+    let mut stage = StageState::new(config, layers.clone(), 0, stage_compute(config, layers, device)?)?;
     let dataset = Dataset::shakespeare(config.seq_len, 0)?;
     let scale = loss_scale(u64::from(micro_batch), config.seq_len);
     let (mut passes, mut updates) = (Vec::new(), Vec::new());

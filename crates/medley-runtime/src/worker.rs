@@ -10,7 +10,7 @@ use medley_cost::Calibration;
 use medley_model::data::{Dataset, loss_scale, step_layout};
 use medley_model::params::ParamGroup;
 use medley_model::{
-    AdamW, BurnStage, ContextStage, HostTensor, MicroBatch, ModelConfig, StageCompute, StageOutput, StageState,
+    AdamW, HostTensor, MicroBatch, ModelConfig, StageCompute, StageOutput, StageState, context_compute, stage_compute,
 };
 use medley_plan::{LayerRange, Plan};
 use medley_schedule::{Instruction, Programs, RankId};
@@ -172,19 +172,15 @@ impl Worker {
             .iter()
             .map(|layers| {
                 let compute: Box<dyn StageCompute> = match (&layout.context, collectives.take()) {
-                    (Some(seat), Some(collectives)) => Box::new(ContextStage::new(
-                        &config,
-                        layers.clone(),
-                        seat.placement.clone(),
-                        Box::new(collectives),
-                        device,
-                    )?),
+                    (Some(seat), Some(collectives)) => {
+                        context_compute(&config, layers.clone(), seat.placement.clone(), Box::new(collectives), device)?
+                    }
                     (Some(_), None) => {
                         return Err(RuntimeError::Unsupported(
                             "a long-context stage on a rank with several model chunks".into(),
                         ));
                     }
-                    (None, _) => Box::new(BurnStage::new(&config, layers.clone(), device)?),
+                    (None, _) => stage_compute(&config, layers.clone(), device)?,
                 };
                 Ok(StageState::new(&config, layers.clone(), options.seed, compute)?)
             })

@@ -44,6 +44,9 @@ pub enum BenchCommand {
     },
     /// Communicator bandwidth and latency, nccl-tests style, over real worker processes.
     Comm(crate::bench_comm::CommArgs),
+    /// One worker's training step at each thread count, side by side with PyTorch on the same
+    /// model, weights and tokens (when TORCH_PYTHON names a python that imports torch).
+    Compute(crate::bench_compute::ComputeBenchArgs),
     /// Real training on an emulated 2:1 mix: heterogeneity-aware vs uniform plan, measured and
     /// simulated.
     Train(crate::bench_train::TrainBenchArgs),
@@ -61,6 +64,7 @@ pub fn run(which: &BenchCommand) -> Result<()> {
         BenchCommand::Context { json } => crate::bench_context::bench_context(*json),
         BenchCommand::Schedules { json } => crate::bench_schedules::bench_schedules(*json),
         BenchCommand::Comm(args) => crate::bench_comm::run(args),
+        BenchCommand::Compute(args) => crate::bench_compute::run(args),
         BenchCommand::Train(args) => crate::bench_train::run(args),
         BenchCommand::Kfkb(args) => crate::bench_train::run_kfkb(args),
         BenchCommand::ContextTrain(args) => crate::bench_train::run_context(args),

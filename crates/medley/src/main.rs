@@ -3,6 +3,7 @@
 mod bench;
 mod bench_calibration;
 mod bench_comm;
+mod bench_compute;
 mod bench_context;
 mod bench_schedules;
 mod bench_train;

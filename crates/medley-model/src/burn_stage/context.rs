@@ -6,12 +6,12 @@
 use std::collections::HashMap;
 use std::ops::Range;
 
-use burn::tensor::activation::softmax;
-use burn::tensor::{Bool, Int, TensorData};
+use super::burn::tensor::activation::softmax;
+use super::burn::tensor::{Bool, Int};
 
+use super::{Gradients, Tensor, TensorData};
 use super::{PendingOutput, Rotation, Weights, device_to_host, input_gradient};
 use crate::context::{ContextCollectives, ContextPlacement, HeadsLayout};
-use crate::device::{Gradients, Tensor};
 use crate::{ComputeDevice, HostTensor, MicroBatch, ModelConfig, ModelError, StageCompute, StageOutput};
 
 /// A stage's graph between two attentions: from the previous layer's attention output (or the

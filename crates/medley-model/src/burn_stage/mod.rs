@@ -1,18 +1,18 @@
-//! [`StageCompute`] on burn with autodiff: one model code on the CPU (flex) and on CUDA and ROCm
-//! GPUs, the device chosen at run time through burn's dispatch backend.
+//! [`StageCompute`] on burn with autodiff. This source is compiled twice: against burn 0.22 for
+//! the CPU (`crate::cpu`) and against burn 0.21 for CUDA and ROCm (`crate::gpu`); `backend` is
+//! each one's view of its burn version.
 
 use std::collections::HashMap;
 use std::ops::Range;
 
-use burn::DispatchDevice as Device;
 use burn::tensor::activation::{log_softmax, silu, softmax};
-use burn::tensor::{Bool, Int, TensorData};
+use burn::tensor::{Bool, Int};
 
 mod context;
 
 pub use context::ContextStage;
 
-use crate::device::{Gradients, Tensor};
+use super::backend::{self, Device, Gradients, Tensor, TensorData, burn};
 use crate::params::{LAYER_TENSORS, ParamSpec, stage_params};
 use crate::{ComputeDevice, HostTensor, MicroBatch, ModelConfig, ModelError, StageCompute, StageOutput};
 
@@ -55,7 +55,7 @@ struct Rotation {
 
 impl Weights {
     fn new(config: &ModelConfig, layers: Range<usize>, device: ComputeDevice) -> Result<Self, ModelError> {
-        let device = device.autodiff()?;
+        let device = backend::device(device)?;
         let (rope_cos, rope_sin) = rope_tables(config, &device);
         Ok(Weights {
             config: config.clone(),
@@ -239,7 +239,7 @@ impl BurnStage {
 
 fn device_to_host<const D: usize>(tensor: Tensor<D>) -> Result<HostTensor, ModelError> {
     let shape = tensor.dims().to_vec();
-    let data = tensor.into_data().into_vec::<f32>().map_err(|err| ModelError::Compute(format!("{err:?}")))?;
+    let data = backend::floats(tensor.into_data())?;
     Ok(HostTensor::new(shape, data))
 }
 
@@ -307,7 +307,7 @@ impl Weights {
     ) -> Result<(PendingOutput, StageOutput), ModelError> {
         Ok(if self.is_last() {
             let loss = self.loss(x, targets, loss_scale);
-            let value = loss.clone().into_scalar();
+            let value = backend::scalar(loss.clone());
             (PendingOutput::Loss(loss), StageOutput::Loss(f64::from(value)))
         } else {
             (PendingOutput::Activations(x.clone()), StageOutput::Activations(device_to_host(x.detach())?))

@@ -1,0 +1,23 @@
+//! The stage code's view of burn 0.22 (the CPU backend, flex): what differs between the burn
+//! versions the same model source is compiled against.
+
+pub(crate) use ::burn;
+pub(crate) use burn::tensor::{Device, Gradients, Tensor, TensorData};
+
+use crate::{ComputeDevice, ModelError};
+
+/// The autodiff device the stage's tensors live on.
+pub(crate) fn device(device: ComputeDevice) -> Result<Device, ModelError> {
+    match device {
+        ComputeDevice::Cpu => Ok(Device::flex().autodiff()),
+        device => Err(ModelError::NotBuilt { device }),
+    }
+}
+
+pub(crate) fn floats(data: TensorData) -> Result<Vec<f32>, ModelError> {
+    data.try_into_vec::<f32>().map_err(|err| ModelError::Compute(format!("{err:?}")))
+}
+
+pub(crate) fn scalar(tensor: Tensor<1>) -> f32 {
+    tensor.into_scalar::<f32>()
+}

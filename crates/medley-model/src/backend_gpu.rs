@@ -1,0 +1,36 @@
+//! The stage code's view of burn 0.21 (the GPU backends, CUDA and ROCm, through its dispatch
+//! backend): what differs between the burn versions the same model source is compiled against.
+
+pub(crate) use ::burn_gpu as burn;
+pub(crate) use burn::DispatchDevice as Device;
+pub(crate) use burn::tensor::TensorData;
+
+use crate::{ComputeDevice, ModelError};
+
+type Backend = burn::Dispatch;
+
+/// A tensor on whichever device the dispatch backend holds it.
+pub(crate) type Tensor<const D: usize, K = burn::tensor::Float> = burn::tensor::Tensor<Backend, D, K>;
+
+/// The gradients one backward pass produces.
+pub(crate) type Gradients = <Backend as burn::tensor::backend::AutodiffBackend>::Gradients;
+
+/// The autodiff device the stage's tensors live on.
+pub(crate) fn device(device: ComputeDevice) -> Result<Device, ModelError> {
+    let device: Device = match device {
+        #[cfg(feature = "cuda")]
+        ComputeDevice::Cuda(index) => burn::backend::cuda::CudaDevice::new(index).into(),
+        #[cfg(feature = "rocm")]
+        ComputeDevice::Rocm(index) => burn::backend::rocm::RocmDevice::new(index).into(),
+        device => return Err(ModelError::NotBuilt { device }),
+    };
+    Ok(Device::autodiff(device))
+}
+
+pub(crate) fn floats(data: TensorData) -> Result<Vec<f32>, ModelError> {
+    data.into_vec::<f32>().map_err(|err| ModelError::Compute(format!("{err:?}")))
+}
+
+pub(crate) fn scalar(tensor: Tensor<1>) -> f32 {
+    tensor.into_scalar()
+}
