@@ -193,12 +193,16 @@ impl Gpu {
     /// per thread.
     pub(crate) fn make_current(&self) -> Result<(), GpuError> {
         match self.runtime() {
-            // SAFETY: the context was retained in `open` and is never released while `self` lives.
             Runtime::Cuda(cuda) => {
-                check_cuda(cuda, "cuCtxSetCurrent", unsafe { (cuda.set_context)(self.inner.context) })
+                // SAFETY: the context was retained in `open` and is never released while `self` lives.
+                let status = unsafe { (cuda.set_context)(self.inner.context) };
+                check_cuda(cuda, "cuCtxSetCurrent", status)
             }
-            // SAFETY: the index was checked against the device count in `open`.
-            Runtime::Hip(hip) => check_hip(hip, "hipSetDevice", unsafe { (hip.set_device)(self.inner.index as i32) }),
+            Runtime::Hip(hip) => {
+                // SAFETY: the index was checked against the device count in `open`.
+                let status = unsafe { (hip.set_device)(self.inner.index as i32) };
+                check_hip(hip, "hipSetDevice", status)
+            }
         }
     }
 
@@ -206,13 +210,15 @@ impl Gpu {
     pub fn synchronize(&self) -> Result<(), GpuError> {
         self.make_current()?;
         match self.runtime() {
-            // SAFETY: the stream was created in `open` on this device.
             Runtime::Cuda(cuda) => {
-                check_cuda(cuda, "cuStreamSynchronize", unsafe { (cuda.stream_synchronize)(self.inner.stream) })
+                // SAFETY: the stream was created in `open` on this device.
+                let status = unsafe { (cuda.stream_synchronize)(self.inner.stream) };
+                check_cuda(cuda, "cuStreamSynchronize", status)
             }
-            // SAFETY: as above.
             Runtime::Hip(hip) => {
-                check_hip(hip, "hipStreamSynchronize", unsafe { (hip.stream_synchronize)(self.inner.stream) })
+                // SAFETY: the stream was created in `open` on this device.
+                let status = unsafe { (hip.stream_synchronize)(self.inner.stream) };
+                check_hip(hip, "hipStreamSynchronize", status)
             }
         }
     }

@@ -57,6 +57,12 @@ pub struct NativeComm {
 unsafe impl Send for NativeComm {}
 
 impl NativeComm {
+    /// Whether this machine has `vendor`'s collective library where the loader finds it.
+    pub fn available(vendor: Vendor) -> bool {
+        let (what, names) = library_names(vendor);
+        open_first(what, names).is_ok_and(|library| CollectiveLibrary::load(library).is_ok())
+    }
+
     /// Joins the vendor library's communicator of `group`'s ranks on `gpu`: rank 0 makes the
     /// unique id, which reaches the others through the job's rendezvous store under `key`. Every
     /// rank of `group` calls it with the same key.

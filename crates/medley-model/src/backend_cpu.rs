@@ -6,12 +6,17 @@ pub(crate) use burn::tensor::{Device, Gradients, Tensor, TensorData};
 
 use crate::{ComputeDevice, ModelError};
 
-/// The autodiff device the stage's tensors live on.
-pub(crate) fn device(device: ComputeDevice) -> Result<Device, ModelError> {
+/// The device without autodiff, for timing kernels alone.
+pub(crate) fn plain_device(device: ComputeDevice) -> Result<Device, ModelError> {
     match device {
-        ComputeDevice::Cpu => Ok(Device::flex().autodiff()),
+        ComputeDevice::Cpu => Ok(Device::flex()),
         device => Err(ModelError::NotBuilt { device }),
     }
+}
+
+/// The autodiff device the stage's tensors live on.
+pub(crate) fn device(device: ComputeDevice) -> Result<Device, ModelError> {
+    Ok(plain_device(device)?.autodiff())
 }
 
 pub(crate) fn floats(data: TensorData) -> Result<Vec<f32>, ModelError> {

@@ -15,16 +15,20 @@ pub(crate) type Tensor<const D: usize, K = burn::tensor::Float> = burn::tensor::
 /// The gradients one backward pass produces.
 pub(crate) type Gradients = <Backend as burn::tensor::backend::AutodiffBackend>::Gradients;
 
-/// The autodiff device the stage's tensors live on.
-pub(crate) fn device(device: ComputeDevice) -> Result<Device, ModelError> {
-    let device: Device = match device {
+/// The device without autodiff, for timing kernels alone.
+pub(crate) fn plain_device(device: ComputeDevice) -> Result<Device, ModelError> {
+    Ok(match device {
         #[cfg(feature = "cuda")]
         ComputeDevice::Cuda(index) => burn::backend::cuda::CudaDevice::new(index).into(),
         #[cfg(feature = "rocm")]
         ComputeDevice::Rocm(index) => burn::backend::rocm::RocmDevice::new(index).into(),
         device => return Err(ModelError::NotBuilt { device }),
-    };
-    Ok(Device::autodiff(device))
+    })
+}
+
+/// The autodiff device the stage's tensors live on.
+pub(crate) fn device(device: ComputeDevice) -> Result<Device, ModelError> {
+    Ok(Device::autodiff(plain_device(device)?))
 }
 
 pub(crate) fn floats(data: TensorData) -> Result<Vec<f32>, ModelError> {

@@ -78,6 +78,18 @@ pub fn context_compute(
     })
 }
 
+/// Seconds one `n`×`n` matrix multiply takes on `device`, in bf16 or f32 (the median of
+/// `repeats`): the rate the device reaches on the kernel that dominates training.
+pub fn matmul_seconds(device: ComputeDevice, n: usize, bf16: bool, repeats: usize) -> Result<f64, ModelError> {
+    match device {
+        ComputeDevice::Cpu => crate::cpu::stage::matmul_seconds(device, n, bf16, repeats),
+        #[cfg(any(feature = "cuda", feature = "rocm"))]
+        _ => crate::gpu::stage::matmul_seconds(device, n, bf16, repeats),
+        #[cfg(not(any(feature = "cuda", feature = "rocm")))]
+        _ => Err(ModelError::NotBuilt { device }),
+    }
+}
+
 impl fmt::Display for ComputeDevice {
     fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
         match self {

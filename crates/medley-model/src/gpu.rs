@@ -2,5 +2,7 @@
 
 #[path = "backend_gpu.rs"]
 mod backend;
+// The CPU build (cpu.rs) loads the same files: that is the point.
+#[allow(clippy::duplicate_mod)]
 #[path = "burn_stage/mod.rs"]
 pub(crate) mod stage;

@@ -36,7 +36,7 @@ mod stage;
 pub use checkpoint::{NamedTensors, load_tensors, load_tensors_where, save_tensors, write_atomically};
 pub use compute::{HostTensor, MicroBatch, StageCompute, StageOutput};
 pub use config::ModelConfig;
-pub use device::{ComputeDevice, context_compute, stage_compute};
+pub use device::{ComputeDevice, context_compute, matmul_seconds, stage_compute};
 pub use error::ModelError;
 pub use optim::{AdamW, AdamWState};
 pub use stage::StageState;

@@ -25,6 +25,7 @@ mod error;
 mod host_memory;
 mod layout;
 mod metrics;
+mod native;
 mod p2p;
 mod train;
 mod worker;

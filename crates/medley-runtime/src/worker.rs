@@ -21,6 +21,7 @@ use serde_json::json;
 use crate::context::{CommCollectives, Pacer};
 use crate::error::CommContext;
 use crate::metrics::{StepClock, StepMetrics};
+use crate::native::{NativeGroup, native_group};
 use crate::p2p::{Kind, Mailbox, Tag};
 use crate::{DeviceChoice, RankLayout, RuntimeError};
 
@@ -69,6 +70,8 @@ pub struct Worker {
     pub(crate) world: Communicator,
     /// One communicator per plan DP group this rank is a member of (none for one replica).
     dp: Vec<Option<Communicator>>,
+    /// The group's native (NCCL/RCCL) communicator, where its gradients take that path.
+    native: Vec<Option<NativeGroup>>,
     pub(crate) stages: Vec<StageState>,
     /// The threads the stages compute on: one per core the worker owns, or one when emulating
     /// (emulation paces a pass by its thread's processor time).
@@ -151,16 +154,25 @@ impl Worker {
                 ("calibration", options.calibration.to_toml()),
                 ("link emulation (--link-gb-s, --link-trace)", format!("{:?}", options.link)),
                 ("--timeout-s", format!("{:?}", options.comm.timeout)),
+                ("--device", options.device.to_string()),
             ],
         )?;
-        let dp = split_dp_groups(&plan, &layouts, &layout, &mut world)?;
+        let mut dp = split_dp_groups(&plan, &layouts, &layout, &mut world)?;
+        let device = options.device.resolve(env.local_rank)?;
+        let native = dp
+            .iter_mut()
+            .enumerate()
+            .map(|(group, comm)| match comm {
+                Some(comm) => native_group(comm, device, &format!("DP group {group}")),
+                None => Ok(None),
+            })
+            .collect::<Result<Vec<_>, _>>()?;
         let stretch = if options.emulate_speed { layout.device.slowdown * options.dilation } else { 1.0 };
         let pacer = layout.context.is_some().then(|| Pacer::new(stretch));
         let context_sent = Arc::new(AtomicU64::new(0));
         let mut collectives =
             split_context_groups(&layouts, &layout, &mut world, pacer.clone(), Arc::clone(&context_sent))?;
         let config = ModelConfig::from_spec(plan.model(), plan.seq_len())?;
-        let device = options.device.resolve(env.local_rank)?;
         let threads = if options.emulate_speed { 1 } else { world.compute_threads() };
         let threads = rayon::ThreadPoolBuilder::new()
             .num_threads(threads)
@@ -197,6 +209,7 @@ impl Worker {
             config,
             world,
             dp,
+            native,
             stages,
             threads: Arc::new(threads),
             dataset,
@@ -471,10 +484,16 @@ impl Worker {
             stage.grads_of_mut(select).for_each(|grad| flat.extend_from_slice(&grad.data));
         }
         let mut summed = vec![0f32; flat.len()];
-        let algorithm = self.plan.dp_groups()[dp_group].algorithm.into();
-        let op = Op::AllReduce { op: ReduceOp::Sum };
-        comm.collective(op, &Counts::Same(flat.len()), Some(algorithm), &flat, &mut summed)
-            .during(|| format!("all-reducing the gradients of layers {layers}"))?;
+        if let Some(native) = self.native.get_mut(dp_group).and_then(Option::as_mut) {
+            native.all_reduce(&flat, &mut summed).map_err(|err| {
+                RuntimeError::Device(format!("all-reducing the gradients of layers {layers} natively: {err}"))
+            })?;
+        } else {
+            let algorithm = self.plan.dp_groups()[dp_group].algorithm.into();
+            let op = Op::AllReduce { op: ReduceOp::Sum };
+            comm.collective(op, &Counts::Same(flat.len()), Some(algorithm), &flat, &mut summed)
+                .during(|| format!("all-reducing the gradients of layers {layers}"))?;
+        }
         let mut rest = summed.as_slice();
         for stage in &mut self.stages {
             for grad in stage.grads_of_mut(select) {

@@ -47,6 +47,9 @@ pub enum BenchCommand {
     /// One worker's training step at each thread count, side by side with PyTorch on the same
     /// model, weights and tokens (when TORCH_PYTHON names a python that imports torch).
     Compute(crate::bench_compute::ComputeBenchArgs),
+    /// A GPU's matmul rate against its datasheet, and the tiny model trained on the CPU and on the
+    /// GPU from the same weights and batches: losses step by step, step times side by side.
+    Device(crate::bench_compute::DeviceBenchArgs),
     /// Real training on an emulated 2:1 mix: heterogeneity-aware vs uniform plan, measured and
     /// simulated.
     Train(crate::bench_train::TrainBenchArgs),
@@ -65,6 +68,7 @@ pub fn run(which: &BenchCommand) -> Result<()> {
         BenchCommand::Schedules { json } => crate::bench_schedules::bench_schedules(*json),
         BenchCommand::Comm(args) => crate::bench_comm::run(args),
         BenchCommand::Compute(args) => crate::bench_compute::run(args),
+        BenchCommand::Device(args) => crate::bench_compute::run_device(args),
         BenchCommand::Train(args) => crate::bench_train::run(args),
         BenchCommand::Kfkb(args) => crate::bench_train::run_kfkb(args),
         BenchCommand::ContextTrain(args) => crate::bench_train::run_context(args),

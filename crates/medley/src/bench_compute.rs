@@ -13,7 +13,10 @@ use clap::Args;
 use comfy_table::Cell;
 use medley_model::data::{Dataset, loss_scale};
 use medley_model::params::stage_params;
-use medley_model::{AdamW, HostTensor, MicroBatch, ModelConfig, StageOutput, StageState, save_tensors, stage_compute};
+use medley_model::{
+    AdamW, ComputeDevice, HostTensor, MicroBatch, ModelConfig, StageOutput, StageState, matmul_seconds, save_tensors,
+    stage_compute,
+};
 use medley_runtime::DeviceChoice;
 use serde::{Deserialize, Serialize};
 use statrs::statistics::{Data, OrderStatistics};
@@ -95,7 +98,8 @@ pub fn run(args: &ComputeBenchArgs) -> Result<()> {
     for &n in threads.iter().collect::<std::collections::BTreeSet<_>>() {
         let (mut medley_s, mut torch_s, mut losses) = (Vec::new(), Vec::new(), (0.0, None));
         for round in 0..args.rounds.max(1) {
-            let medley = || medley_steps(&config, &batch, n, args.steps, device);
+            let same_batch = vec![batch.clone(); WARM_UP + args.steps];
+            let medley = || medley_steps(&config, &same_batch, n, device).map(|(losses, times)| (losses[0], times));
             let pytorch = || torch.as_deref().map(|python| torch_steps(python, &inputs, n, args.steps)).transpose();
             // Alternate which goes first, so neither always runs after the other's heat.
             let (ours, theirs) = if round % 2 == 0 {
@@ -180,33 +184,32 @@ fn write_torch_inputs(path: &Path, config: &ModelConfig, batch: &MicroBatch) -> 
     Ok(save_tensors(path, &tensors, metadata)?)
 }
 
-/// medley's first-step loss and its timed step times on `threads` compute threads.
+/// One training step per batch of `batches` (the first [`WARM_UP`] untimed) on `threads` compute
+/// threads: every step's loss, and the timed steps' seconds.
 fn medley_steps(
     config: &ModelConfig,
-    batch: &MicroBatch,
+    batches: &[MicroBatch],
     threads: usize,
-    steps: usize,
-    device: medley_model::ComputeDevice,
-) -> Result<(f64, Vec<f64>)> {
+    device: ComputeDevice,
+) -> Result<(Vec<f64>, Vec<f64>)> {
     let pool = rayon::ThreadPoolBuilder::new().num_threads(threads).build()?;
     pool.install(|| {
         let layers = 0..config.n_layers;
-        let compute = stage_compute(config, layers.clone(), device)?;
-        let mut stage = StageState::new(config, layers, 0, compute)?;
-        let (mut first_loss, mut times) = (None, Vec::new());
-        for step in 0..WARM_UP + steps {
+        let mut stage = StageState::new(config, layers.clone(), 0, stage_compute(config, layers, device)?)?;
+        let (mut losses, mut times) = (Vec::new(), Vec::new());
+        for (step, batch) in batches.iter().enumerate() {
             let started = Instant::now();
             let StageOutput::Loss(loss) = stage.forward(0, batch, None)? else {
                 bail!("the whole model's stage returned activations, not a loss")
             };
             stage.backward(0, None)?;
             stage.optimizer_step(&AdamW::default())?;
-            first_loss.get_or_insert(loss);
+            losses.push(loss);
             if step >= WARM_UP {
                 times.push(started.elapsed().as_secs_f64());
             }
         }
-        Ok((first_loss.unwrap_or(f64::NAN), times))
+        Ok((losses, times))
     })
 }
 
@@ -227,4 +230,183 @@ fn torch_steps(python: &Path, inputs: &Path, threads: usize, steps: usize) -> Re
 
 fn median(values: Vec<f64>) -> f64 {
     Data::new(values).median()
+}
+
+#[derive(Args, Debug)]
+pub struct DeviceBenchArgs {
+    /// The device to measure: auto (a GPU when this build and machine have one), cuda, rocm or cpu.
+    #[arg(long, default_value_t = DeviceChoice::Auto)]
+    device: DeviceChoice,
+    /// Model to train on both the CPU and the device.
+    #[arg(long, default_value = "tiny")]
+    model: String,
+    #[arg(long, default_value_t = 16)]
+    batch: usize,
+    #[arg(long, default_value_t = 128)]
+    seq_len: u32,
+    /// Training steps on each, a new batch each step (the first 2 untimed).
+    #[arg(long, default_value_t = 50)]
+    steps: usize,
+    /// Sizes of the square matrix multiplies timed on the device.
+    #[arg(long, value_delimiter = ',', default_value = "4096,8192")]
+    gemm_sizes: Vec<usize>,
+    /// Print the rows as JSON instead of tables.
+    #[arg(long)]
+    json: bool,
+}
+
+/// One matrix multiply's rate on the device.
+#[derive(Serialize)]
+struct GemmRow {
+    device: String,
+    dtype: &'static str,
+    n: usize,
+    ms: f64,
+    tflops: f64,
+    /// The catalog's datasheet peak for the device's name, dense.
+    datasheet_tflops: Option<f64>,
+}
+
+/// The same training on the CPU and the device.
+#[derive(Serialize)]
+struct AgreementRow {
+    device: String,
+    steps: usize,
+    cpu_step_ms: f64,
+    device_step_ms: f64,
+    first_loss_cpu: f64,
+    first_loss_device: f64,
+    first_loss_relative_difference: f64,
+    /// The largest relative difference between the two loss curves, step by step.
+    curve_relative_difference: f64,
+}
+
+/// First-step losses must agree within this, and the curves within [`CURVE_TOLERANCE`].
+const FIRST_LOSS_TOLERANCE: f64 = 1e-3;
+const CURVE_TOLERANCE: f64 = 0.01;
+
+/// `medley bench device`: the device's matmul rate against its datasheet, and the tiny model
+/// trained on the CPU and on the device from the same weights and batches, losses compared step by
+/// step and step times side by side.
+pub fn run_device(args: &DeviceBenchArgs) -> Result<()> {
+    let device = args.device.resolve(0)?;
+    let name = medley_gpu_name(device);
+    let datasheet = name.as_deref().and_then(datasheet_peaks);
+    let mut gemms = Vec::new();
+    for &n in &args.gemm_sizes {
+        for (dtype, bf16) in [("bf16", true), ("f32", false)] {
+            let seconds = matmul_seconds(device, n, bf16, 10)?;
+            let peak = datasheet.map(|(bf16_peak, f32_peak)| if bf16 { bf16_peak } else { f32_peak });
+            let tflops = 2.0 * (n as f64).powi(3) / seconds / 1e12;
+            gemms.push(GemmRow {
+                device: device.to_string(),
+                dtype,
+                n,
+                ms: seconds * 1e3,
+                tflops,
+                datasheet_tflops: peak,
+            });
+        }
+    }
+    let model = load_model(&args.model)?;
+    let config = ModelConfig::from_spec(&model, args.seq_len)?;
+    let dataset = Dataset::shakespeare(config.seq_len, 0)?;
+    let scale = loss_scale(args.batch as u64, config.seq_len);
+    let batches: Vec<MicroBatch> =
+        (0..args.steps as u64).map(|step| dataset.micro_batch(step * args.batch as u64, args.batch, scale)).collect();
+    let cores = std::thread::available_parallelism().map_or(1, usize::from);
+    let (cpu_losses, cpu_times) = medley_steps(&config, &batches, cores, ComputeDevice::Cpu)?;
+    let (device_losses, device_times) = medley_steps(&config, &batches, cores, device)?;
+    let relative = |a: f64, b: f64| ((a - b) / b).abs();
+    let agreement = AgreementRow {
+        device: device.to_string(),
+        steps: args.steps,
+        cpu_step_ms: median(cpu_times) * 1e3,
+        device_step_ms: median(device_times) * 1e3,
+        first_loss_cpu: cpu_losses[0],
+        first_loss_device: device_losses[0],
+        first_loss_relative_difference: relative(device_losses[0], cpu_losses[0]),
+        curve_relative_difference: device_losses
+            .iter()
+            .zip(&cpu_losses)
+            .map(|(&on_device, &on_cpu)| relative(on_device, on_cpu))
+            .fold(0.0, f64::max),
+    };
+    if args.json {
+        let rows = serde_json::json!({"gemm": gemms, "training": agreement});
+        println!("{}", serde_json::to_string_pretty(&rows)?);
+    } else {
+        print_device_tables(name.as_deref(), &gemms, &agreement, args);
+    }
+    if agreement.first_loss_relative_difference > FIRST_LOSS_TOLERANCE
+        || agreement.curve_relative_difference > CURVE_TOLERANCE
+    {
+        bail!(
+            "{device} does not train as the CPU does: first-step losses {:.3e} apart (at most {FIRST_LOSS_TOLERANCE:e}), \
+             curves {:.2}% apart (at most {}%)",
+            agreement.first_loss_relative_difference,
+            agreement.curve_relative_difference * 100.0,
+            CURVE_TOLERANCE * 100.0
+        );
+    }
+    Ok(())
+}
+
+fn print_device_tables(name: Option<&str>, gemms: &[GemmRow], agreement: &AgreementRow, args: &DeviceBenchArgs) {
+    println!("{}: square matrix multiplies, median of 10", name.unwrap_or("this machine's CPU"));
+    let mut out = table(&["device", "dtype", "n", "ms", "TFLOP/s", "datasheet", "of peak"]);
+    for row in gemms {
+        let or_dash = |value: Option<String>| value.unwrap_or_else(|| "–".into());
+        out.add_row(vec![
+            Cell::new(&row.device),
+            Cell::new(row.dtype),
+            right(row.n.to_string()),
+            right(format!("{:.2}", row.ms)),
+            right(format!("{:.1}", row.tflops)),
+            right(or_dash(row.datasheet_tflops.map(|peak| format!("{peak:.0}")))),
+            right(or_dash(row.datasheet_tflops.map(|peak| format!("{:.0}%", 100.0 * row.tflops / peak)))),
+        ]);
+    }
+    println!("{out}");
+    println!(
+        "{} trained {} steps on {}×{} tokens from the same weights and batches, on the CPU and on {}",
+        args.model, agreement.steps, args.batch, args.seq_len, agreement.device
+    );
+    let mut out = table(&["", "CPU", "device", "relative difference"]);
+    out.add_row(vec![
+        Cell::new("first-step loss"),
+        right(format!("{:.6}", agreement.first_loss_cpu)),
+        right(format!("{:.6}", agreement.first_loss_device)),
+        right(format!("{:.2e}", agreement.first_loss_relative_difference)),
+    ]);
+    out.add_row(vec![
+        Cell::new("loss curve, worst step"),
+        Cell::new(""),
+        Cell::new(""),
+        right(format!("{:.3}%", agreement.curve_relative_difference * 100.0)),
+    ]);
+    out.add_row(vec![
+        Cell::new("step, median ms"),
+        right(format!("{:.1}", agreement.cpu_step_ms)),
+        right(format!("{:.1}", agreement.device_step_ms)),
+        right(format!("{:.2}× faster", agreement.cpu_step_ms / agreement.device_step_ms)),
+    ]);
+    println!("{out}");
+}
+
+/// The device's name as its driver reports it, for GPUs.
+fn medley_gpu_name(device: ComputeDevice) -> Option<String> {
+    let (vendor, index) = match device {
+        ComputeDevice::Cpu => return None,
+        ComputeDevice::Cuda(index) => (medley_gpu::Vendor::Nvidia, index),
+        ComputeDevice::Rocm(index) => (medley_gpu::Vendor::Amd, index),
+    };
+    medley_gpu::Gpu::open(vendor, index).ok().map(|gpu| gpu.name().to_string())
+}
+
+/// The catalog's dense bf16 and fp32 peaks for a driver's device name ("NVIDIA H200" is `h200`).
+fn datasheet_peaks(name: &str) -> Option<(f64, f64)> {
+    let lower = name.to_lowercase();
+    let spec = lower.split([' ', '-']).find_map(|word| medley_spec::catalog_device(word).ok())?;
+    Some((spec.half_precision_tflops(), spec.fp32_tflops))
 }

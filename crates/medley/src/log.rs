@@ -20,7 +20,7 @@ pub const LOG_VAR: &str = "MEDLEY_LOG";
 
 /// medley's own crates, whose events `-v` and `-q` govern; every other crate's show only when they
 /// warn.
-const CRATES: [&str; 16] = [
+const CRATES: [&str; 17] = [
     "medley",
     "medley_bench",
     "medley_collective",
@@ -28,6 +28,7 @@ const CRATES: [&str; 16] = [
     "medley_cost",
     "medley_export",
     "medley_fuzz",
+    "medley_gpu",
     "medley_launch",
     "medley_model",
     "medley_plan",

@@ -9,8 +9,10 @@ use burn::tensor::activation::{log_softmax, silu, softmax};
 use burn::tensor::{Bool, Int};
 
 mod context;
+mod gemm;
 
 pub use context::ContextStage;
+pub(crate) use gemm::matmul_seconds;
 
 use super::backend::{self, Device, Gradients, Tensor, TensorData, burn};
 use crate::params::{LAYER_TENSORS, ParamSpec, stage_params};
