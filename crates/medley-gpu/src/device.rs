@@ -5,7 +5,7 @@ use std::ffi::{CStr, c_char, c_void};
 use std::sync::{Arc, OnceLock};
 
 use crate::bridge::DeviceMemory;
-use crate::library::{api, open_first};
+use crate::library::{api, call_failed, open_first};
 use crate::{GpuError, Vendor};
 
 type Status = i32;
@@ -90,15 +90,7 @@ fn check_cuda(driver: &CudaDriver, call: &'static str, status: Status) -> Result
 }
 
 fn check_hip(hip: &HipRuntime, call: &'static str, status: Status) -> Result<(), GpuError> {
-    if status == 0 {
-        return Ok(());
-    }
-    // SAFETY: hipGetErrorString returns a pointer to a static string for any code.
-    let message = unsafe {
-        let text = (hip.error_string)(status);
-        if text.is_null() { "unknown error".into() } else { CStr::from_ptr(text).to_string_lossy().into_owned() }
-    };
-    Err(GpuError::Call { call, code: status, message })
+    call_failed(call, status, hip.error_string)
 }
 
 /// One GPU, current on whichever thread calls into it.

@@ -18,6 +18,30 @@ pub(crate) fn open_first(what: &'static str, names: &[&str]) -> Result<Library, 
     Err(GpuError::LibraryMissing { what, tried: names.join(", "), reason: reasons.last().cloned().unwrap_or_default() })
 }
 
+/// A failed call's error: `status` with the library's text for it, from `describe`, a C
+/// function that returns a static NUL-terminated string (or null) for any code, as
+/// `hipGetErrorString` and `ncclGetErrorString` do.
+pub(crate) fn call_failed(
+    call: &'static str,
+    status: i32,
+    describe: unsafe extern "C" fn(i32) -> *const std::ffi::c_char,
+) -> Result<(), GpuError> {
+    if status == 0 {
+        return Ok(());
+    }
+    // SAFETY: per this function's contract, `describe` returns null or a pointer to a static
+    // NUL-terminated string.
+    let message = unsafe {
+        let text = describe(status);
+        if text.is_null() {
+            "unknown error".into()
+        } else {
+            std::ffi::CStr::from_ptr(text).to_string_lossy().into_owned()
+        }
+    };
+    Err(GpuError::Call { call, code: status, message })
+}
+
 /// A struct of C entry points read from one library, which it keeps loaded for as long as the
 /// pointers live: `api!(Name from "what" { field = "symbol": fn(args) -> ret; ... })`.
 macro_rules! api {

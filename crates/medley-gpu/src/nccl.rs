@@ -1,12 +1,12 @@
 //! NCCL (NVIDIA) and RCCL (AMD) communicators over device buffers, inside one vendor domain.
 //! RCCL implements NCCL's C API under the same names, so one table serves both.
 
-use std::ffi::{CStr, c_char, c_void};
+use std::ffi::{c_char, c_void};
 
 use medley_comm::Communicator;
 
 use crate::device::{DeviceBuffer, Gpu};
-use crate::library::{api, open_first};
+use crate::library::{api, call_failed, open_first};
 use crate::{GpuError, Vendor};
 
 /// `ncclUniqueId`: 128 opaque bytes that rank 0 makes and every rank passes to init.
@@ -133,13 +133,5 @@ impl Drop for NativeComm {
 }
 
 fn check(library: &CollectiveLibrary, call: &'static str, status: Status) -> Result<(), GpuError> {
-    if status == 0 {
-        return Ok(());
-    }
-    // SAFETY: ncclGetErrorString returns a pointer to a static string for any code.
-    let message = unsafe {
-        let text = (library.error_string)(status);
-        if text.is_null() { "unknown error".into() } else { CStr::from_ptr(text).to_string_lossy().into_owned() }
-    };
-    Err(GpuError::Call { call, code: status, message })
+    call_failed(call, status, library.error_string)
 }

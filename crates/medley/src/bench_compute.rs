@@ -31,8 +31,9 @@ const WARM_UP: usize = 2;
 /// comparison is refused: different numbers mean different models.
 const LOSS_TOLERANCE: f64 = 1e-3;
 
+/// What both benches train.
 #[derive(Args, Debug)]
-pub struct ComputeBenchArgs {
+struct TrainedShape {
     /// Model to train (a catalog name or a config.json).
     #[arg(long, default_value = "tiny")]
     model: String,
@@ -41,6 +42,12 @@ pub struct ComputeBenchArgs {
     batch: usize,
     #[arg(long, default_value_t = 128)]
     seq_len: u32,
+}
+
+#[derive(Args, Debug)]
+pub struct ComputeBenchArgs {
+    #[command(flatten)]
+    shape: TrainedShape,
     /// Timed steps per run, after 2 warm-up steps.
     #[arg(long, default_value_t = 10)]
     steps: usize,
@@ -80,10 +87,10 @@ struct TorchRun {
 }
 
 pub fn run(args: &ComputeBenchArgs) -> Result<()> {
-    let model = load_model(&args.model)?;
-    let config = ModelConfig::from_spec(&model, args.seq_len)?;
+    let model = load_model(&args.shape.model)?;
+    let config = ModelConfig::from_spec(&model, args.shape.seq_len)?;
     let dataset = Dataset::shakespeare(config.seq_len, 0)?;
-    let batch = dataset.micro_batch(0, args.batch, loss_scale(args.batch as u64, config.seq_len));
+    let batch = dataset.micro_batch(0, args.shape.batch, loss_scale(args.shape.batch as u64, config.seq_len));
     let torch = std::env::var_os("TORCH_PYTHON").map(PathBuf::from);
     let dir = tempfile::tempdir()?;
     let inputs = dir.path().join("inputs.safetensors");
@@ -144,8 +151,8 @@ pub fn run(args: &ComputeBenchArgs) -> Result<()> {
     println!(
         "{} on {}×{} tokens: one training step (forward, cross-entropy, backward, AdamW), median of {} rounds × {} steps",
         model.name(),
-        args.batch,
-        args.seq_len,
+        args.shape.batch,
+        args.shape.seq_len,
         args.rounds,
         args.steps
     );
@@ -237,13 +244,8 @@ pub struct DeviceBenchArgs {
     /// The device to measure: auto (a GPU when this build and machine have one), cuda, rocm or cpu.
     #[arg(long, default_value_t = DeviceChoice::Auto)]
     device: DeviceChoice,
-    /// Model to train on both the CPU and the device.
-    #[arg(long, default_value = "tiny")]
-    model: String,
-    #[arg(long, default_value_t = 16)]
-    batch: usize,
-    #[arg(long, default_value_t = 128)]
-    seq_len: u32,
+    #[command(flatten)]
+    shape: TrainedShape,
     /// Training steps on each, a new batch each step (the first 2 untimed).
     #[arg(long, default_value_t = 50)]
     steps: usize,
@@ -308,12 +310,13 @@ pub fn run_device(args: &DeviceBenchArgs) -> Result<()> {
             });
         }
     }
-    let model = load_model(&args.model)?;
-    let config = ModelConfig::from_spec(&model, args.seq_len)?;
+    let model = load_model(&args.shape.model)?;
+    let config = ModelConfig::from_spec(&model, args.shape.seq_len)?;
     let dataset = Dataset::shakespeare(config.seq_len, 0)?;
-    let scale = loss_scale(args.batch as u64, config.seq_len);
-    let batches: Vec<MicroBatch> =
-        (0..args.steps as u64).map(|step| dataset.micro_batch(step * args.batch as u64, args.batch, scale)).collect();
+    let scale = loss_scale(args.shape.batch as u64, config.seq_len);
+    let batches: Vec<MicroBatch> = (0..args.steps as u64)
+        .map(|step| dataset.micro_batch(step * args.shape.batch as u64, args.shape.batch, scale))
+        .collect();
     let cores = std::thread::available_parallelism().map_or(1, usize::from);
     let (cpu_losses, cpu_times) = medley_steps(&config, &batches, cores, ComputeDevice::Cpu)?;
     let (device_losses, device_times) = medley_steps(&config, &batches, cores, device)?;
@@ -370,7 +373,7 @@ fn print_device_tables(name: Option<&str>, gemms: &[GemmRow], agreement: &Agreem
     println!("{out}");
     println!(
         "{} trained {} steps on {}×{} tokens from the same weights and batches, on the CPU and on {}",
-        args.model, agreement.steps, args.batch, args.seq_len, agreement.device
+        args.shape.model, agreement.steps, args.shape.batch, args.shape.seq_len, agreement.device
     );
     let mut out = table(&["", "CPU", "device", "relative difference"]);
     out.add_row(vec![

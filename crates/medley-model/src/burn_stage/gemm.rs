@@ -20,7 +20,7 @@ pub(crate) fn matmul_seconds(device: ComputeDevice, n: usize, bf16: bool, repeat
     for repeat in 0..repeats.max(1) + 2 {
         let started = Instant::now();
         let product = a.clone().matmul(b.clone());
-        backend::floats(product.slice([0..1, 0..1]).into_data())?;
+        backend::floats(product.slice([0..1, 0..1]).cast(burn::tensor::FloatDType::F32).into_data())?;
         if repeat >= 2 {
             times.push(started.elapsed().as_secs_f64());
         }
