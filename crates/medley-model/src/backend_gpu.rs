@@ -38,3 +38,17 @@ pub(crate) fn floats(data: TensorData) -> Result<Vec<f32>, ModelError> {
 pub(crate) fn scalar(tensor: Tensor<1>) -> f32 {
     tensor.into_scalar()
 }
+
+// No fused kernels on the GPU backends: the stage composes each function from burn's operations.
+
+pub(crate) fn fused_softmax_last<const D: usize>(_x: &Tensor<D>) -> Option<Tensor<D>> {
+    None
+}
+
+pub(crate) fn fused_swiglu<const D: usize>(_gate: &Tensor<D>, _up: &Tensor<D>) -> Option<Tensor<D>> {
+    None
+}
+
+pub(crate) fn fused_rms_norm(_x: &Tensor<2>, _gain: &Tensor<1>, _eps: f32) -> Option<Tensor<2>> {
+    None
+}

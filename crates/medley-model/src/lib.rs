@@ -26,8 +26,10 @@ mod cpu;
 pub mod data;
 mod device;
 mod error;
+mod fused;
 #[cfg(any(feature = "cuda", feature = "rocm"))]
 mod gpu;
+mod kernels;
 mod optim;
 pub mod params;
 mod row_split;

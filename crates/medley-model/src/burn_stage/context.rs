@@ -6,11 +6,10 @@
 use std::collections::HashMap;
 use std::ops::Range;
 
-use super::burn::tensor::activation::softmax;
 use super::burn::tensor::{Bool, Int};
 
 use super::{Gradients, Tensor, TensorData};
-use super::{PendingOutput, Rotation, Weights, device_to_host, input_gradient};
+use super::{PendingOutput, Rotation, Weights, device_to_host, input_gradient, softmax_last};
 use crate::context::{ContextCollectives, ContextPlacement, HeadsLayout};
 use crate::{ComputeDevice, HostTensor, MicroBatch, ModelConfig, ModelError, StageCompute, StageOutput};
 
@@ -256,7 +255,7 @@ impl ContextStage {
         let v = v.swap_dims(1, 2).select(1, self.kv_of_head.clone());
         let scores = q.matmul(k.swap_dims(2, 3)).mul_scalar(1.0 / (hd as f32).sqrt());
         let mask = self.future.clone().reshape([1, 1, n_group, n_keys]).expand([b, heads, n_group, n_keys]);
-        let probs = softmax(scores.mask_fill(mask, f32::NEG_INFINITY), 3);
+        let probs = softmax_last(scores.mask_fill(mask, f32::NEG_INFINITY));
         probs.matmul(v).swap_dims(1, 2)
     }
 

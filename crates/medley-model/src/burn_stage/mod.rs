@@ -167,7 +167,7 @@ impl Weights {
         let attn = attention.reshape([b * t, d]).matmul(self.matrix(base + 4));
         let x = x + attn.reshape([b, t, d]);
         let m = rms_norm(x.clone().reshape([b * t, d]), self.vector(base + 5), self.config.norm_eps);
-        let gated = silu(m.clone().matmul(self.matrix(base + 6))) * m.matmul(self.matrix(base + 7));
+        let gated = swiglu(m.clone().matmul(self.matrix(base + 6)), m.matmul(self.matrix(base + 7)));
         x + gated.matmul(self.matrix(base + 8)).reshape([b, t, d])
     }
 
@@ -224,7 +224,7 @@ impl BurnStage {
         let (q, k, v) = (q.swap_dims(1, 2), self.repeat_kv(k.swap_dims(1, 2)), self.repeat_kv(v.swap_dims(1, 2)));
         let scores = q.matmul(k.swap_dims(2, 3)).mul_scalar(1.0 / (hd as f32).sqrt());
         let mask = self.causal_mask.clone().slice([0..t, 0..t]).reshape([1, 1, t, t]).expand([b, h, t, t]);
-        let probs = softmax(scores.mask_fill(mask, f32::NEG_INFINITY), 3);
+        let probs = softmax_last(scores.mask_fill(mask, f32::NEG_INFINITY));
         w.finish_layer(layer_offset, x, probs.matmul(v).swap_dims(1, 2))
     }
 
@@ -245,8 +245,24 @@ fn device_to_host<const D: usize>(tensor: Tensor<D>) -> Result<HostTensor, Model
     Ok(HostTensor::new(shape, data))
 }
 
-/// RMSNorm over the last dimension of `[rows, hidden]`.
+/// Softmax over the last dimension: the backend's fused kernel where it has one.
+fn softmax_last<const D: usize>(x: Tensor<D>) -> Tensor<D> {
+    backend::fused_softmax_last(&x).unwrap_or_else(|| softmax(x, D - 1))
+}
+
+/// SwiGLU's gate, `silu(gate) * up`: the backend's fused kernel where it has one.
+fn swiglu(gate: Tensor<2>, up: Tensor<2>) -> Tensor<2> {
+    backend::fused_swiglu(&gate, &up).unwrap_or_else(|| silu(gate) * up)
+}
+
+/// RMSNorm over the last dimension of `[rows, hidden]`: the backend's fused kernel where it has
+/// one.
 fn rms_norm(x: Tensor<2>, gain: Tensor<1>, eps: f32) -> Tensor<2> {
+    backend::fused_rms_norm(&x, &gain, eps).unwrap_or_else(|| rms_norm_composite(x, gain, eps))
+}
+
+/// RMSNorm from burn's operations.
+pub(crate) fn rms_norm_composite(x: Tensor<2>, gain: Tensor<1>, eps: f32) -> Tensor<2> {
     let rms = x.clone().square().mean_dim(1).add_scalar(eps).sqrt();
     x / rms * gain.unsqueeze::<2>()
 }
