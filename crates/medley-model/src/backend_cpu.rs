@@ -4,7 +4,7 @@
 pub(crate) use ::burn;
 pub(crate) use burn::tensor::{Device, Gradients, Tensor, TensorData};
 
-pub(crate) use crate::fused::{fused_rms_norm, fused_softmax_last, fused_swiglu};
+pub(crate) use crate::fused::{fused_rms_norm, fused_rope, fused_softmax_last, fused_swiglu};
 use crate::{ComputeDevice, ModelError};
 
 /// The device without autodiff, for timing kernels alone.

@@ -52,3 +52,7 @@ pub(crate) fn fused_swiglu<const D: usize>(_gate: &Tensor<D>, _up: &Tensor<D>) -
 pub(crate) fn fused_rms_norm(_x: &Tensor<2>, _gain: &Tensor<1>, _eps: f32) -> Option<Tensor<2>> {
     None
 }
+
+pub(crate) fn fused_rope(_x: &Tensor<4>, _cos: &Tensor<4>, _sin: &Tensor<4>) -> Option<Tensor<4>> {
+    None
+}

@@ -25,13 +25,24 @@ pub(crate) fn fused_softmax_last<const D: usize>(x: &Tensor<D>) -> Option<Tensor
 
 /// SwiGLU's gate, `silu(gate) * up`, where both are f32 autodiff CPU tensors.
 pub(crate) fn fused_swiglu<const D: usize>(gate: &Tensor<D>, up: &Tensor<D>) -> Option<Tensor<D>> {
-    Some(Tensor::from_primitive::<CpuAutodiff>(swiglu_autodiff(on_cpu(gate)?, on_cpu(up)?)))
+    let inputs = (on_cpu(gate)?, on_cpu(up)?);
+    Some(Tensor::from_primitive::<CpuAutodiff>(with_two_inputs(SwigluBackward, inputs, swiglu_flex)))
 }
 
 /// RMSNorm over the last dimension of `x` (`[rows, hidden]`) times `gain` (`[hidden]`), where
 /// both are f32 autodiff CPU tensors.
 pub(crate) fn fused_rms_norm(x: &Tensor<2>, gain: &Tensor<1>, eps: f32) -> Option<Tensor<2>> {
-    Some(Tensor::from_primitive::<CpuAutodiff>(rms_norm_autodiff(on_cpu(x)?, on_cpu(gain)?, eps)))
+    let inputs = (on_cpu(x)?, on_cpu(gain)?);
+    let norm = |x: &FlexTensor, gain: &FlexTensor| rms_norm_flex(x, gain, eps);
+    Some(Tensor::from_primitive::<CpuAutodiff>(with_two_inputs(RmsNormBackward { eps }, inputs, norm)))
+}
+
+/// Rotary position embedding (rotate-half form) of `x` (`[batch, tokens, heads, head_dim]`)
+/// with the constant tables `cos` and `sin` (`[1, tokens, 1, head_dim]`), where all three are f32
+/// autodiff CPU tensors.
+pub(crate) fn fused_rope(x: &Tensor<4>, cos: &Tensor<4>, sin: &Tensor<4>) -> Option<Tensor<4>> {
+    let tables = (on_cpu(cos)?.into_primitive(), on_cpu(sin)?.into_primitive());
+    Some(Tensor::from_primitive::<CpuAutodiff>(rope_autodiff(on_cpu(x)?, tables)))
 }
 
 /// The autodiff CPU tensor behind `x`, if it is one and holds f32.
@@ -94,6 +105,33 @@ fn softmax_autodiff(x: FloatTensor<CpuAutodiff>) -> FloatTensor<CpuAutodiff> {
     }
 }
 
+/// Registers `values` (of `shape`) as the gradient of the parent `node`, if it takes one.
+fn register(grads: &mut Gradients, node: Option<NodeId>, values: Vec<f32>, shape: Vec<usize>) {
+    if let Some(id) = node {
+        grads.register::<Flex>(id, tensor_of(values, shape));
+    }
+}
+
+/// `forward` of two inputs under autodiff, the inputs kept for `backward`'s step.
+fn with_two_inputs<B>(
+    backward: B,
+    (a, b): (FloatTensor<CpuAutodiff>, FloatTensor<CpuAutodiff>),
+    forward: impl Fn(&FlexTensor, &FlexTensor) -> FlexTensor,
+) -> FloatTensor<CpuAutodiff>
+where
+    B: Backward<Flex, 2, State = (FlexTensor, FlexTensor)>,
+{
+    let prepared = backward.prepare::<NoCheckpointing>([a.node(), b.node()]).compute_bound().stateful();
+    let inputs = (a.primitive().clone(), b.primitive().clone());
+    match prepared {
+        OpsKind::Tracked(prep) => {
+            let out = forward(&inputs.0, &inputs.1);
+            prep.finish(inputs, out)
+        }
+        OpsKind::UnTracked(prep) => prep.finish(forward(&inputs.0, &inputs.1)),
+    }
+}
+
 fn swiglu_flex(gate: &FlexTensor, up: &FlexTensor) -> FlexTensor {
     let ((gate, shape), (up, _)) = (values(gate), values(up));
     let mut out = vec![0.0; slice(&gate).len()];
@@ -109,31 +147,14 @@ impl Backward<Flex, 2> for SwigluBackward {
     type State = (FlexTensor, FlexTensor);
 
     fn backward(self, ops: Ops<Self::State, 2>, grads: &mut Gradients, _: &mut Checkpointer) {
-        let [gate_node, up_node] = ops.parents;
+        let [gate_node, up_node] = ops.parents.map(|node| node.map(|node| node.id));
         let grad = grads.consume::<Flex>(&ops.node);
         let ((gate, shape), (up, _), (grad, _)) = (values(&ops.state.0), values(&ops.state.1), values(&grad));
         let n = slice(&gate).len();
         let (mut gate_grad, mut up_grad) = (vec![0.0; n], vec![0.0; n]);
         kernels::swiglu_backward(slice(&gate), slice(&up), slice(&grad), &mut gate_grad, &mut up_grad);
-        let mut register = |node: Option<NodeId>, values| {
-            if let Some(id) = node {
-                grads.register::<Flex>(id, tensor_of(values, shape.clone()));
-            }
-        };
-        register(gate_node.map(|node| node.id), gate_grad);
-        register(up_node.map(|node| node.id), up_grad);
-    }
-}
-
-fn swiglu_autodiff(gate: FloatTensor<CpuAutodiff>, up: FloatTensor<CpuAutodiff>) -> FloatTensor<CpuAutodiff> {
-    let prepared = SwigluBackward.prepare::<NoCheckpointing>([gate.node(), up.node()]).compute_bound().stateful();
-    let (gate, up) = (gate.primitive().clone(), up.primitive().clone());
-    match prepared {
-        OpsKind::Tracked(prep) => {
-            let out = swiglu_flex(&gate, &up);
-            prep.finish((gate, up), out)
-        }
-        OpsKind::UnTracked(prep) => prep.finish(swiglu_flex(&gate, &up)),
+        register(grads, gate_node, gate_grad, shape.clone());
+        register(grads, up_node, up_grad, shape);
     }
 }
 
@@ -154,34 +175,48 @@ impl Backward<Flex, 2> for RmsNormBackward {
     type State = (FlexTensor, FlexTensor);
 
     fn backward(self, ops: Ops<Self::State, 2>, grads: &mut Gradients, _: &mut Checkpointer) {
-        let [x_node, gain_node] = ops.parents;
+        let [x_node, gain_node] = ops.parents.map(|node| node.map(|node| node.id));
         let grad = grads.consume::<Flex>(&ops.node);
         let ((x, shape), (gain, gain_shape), (grad, _)) = (values(&ops.state.0), values(&ops.state.1), values(&grad));
         let (mut x_grad, mut gain_grad) = (vec![0.0; slice(&x).len()], vec![0.0; slice(&gain).len()]);
         kernels::rms_norm_rows_backward(slice(&x), slice(&gain), self.eps, slice(&grad), &mut x_grad, &mut gain_grad);
-        if let Some(node) = x_node {
-            grads.register::<Flex>(node.id, tensor_of(x_grad, shape));
-        }
-        if let Some(node) = gain_node {
-            grads.register::<Flex>(node.id, tensor_of(gain_grad, gain_shape));
+        register(grads, x_node, x_grad, shape);
+        register(grads, gain_node, gain_grad, gain_shape);
+    }
+}
+
+/// `x` (`[batch, tokens, heads, head_dim]`) rotated by `tables`, or by their adjoint.
+fn rope_flex(x: &FlexTensor, (cos, sin): &(FlexTensor, FlexTensor), transpose: bool) -> FlexTensor {
+    let ((x, shape), (cos, _), (sin, _)) = (values(x), values(cos), values(sin));
+    let mut out = vec![0.0; slice(&x).len()];
+    let (heads, head_dim) = (shape[2], shape[3]);
+    kernels::rope(slice(&x), slice(&cos), slice(&sin), heads, head_dim, transpose, &mut out);
+    tensor_of(out, shape)
+}
+
+#[derive(Debug)]
+struct RopeBackward;
+
+impl Backward<Flex, 1> for RopeBackward {
+    /// The cosine and sine tables.
+    type State = (FlexTensor, FlexTensor);
+
+    fn backward(self, ops: Ops<Self::State, 1>, grads: &mut Gradients, _: &mut Checkpointer) {
+        let [parent] = ops.parents;
+        let grad = grads.consume::<Flex>(&ops.node);
+        if let Some(node) = parent {
+            grads.register::<Flex>(node.id, rope_flex(&grad, &ops.state, true));
         }
     }
 }
 
-fn rms_norm_autodiff(
-    x: FloatTensor<CpuAutodiff>,
-    gain: FloatTensor<CpuAutodiff>,
-    eps: f32,
-) -> FloatTensor<CpuAutodiff> {
-    let prepared =
-        RmsNormBackward { eps }.prepare::<NoCheckpointing>([x.node(), gain.node()]).compute_bound().stateful();
-    let (x, gain) = (x.primitive().clone(), gain.primitive().clone());
-    match prepared {
+fn rope_autodiff(x: FloatTensor<CpuAutodiff>, tables: (FlexTensor, FlexTensor)) -> FloatTensor<CpuAutodiff> {
+    match RopeBackward.prepare::<NoCheckpointing>([x.node()]).compute_bound().stateful() {
         OpsKind::Tracked(prep) => {
-            let out = rms_norm_flex(&x, &gain, eps);
-            prep.finish((x, gain), out)
+            let out = rope_flex(x.primitive(), &tables, false);
+            prep.finish(tables, out)
         }
-        OpsKind::UnTracked(prep) => prep.finish(rms_norm_flex(&x, &gain, eps)),
+        OpsKind::UnTracked(prep) => prep.finish(rope_flex(x.primitive(), &tables, false)),
     }
 }
 
@@ -191,7 +226,7 @@ mod tests {
     use burn::tensor::Device;
     use burn::tensor::activation::{silu, softmax};
 
-    use crate::cpu::stage::rms_norm_composite;
+    use crate::cpu::stage::{rms_norm_composite, rope_composite};
 
     fn device() -> Device {
         Device::flex().autodiff()
@@ -276,6 +311,30 @@ mod tests {
         assert_close(&y, &want_y, "rms_norm");
         assert_close(&dx, &want_dx, "rms_norm input gradient");
         assert_close(&d_gain, &want_gain, "rms_norm gain gradient");
+    }
+
+    #[test]
+    fn fused_rope_matches_burn_in_value_and_gradient() {
+        let weights = constant([2, 5, 3, 8], 1.0, 2.0);
+        let angles: Vec<f32> = (0..5 * 8).map(|i| (i / 8) as f32 * ((i % 4) as f32 + 1.0) * 0.2).collect();
+        let table = |f: fn(f32) -> f32| {
+            let values: Vec<f32> = angles.iter().map(|&a| f(a)).collect();
+            Tensor::<4>::from_data(TensorData::new(values, [1, 5, 1, 8]), &device())
+        };
+        let (cos, sin) = (table(f32::cos), table(f32::sin));
+        let run = |fused: bool| {
+            let x = leaf([2, 5, 3, 8], 2.0, 0.0);
+            let y = if fused {
+                fused_rope(&x, &cos, &sin).expect("fused")
+            } else {
+                rope_composite(x.clone(), cos.clone(), sin.clone())
+            };
+            let grads = (y.clone() * weights.clone()).sum().backward();
+            (floats(y), floats(x.grad(&grads).expect("x has a gradient")))
+        };
+        let ((y, dx), (want_y, want_dx)) = (run(true), run(false));
+        assert_close(&y, &want_y, "rope");
+        assert_close(&dx, &want_dx, "rope gradient");
     }
 
     #[test]

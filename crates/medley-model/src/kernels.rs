@@ -44,10 +44,13 @@ pub(crate) fn exp(x: f32) -> f32 {
     if x < EXP_MIN { 0.0 } else { e_r * scale }
 }
 
-/// `1 / (1 + e^-x)`.
+/// `1 / (1 + e^-x)`, from `e^-|x|` so that it keeps its relative precision for negative `x`
+/// and is exactly 0 where `e^x` is (below [`EXP_MIN`]).
 #[inline(always)]
 fn sigmoid(x: f32) -> f32 {
-    1.0 / (1.0 + exp(-x))
+    let e = exp(-x.abs());
+    let positive = 1.0 / (1.0 + e);
+    if x >= 0.0 { positive } else { e * positive }
 }
 
 /// The maximum of `values` (`-inf` when empty).
@@ -250,6 +253,55 @@ pub(crate) fn rms_norm_rows_backward(
     });
 }
 
+/// Rotary position embedding (rotate-half form) of `x`, `heads * head_dim` values per token,
+/// with `cos` and `sin` tables of `head_dim` per token of a sample: per head, halves
+/// `(x1, x2)` become `(x1 cos1 - x2 sin1, x2 cos2 + x1 sin2)`. With `transpose`, the adjoint
+/// (the input gradient from an output gradient `x`): `(x1 cos1 + x2 sin2, x2 cos2 - x1 sin1)`.
+pub(crate) fn rope(
+    x: &[f32],
+    cos: &[f32],
+    sin: &[f32],
+    heads: usize,
+    head_dim: usize,
+    transpose: bool,
+    output: &mut [f32],
+) {
+    assert_eq!(x.len(), output.len(), "rope: input and output lengths differ");
+    assert!(cos.len() == sin.len() && head_dim.is_multiple_of(2), "rope: tables differ or an odd head size");
+    let token_width = heads * head_dim;
+    if x.is_empty() || token_width == 0 {
+        return;
+    }
+    let tokens = cos.len() / head_dim;
+    assert!(
+        cos.len() == tokens * head_dim && x.len().is_multiple_of(tokens * token_width),
+        "rope: the tables do not fit the input"
+    );
+    vectorized!(Rope {
+        x: &'a [f32], cos: &'a [f32], sin: &'a [f32], head_dim: usize, transpose: bool,
+        output: &'a mut [f32], token_width: usize, tokens: usize
+    } => {
+        let half = head_dim / 2;
+        let rows = x.chunks_exact(token_width).zip(output.chunks_exact_mut(token_width));
+        for (token, (x, y)) in rows.enumerate() {
+            let position = token % tokens * head_dim;
+            let (cos, sin) = (&cos[position..position + head_dim], &sin[position..position + head_dim]);
+            let (cos1, cos2) = cos.split_at(half);
+            let (sin1, sin2) = sin.split_at(half);
+            for (x, y) in x.chunks_exact(head_dim).zip(y.chunks_exact_mut(head_dim)) {
+                let (x1, x2) = x.split_at(half);
+                let (y1, y2) = y.split_at_mut(half);
+                let sign = if transpose { -1.0 } else { 1.0 };
+                let (first_sin, second_sin) = if transpose { (sin2, sin1) } else { (sin1, sin2) };
+                for i in 0..half {
+                    y1[i] = x1[i] * cos1[i] - sign * x2[i] * first_sin[i];
+                    y2[i] = x2[i] * cos2[i] + sign * x1[i] * second_sin[i];
+                }
+            }
+        }
+    });
+}
+
 #[cfg(test)]
 mod tests {
     use super::*;
@@ -270,6 +322,36 @@ mod tests {
         assert_eq!(exp(f32::NEG_INFINITY), 0.0);
         assert_eq!(exp(-1000.0), 0.0);
         assert!(exp(1000.0).is_finite() && exp(1000.0) > 1e38);
+    }
+
+    #[test]
+    fn rope_rotates_each_head_by_its_position_and_its_transpose_undoes_it() {
+        let (heads, head_dim, tokens, samples) = (3, 4, 5, 2);
+        let angle = |token: usize, dim: usize| (token * (dim % 2 + 1)) as f32 * 0.3;
+        let table = |f: fn(f32) -> f32| -> Vec<f32> {
+            (0..tokens).flat_map(|t| (0..head_dim).map(move |d| f(angle(t, d % (head_dim / 2))))).collect()
+        };
+        let (cos, sin) = (table(f32::cos), table(f32::sin));
+        let x: Vec<f32> = (0..samples * tokens * heads * head_dim).map(|i| (i as f32 * 0.37).sin()).collect();
+        let mut y = vec![0.0; x.len()];
+        rope(&x, &cos, &sin, heads, head_dim, false, &mut y);
+        for (row, (x, y)) in x.chunks(heads * head_dim).zip(y.chunks(heads * head_dim)).enumerate() {
+            let token = row % tokens;
+            for (x, y) in x.chunks(head_dim).zip(y.chunks(head_dim)) {
+                for i in 0..head_dim / 2 {
+                    let (c, s) = (angle(token, i).cos(), angle(token, i).sin());
+                    let (x1, x2) = (x[i], x[i + head_dim / 2]);
+                    assert!((y[i] - (x1 * c - x2 * s)).abs() < 1e-6);
+                    assert!((y[i + head_dim / 2] - (x2 * c + x1 * s)).abs() < 1e-6);
+                }
+            }
+        }
+        // A rotation's adjoint is its inverse.
+        let mut back = vec![0.0; x.len()];
+        rope(&y, &cos, &sin, heads, head_dim, true, &mut back);
+        for (got, want) in back.iter().zip(&x) {
+            assert!((got - want).abs() < 1e-5, "{got} vs {want}");
+        }
     }
 
     #[test]

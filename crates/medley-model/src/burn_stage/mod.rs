@@ -267,11 +267,18 @@ pub(crate) fn rms_norm_composite(x: Tensor<2>, gain: Tensor<1>, eps: f32) -> Ten
     x / rms * gain.unsqueeze::<2>()
 }
 
-/// Rotary position embedding (rotate-half form) of `[batch, tokens, heads, head_dim]`.
+/// Rotary position embedding (rotate-half form) of `[batch, tokens, heads, head_dim]`: the
+/// backend's fused kernel where it has one.
 fn rope(x: Tensor<4>, rotation: &Rotation) -> Tensor<4> {
+    backend::fused_rope(&x, &rotation.cos, &rotation.sin)
+        .unwrap_or_else(|| rope_composite(x, rotation.cos.clone(), rotation.sin.clone()))
+}
+
+/// Rotary position embedding from burn's operations.
+pub(crate) fn rope_composite(x: Tensor<4>, cos: Tensor<4>, sin: Tensor<4>) -> Tensor<4> {
     let halves = x.clone().chunk(2, 3);
     let rotated = Tensor::cat(vec![halves[1].clone().neg(), halves[0].clone()], 3);
-    x * rotation.cos.clone() + rotated * rotation.sin.clone()
+    x * cos + rotated * sin
 }
 
 /// Cosine and sine tables `[seq, head_dim]` for rotate-half RoPE: frequency i serves dimensions i
