@@ -1,5 +1,7 @@
 //! The thin trait between medley and a tensor library.
 
+use std::collections::HashMap;
+
 use serde::{Deserialize, Serialize};
 
 use crate::ModelError;
@@ -22,6 +24,12 @@ impl HostTensor {
         HostTensor { shape, data: vec![0.0; numel] }
     }
 
+    /// Adds `other`, of the same shape, element by element.
+    pub fn add_from(&mut self, other: &HostTensor) {
+        debug_assert_eq!(self.shape, other.shape);
+        self.data.iter_mut().zip(&other.data).for_each(|(sum, value)| *sum += value);
+    }
+
     /// Checks the shape before the data is trusted: received tensors come from other processes.
     pub fn expect_shape(&self, what: &str, expected: &[usize]) -> Result<(), ModelError> {
         if self.shape == expected && self.data.len() == expected.iter().product::<usize>() {
@@ -29,6 +37,12 @@ impl HostTensor {
         }
         Err(ModelError::Shape { what: what.into(), expected: expected.to_vec(), got: self.shape.clone() })
     }
+}
+
+/// What `micro_batch`'s forward left in `pending` for its backward.
+pub(crate) fn take_pending<T>(pending: &mut HashMap<u32, T>, micro_batch: u32) -> Result<T, ModelError> {
+    let reason = "backward before its forward".into();
+    pending.remove(&micro_batch).ok_or(ModelError::MicroBatch { micro_batch, reason })
 }
 
 /// The samples of one micro-batch: `batch` rows of `seq` input tokens and their next-token targets.

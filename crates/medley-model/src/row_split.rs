@@ -9,6 +9,7 @@ use std::ops::Range;
 
 use rayon::prelude::*;
 
+use crate::compute::take_pending;
 use crate::{ComputeDevice, HostTensor, MicroBatch, ModelConfig, ModelError, StageCompute, StageOutput};
 
 /// Makes one more copy of the stage.
@@ -127,8 +128,7 @@ impl StageCompute for RowSplit {
         upstream: Option<HostTensor>,
         grads: &mut [HostTensor],
     ) -> Result<Option<HostTensor>, ModelError> {
-        let reason = "backward before its forward".into();
-        let blocks = self.pending.remove(&micro_batch).ok_or(ModelError::MicroBatch { micro_batch, reason })?;
+        let blocks = take_pending(&mut self.pending, micro_batch)?;
         if blocks.len() == 1 {
             return self.copies[0].backward(micro_batch, upstream, grads);
         }
@@ -144,9 +144,7 @@ impl StageCompute for RowSplit {
             .collect::<Result<_, ModelError>>()?;
         let mut input_grads = Vec::new();
         for (own, input_grad) in results {
-            for (sum, part) in grads.iter_mut().zip(own) {
-                sum.data.iter_mut().zip(part.data).for_each(|(sum, g)| *sum += g);
-            }
+            grads.iter_mut().zip(&own).for_each(|(sum, part)| sum.add_from(part));
             input_grads.extend(input_grad);
         }
         Ok((!input_grads.is_empty()).then(|| stack(input_grads)))

@@ -10,6 +10,7 @@ use super::burn::tensor::{Bool, Int};
 
 use super::{Gradients, Tensor, TensorData};
 use super::{PendingOutput, Rotation, Weights, device_to_host, input_gradient, softmax_last};
+use crate::compute::take_pending;
 use crate::context::{ContextCollectives, ContextPlacement, HeadsLayout};
 use crate::{ComputeDevice, HostTensor, MicroBatch, ModelConfig, ModelError, StageCompute, StageOutput};
 
@@ -416,8 +417,7 @@ impl StageCompute for ContextStage {
         upstream: Option<HostTensor>,
         grads: &mut [HostTensor],
     ) -> Result<Option<HostTensor>, ModelError> {
-        let reason = "backward before its forward".into();
-        let mut pending = self.pending.remove(&micro_batch).ok_or(ModelError::MicroBatch { micro_batch, reason })?;
+        let mut pending = take_pending(&mut self.pending, micro_batch)?;
         self.weights.check_accumulators(micro_batch, grads)?;
         let mut upstream = upstream;
         // The gradients flowing into the segment below: its residual stream's and its Q, K, V's.

@@ -15,6 +15,7 @@ pub use context::ContextStage;
 pub(crate) use gemm::matmul_seconds;
 
 use super::backend::{self, Device, Gradients, Tensor, TensorData, burn};
+use crate::compute::take_pending;
 use crate::params::{LAYER_TENSORS, ParamSpec, stage_params};
 use crate::{ComputeDevice, HostTensor, MicroBatch, ModelConfig, ModelError, StageCompute, StageOutput};
 
@@ -194,7 +195,7 @@ impl Weights {
                 DeviceParam::Matrix(tensor) => tensor.grad(gradients).map(device_to_host),
             };
             if let Some(grad) = grad.transpose()? {
-                acc.data.iter_mut().zip(&grad.data).for_each(|(sum, g)| *sum += g);
+                acc.add_from(&grad);
             }
         }
         Ok(())
@@ -426,8 +427,7 @@ impl StageCompute for BurnStage {
         grads: &mut [HostTensor],
     ) -> Result<Option<HostTensor>, ModelError> {
         let w = &self.weights;
-        let reason = "backward before its forward".into();
-        let pending = self.pending.remove(&micro_batch).ok_or(ModelError::MicroBatch { micro_batch, reason })?;
+        let pending = take_pending(&mut self.pending, micro_batch)?;
         let gradients = w.output_backward(micro_batch, pending.output, upstream, None)?;
         w.check_accumulators(micro_batch, grads)?;
         w.add_param_grads(&gradients, grads)?;
