@@ -11,7 +11,7 @@ use crate::bind::Cores;
 use crate::dtype::{DType, Element};
 use crate::env::{Config, LaunchEnv};
 use crate::exec::{Call, Scratch, execute};
-use crate::mesh;
+use crate::mesh::{self, JoinBudget};
 use crate::session::Session;
 use crate::transport::window::Windows;
 use crate::transport::{Links, Sink, Ticket};
@@ -91,7 +91,9 @@ impl Communicator {
         let listen_ip = session.store.local_ip()?;
         let members: Vec<usize> = (0..env.world_size).collect();
         let timeout = config.timeout;
-        let world = Communicator::connect(Arc::clone(&session), "world".into(), members, env.rank, listen_ip, config)?;
+        let budget = session.join_budget;
+        let world =
+            Communicator::connect(Arc::clone(&session), "world".into(), members, env.rank, listen_ip, config, budget)?;
         // Rendezvous may wait for processes still starting; once every rank has joined, a store
         // call waits no longer on a silent peer than any other wait does.
         session.store.set_timeout(timeout)?;
@@ -105,8 +107,10 @@ impl Communicator {
         rank: usize,
         listen_ip: IpAddr,
         config: Config,
+        budget: JoinBudget,
     ) -> Result<Communicator, CommError> {
-        let mesh = mesh::connect(&session, &ns, &members, rank, listen_ip, &config).map_err(|err| session.fail(err))?;
+        let mesh = mesh::connect(&session, &ns, &members, rank, listen_ip, &config, budget)
+            .map_err(|err| session.fail(err))?;
         let n = members.len();
         Ok(Communicator {
             links: mesh.links,
@@ -441,7 +445,8 @@ impl Communicator {
         let rank = ranks.iter().position(|&r| r == self.rank).expect("this rank has its color");
         let members = ranks.iter().map(|&r| self.members[r]).collect();
         let ns = format!("{}/split{}/color{color}", self.ns, self.n_splits);
-        Communicator::connect(Arc::clone(&self.session), ns, members, rank, self.listen_ip, self.config.clone())
+        let budget = JoinBudget::from_now(self.config.timeout);
+        Communicator::connect(Arc::clone(&self.session), ns, members, rank, self.listen_ip, self.config.clone(), budget)
             .map(Some)
     }
 }

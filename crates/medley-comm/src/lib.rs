@@ -39,5 +39,6 @@ pub use error::CommError;
 pub use half::{bf16, f16};
 pub use medley_collective::{Algorithm, Counts, Op, ReduceOp};
 pub use store::StoreServer;
+pub use transport::shm::remove_job_shared_memory;
 #[doc(hidden)]
 pub use untrusted::{decode_untrusted, greeting_bytes};

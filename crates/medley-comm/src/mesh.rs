@@ -12,7 +12,7 @@ use medley_collective::{DomainId, Group};
 use crate::CommError;
 use crate::env::{Config, TransportKind};
 use crate::session::Session;
-use crate::transport::shm::{Inbox, ShmTransport, allow_reads_by, inbox_path};
+use crate::transport::shm::{Inbox, ShmTransport, allow_reads_by, inbox_path, job_prefix};
 use crate::transport::tcp::TcpTransport;
 use crate::transport::window::{self, Windows, window_path};
 use crate::transport::{Links, Transport};
@@ -63,7 +63,31 @@ fn hostname() -> String {
     if ok { String::from_utf8_lossy(&buf[..len]).into_owned() } else { "unknown-host".into() }
 }
 
-/// Connects rank `me` of the communicator whose ranks are the job ranks `members`, under `ns`.
+/// How long a communicator's ranks have to join it, all waits together: every wait of the join
+/// ends by `deadline` and names the rank it waited on.
+#[derive(Clone, Copy, Debug)]
+pub(crate) struct JoinBudget {
+    pub deadline: Instant,
+    pub total: Duration,
+}
+
+impl JoinBudget {
+    pub fn from_now(total: Duration) -> JoinBudget {
+        JoinBudget { deadline: Instant::now() + total, total }
+    }
+
+    /// What is left of it, at least a millisecond (a socket refuses a zero timeout).
+    fn left(&self) -> Duration {
+        self.deadline.saturating_duration_since(Instant::now()).max(Duration::from_millis(1))
+    }
+
+    fn timeout(&self, rank: usize, what: &'static str) -> CommError {
+        CommError::Timeout { rank, waited: self.total, what }
+    }
+}
+
+/// Connects rank `me` of the communicator whose ranks are the job ranks `members`, under `ns`,
+/// within `budget`.
 pub(crate) fn connect(
     session: &Session,
     ns: &str,
@@ -71,6 +95,7 @@ pub(crate) fn connect(
     me: usize,
     listen_ip: IpAddr,
     config: &Config,
+    budget: JoinBudget,
 ) -> Result<Mesh, CommError> {
     let n = members.len();
     let io = |what: &str, err: std::io::Error| CommError::io(what.to_string(), &err);
@@ -78,8 +103,17 @@ pub(crate) fn connect(
     let listen = listener.local_addr().map_err(|e| io("the data listener's address", e))?.to_string();
     let mine = RankInfo { listen, domain: session.env.domain.clone(), host: hostname(), pid: std::process::id() };
     session.store.set(&format!("{ns}/info/{me}"), &mine.encode())?;
+    let wait_for = |key: String, peer: usize, what: &'static str| -> Result<Vec<u8>, CommError> {
+        let value = session.store.wait_for(&key, budget.deadline, &session.abort)?;
+        value.ok_or_else(|| budget.timeout(members[peer], what))
+    };
     let infos: Vec<RankInfo> = (0..n)
-        .map(|r| RankInfo::decode(&session.store.get(&format!("{ns}/info/{r}"))?, members[r]))
+        .map(|r| {
+            RankInfo::decode(
+                &wait_for(format!("{ns}/info/{r}"), r, "joining: it never published its address")?,
+                members[r],
+            )
+        })
         .collect::<Result<_, _>>()?;
 
     let mut domain_names: Vec<String> = infos.iter().map(|info| info.domain.clone()).collect();
@@ -96,7 +130,7 @@ pub(crate) fn connect(
     let shm_peers: Vec<usize> = (0..n).filter(|&p| p != me && route_to(p) == TransportKind::Shm).collect();
     let tcp_peers: Vec<usize> = (0..n).filter(|&p| p != me && route_to(p) == TransportKind::Tcp).collect();
 
-    let joining = Joining { session, ns, members, me, infos: &infos };
+    let joining = Joining { session, ns, members, me, infos: &infos, budget };
     let mut transports: Vec<Box<dyn Transport>> = Vec::new();
     let mut route = vec![0; n];
     // Windows are a native facility: a bridge between vendors offers none, even on one host.
@@ -127,6 +161,15 @@ struct Joining<'a> {
     members: &'a [usize],
     me: usize,
     infos: &'a [RankInfo],
+    budget: JoinBudget,
+}
+
+impl Joining<'_> {
+    /// Waits until `peer` has set `key` in the store (within the budget).
+    fn wait_for(&self, key: &str, peer: usize, what: &'static str) -> Result<(), CommError> {
+        let value = self.session.store.wait_for(key, self.budget.deadline, &self.session.abort)?;
+        value.map(drop).ok_or_else(|| self.budget.timeout(self.members[peer], what))
+    }
 }
 
 /// Creates this rank's inbox (and window, with `share_windows`), maps its shared-memory peers'
@@ -136,9 +179,9 @@ fn connect_shm(
     peers: &[usize],
     share_windows: bool,
 ) -> Result<(ShmTransport, Option<Windows>), CommError> {
-    let Joining { session, ns, members, me, infos } = *joining;
+    let Joining { session, ns, members, me, infos, .. } = *joining;
     let n = members.len();
-    let job = format!("{:016x}", fingerprint(&format!("{}|{}|{ns}", session.env.token, session.env.store_addr())));
+    let job = format!("{}{:08x}", job_prefix(&session.env.token, &session.env.store_addr()), fingerprint(ns) as u32);
     let my_paths = RemovedOnDrop(vec![inbox_path(&job, me), window_path(&job, me)]);
     let inbox = Inbox::create(&my_paths.0[0], n)?;
     let mut maps = Vec::new();
@@ -149,7 +192,7 @@ fn connect_shm(
     session.store.set(&format!("{ns}/inbox/{me}"), b"")?;
     let mut theirs: Vec<Option<(usize, u32, Inbox)>> = (0..n).map(|_| None).collect();
     for &p in peers {
-        session.store.get(&format!("{ns}/inbox/{p}"))?;
+        joining.wait_for(&format!("{ns}/inbox/{p}"), p, "joining: it never created its shared-memory inbox")?;
         theirs[p] = Some((members[p], infos[p].pid, Inbox::open(&inbox_path(&job, p), n)?));
         if share_windows {
             maps[p] = Some(window::open(&window_path(&job, p))?);
@@ -157,7 +200,7 @@ fn connect_shm(
     }
     session.store.set(&format!("{ns}/mapped/{me}"), b"")?;
     for &p in peers {
-        session.store.get(&format!("{ns}/mapped/{p}"))?;
+        joining.wait_for(&format!("{ns}/mapped/{p}"), p, "joining: it never mapped the shared-memory inboxes")?;
     }
     drop(my_paths);
     let windows = share_windows.then(|| Windows::new(me, maps.into_iter().flatten().collect(), members.to_vec()));
@@ -185,7 +228,7 @@ fn connect_tcp(
     peers: &[usize],
     config: &Config,
 ) -> Result<Vec<Option<Vec<TcpStream>>>, CommError> {
-    let Joining { session, ns, members, me, infos } = *joining;
+    let Joining { session, ns, members, me, infos, budget } = *joining;
     let n = infos.len();
     let streams = config.tcp_streams.max(1);
     let token = &session.env.token;
@@ -198,12 +241,17 @@ fn connect_tcp(
             let io =
                 |err: std::io::Error| CommError::io(format!("connecting to rank {p} at {}", infos[p].listen), &err);
             let mut stream = TcpStream::connect(&infos[p].listen).map_err(io)?;
-            stream.set_read_timeout(Some(config.connect_timeout)).map_err(io)?;
+            stream.set_read_timeout(Some(budget.left())).map_err(io)?;
             Hello { token: token.clone(), purpose: ns.into(), rank: me as u64, stream: s as u64 }
                 .write(&mut stream)
                 .map_err(io)?;
             let mut ack = [0u8; 1];
-            stream.read_exact(&mut ack).map_err(io)?;
+            stream.read_exact(&mut ack).map_err(|err| match err.kind() {
+                std::io::ErrorKind::WouldBlock | std::io::ErrorKind::TimedOut => {
+                    budget.timeout(members[p], "joining: it never answered this rank's greeting")
+                }
+                _ => io(err),
+            })?;
             if ack[0] != 1 {
                 return Err(CommError::Refused {
                     addr: infos[p].listen.clone(),
@@ -215,16 +263,15 @@ fn connect_tcp(
     }
     let mut expected = peers.iter().filter(|&&p| p > me).count() * streams;
     listener.set_nonblocking(true).map_err(|e| CommError::io("configuring the data listener", &e))?;
-    let deadline = Instant::now() + config.connect_timeout;
     while expected > 0 {
         session.abort.check()?;
         let mut stream = match listener.accept() {
             Ok((stream, _)) => stream,
             Err(err) if err.kind() == std::io::ErrorKind::WouldBlock => {
-                if Instant::now() > deadline {
+                if Instant::now() > budget.deadline {
                     let missing = peers.iter().find(|&&p| p > me && slots[p].iter().any(Option::is_none));
                     let rank = members[*missing.expect("a connection is missing")];
-                    return Err(CommError::Timeout { rank, waited: config.connect_timeout, what: "connecting" });
+                    return Err(budget.timeout(rank, "joining: it never connected to this rank"));
                 }
                 std::thread::sleep(Duration::from_millis(2));
                 continue;
@@ -232,7 +279,7 @@ fn connect_tcp(
             Err(err) => return Err(CommError::io("accepting a peer", &err)),
         };
         stream.set_nonblocking(false).ok();
-        stream.set_read_timeout(Some(Duration::from_secs(5))).ok();
+        stream.set_read_timeout(Some(budget.left().min(Duration::from_secs(5)))).ok();
         let Ok(hello) = Hello::read(&mut stream) else { continue };
         let (rank, s) = (hello.rank as usize, hello.stream as usize);
         let fits = same_token(&hello.token, token)

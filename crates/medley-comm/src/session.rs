@@ -11,6 +11,7 @@ const PEER_REPORT_GRACE: Duration = Duration::from_millis(250);
 use crate::CommError;
 use crate::bind::Cores;
 use crate::env::{Config, LaunchEnv, StoreHost};
+use crate::mesh::JoinBudget;
 use crate::store::{Monitor, StoreClient, StoreServer};
 use crate::wait::{Abort, Blame};
 
@@ -21,6 +22,8 @@ pub(crate) struct Session {
     /// The CPUs this rank was bound to when it joined, or its share of the host's.
     pub cores: Cores,
     timeout: Duration,
+    /// The job's join, from the moment this rank started joining: `Config::connect_timeout`.
+    pub join_budget: JoinBudget,
     monitor: Option<Monitor>,
     server: Option<StoreServer>,
 }
@@ -29,6 +32,7 @@ impl Session {
     /// Joins the job, first binding the calling thread to a core as `env` asks (see
     /// [`crate::CpuBinding`]): the store's threads started here inherit the binding.
     pub fn join(env: &LaunchEnv, config: &Config) -> Result<Session, CommError> {
+        let join_budget = JoinBudget::from_now(config.connect_timeout);
         let cores = crate::bind::bind_to_cores(env);
         let addr = env.store_addr();
         let hosts_store = env.rank == 0 && env.store_host == StoreHost::Rank0;
@@ -36,7 +40,16 @@ impl Session {
         let store = StoreClient::connect(&addr, &env.token, env.rank, config.connect_timeout)?;
         let abort = Arc::new(Abort::default());
         let monitor = Monitor::start(&addr, &env.token, env.rank, config.connect_timeout, Arc::clone(&abort))?;
-        Ok(Session { env: env.clone(), store, abort, cores, timeout: config.timeout, monitor: Some(monitor), server })
+        Ok(Session {
+            env: env.clone(),
+            store,
+            abort,
+            cores,
+            timeout: config.timeout,
+            join_budget,
+            monitor: Some(monitor),
+            server,
+        })
     }
 
     /// Records a failure this rank found and tells the job who is to blame; returns the error to

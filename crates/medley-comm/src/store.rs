@@ -60,6 +60,8 @@ struct State {
     finished: BTreeSet<u64>,
     /// Ranks gone from the store: said goodbye or closed their monitor.
     departed: BTreeSet<u64>,
+    /// Ranks that connected their monitor.
+    joined: BTreeSet<u64>,
     monitors: Vec<TcpStream>,
     /// Every joined connection by id, to shut down when the store stops; removed when it ends.
     connections: BTreeMap<u64, TcpStream>,
@@ -148,13 +150,23 @@ impl StoreServer {
         self.addr.port()
     }
 
+    /// The rank the job's first reported failure blames, if one was reported.
+    pub fn blamed(&self) -> Option<usize> {
+        self.shared.state.lock().expect("store lock").failure.as_ref().map(|(rank, _)| *rank as usize)
+    }
+
     /// Waits until every one of `n_ranks` ranks has left the store (said goodbye or closed its
-    /// monitor), or `timeout`: after a failure too, since a rank still joining reads the store
-    /// until it learns of it.
+    /// monitor), or `timeout`. After a failure only the ranks that joined are waited for, to
+    /// learn of it: one that never joined (stopped at start-up, say) would hold the store for
+    /// the whole timeout, and one joining late finds no store and fails on its own.
     pub fn wait_finished(&self, n_ranks: usize, timeout: Duration) {
         let deadline = Instant::now() + timeout;
         let mut state = self.shared.state.lock().expect("store lock");
-        while state.departed.len() < n_ranks && Instant::now() < deadline {
+        let waiting = |state: &State| {
+            let still_in = |rank: &u64| !state.departed.contains(rank);
+            if state.failure.is_some() { state.joined.iter().any(still_in) } else { state.departed.len() < n_ranks }
+        };
+        while waiting(&state) && Instant::now() < deadline {
             state = self.shared.changed.wait_timeout(state, Duration::from_millis(10)).expect("store lock").0;
         }
     }
@@ -254,6 +266,8 @@ fn monitor(mut stream: TcpStream, rank: u64, shared: &Shared) {
         if let Ok(clone) = stream.try_clone() {
             state.monitors.push(clone);
         }
+        state.joined.insert(rank);
+        shared.changed.notify_all();
     }
     let mut byte = [0u8; 1];
     while matches!(stream.read(&mut byte), Ok(1)) {}
@@ -386,8 +400,15 @@ impl StoreClient {
     /// The reply's status and bytes.
     fn exchange(&self, op: u8, key: &str, value: &[u8]) -> Result<(u8, Vec<u8>), CommError> {
         let mut stream = self.stream.lock().expect("store client lock");
-        let io =
-            |err: std::io::Error| CommError::io(format!("talking to the store at {} about {key:?}", self.addr), &err);
+        let waited = stream.read_timeout().ok().flatten();
+        let io = |err: std::io::Error| match (err.kind(), waited) {
+            (std::io::ErrorKind::WouldBlock | std::io::ErrorKind::TimedOut, Some(waited)) => CommError::Store(format!(
+                "the store at {} did not answer within {waited:?} (asked about {key:?}): the process hosting it \
+                 (rank 0, or the launcher) is stopped or gone",
+                self.addr
+            )),
+            _ => CommError::io(format!("talking to the store at {} about {key:?}", self.addr), &err),
+        };
         let mut request = vec![op];
         write_field(&mut request, key.as_bytes()).map_err(io)?;
         write_field(&mut request, value).map_err(io)?;
@@ -416,6 +437,25 @@ impl StoreClient {
 
     pub fn set(&self, key: &str, value: &[u8]) -> Result<(), CommError> {
         self.request(SET, key, value).map(drop)
+    }
+
+    /// The value of `key` once some rank has set it, asked again and again until `deadline`
+    /// (`None` if no rank has by then); a failure the job reports meanwhile (`abort`) ends the
+    /// wait. Unlike [`StoreClient::get`] no answer is left in flight when it gives up.
+    pub fn wait_for(&self, key: &str, deadline: Instant, abort: &Abort) -> Result<Option<Vec<u8>>, CommError> {
+        let mut pause = Duration::from_millis(1);
+        loop {
+            if let Some(value) = self.try_get(key)? {
+                return Ok(Some(value));
+            }
+            abort.check()?;
+            let now = Instant::now();
+            if now >= deadline {
+                return Ok(None);
+            }
+            std::thread::sleep(pause.min(deadline - now));
+            pause = (pause * 2).min(Duration::from_millis(20));
+        }
     }
 
     /// The value of `key`, waiting (up to the connection's timeout) until some rank sets it.

@@ -620,3 +620,28 @@ fn a_process_without_the_job_token_is_refused() {
     honest.kill().ok();
     finish(honest, Duration::from_secs(5));
 }
+
+#[test]
+fn a_rank_that_never_joins_is_named_within_the_join_budget_by_every_other() {
+    // Rank 2 of 3 never starts (as a rank stopped at start-up): the others wait one budget for
+    // it, all their waits together, and name it; they do not wait one budget per wait.
+    let config =
+        Config { timeout: Duration::from_secs(10), connect_timeout: Duration::from_secs(2), ..Config::default() };
+    let port = free_port();
+    let started = Instant::now();
+    let errors: Vec<CommError> = std::thread::scope(|scope| {
+        let ranks: Vec<_> = (0..2)
+            .map(|rank| {
+                let (config, vars) = (config.clone(), launch_vars(rank, 3, port, "nvidia", TOKEN));
+                scope.spawn(move || Communicator::init(&LaunchEnv::from_vars(vars).unwrap(), config).err().unwrap())
+            })
+            .collect();
+        ranks.into_iter().map(|rank| rank.join().unwrap()).collect()
+    });
+    let waited = started.elapsed();
+    assert!(waited < Duration::from_secs(6), "the join took {waited:?} on a 2 s budget");
+    for err in errors {
+        assert_eq!(err.blamed_rank(), Some(2), "{err}");
+        assert!(err.to_string().contains("rank 2 did not answer within 2s"), "{err}");
+    }
+}

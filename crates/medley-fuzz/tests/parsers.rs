@@ -7,6 +7,7 @@
 
 use std::io::{Read, Write};
 use std::net::{Shutdown, TcpStream};
+use std::path::{Path, PathBuf};
 use std::sync::atomic::{AtomicUsize, Ordering};
 use std::time::Duration;
 
@@ -140,6 +141,115 @@ fn checkpoint_manifests_and_pointers() {
         std::fs::write(dir.join("manifest.json"), manifest).unwrap();
         if let Ok((dir, manifest)) = medley_runtime::read_latest(root.path()) {
             let _ = medley_runtime::verify_checkpoint(&dir, &manifest);
+        }
+    });
+}
+
+/// A run's checkpoint directory grown from bytes: byte 0 picks the step `latest` names (or a
+/// link, or junk), then each pair (step, kind) adds a step directory of one kind — a complete
+/// checkpoint, one whose manifest lies about its step, one cut short, a link out of the run
+/// directory, one whose rank file is a FIFO or a link, one holding a stranger's file, a plain
+/// file. A resume in place (read, verify, sweep) must never hang, follow a link, or delete a
+/// directory that holds a manifest or a file it did not write.
+fn build_run_directory(root: &Path, outside: &Path, template: &Path, bytes: &[u8]) {
+    let step_dir = |step: u8| root.join(format!("step-{:08}", step % 12));
+    let copy_template = |dir: &Path| {
+        std::fs::create_dir_all(dir).unwrap();
+        for entry in std::fs::read_dir(template).unwrap().flatten() {
+            std::fs::copy(entry.path(), dir.join(entry.file_name())).unwrap();
+        }
+    };
+    for pair in bytes.get(1..).unwrap_or_default().chunks(2).take(8) {
+        let (step, kind) = (pair[0], pair.get(1).copied().unwrap_or(0));
+        let dir = step_dir(step);
+        if std::fs::symlink_metadata(&dir).is_ok() {
+            continue;
+        }
+        match kind % 7 {
+            0 => copy_template(&dir),
+            1 => {
+                copy_template(&dir);
+                let manifest = std::fs::read_to_string(dir.join("manifest.json")).unwrap();
+                std::fs::write(dir.join("manifest.json"), manifest.replace("\"step\":6", &format!("\"step\":{kind}")))
+                    .unwrap();
+            }
+            2 => {
+                std::fs::create_dir(&dir).unwrap();
+                std::fs::write(dir.join("rank-0.safetensors"), b"cut short").unwrap();
+            }
+            3 => std::os::unix::fs::symlink(outside, &dir).unwrap(),
+            4 => {
+                copy_template(&dir);
+                std::fs::remove_file(dir.join("rank-0.safetensors")).unwrap();
+                let made = std::process::Command::new("mkfifo").arg(dir.join("rank-0.safetensors")).status().unwrap();
+                assert!(made.success());
+            }
+            5 => {
+                copy_template(&dir);
+                std::fs::remove_file(dir.join("rank-0.safetensors")).unwrap();
+                std::os::unix::fs::symlink("/dev/zero", dir.join("rank-0.safetensors")).unwrap();
+            }
+            _ => {
+                std::fs::create_dir(&dir).unwrap();
+                std::fs::write(dir.join("notes.txt"), b"mine").unwrap();
+            }
+        }
+    }
+    let pointer = root.join("latest");
+    match bytes.first().copied().unwrap_or(6) {
+        250.. => std::os::unix::fs::symlink(outside.join("pointer"), &pointer).unwrap(),
+        240.. => std::fs::write(&pointer, &bytes[..bytes.len().min(40)]).unwrap(),
+        step => std::fs::write(&pointer, format!("step-{:08}", step % 12)).unwrap(),
+    }
+}
+
+/// What a sweep may never remove: every directory holding a manifest or a file no checkpoint
+/// writes, and everything outside the run directory.
+fn must_survive(root: &Path, outside: &Path) -> Vec<PathBuf> {
+    let mut kept = vec![outside.join("pointer"), outside.join("keep.safetensors")];
+    for entry in std::fs::read_dir(root).unwrap().flatten() {
+        let path = entry.path();
+        let holds = |name: &str| std::fs::symlink_metadata(path.join(name)).is_ok();
+        if entry.file_type().unwrap().is_symlink() || !entry.file_type().unwrap().is_dir() {
+            kept.push(path);
+        } else if holds("manifest.json") || holds("notes.txt") {
+            kept.push(path.join(if holds("manifest.json") { "manifest.json" } else { "notes.txt" }));
+        }
+    }
+    kept
+}
+
+#[test]
+fn run_directories_a_resume_reads_and_sweeps() {
+    let template = tempfile::tempdir().unwrap();
+    let tensor = medley_model::HostTensor::new(vec![2], vec![1.0, 6.0]);
+    let file = template.path().join("rank-0.safetensors");
+    medley_model::save_tensors(&file, &[("w".into(), &tensor)], [("step".to_string(), "6".to_string())].into())
+        .unwrap();
+    let checksum = medley_runtime::FileChecksum::of(&file).unwrap();
+    let manifest = serde_json::json!({
+        "format": 2, "step": 6, "samples_seen": 96, "optimizer_steps": 6, "seed": 0,
+        "plan": seed_plan(), "files": ["rank-0.safetensors"],
+        "checksums": {"rank-0.safetensors": checksum},
+    });
+    std::fs::write(template.path().join("manifest.json"), serde_json::to_string(&manifest).unwrap()).unwrap();
+    let seeds =
+        vec![vec![6, 6, 0, 8, 2, 4, 0], vec![6, 6, 4, 8, 1, 9, 3], vec![4, 4, 0, 6, 0, 8, 6, 10, 5], vec![255, 6, 0]];
+    fuzz("run directories", seeds, |bytes| {
+        let (run, outside) = (tempfile::tempdir().unwrap(), tempfile::tempdir().unwrap());
+        std::fs::write(outside.path().join("pointer"), "step-00000006").unwrap();
+        std::fs::write(outside.path().join("keep.safetensors"), b"not the run's").unwrap();
+        let root = run.path().join("checkpoints");
+        std::fs::create_dir(&root).unwrap();
+        build_run_directory(&root, outside.path(), template.path(), bytes);
+        let kept = must_survive(&root, outside.path());
+        if let Ok((dir, manifest)) = medley_runtime::read_latest(&root)
+            && medley_runtime::verify_checkpoint(&dir, &manifest).is_ok()
+        {
+            let _ = medley_runtime::sweep_incomplete(&root, manifest.step);
+        }
+        for path in kept {
+            assert!(std::fs::symlink_metadata(&path).is_ok(), "{} was deleted", path.display());
         }
     });
 }

@@ -12,6 +12,7 @@ use std::io::{BufRead, BufReader};
 use std::os::unix::process::ExitStatusExt;
 use std::path::Path;
 use std::process::{Child, ChildStderr, ChildStdout, Command, ExitStatus, Stdio};
+use std::sync::atomic::{AtomicBool, Ordering};
 use std::sync::{Arc, Mutex};
 use std::thread::JoinHandle;
 use std::time::{Duration, Instant};
@@ -52,6 +53,9 @@ pub struct LocalJob {
     children: Vec<Child>,
     stderr: Vec<KeptLines>,
     store: StoreServer,
+    token: String,
+    /// Set when the job is asked to stop: the ranks are sent SIGTERM once.
+    stop: Option<Arc<AtomicBool>>,
 }
 
 /// A rank's standard error lines, read on a thread of their own.
@@ -106,6 +110,15 @@ pub fn describe_exit(status: ExitStatus) -> String {
     }
 }
 
+/// Where the launcher serves the job's store: its ranks run on this machine.
+const STORE_IP: &str = "127.0.0.1";
+
+/// The store's address as the ranks form it (`LaunchEnv::store_addr`) from MASTER_ADDR and
+/// MASTER_PORT.
+fn store_addr(store: &StoreServer) -> String {
+    format!("{STORE_IP}:{}", store.port())
+}
+
 impl LocalJob {
     /// Starts `program` once per entry of `ranks`, rank r with `ranks[r]`'s arguments and domain;
     /// rank 0's standard output is piped for [`LocalJob::take_rank0_stdout`], the others'
@@ -113,7 +126,7 @@ impl LocalJob {
     /// started, those already started are killed.
     pub fn start(program: &Path, ranks: &[RankCommand], echo: Option<Echo>) -> Result<LocalJob, LaunchError> {
         let token = job_token()?;
-        let store = StoreServer::bind("127.0.0.1:0", &token)?;
+        let store = StoreServer::bind(&format!("{STORE_IP}:0"), &token)?;
         let world = ranks.len().to_string();
         let mut children: Vec<Child> = Vec::new();
         for (rank, command) in ranks.iter().enumerate() {
@@ -124,7 +137,7 @@ impl LocalJob {
                     ("WORLD_SIZE", world.clone()),
                     ("LOCAL_RANK", rank.to_string()),
                     ("LOCAL_WORLD_SIZE", world.clone()),
-                    ("MASTER_ADDR", "127.0.0.1".into()),
+                    ("MASTER_ADDR", STORE_IP.into()),
                     ("MASTER_PORT", store.port().to_string()),
                     ("MEDLEY_DOMAIN", command.domain.clone()),
                     ("MEDLEY_TOKEN", token.clone()),
@@ -144,13 +157,14 @@ impl LocalJob {
                         child.kill().ok();
                         child.wait().ok();
                     }
+                    medley_comm::remove_job_shared_memory(&token, &store_addr(&store));
                     return Err(LaunchError::Spawn { rank, program: program.display().to_string(), error });
                 }
             }
         }
         let stderr =
             children.iter_mut().map(|child| keep_lines(child.stderr.take().expect("piped"), echo.clone())).collect();
-        Ok(LocalJob { children, stderr, store })
+        Ok(LocalJob { children, stderr, store, token, stop: None })
     }
 
     /// Rank 0's standard output (once).
@@ -158,12 +172,28 @@ impl LocalJob {
         self.children.first_mut().and_then(|child| child.stdout.take())
     }
 
+    /// Passes a request to stop on to the ranks: once `flag` is set, [`LocalJob::wait`] sends
+    /// each running rank SIGTERM (once), which medley's workers take as a request to stop at the
+    /// end of the step.
+    pub fn forward_stop(&mut self, flag: Arc<AtomicBool>) {
+        self.stop = Some(flag);
+    }
+
     /// Waits for every rank. Once one has failed the store tells the others, which get `grace`
     /// to notice and report; any still running then, or at `deadline`, is killed.
     pub fn wait(mut self, grace: Duration, deadline: Option<Instant>) -> JobEnd {
         let mut statuses = vec![None; self.children.len()];
         let mut failed_at: Option<Instant> = None;
+        let mut stop_forwarded = false;
         loop {
+            if !stop_forwarded && self.stop.as_ref().is_some_and(|flag| flag.load(Ordering::Acquire)) {
+                stop_forwarded = true;
+                for (child, _) in self.children.iter().zip(&statuses).filter(|(_, status)| status.is_none()) {
+                    let pid = rustix::process::Pid::from_raw(child.id() as i32);
+                    // A rank that has just exited is no longer there to ask: nothing to do.
+                    pid.map(|pid| rustix::process::kill_process(pid, rustix::process::Signal::TERM).ok());
+                }
+            }
             for (rank, (child, status)) in self.children.iter_mut().zip(statuses.iter_mut()).enumerate() {
                 if status.is_none()
                     && let Ok(Some(exit)) = child.try_wait()
@@ -176,7 +206,13 @@ impl LocalJob {
                     *status = Some(exit);
                 }
             }
+            // A rank the job blames that is all that still runs (stopped, say) has nobody left
+            // to report to: no grace to wait out.
+            let blamed = self.store.blamed();
+            let only_blamed_left = failed_at.is_some()
+                && statuses.iter().enumerate().all(|(rank, status)| status.is_some() || Some(rank) == blamed);
             let out_of_time = failed_at.is_some_and(|at| at.elapsed() > grace)
+                || only_blamed_left
                 || deadline.is_some_and(|deadline| Instant::now() > deadline);
             if statuses.iter().all(Option::is_some) || out_of_time {
                 break;
@@ -189,6 +225,11 @@ impl LocalJob {
                 child.kill().ok();
                 child.wait().ok();
             }
+        }
+        // Ranks killed while joining had no time to remove their shared-memory files.
+        let removed = medley_comm::remove_job_shared_memory(&self.token, &store_addr(&self.store));
+        if removed > 0 {
+            tracing::debug!("removed {removed} shared-memory files the ranks left");
         }
         // The pipes close when the ranks exit, and the readers then have every last line.
         let lines_by = Instant::now() + LAST_LINES;

@@ -4,14 +4,20 @@
 //! Every file is written atomically (temporary file, fsync, rename, directory fsync). A worker
 //! killed while writing step N leaves `latest` naming step N − k, whose files it never touches;
 //! what such a kill leaves behind (later step directories, temporary files) is swept when the run
-//! resumes. The manifest records each file's size and SHA-256, read back from disk once every
-//! rank has written: a resume checks every file it reads (replica copies included) and the step
-//! each file says it holds, so a flipped byte or a file from another step is refused, named.
+//! resumes in place — after the checkpoint it resumes from is verified, and only what is proven
+//! an unfinished write (no manifest, nothing but rank files and temporaries); a `--resume` source
+//! other than the run directory is never written to. The manifest records each file's size and
+//! SHA-256, read back from disk once every rank has written: a resume checks every file it reads
+//! (replica copies included), that it is a regular file and not a link, and the step each file,
+//! the manifest and its directory say, so a flipped byte, a file from another step or a lying
+//! manifest is refused, named, before anything is deleted.
 //! Tensors are stored under their global names, so a checkpoint restores into any plan of the
 //! same model: the stages of the new plan pick their names out of all the files.
 
 use std::collections::{BTreeMap, HashMap};
 use std::fs;
+use std::io::Read;
+use std::os::unix::fs::{FileTypeExt, OpenOptionsExt};
 use std::path::{Path, PathBuf};
 
 use medley_model::data::Dataset;
@@ -22,11 +28,17 @@ use serde::{Deserialize, Serialize};
 use crate::error::CommContext;
 use crate::{RankLayout, RuntimeError, Worker};
 
-/// The manifest format this build writes; it reads format 1 too (no checksums).
+/// The manifest format this build writes and reads. Format 1 recorded no checksums: a resume
+/// could not tell its files from corrupt ones, so it is refused.
 const MANIFEST_FORMAT: u32 = 2;
 const MANIFEST_FORMAT_WITHOUT_CHECKSUMS: u32 = 1;
 /// The file in the checkpoint root that names the newest complete checkpoint.
 const LATEST: &str = "latest";
+const MANIFEST: &str = "manifest.json";
+/// A manifest holds the plan (a few kilobytes per node group): more is not one medley wrote.
+const MAX_MANIFEST_BYTES: u64 = 64 << 20;
+/// `latest` holds one directory name.
+const MAX_POINTER_BYTES: u64 = 4096;
 
 /// What a checkpoint holds besides tensors.
 #[derive(Clone, Debug, PartialEq, Serialize, Deserialize)]
@@ -60,15 +72,101 @@ pub struct FileChecksum {
 }
 
 impl FileChecksum {
-    /// The size and hash of the file at `path`, streamed.
+    /// The size and hash of the regular file at `path`, streamed.
     pub fn of(path: &Path) -> Result<FileChecksum, RuntimeError> {
-        use sha2::Digest;
-        let mut file = fs::File::open(path).map_err(io_error(path))?;
-        let mut hasher = sha2::Sha256::new();
-        let bytes = std::io::copy(&mut file, &mut hasher).map_err(io_error(path))?;
-        let sha256 = hasher.finalize().iter().map(|byte| format!("{byte:02x}")).collect();
-        Ok(FileChecksum { bytes, sha256 })
+        let (file, _) = open_regular(path)?;
+        hash(path, file)
     }
+}
+
+fn hash(path: &Path, mut file: fs::File) -> Result<FileChecksum, RuntimeError> {
+    use sha2::Digest;
+    let mut hasher = sha2::Sha256::new();
+    let bytes = std::io::copy(&mut file, &mut hasher).map_err(io_error(path))?;
+    let sha256 = hasher.finalize().iter().map(|byte| format!("{byte:02x}")).collect();
+    Ok(FileChecksum { bytes, sha256 })
+}
+
+/// Opens `path` for reading if it is a regular file, and its size: never through a symbolic
+/// link (which may lead out of the run directory), and never waiting on a FIFO or a device.
+fn open_regular(path: &Path) -> Result<(fs::File, u64), RuntimeError> {
+    let opened = fs::OpenOptions::new().read(true).custom_flags(libc::O_NOFOLLOW | libc::O_NONBLOCK).open(path);
+    let file = match opened {
+        Ok(file) => file,
+        Err(err) if err.raw_os_error() == Some(libc::ELOOP) => {
+            return Err(corrupt(
+                path,
+                "is a symbolic link: a checkpoint reads only regular files inside its run directory",
+            ));
+        }
+        Err(err) => return Err(io_error(path)(err)),
+    };
+    let metadata = file.metadata().map_err(io_error(path))?;
+    if !metadata.is_file() {
+        return Err(corrupt(
+            path,
+            format!(
+                "is {}, not a regular file: a checkpoint reads only the files training wrote",
+                kind_of(&metadata.file_type())
+            ),
+        ));
+    }
+    Ok((file, metadata.len()))
+}
+
+/// What a file that is not a regular file is, in words.
+fn kind_of(file_type: &fs::FileType) -> &'static str {
+    if file_type.is_dir() {
+        "a directory"
+    } else if file_type.is_symlink() {
+        "a symbolic link"
+    } else if file_type.is_fifo() {
+        "a FIFO"
+    } else if file_type.is_socket() {
+        "a socket"
+    } else if file_type.is_char_device() || file_type.is_block_device() {
+        "a device"
+    } else {
+        "not a regular file"
+    }
+}
+
+/// Reads the regular file at `path` as text, refusing one longer than `max_bytes`.
+fn read_small(path: &Path, max_bytes: u64) -> Result<String, RuntimeError> {
+    let (file, len) = open_regular(path)?;
+    if len > max_bytes {
+        return Err(corrupt(path, format!("is {len} bytes, more than the {max_bytes} medley ever writes there")));
+    }
+    let mut text = String::new();
+    file.take(max_bytes).read_to_string(&mut text).map_err(io_error(path))?;
+    Ok(text)
+}
+
+/// Checks that `path` is a directory itself, not a link to one.
+fn real_dir(path: &Path) -> Result<(), RuntimeError> {
+    let file_type = fs::symlink_metadata(path).map_err(io_error(path))?.file_type();
+    if file_type.is_dir() {
+        Ok(())
+    } else {
+        Err(corrupt(
+            path,
+            format!(
+                "is {}, not a directory: a checkpoint lives in a directory of its run directory",
+                kind_of(&file_type)
+            ),
+        ))
+    }
+}
+
+/// The name of step `step`'s checkpoint directory.
+fn step_dir_name(step: u64) -> String {
+    format!("step-{step:08}")
+}
+
+/// The step a checkpoint directory's name says (`step-00000006`: 6).
+fn step_of(name: &str) -> Option<u64> {
+    let digits = name.strip_prefix("step-")?;
+    (digits.len() >= 8 && digits.bytes().all(|byte| byte.is_ascii_digit())).then(|| digits.parse().ok())?
 }
 
 fn io_error(path: &Path) -> impl FnOnce(std::io::Error) -> RuntimeError + '_ {
@@ -83,9 +181,26 @@ impl Worker {
     /// Writes this rank's stages into `root/step-NNNNNNNN/`; rank 0 then writes the manifest,
     /// moves `latest` to it and removes all but the `keep` newest checkpoints. Every rank must
     /// call it.
+    /// A checkpoint that fails before it is published (a full disk, a peer that died) leaves
+    /// none of its files behind.
     pub fn save_checkpoint(&mut self, root: &Path, keep: usize) -> Result<PathBuf, RuntimeError> {
-        let name = format!("step-{:08}", self.step);
+        let name = step_dir_name(self.step);
         let dir = root.join(&name);
+        let result = self.write_checkpoint(root, &name, keep);
+        if result.is_err() && !is_published(root, &name) {
+            let mut written = vec![dir.join(format!("rank-{}.safetensors", self.layout.job_rank))];
+            if self.layout.job_rank == 0 {
+                written.push(dir.join(MANIFEST));
+            }
+            written.iter().for_each(|path| drop(fs::remove_file(path)));
+            // Empty once every rank has removed its file; whoever is last removes it.
+            fs::remove_dir(&dir).ok();
+        }
+        result.map(|()| dir)
+    }
+
+    fn write_checkpoint(&mut self, root: &Path, name: &str, keep: usize) -> Result<(), RuntimeError> {
+        let dir = root.join(name);
         fs::create_dir_all(&dir).map_err(io_error(&dir))?;
         // A long-context stage's devices hold the same weights: its first device writes them.
         let writes = |layout: &RankLayout| layout.context.as_ref().is_none_or(|seat| seat.device_index == 0);
@@ -113,7 +228,7 @@ impl Worker {
                 files,
                 checksums,
             };
-            let path = dir.join("manifest.json");
+            let path = dir.join(MANIFEST);
             let json = serde_json::to_string_pretty(&manifest).expect("a manifest serialises");
             write_atomically(&path, json.as_bytes())?;
             write_atomically(&root.join(LATEST), name.as_bytes())?;
@@ -121,30 +236,22 @@ impl Worker {
         }
         // Nobody resumes from a checkpoint whose `latest` is not yet written.
         self.world.barrier().during(|| format!("waiting for {} to be published", dir.display()))?;
-        Ok(dir)
+        Ok(())
     }
 
     /// Continues from the newest checkpoint under `root`, taken under this plan or another one
-    /// of the same model, sequence length and global batch.
+    /// of the same model, sequence length and global batch. It only reads `root`: sweeping what
+    /// an interrupted checkpoint left is [`sweep_incomplete`]'s, for a run resumed in place.
     pub fn resume(&mut self, root: &Path) -> Result<Manifest, RuntimeError> {
         let (dir, manifest) = read_latest(root)?;
         check_resumable(&dir, &manifest, &self.plan)?;
-        if self.layout.job_rank == 0 {
-            sweep_incomplete(root, manifest.step)?;
-        }
         let mut tensors = NamedTensors::new();
         for file in &manifest.files {
             let path = dir.join(file);
             verify_file(&path, &manifest)?;
             let wanted = |name: &str| self.stages.iter().any(|stage| stage.restores(name));
             let (file_tensors, metadata) = load_tensors_where(&path, wanted)?;
-            let step = metadata.get("step").map(String::as_str);
-            if step != Some(manifest.step.to_string().as_str()) {
-                return Err(corrupt(
-                    &path,
-                    format!("it holds step {}, the manifest step {}", step.unwrap_or("(none)"), manifest.step),
-                ));
-            }
+            check_file_step(&path, &metadata, manifest.step)?;
             tensors.extend(file_tensors);
         }
         for stage in &mut self.stages {
@@ -188,22 +295,30 @@ pub fn check_resumable(dir: &Path, manifest: &Manifest, plan: &Plan) -> Result<(
     Ok(())
 }
 
-/// Checks the file at `path` against the size and SHA-256 the manifest recorded for it (a
-/// format-1 manifest recorded none: nothing to check).
+/// Checks the file at `path` against the size and SHA-256 the manifest recorded for it.
 pub fn verify_file(path: &Path, manifest: &Manifest) -> Result<(), RuntimeError> {
-    if manifest.format == MANIFEST_FORMAT_WITHOUT_CHECKSUMS {
-        return Ok(());
-    }
     let name = path.file_name().and_then(|name| name.to_str()).unwrap_or_default();
     matches_recorded(path, manifest.checksums.get(name))
 }
 
-/// Whether the file at `path` has the `recorded` size and hash.
+/// Whether the file at `path` is a regular file with the `recorded` size and hash; a file of
+/// another size is refused before it is read.
 fn matches_recorded(path: &Path, recorded: Option<&FileChecksum>) -> Result<(), RuntimeError> {
     let Some(recorded) = recorded else {
         return Err(corrupt(path, "the manifest records no checksum for this file"));
     };
-    let found = FileChecksum::of(path)?;
+    let (file, len) = open_regular(path)?;
+    if len != recorded.bytes {
+        return Err(corrupt(
+            path,
+            format!(
+                "it is {len} bytes, the manifest says {}: the file is truncated or from another checkpoint; resume \
+                 from an earlier one by pointing `latest` at it",
+                recorded.bytes
+            ),
+        ));
+    }
+    let found = hash(path, file)?;
     if found != *recorded {
         return Err(corrupt(
             path,
@@ -220,65 +335,173 @@ fn matches_recorded(path: &Path, recorded: Option<&FileChecksum>) -> Result<(), 
     Ok(())
 }
 
-/// Checks every file of the checkpoint in `dir` (what `medley train --resume` does before it
-/// starts workers).
-pub fn verify_checkpoint(dir: &Path, manifest: &Manifest) -> Result<(), RuntimeError> {
-    manifest.files.iter().try_for_each(|file| verify_file(&dir.join(file), manifest))
+/// Checks that a tensor file's own record of its step (its `metadata`) is the manifest's.
+fn check_file_step(path: &Path, metadata: &HashMap<String, String>, step: u64) -> Result<(), RuntimeError> {
+    let found = metadata.get("step").map(String::as_str);
+    if found == Some(step.to_string().as_str()) {
+        return Ok(());
+    }
+    Err(corrupt(path, format!("it holds step {}, the manifest step {step}", found.unwrap_or("(none)"))))
 }
 
-/// Removes what a run stopped while writing a checkpoint left under `root`: step directories
-/// after the `latest` one and temporary files (a dot, the name being written, a random tail),
-/// which would otherwise hold their disk space for good.
+/// Checks every file of the checkpoint in `dir` — a regular file, its recorded size and hash,
+/// the step it holds — before anything acts on it (what `medley train --resume` does before
+/// it starts workers, and what a resume in place does before it sweeps).
+pub fn verify_checkpoint(dir: &Path, manifest: &Manifest) -> Result<(), RuntimeError> {
+    manifest.files.iter().try_for_each(|file| {
+        let path = dir.join(file);
+        verify_file(&path, manifest)?;
+        let (_, metadata) = load_tensors_where(&path, |_| false)?;
+        check_file_step(&path, &metadata, manifest.step)
+    })
+}
+
+/// Removes what a run stopped while writing a checkpoint left in `root`, its own checkpoint
+/// directory, which it resumes from at step `latest` (verified first): the step directories
+/// after it that are proven unfinished ([`unfinished_later_checkpoints`]: any other later one
+/// refuses the sweep, and nothing is removed) and temporary files of atomic writes (a dot, the
+/// name being written, a random tail), which would otherwise hold their disk space for good.
 pub fn sweep_incomplete(root: &Path, latest: u64) -> Result<(), RuntimeError> {
-    for entry in fs::read_dir(root).map_err(io_error(root))? {
-        let path = entry.map_err(io_error(root))?.path();
-        let name = path.file_name().and_then(|name| name.to_str()).unwrap_or_default();
-        let step = name.strip_prefix("step-").and_then(|step| step.parse::<u64>().ok());
-        if path.is_dir() && step.is_some_and(|step| step > latest) {
-            fs::remove_dir_all(&path).map_err(io_error(&path))?;
-        } else if path.is_dir() && step.is_some() {
-            sweep_temporary(&path)?;
+    for dir in unfinished_later_checkpoints(root, latest)? {
+        fs::remove_dir_all(&dir).map_err(io_error(&dir))?;
+    }
+    for (step, dir) in step_dirs(root)? {
+        if step <= latest {
+            sweep_temporary(&dir)?;
         }
     }
     sweep_temporary(root)
 }
 
-/// Removes the temporary files (`.NAME.XXXXXX`) of an atomic write in `dir`.
+/// The checkpoint directories in `root` after step `latest`, each proven to be a checkpoint
+/// whose writing stopped before it was published: a directory (not a link), no manifest (rank
+/// 0 writes it after every rank file, before `latest`), nothing but rank files and temporaries.
+/// Any other later entry is refused, named: it may be a checkpoint someone wants.
+pub fn unfinished_later_checkpoints(root: &Path, latest: u64) -> Result<Vec<PathBuf>, RuntimeError> {
+    let mut unfinished = Vec::new();
+    for entry in fs::read_dir(root).map_err(io_error(root))? {
+        let path = entry.map_err(io_error(root))?.path();
+        let step = path.file_name().and_then(|name| name.to_str()).and_then(step_of);
+        if step.is_none_or(|step| step <= latest) {
+            continue;
+        }
+        let later = |why: String| {
+            corrupt(
+                &path,
+                format!(
+                    "{why}, later than the checkpoint `latest` names (step {latest}); move it out of {} to resume \
+                     from step {latest}, or write its name into `latest` to resume from it",
+                    root.display()
+                ),
+            )
+        };
+        real_dir(&path).map_err(|_| later("it is not a directory of its own".into()))?;
+        for inner in fs::read_dir(&path).map_err(io_error(&path))? {
+            let inner = inner.map_err(io_error(&path))?;
+            let name = inner.file_name().to_string_lossy().into_owned();
+            let regular = inner.file_type().map_err(io_error(&inner.path()))?.is_file();
+            if name == MANIFEST {
+                return Err(later("it holds a manifest: a checkpoint that may be complete".into()));
+            }
+            if !regular || !(is_rank_file(&name) || is_temporary(&name)) {
+                return Err(later(format!("it holds `{name}`, which no checkpoint writes")));
+            }
+        }
+        unfinished.push(path);
+    }
+    unfinished.sort();
+    Ok(unfinished)
+}
+
+/// `rank-3.safetensors`.
+fn is_rank_file(name: &str) -> bool {
+    let rank = name.strip_prefix("rank-").and_then(|rest| rest.strip_suffix(".safetensors"));
+    rank.is_some_and(|rank| !rank.is_empty() && rank.bytes().all(|byte| byte.is_ascii_digit()))
+}
+
+/// The temporary file of an atomic write of a checkpoint's file: `.rank-3.safetensors.Ab12Cd`,
+/// `.manifest.json.Ab12Cd`, `.latest.Ab12Cd`.
+fn is_temporary(name: &str) -> bool {
+    let Some((written, tail)) = name.strip_prefix('.').and_then(|rest| rest.rsplit_once('.')) else {
+        return false;
+    };
+    !tail.is_empty() && (is_rank_file(written) || written == MANIFEST || written == LATEST)
+}
+
+/// The checkpoint directories in `root` (directories themselves, not links), by step.
+fn step_dirs(root: &Path) -> Result<Vec<(u64, PathBuf)>, RuntimeError> {
+    let mut steps = Vec::new();
+    for entry in fs::read_dir(root).map_err(io_error(root))? {
+        let entry = entry.map_err(io_error(root))?;
+        let step = entry.file_name().to_str().and_then(step_of);
+        if let Some(step) = step
+            && entry.file_type().map_err(io_error(&entry.path()))?.is_dir()
+        {
+            steps.push((step, entry.path()));
+        }
+    }
+    steps.sort();
+    Ok(steps)
+}
+
+/// Removes the temporary files of atomic writes of a checkpoint's files in `dir`.
 fn sweep_temporary(dir: &Path) -> Result<(), RuntimeError> {
     for entry in fs::read_dir(dir).map_err(io_error(dir))? {
-        let path = entry.map_err(io_error(dir))?.path();
-        let hidden = path.file_name().and_then(|name| name.to_str()).is_some_and(|name| name.starts_with('.'));
-        if hidden && path.is_file() {
-            fs::remove_file(&path).map_err(io_error(&path))?;
+        let entry = entry.map_err(io_error(dir))?;
+        let temporary = entry.file_name().to_str().is_some_and(is_temporary);
+        if temporary && entry.file_type().map_err(io_error(&entry.path()))?.is_file() {
+            fs::remove_file(entry.path()).map_err(io_error(&entry.path()))?;
         }
     }
     Ok(())
 }
 
+/// Whether `latest` in `root` names the checkpoint directory `name`.
+fn is_published(root: &Path, name: &str) -> bool {
+    read_small(&root.join(LATEST), MAX_POINTER_BYTES).is_ok_and(|pointer| pointer.trim() == name)
+}
+
 /// The newest complete checkpoint under `root` and its manifest.
+/// Reads only regular files and directories, not links, and checks that the step the manifest
+/// says is the step its directory is named for.
 pub fn read_latest(root: &Path) -> Result<(PathBuf, Manifest), RuntimeError> {
     let pointer = root.join(LATEST);
-    if !pointer.is_file() {
+    if fs::symlink_metadata(&pointer).is_err() {
         return Err(corrupt(
             root,
             "no complete checkpoint here (no `latest` file): resume from a run directory that training wrote a checkpoint into",
         ));
     }
-    let name = fs::read_to_string(&pointer).map_err(io_error(&pointer))?;
+    let name = read_small(&pointer, MAX_POINTER_BYTES)?;
     let name = name.trim();
-    if name.is_empty() || name.contains(['/', '\\']) || name.starts_with('.') {
-        return Err(corrupt(&pointer, format!("`{name}` is not a checkpoint directory name")));
-    }
+    let Some(step) = step_of(name) else {
+        return Err(corrupt(
+            &pointer,
+            format!("`{}` is not a checkpoint directory name (step-NNNNNNNN)", name.escape_debug()),
+        ));
+    };
     let dir = root.join(name);
-    let path = dir.join("manifest.json");
-    let text = fs::read_to_string(&path).map_err(io_error(&path))?;
+    real_dir(&dir)?;
+    let path = dir.join(MANIFEST);
+    let text = read_small(&path, MAX_MANIFEST_BYTES)?;
     let manifest: Manifest = serde_json::from_str(&text).map_err(|err| corrupt(&path, err.to_string()))?;
-    if ![MANIFEST_FORMAT, MANIFEST_FORMAT_WITHOUT_CHECKSUMS].contains(&manifest.format) {
+    if manifest.format == MANIFEST_FORMAT_WITHOUT_CHECKSUMS {
+        return Err(corrupt(
+            &path,
+            "manifest format 1 records no checksums, so its files cannot be told from corrupt ones; this medley \
+             resumes only checkpoints it can verify (format 2): start over, or resume it with the medley that wrote it",
+        ));
+    }
+    if manifest.format != MANIFEST_FORMAT {
+        return Err(corrupt(&path, format!("manifest format {} is not {MANIFEST_FORMAT}", manifest.format)));
+    }
+    if manifest.step != step {
         return Err(corrupt(
             &path,
             format!(
-                "manifest format {} is neither {MANIFEST_FORMAT} nor {MANIFEST_FORMAT_WITHOUT_CHECKSUMS}",
-                manifest.format
+                "the manifest says step {}, its directory `{name}` step {step}: the manifest was changed or moved; \
+                 nothing was resumed or deleted",
+                manifest.step
             ),
         ));
     }
@@ -289,26 +512,15 @@ pub fn read_latest(root: &Path) -> Result<(PathBuf, Manifest), RuntimeError> {
 }
 
 /// Once step `latest` is published: keeps the `keep` newest checkpoints up to it and removes
-/// the older ones, and any of later steps — left incomplete by a run that stopped while writing
-/// them, since a resume starts from `latest`.
+/// the older ones, and the later ones proven unfinished (left by a run that stopped while
+/// writing them, since a resume starts from `latest`); other later ones are kept.
 fn remove_older(root: &Path, latest: u64, keep: usize) -> Result<(), RuntimeError> {
-    let mut steps = Vec::new();
-    for entry in fs::read_dir(root).map_err(io_error(root))? {
-        let entry = entry.map_err(io_error(root))?;
-        let name = entry.file_name();
-        let step = name.to_str().and_then(|name| name.strip_prefix("step-")).and_then(|step| step.parse::<u64>().ok());
-        if let Some(step) = step
-            && entry.path().is_dir()
-        {
-            steps.push((step, entry.path()));
-        }
-    }
-    steps.sort();
+    let steps = step_dirs(root)?;
     let kept_from = steps.iter().filter(|(step, _)| *step <= latest).count().saturating_sub(keep.max(1));
-    for (idx, (step, path)) in steps.iter().enumerate() {
-        if idx < kept_from || *step > latest {
-            fs::remove_dir_all(path).map_err(io_error(path))?;
-        }
+    let older = steps.iter().take(kept_from).map(|(_, path)| path.clone());
+    let unfinished = unfinished_later_checkpoints(root, latest).unwrap_or_default();
+    for path in older.chain(unfinished) {
+        fs::remove_dir_all(&path).map_err(io_error(&path))?;
     }
     Ok(())
 }
@@ -351,6 +563,158 @@ mod tests {
         sweep_incomplete(root.path(), 6).unwrap();
         assert_eq!(names(root.path()), ["latest", "step-00000004", "step-00000006"]);
         assert_eq!(names(&root.path().join("step-00000006")), ["rank-0.safetensors"]);
+    }
+
+    /// A checkpoint directory as training writes it: tensor files holding `step`, the manifest,
+    /// `latest` pointing at it.
+    fn write_checkpoint_at(root: &Path, step: u64, plan: &Plan) -> PathBuf {
+        let dir = root.join(step_dir_name(step));
+        fs::create_dir_all(&dir).unwrap();
+        let tensor = medley_model::HostTensor::new(vec![2], vec![1.0, step as f32]);
+        let metadata = HashMap::from([("step".to_string(), step.to_string())]);
+        let file = "rank-0.safetensors".to_string();
+        save_tensors(&dir.join(&file), &[("w".into(), &tensor)], metadata).unwrap();
+        let checksums = BTreeMap::from([(file.clone(), FileChecksum::of(&dir.join(&file)).unwrap())]);
+        let manifest = Manifest {
+            format: MANIFEST_FORMAT,
+            step,
+            samples_seen: step,
+            optimizer_steps: step,
+            seed: 0,
+            plan: plan.clone(),
+            files: vec![file],
+            checksums,
+        };
+        fs::write(dir.join(MANIFEST), serde_json::to_string(&manifest).unwrap()).unwrap();
+        fs::write(root.join(LATEST), step_dir_name(step)).unwrap();
+        dir
+    }
+
+    fn tiny_plan() -> Plan {
+        let cluster = medley_spec::Cluster::from_fleet("1xh100").unwrap();
+        let model = medley_spec::catalog_model("tiny").unwrap();
+        let job = medley_spec::JobSpec::from_toml("seq_len = 32\nglobal_batch = 2\n", "job.toml").unwrap();
+        let options = medley_plan::SearchOptions { top: 1, ..Default::default() };
+        let calibration = medley_cost::Calibration::default();
+        medley_plan::search(&cluster, &model, &job, &calibration, &options).unwrap().candidates.remove(0).plan
+    }
+
+    /// Steps 2, 4 and 6, `latest` at 6, as `--checkpoint-every 2` leaves them.
+    fn three_checkpoints() -> (tempfile::TempDir, PathBuf) {
+        let root = tempfile::tempdir().unwrap();
+        let plan = tiny_plan();
+        let newest = [2, 4, 6].map(|step| write_checkpoint_at(root.path(), step, &plan))[2].clone();
+        (root, newest)
+    }
+
+    /// Reads, verifies and sweeps `root` as a resume in place does; what it refused.
+    fn resume_in_place(root: &Path) -> Result<u64, RuntimeError> {
+        let (dir, manifest) = read_latest(root)?;
+        verify_checkpoint(&dir, &manifest)?;
+        sweep_incomplete(root, manifest.step)?;
+        Ok(manifest.step)
+    }
+
+    #[test]
+    fn a_manifest_lying_about_its_step_is_refused_and_nothing_is_deleted() {
+        for lie in [0, 4, 5, 7] {
+            let (root, newest) = three_checkpoints();
+            let path = newest.join(MANIFEST);
+            let text = fs::read_to_string(&path).unwrap().replace("\"step\":6", &format!("\"step\":{lie}"));
+            fs::write(&path, text).unwrap();
+            let err = resume_in_place(root.path()).unwrap_err().to_string();
+            assert!(err.contains("manifest.json") && err.contains(&format!("says step {lie}")), "{err}");
+            assert_eq!(names(root.path()), ["latest", "step-00000002", "step-00000004", "step-00000006"], "lie {lie}");
+        }
+    }
+
+    #[test]
+    fn only_later_checkpoints_proven_unfinished_are_swept() {
+        let (root, _) = three_checkpoints();
+        fs::write(root.path().join(LATEST), "step-00000004").unwrap();
+        // Step 6 holds a manifest: perhaps complete, so the resume is refused and it is kept.
+        let err = resume_in_place(root.path()).unwrap_err().to_string();
+        assert!(err.contains("step-00000006") && err.contains("holds a manifest"), "{err}");
+        assert_eq!(names(root.path()), ["latest", "step-00000002", "step-00000004", "step-00000006"]);
+        // Without it, step 6 is what a checkpoint stopped before its manifest leaves.
+        fs::remove_file(root.path().join("step-00000006").join(MANIFEST)).unwrap();
+        fs::write(root.path().join("step-00000006/.rank-1.safetensors.Xy12Zw"), b"half").unwrap();
+        assert_eq!(resume_in_place(root.path()).unwrap(), 4);
+        assert_eq!(names(root.path()), ["latest", "step-00000002", "step-00000004"]);
+        // A later directory holding anything else is nobody's to delete.
+        let later = root.path().join("step-00000008");
+        fs::create_dir(&later).unwrap();
+        fs::write(later.join("notes.txt"), b"mine").unwrap();
+        let err = resume_in_place(root.path()).unwrap_err().to_string();
+        assert!(err.contains("notes.txt"), "{err}");
+        assert!(later.join("notes.txt").is_file());
+    }
+
+    #[test]
+    fn fifos_links_and_devices_are_refused_without_waiting_or_following() {
+        let (root, newest) = three_checkpoints();
+        let rank_file = newest.join("rank-0.safetensors");
+        let outside = tempfile::tempdir().unwrap();
+        let kept = outside.path().join("elsewhere.safetensors");
+        fs::rename(&rank_file, &kept).unwrap();
+
+        std::os::unix::fs::symlink(&kept, &rank_file).unwrap();
+        let err = resume_in_place(root.path()).unwrap_err().to_string();
+        assert!(err.contains("rank-0.safetensors") && err.contains("symbolic link"), "{err}");
+
+        fs::remove_file(&rank_file).unwrap();
+        let made = std::process::Command::new("mkfifo").arg(&rank_file).status().unwrap();
+        assert!(made.success());
+        let started = std::time::Instant::now();
+        let err = resume_in_place(root.path()).unwrap_err().to_string();
+        assert!(err.contains("a FIFO"), "{err}");
+        assert!(started.elapsed() < std::time::Duration::from_secs(5), "it waited on the FIFO");
+
+        fs::remove_file(&rank_file).unwrap();
+        std::os::unix::fs::symlink("/dev/zero", &rank_file).unwrap();
+        assert!(resume_in_place(root.path()).unwrap_err().to_string().contains("symbolic link"));
+
+        // A step directory that is a link out of the run directory is not followed either.
+        fs::remove_file(&rank_file).unwrap();
+        fs::rename(&kept, &rank_file).unwrap();
+        let moved = outside.path().join("step-00000006");
+        fs::rename(&newest, &moved).unwrap();
+        std::os::unix::fs::symlink(&moved, &newest).unwrap();
+        let err = resume_in_place(root.path()).unwrap_err().to_string();
+        assert!(err.contains("step-00000006") && err.contains("not a directory"), "{err}");
+        assert!(moved.join("rank-0.safetensors").is_file());
+        // And `latest` itself must be a file of the run's.
+        fs::remove_file(&newest).unwrap();
+        fs::rename(&moved, &newest).unwrap();
+        resume_in_place(root.path()).unwrap();
+        let pointer = outside.path().join("pointer");
+        fs::write(&pointer, "step-00000006").unwrap();
+        fs::remove_file(root.path().join(LATEST)).unwrap();
+        std::os::unix::fs::symlink(&pointer, root.path().join(LATEST)).unwrap();
+        assert!(resume_in_place(root.path()).unwrap_err().to_string().contains("symbolic link"));
+    }
+
+    #[test]
+    fn a_format_1_manifest_is_refused_since_nothing_in_it_can_be_verified() {
+        let (root, newest) = three_checkpoints();
+        let path = newest.join(MANIFEST);
+        let mut manifest: serde_json::Value = serde_json::from_str(&fs::read_to_string(&path).unwrap()).unwrap();
+        manifest["format"] = 1.into();
+        manifest.as_object_mut().unwrap().remove("checksums");
+        fs::write(&path, manifest.to_string()).unwrap();
+        let err = resume_in_place(root.path()).unwrap_err().to_string();
+        assert!(err.contains("format 1 records no checksums"), "{err}");
+    }
+
+    #[test]
+    fn a_file_of_another_size_is_refused_before_it_is_read() {
+        let (root, newest) = three_checkpoints();
+        let file = fs::OpenOptions::new().append(true).open(newest.join("rank-0.safetensors")).unwrap();
+        file.set_len(1 << 40).unwrap();
+        let started = std::time::Instant::now();
+        let err = resume_in_place(root.path()).unwrap_err().to_string();
+        assert!(err.contains("1099511627776 bytes") && err.contains("truncated or from another checkpoint"), "{err}");
+        assert!(started.elapsed() < std::time::Duration::from_secs(5), "it hashed a terabyte of holes");
     }
 
     #[test]

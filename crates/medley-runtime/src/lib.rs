@@ -31,11 +31,14 @@ mod train;
 mod worker;
 
 pub use calibrate::{Measured, emulation_calibration, measure_model_pass};
-pub use checkpoint::{FileChecksum, Manifest, check_resumable, read_latest, sweep_incomplete, verify_checkpoint};
+pub use checkpoint::{
+    FileChecksum, Manifest, check_resumable, read_latest, sweep_incomplete, unfinished_later_checkpoints,
+    verify_checkpoint,
+};
 pub use device::DeviceChoice;
 pub use error::RuntimeError;
 pub use host_memory::{HostMemory, calibration_memory, worker_memory};
 pub use layout::{ContextSeat, EmulatedDevice, RankLayout, check_runnable, context_groups, rank_ids, worker_count};
 pub use metrics::{RankMetrics, StepMetrics};
-pub use train::TrainOptions;
+pub use train::{StopRequest, TrainEnd, TrainOptions};
 pub use worker::{LinkEmulation, Worker, WorkerOptions, time_dilation};

@@ -2,7 +2,7 @@
 
 use std::collections::BTreeMap;
 use std::sync::Arc;
-use std::sync::atomic::{AtomicU64, Ordering};
+use std::sync::atomic::{AtomicBool, AtomicU64, Ordering};
 use std::time::{Duration, Instant, SystemTime, UNIX_EPOCH};
 
 use medley_comm::{Communicator, Config, Counts, LaunchEnv, Op, ReduceOp};
@@ -88,6 +88,11 @@ pub struct Worker {
     clock: JobClock,
     /// Steps completed: the next step's index.
     pub(crate) step: u64,
+    /// Set (by a signal handler) when this rank is asked to stop; gathered with each step's
+    /// metrics, so that every rank learns of any rank's request at the same step.
+    pub(crate) stop_requested: Option<Arc<AtomicBool>>,
+    /// Some rank had been asked to stop by the end of the last step.
+    pub(crate) stop_agreed: bool,
 }
 
 /// Microseconds since the job started, on a clock every worker of one host shares.
@@ -220,6 +225,8 @@ impl Worker {
             links: BTreeMap::new(),
             clock: JobClock { origin_us: origin[0] as u64 },
             step: 0,
+            stop_requested: None,
+            stop_agreed: false,
         })
     }
 
@@ -518,15 +525,19 @@ impl Worker {
     }
 
     /// Every rank's times and losses, gathered so that each rank reports (and adapts to) the same
-    /// numbers.
+    /// numbers, and whether any rank has been asked to stop (its first word).
     fn gather_metrics(&mut self, state: &StepState, programs: &Programs) -> Result<StepMetrics, RuntimeError> {
-        let mine = state.clock.to_words(state.loss_sum);
+        let stop = self.stop_requested.as_ref().is_some_and(|flag| flag.load(Ordering::Acquire));
+        let mut mine = vec![f64::from(u8::from(stop))];
+        mine.extend(state.clock.to_words(state.loss_sum));
         let n = self.layouts.len();
         let mut all = vec![0f64; n * mine.len()];
         self.world
             .all_gather(&mine, &mut all, &vec![mine.len(); n])
             .during(|| "gathering the step's metrics".into())?;
-        let (clocks, losses): (Vec<StepClock>, Vec<f64>) = all.chunks(mine.len()).map(StepClock::from_words).unzip();
+        self.stop_agreed = all.chunks(mine.len()).any(|words| words[0] != 0.0);
+        let (clocks, losses): (Vec<StepClock>, Vec<f64>) =
+            all.chunks(mine.len()).map(|words| StepClock::from_words(&words[1..])).unzip();
         let tokens = u64::from(self.plan.global_batch()) * u64::from(self.plan.seq_len());
         let loss = losses.iter().sum();
         Ok(StepMetrics::new(self.step, loss, tokens, programs.schedule, &clocks, &self.layouts))

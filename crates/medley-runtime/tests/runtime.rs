@@ -2,6 +2,8 @@
 //! kind of plan, with workers as threads of this process over the real communicator.
 
 use std::net::TcpListener;
+use std::sync::Arc;
+use std::sync::atomic::{AtomicBool, Ordering};
 use std::time::Duration;
 
 use medley_comm::{Config, LaunchEnv};
@@ -10,7 +12,9 @@ use medley_cost::{Calibration, CostModel, Setting};
 use medley_model::{AdamW, HostTensor};
 use medley_plan::baselines::{Degrees, fixed};
 use medley_plan::{Plan, ReplicaLayout, assemble, stages_from_counts};
-use medley_runtime::{DeviceChoice, LinkEmulation, RuntimeError, StepMetrics, TrainOptions, Worker, WorkerOptions};
+use medley_runtime::{
+    DeviceChoice, LinkEmulation, RuntimeError, StepMetrics, StopRequest, TrainEnd, TrainOptions, Worker, WorkerOptions,
+};
 use medley_schedule::ScheduleKind;
 use medley_spec::{Cluster, JobParts, JobSpec, Recompute, Schedule, catalog_model};
 use medley_trace::BandwidthTrace;
@@ -108,8 +112,14 @@ fn train_over(
     link: Option<LinkEmulation>,
     adamw: AdamW,
 ) -> (Vec<f64>, Vec<(String, HostTensor)>) {
-    let train =
-        TrainOptions { until_step: STEPS, schedule, checkpoint_dir: None, checkpoint_every: 0, keep_checkpoints: 1 };
+    let train = TrainOptions {
+        until_step: STEPS,
+        schedule,
+        checkpoint_dir: None,
+        checkpoint_every: 0,
+        keep_checkpoints: 1,
+        stop: None,
+    };
     let results = run_workers(plan, worker_options(adamw, link), |mut worker| {
         let mut losses = Vec::new();
         worker
@@ -169,6 +179,7 @@ fn a_link_too_slow_for_the_timeout_stops_the_job_saying_so() {
         checkpoint_dir: None,
         checkpoint_every: 0,
         keep_checkpoints: 1,
+        stop: None,
     };
     let errors = run_workers(&plan, options, |mut worker| {
         worker.train(&train, None, |_: &StepMetrics| Ok(())).err().map(|err| err.to_string())
@@ -188,6 +199,7 @@ fn a_diverging_run_stops_on_every_rank_without_checkpointing_it() {
         checkpoint_dir: Some(dir.path().to_path_buf()),
         checkpoint_every: 1,
         keep_checkpoints: 10,
+        stop: None,
     };
     let options = worker_options(AdamW { lr: 1e10, ..AdamW::default() }, None);
     let errors = run_workers(&plan, options, |mut worker| {
@@ -325,4 +337,33 @@ fn a_throttled_link_slows_transfers_but_not_the_result() {
     // 3 steps of 4 activations and 4 gradients, each at least 4 ms over its link.
     assert!(started.elapsed() >= Duration::from_millis(3 * 4 * 4), "{:?}", started.elapsed());
     assert_eq!((losses, weights), (fast_losses, fast_weights));
+}
+
+#[test]
+fn a_stop_asked_of_one_rank_stops_every_rank_at_the_same_step_with_a_checkpoint() {
+    let plan = plan("3xh100", &[(2, &[2, 2, 4])], 1);
+    let dir = tempfile::tempdir().unwrap();
+    let ends = run_workers(&plan, worker_options(AdamW::default(), None), |mut worker| {
+        let stop = StopRequest { requested: Arc::new(AtomicBool::new(false)), checkpoint: true };
+        let train = TrainOptions {
+            until_step: 6,
+            schedule: one_f_one_b(),
+            checkpoint_dir: Some(dir.path().to_path_buf()),
+            checkpoint_every: 0,
+            keep_checkpoints: 10,
+            stop: Some(stop.clone()),
+        };
+        let asked = worker.layout().job_rank == 1;
+        worker
+            .train(&train, None, |metrics: &StepMetrics| {
+                // Asked after step 2's metrics were gathered: every rank learns of it with step 3's.
+                if asked && metrics.step == 2 {
+                    stop.requested.store(true, Ordering::Release);
+                }
+                Ok(())
+            })
+            .unwrap()
+    });
+    assert!(ends.iter().all(|end| *end == TrainEnd::Stopped { step: 3, checkpointed: true }), "{ends:?}");
+    assert_eq!(std::fs::read_to_string(dir.path().join("latest")).unwrap(), "step-00000003");
 }

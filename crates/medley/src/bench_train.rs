@@ -247,6 +247,7 @@ fn step_times(plan: &Plan, calibration: &Calibration, name: &str, steps: u64, tw
             // Two workers on two cores: the runs fit the cores as they are.
             time_dilation: 1.0,
             timeout_s: 30,
+            checkpoint_on_signal: false,
             link_gb_s,
             link_trace,
         },

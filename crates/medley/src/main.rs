@@ -18,6 +18,7 @@ mod render;
 mod report_cmd;
 mod run_dir;
 mod simulate_cmd;
+mod stop;
 mod train_cmd;
 mod worker_cmd;
 

@@ -2,7 +2,7 @@
 //! accident.
 
 use std::fs::{self, File, OpenOptions, TryLockError};
-use std::io::{Read, Seek, Write};
+use std::io::{ErrorKind, Read, Seek, Write};
 use std::path::{Path, PathBuf};
 
 use anyhow::{Context, Result, bail};
@@ -39,7 +39,7 @@ impl RunDir {
         let mut locks = vec![lock(out)?];
         // A run resumed from another directory reads its checkpoint: nobody may change it meanwhile.
         if let Some(source) = resume.filter(|source| !same_dir(source, out) && source.is_dir()) {
-            locks.push(lock(source)?);
+            locks.extend(lock_for_reading(source)?);
         }
         let start_over = refuse_a_run_over_another(out, resume, force)?;
         Ok(RunDir { path: out.to_path_buf(), start_over, _locks: locks })
@@ -73,7 +73,7 @@ pub fn refuse_a_run_over_another(out: &Path, resume: Option<&Path>, force: bool)
 }
 
 /// Whether two paths name one directory (`run1`, `./run1`, its absolute path).
-fn same_dir(a: &Path, b: &Path) -> bool {
+pub fn same_dir(a: &Path, b: &Path) -> bool {
     match (fs::canonicalize(a), fs::canonicalize(b)) {
         (Ok(a), Ok(b)) => a == b,
         _ => a == b,
@@ -91,21 +91,8 @@ fn lock(dir: &Path) -> Result<File> {
         .truncate(false)
         .open(&path)
         .with_context(|| format!("cannot open {}", path.display()))?;
-    match file.try_lock() {
-        Ok(()) => {}
-        Err(TryLockError::WouldBlock) => {
-            let mut holder = String::new();
-            file.read_to_string(&mut holder).ok();
-            let holder = match holder.trim() {
-                "" => "another process".to_string(),
-                pid => format!("process {pid}"),
-            };
-            bail!(
-                "{} is in use by another medley run ({holder}); wait for it to finish or give this run another --out",
-                dir.display()
-            );
-        }
-        Err(TryLockError::Error(err)) => return Err(err).with_context(|| format!("cannot lock {}", path.display())),
+    if let Err(err) = file.try_lock() {
+        return Err(refused_lock(dir, &path, &mut file, err));
     }
     let pid = std::process::id().to_string();
     file.set_len(0)
@@ -113,6 +100,49 @@ fn lock(dir: &Path) -> Result<File> {
         .and_then(|()| file.write_all(pid.as_bytes()))
         .with_context(|| format!("cannot write {}", path.display()))?;
     Ok(file)
+}
+
+/// Takes a shared lock on a directory a run only reads (the checkpoint it resumes from): other
+/// readers may hold it too, a run writing there may not. A directory this process cannot write
+/// (a read-only mount, another user's) is read without one when it has no lock file to share:
+/// nothing of this user's can write a checkpoint there either.
+fn lock_for_reading(dir: &Path) -> Result<Option<File>> {
+    let path = dir.join(LOCK);
+    let opened = OpenOptions::new().read(true).write(true).create(true).truncate(false).open(&path);
+    let mut file = match opened {
+        Ok(file) => file,
+        Err(err) if matches!(err.kind(), ErrorKind::ReadOnlyFilesystem | ErrorKind::PermissionDenied) => {
+            match File::open(&path) {
+                Ok(file) => file,
+                Err(absent) if absent.kind() == ErrorKind::NotFound => return Ok(None),
+                Err(other) => return Err(other).with_context(|| format!("cannot open {}", path.display())),
+            }
+        }
+        Err(err) => return Err(err).with_context(|| format!("cannot open {}", path.display())),
+    };
+    if let Err(err) = file.try_lock_shared() {
+        return Err(refused_lock(dir, &path, &mut file, err));
+    }
+    Ok(Some(file))
+}
+
+/// The error for a lock not taken: a held lock names its holder (the pid in the file).
+fn refused_lock(dir: &Path, path: &Path, file: &mut File, err: TryLockError) -> anyhow::Error {
+    match err {
+        TryLockError::WouldBlock => {
+            let mut holder = String::new();
+            file.read_to_string(&mut holder).ok();
+            let holder = match holder.trim() {
+                "" => "another process".to_string(),
+                pid => format!("process {}", pid.escape_debug()),
+            };
+            anyhow::anyhow!(
+                "{} is in use by another medley run ({holder}); wait for it to finish or give this run another --out",
+                dir.display()
+            )
+        }
+        TryLockError::Error(err) => anyhow::Error::new(err).context(format!("cannot lock {}", path.display())),
+    }
 }
 
 /// What run the directory holds, in words; `None` when it holds none. A run is what training

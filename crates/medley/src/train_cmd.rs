@@ -20,7 +20,7 @@ use medley_plan::max_k_within_memory;
 use medley_plan::{Plan, SearchOptions, search};
 use medley_runtime::{
     DeviceChoice, RankLayout, calibration_memory, check_resumable, emulation_calibration, measure_model_pass,
-    read_latest, time_dilation, verify_checkpoint, worker_memory,
+    read_latest, time_dilation, unfinished_later_checkpoints, verify_checkpoint, worker_memory,
 };
 use medley_sim::timeline::{merge_segments, trace_events};
 use medley_sim::{SimConfig, simulate_steps};
@@ -31,7 +31,10 @@ use crate::host::check_memory;
 use crate::inputs::{JobFlags, load_model, read_emulation_profile};
 use crate::progress::Progress;
 use crate::render::{percent, right, seconds, table};
-use crate::run_dir::{CALIBRATION, CHECKPOINTS, EMULATION, METRICS, PLAN, REPORT, RunDir, TIMELINE, TIMELINES};
+use crate::run_dir::{
+    CALIBRATION, CHECKPOINTS, EMULATION, METRICS, PLAN, REPORT, RunDir, TIMELINE, TIMELINES, same_dir,
+};
+use crate::stop::{self, StopSignals};
 use crate::worker_cmd::{RunFlags, WorkerArgs, timeline_segment};
 
 /// Two fast NVIDIA GPUs and two slower AMD ones: the smallest fleet that shows every kind of
@@ -85,6 +88,9 @@ pub fn run(args: &TrainArgs) -> Result<ExitCode> {
         let (checkpoint, manifest) = read_latest(&dir.join(CHECKPOINTS))?;
         check_resumable(&checkpoint, &manifest, &plan)?;
         verify_checkpoint(&checkpoint, &manifest)?;
+        if same_dir(dir, &out) {
+            unfinished_later_checkpoints(&dir.join(CHECKPOINTS), manifest.step)?;
+        }
     }
     // Only a run that passed its checks touches the directory.
     run_dir.start_over_if_forced()?;
@@ -327,6 +333,8 @@ fn workers_table(plan: &Plan, layouts: &[RankLayout], emulate: bool) -> String {
 pub(crate) struct Outcome {
     pub end: JobEnd,
     pub steps: Vec<Value>,
+    /// The signal that asked the job to stop early, if one did.
+    pub stopped_by: Option<i32>,
 }
 
 /// Starts one worker per layout and watches them, reporting each step to `progress`.
@@ -342,7 +350,10 @@ pub(crate) fn launch_and_watch(args: &WorkerArgs, layouts: &[RankLayout], progre
         let progress = progress.clone();
         Arc::new(move |line: &str| progress.println(line))
     };
+    // From here a signal asks the workers to stop at the end of a step instead of killing them.
+    let signals = StopSignals::register()?;
     let mut job = LocalJob::start(&exe, &ranks, Some(echo))?;
+    job.forward_stop(Arc::clone(&signals.requested));
     let stdout = job.take_rank0_stdout().expect("rank 0's output is piped");
     // Rank 0's metrics are read on a thread of their own while the job is watched, so a worker
     // that stops answering (even rank 0, stopped with its pipe open) is killed once the others
@@ -367,7 +378,7 @@ pub(crate) fn launch_and_watch(args: &WorkerArgs, layouts: &[RankLayout], progre
     // Every worker has exited or been killed: the pipe is closed and the reader done.
     let steps = reader.join().unwrap_or_default();
     progress.finish();
-    Ok(Outcome { end, steps })
+    Ok(Outcome { end, steps, stopped_by: signals.received() })
 }
 
 fn worker_flags(args: &WorkerArgs) -> Vec<String> {
@@ -389,7 +400,10 @@ fn report(out: &Path, outcome: &Outcome, layouts: &[RankLayout], timing: Timing)
         merge_timelines(out)?;
         print_summary(out, &outcome.steps, timing);
         write_report(out);
-        return Ok(ExitCode::SUCCESS);
+        let Some(signal) = outcome.stopped_by else { return Ok(ExitCode::SUCCESS) };
+        let stopped_at = outcome.steps.last().and_then(|step| step["step"].as_u64()).unwrap_or(0);
+        tracing::warn!("stopped at step {stopped_at} on {}; {}", stop::name(signal), last_checkpoint(out));
+        return Ok(ExitCode::from(stop::exit_code(signal) as u8));
     }
     let mut lines = vec!["training stopped:".to_string()];
     for &rank in &failed {
@@ -397,7 +411,14 @@ fn report(out: &Path, outcome: &Outcome, layouts: &[RankLayout], timing: Timing)
         lines.push(format!("  worker {rank} ({}, {}): {}", layout.id, layout.device.name, outcome.end.describe(rank)));
         lines.extend(outcome.end.stderr[rank].last().map(|last| format!("    {last}")));
     }
-    lines.push(match read_latest(&out.join(CHECKPOINTS)) {
+    lines.push(last_checkpoint(out));
+    tracing::error!("{}", lines.join("\n"));
+    Ok(ExitCode::from(1))
+}
+
+/// The run's last complete checkpoint and how to continue from it, in words.
+fn last_checkpoint(out: &Path) -> String {
+    match read_latest(&out.join(CHECKPOINTS)) {
         Ok((dir, manifest)) => format!(
             "the last complete checkpoint is {} (step {}); continue with `medley train --resume {}`",
             dir.display(),
@@ -405,9 +426,7 @@ fn report(out: &Path, outcome: &Outcome, layouts: &[RankLayout], timing: Timing)
             out.display()
         ),
         Err(_) => "no checkpoint was completed".to_string(),
-    });
-    tracing::error!("{}", lines.join("\n"));
-    Ok(ExitCode::from(1))
+    }
 }
 
 /// The run's report page; a report that cannot be written is said, and the run still succeeded.

@@ -7,6 +7,7 @@ use std::collections::BTreeMap;
 use std::fs::{self, File, OpenOptions};
 use std::io::{BufWriter, Write};
 use std::path::{Path, PathBuf};
+use std::sync::Arc;
 use std::time::Duration;
 
 use anyhow::{Context, Result};
@@ -14,12 +15,16 @@ use clap::Args;
 use medley_comm::{Config, LaunchEnv};
 use medley_cost::Calibration;
 use medley_model::AdamW;
-use medley_runtime::{DeviceChoice, LinkEmulation, RuntimeError, TrainOptions, Worker, WorkerOptions};
+use medley_runtime::{
+    DeviceChoice, LinkEmulation, RuntimeError, StopRequest, TrainEnd, TrainOptions, Worker, WorkerOptions,
+    sweep_incomplete,
+};
 use medley_sim::{BandwidthTrace, Timeline};
 use medley_spec::Schedule;
 
 use crate::plan_cmd::load_plan;
-use crate::run_dir::{CHECKPOINTS, METRICS, RunDir, TIMELINES, refuse_a_run_over_another};
+use crate::run_dir::{CHECKPOINTS, METRICS, RunDir, TIMELINES, refuse_a_run_over_another, same_dir};
+use crate::stop::StopSignals;
 
 #[derive(Args, Debug, Clone)]
 pub struct WorkerArgs {
@@ -87,6 +92,10 @@ pub struct RunFlags {
     /// Seconds to wait for a silent peer before naming it and stopping.
     #[arg(long, default_value_t = 30)]
     pub timeout_s: u64,
+    /// On SIGINT, SIGTERM, SIGUSR1 or SIGUSR2 (a preemption's warning), write a checkpoint of
+    /// the step the run stops at; without it the run stops there and keeps its last checkpoint.
+    #[arg(long)]
+    pub checkpoint_on_signal: bool,
     /// Throttle the pipeline links to this many GB/s (emulating a slow network between stages).
     #[arg(long, value_parser = crate::inputs::parse_gb_s)]
     pub link_gb_s: Option<f64>,
@@ -110,6 +119,7 @@ impl RunFlags {
         ];
         flags.extend(self.schedule.map(|schedule| format!("--schedule={schedule}")));
         flags.extend(self.no_emulate.then(|| "--no-emulate".to_string()));
+        flags.extend(self.checkpoint_on_signal.then(|| "--checkpoint-on-signal".to_string()));
         flags.push(format!("--device={}", self.device));
         flags.push(format!("--time-dilation={}", self.time_dilation));
         flags.extend(self.link_gb_s.map(|gb_s| format!("--link-gb-s={gb_s}")));
@@ -142,6 +152,7 @@ fn launch_vars(vars: impl IntoIterator<Item = (String, String)>) -> BTreeMap<Str
 }
 
 pub fn run(args: &WorkerArgs) -> Result<()> {
+    let signals = StopSignals::register()?;
     let env = LaunchEnv::from_vars(launch_vars(std::env::vars()))?;
     let plan = load_plan(&args.plan)?;
     let schedule = args.run.schedule.unwrap_or(plan.schedule());
@@ -151,7 +162,13 @@ pub fn run(args: &WorkerArgs) -> Result<()> {
         emulate_speed: !args.run.no_emulate,
         device: args.run.device,
         dilation: args.run.time_dilation,
-        comm: Config { timeout: Duration::from_secs(args.run.timeout_s), ..Config::default() },
+        // The join is bounded by the job's timeout too: a rank stopped at start-up is named
+        // as soon as a silent peer would be.
+        comm: Config {
+            timeout: Duration::from_secs(args.run.timeout_s),
+            connect_timeout: Duration::from_secs(args.run.timeout_s),
+            ..Config::default()
+        },
         calibration: match &args.calibration {
             Some(path) => Calibration::from_toml(&crate::inputs::read(path)?, path)?,
             None => Calibration::default(),
@@ -182,7 +199,7 @@ pub fn run(args: &WorkerArgs) -> Result<()> {
         (false, _) => refuse_a_run_over_another(&args.out, args.resume.as_deref(), false).map(|_| None)?,
     };
     let mut worker = Worker::join(plan, env, options).map_err(|err| blame(err, rank))?;
-    let result = train_joined(&mut worker, args, schedule);
+    let result = train_joined(&mut worker, args, schedule, &signals);
     let Err(err) = result else { return Ok(()) };
     let err = match err.downcast::<RuntimeError>() {
         Ok(err) => err,
@@ -199,10 +216,17 @@ pub fn run(args: &WorkerArgs) -> Result<()> {
 }
 
 /// Resumes if asked, trains, and writes the timeline and (rank 0) the metrics.
-fn train_joined(worker: &mut Worker, args: &WorkerArgs, schedule: Schedule) -> Result<()> {
+fn train_joined(worker: &mut Worker, args: &WorkerArgs, schedule: Schedule, signals: &StopSignals) -> Result<()> {
     let rank = worker.layout().job_rank;
     let resumed_at = match &args.resume {
-        Some(dir) => Some(worker.resume(&dir.join(CHECKPOINTS))?.step),
+        Some(dir) => {
+            let step = worker.resume(&dir.join(CHECKPOINTS))?.step;
+            // Only the run's own directory is swept, once every file this rank read has passed.
+            if rank == 0 && same_dir(dir, &args.out) {
+                sweep_incomplete(&dir.join(CHECKPOINTS), step)?;
+            }
+            Some(step)
+        }
         None => None,
     };
     let train = TrainOptions {
@@ -211,6 +235,10 @@ fn train_joined(worker: &mut Worker, args: &WorkerArgs, schedule: Schedule) -> R
         checkpoint_dir: Some(args.out.join(CHECKPOINTS)),
         checkpoint_every: args.run.checkpoint_every,
         keep_checkpoints: args.run.keep_checkpoints as usize,
+        stop: Some(StopRequest {
+            requested: Arc::clone(&signals.requested),
+            checkpoint: args.run.checkpoint_on_signal,
+        }),
     };
     let timeline_dir = args.out.join(TIMELINES);
     fs::create_dir_all(&timeline_dir).with_context(|| format!("cannot create {}", timeline_dir.display()))?;
@@ -224,7 +252,7 @@ fn train_joined(worker: &mut Worker, args: &WorkerArgs, schedule: Schedule) -> R
     timeline.process(worker.timeline_pid(), &label, rank as u32);
     let mut metrics = (rank == 0).then(|| open_metrics(&args.out, resumed_at)).transpose()?;
     let printer = (rank == 0 && args.print_metrics).then(MetricsPrinter::start);
-    worker.train(&train, Some(&mut timeline), |step| {
+    let end = worker.train(&train, Some(&mut timeline), |step| {
         if let Some(file) = metrics.as_mut() {
             let line = serde_json::to_string(step).expect("metrics serialise");
             writeln!(file, "{line}").map_err(|error| RuntimeError::Io { path: args.out.join(METRICS), error })?;
@@ -238,6 +266,19 @@ fn train_joined(worker: &mut Worker, args: &WorkerArgs, schedule: Schedule) -> R
         printer.finish();
     }
     timeline.finish().with_context(|| format!("cannot write {}", timeline_path.display()))?;
+    // Under `medley train` the launcher says it, for the whole job.
+    if let TrainEnd::Stopped { step, checkpointed } = end
+        && rank == 0
+        && !args.run_dir_locked
+    {
+        let signal = signals.received().map_or_else(|| "a signal".to_string(), crate::stop::name);
+        let kept = if checkpointed { "a checkpoint of it is written" } else { "its last checkpoint is kept" };
+        tracing::warn!(
+            "stopped at step {step} of {} on {signal}; {kept}: continue with --resume {}",
+            args.run.steps,
+            args.out.display()
+        );
+    }
     Ok(())
 }
 

@@ -1171,3 +1171,143 @@ fn the_runtime_does_not_depend_on_the_simulator() {
     let manifest = fs::read_to_string(crates_dir().join("medley-runtime/Cargo.toml")).unwrap();
     assert!(!manifest.contains("medley-sim"), "medley-runtime/Cargo.toml names medley-sim");
 }
+
+/// The step the newest checkpoint in `out` holds, read from its manifest.
+fn latest_checkpoint_step(out: &Path) -> u64 {
+    let latest = fs::read_to_string(out.join("checkpoints/latest")).unwrap();
+    let manifest = fs::read_to_string(out.join("checkpoints").join(latest.trim()).join("manifest.json")).unwrap();
+    serde_json::from_str::<serde_json::Value>(&manifest).unwrap()["step"].as_u64().unwrap()
+}
+
+/// The names in a directory, sorted.
+fn names_in(dir: &Path) -> Vec<String> {
+    let mut names: Vec<String> =
+        fs::read_dir(dir).unwrap().map(|e| e.unwrap().file_name().into_string().unwrap()).collect();
+    names.sort();
+    names
+}
+
+#[test]
+fn a_resume_deletes_nothing_before_it_has_verified_the_checkpoint() {
+    let out = scratch("train-lying-manifest");
+    let out_text = out.to_string_lossy().into_owned();
+    train(&out, &["--fleet", "2xh100", "--steps", "6", "--checkpoint-every", "2"]);
+    let checkpoints = out.join("checkpoints");
+    let before = names_in(&checkpoints);
+    assert_eq!(before, ["latest", "step-00000002", "step-00000004", "step-00000006"]);
+    let manifest = checkpoints.join("step-00000006/manifest.json");
+    let written = fs::read_to_string(&manifest).unwrap();
+    for lie in [0, 4, 5] {
+        fs::write(&manifest, written.replace("\"step\": 6", &format!("\"step\": {lie}"))).unwrap();
+        let args: Vec<&str> =
+            ["train", "--resume", &out_text].into_iter().chain(QUICK_TRAIN).chain(["10", "--steps", "8"]).collect();
+        let output = medley(&args);
+        let text = stderr(&output);
+        assert_eq!(output.status.code(), Some(2), "{text}");
+        assert!(text.contains("manifest.json") && text.contains(&format!("says step {lie}")), "{text}");
+        assert_eq!(names_in(&checkpoints), before, "a resume from a lying manifest (step {lie}) deleted checkpoints");
+    }
+    fs::write(&manifest, &written).unwrap();
+
+    // A resume into another directory never writes to its source: what an interrupted
+    // checkpoint left there stays for the source's own resume to sweep.
+    let unfinished = checkpoints.join("step-00000008");
+    fs::create_dir(&unfinished).unwrap();
+    fs::write(unfinished.join("rank-0.safetensors"), b"half a file").unwrap();
+    let elsewhere = scratch("train-lying-manifest-elsewhere");
+    train(&elsewhere, &["--resume", &out_text, "--steps", "7"]);
+    assert!(unfinished.join("rank-0.safetensors").is_file(), "the source was swept");
+    assert_eq!(latest_checkpoint_step(&elsewhere), 7);
+    // Resumed in place, it is swept: a rank file and no manifest is a checkpoint cut short.
+    train(&out, &["--resume", &out_text, "--steps", "7"]);
+    assert!(!unfinished.exists());
+}
+
+#[test]
+fn a_checkpoint_on_a_read_only_filesystem_resumes_into_another_directory() {
+    // SAFETY: geteuid has no preconditions.
+    if unsafe { libc::geteuid() } != 0 {
+        eprintln!("skipped: a read-only bind mount needs root (CI runs as root)");
+        return;
+    }
+    let source = scratch("train-read-only");
+    let source_text = source.to_string_lossy().into_owned();
+    train(&source, &["--fleet", "1xh100", "--steps", "2"]);
+    fs::remove_file(source.join(".medley.lock")).unwrap();
+    let out = scratch("train-read-only-out");
+    let train_args: Vec<String> = ["train", "--resume", &source_text, "--out", &out.to_string_lossy(), "--steps", "3"]
+        .into_iter()
+        .chain(QUICK_TRAIN)
+        .chain(["10"])
+        .map(|arg| format!("'{arg}'"))
+        .collect();
+    // A mount namespace of the command's own: the read-only mount goes when it ends.
+    let script = format!(
+        "mount --bind -o ro '{source_text}' '{source_text}' && exec '{}' {}",
+        env!("CARGO_BIN_EXE_medley"),
+        train_args.join(" ")
+    );
+    let output = Command::new("unshare").args(["-m", "sh", "-c", &script]).output().unwrap();
+    let text = stdout(&output) + &stderr(&output);
+    assert!(output.status.success(), "{text}");
+    assert_eq!(latest_checkpoint_step(&out), 3);
+}
+
+#[test]
+fn a_rank_stopped_at_start_up_is_named_within_the_timeout() {
+    let out = scratch("train-stopped-at-start");
+    let out_text = out.to_string_lossy().into_owned();
+    let args: Vec<&str> = ["train", "--out", &out_text, "--fleet", "3xh100", "--steps", "2"]
+        .into_iter()
+        .chain(QUICK_TRAIN)
+        .chain(["5"])
+        .collect();
+    let launcher = start(&args);
+    // Stopped as soon as it is seen, before it can have joined.
+    let spotted = Instant::now();
+    let stopped = loop {
+        if let Some((pid, _)) = workers_of(launcher.id()).into_iter().find(|(_, rank)| rank == "1") {
+            // SAFETY: kill with a pid this test just read and a valid signal has no memory effects.
+            assert_eq!(unsafe { libc::kill(pid as i32, libc::SIGSTOP) }, 0);
+            break Instant::now();
+        }
+        assert!(spotted.elapsed() < Duration::from_secs(60), "worker 1 never started");
+        std::thread::sleep(Duration::from_millis(1));
+    };
+    let output = finish(launcher, &args);
+    let text = stdout(&output) + &stderr(&output);
+    assert_eq!(output.status.code(), Some(1), "{text}");
+    // The others name it once the timeout has passed (5 s, or ten predicted steps on a slow
+    // machine); the launcher then ends it at once: nobody is left for it to report to.
+    assert!(stopped.elapsed() < Duration::from_secs(30), "the job took {:?} to stop:\n{text}", stopped.elapsed());
+    assert!(text.contains("rank 1 did not answer within"), "{text}");
+    assert!(text.contains("worker 1 (r0s1, H100-SXM): did not stop after the others failed; killed"), "{text}");
+}
+
+#[test]
+fn a_signal_stops_the_run_at_the_end_of_a_step_and_says_how_to_resume() {
+    for (signal, code) in [(libc::SIGTERM, 143), (libc::SIGINT, 130)] {
+        let out = scratch(&format!("train-signalled-{signal}"));
+        let out_text = out.to_string_lossy().into_owned();
+        let extra = ["10", "--checkpoint-every", "1000", "--checkpoint-on-signal"];
+        let launcher = start_endless_run(&out, "2xh100", &extra, |out| has_steps(out, 2));
+        // SIGTERM as `kill` sends it, to the launcher alone; SIGINT as Ctrl-C, to every process.
+        let mut pids = vec![launcher.id()];
+        if signal == libc::SIGINT {
+            pids.extend(workers_of(launcher.id()).into_iter().map(|(pid, _)| pid));
+        }
+        for pid in pids {
+            // SAFETY: kill with a pid of a child of this test and a valid signal has no memory effects.
+            assert_eq!(unsafe { libc::kill(pid as i32, signal) }, 0);
+        }
+        let output = finish(launcher, &["train", "(signalled)"]);
+        let text = stdout(&output) + &stderr(&output);
+        assert_eq!(output.status.code(), Some(code), "{text}");
+        let trained = losses(&out).last().unwrap().0;
+        assert!(text.contains(&format!("stopped at step {trained} on")), "{text}");
+        assert!(text.contains(&format!("--resume {out_text}")), "{text}");
+        assert_eq!(latest_checkpoint_step(&out), trained, "the step it stopped at is checkpointed");
+        train(&out, &["--resume", &out_text, "--steps", &(trained + 1).to_string()]);
+        assert_eq!(losses(&out).len() as u64, trained + 1);
+    }
+}

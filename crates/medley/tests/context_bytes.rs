@@ -44,8 +44,14 @@ fn runtime_bytes(plan: &Plan) -> Vec<u64> {
         link: None,
     };
     let schedule = Schedule::Fixed(ScheduleKind::OneFOneB);
-    let train =
-        TrainOptions { until_step: STEPS, schedule, checkpoint_dir: None, checkpoint_every: 0, keep_checkpoints: 1 };
+    let train = TrainOptions {
+        until_step: STEPS,
+        schedule,
+        checkpoint_dir: None,
+        checkpoint_every: 0,
+        keep_checkpoints: 1,
+        stop: None,
+    };
     std::thread::scope(|scope| {
         let workers: Vec<_> = (0..world)
             .map(|rank| {

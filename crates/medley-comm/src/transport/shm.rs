@@ -20,7 +20,7 @@ use memmap2::MmapRaw;
 use super::{Sink, Ticket, Transport};
 use crate::CommError;
 use crate::wait::{Waiter, futex_wait, futex_wake};
-use crate::wire::FrameHeader;
+use crate::wire::{FrameHeader, fingerprint};
 
 /// Messages a sender may post before the receiver consumes one. Plans issue at most one block's
 /// chunks ahead of a receive, and the communicator sizes chunks so that stays well below this.
@@ -153,6 +153,25 @@ pub(crate) fn map_shared(path: &Path, len: usize, create: bool) -> Result<MmapRa
     // protocol hands from one to another, never through a Rust slice over the whole file that
     // another process could change under it.
     MmapRaw::map_raw(&file).map_err(|err| CommError::io(format!("mapping {}", path.display()), &err))
+}
+
+/// What the names of every shared-memory file of the job with `token` and store address
+/// `store_addr` start with (the rest names the communicator and the rank).
+pub(crate) fn job_prefix(token: &str, store_addr: &str) -> String {
+    format!("{:016x}-", fingerprint(&format!("{token}|{store_addr}")))
+}
+
+/// Removes every shared-memory file of the job with `token` and store address `store_addr`;
+/// returns how many there were. Ranks remove their own once their peers have mapped them, or
+/// when joining fails; this is for a launcher whose ranks were killed mid-join.
+pub fn remove_job_shared_memory(token: &str, store_addr: &str) -> usize {
+    let prefix = format!("medley-{}", job_prefix(token, store_addr));
+    let Ok(entries) = std::fs::read_dir("/dev/shm") else { return 0 };
+    entries
+        .flatten()
+        .filter(|entry| entry.file_name().to_str().is_some_and(|name| name.starts_with(&prefix)))
+        .filter(|entry| std::fs::remove_file(entry.path()).is_ok())
+        .count()
 }
 
 /// Where a rank's inbox lives.
@@ -447,6 +466,21 @@ mod tests {
 
     fn scratch_path(name: &str) -> PathBuf {
         PathBuf::from("/dev/shm").join(format!("medley-test-{}-{name}", std::process::id()))
+    }
+
+    #[test]
+    fn a_launcher_removes_every_shared_file_of_its_job_and_only_those() {
+        let token = format!("token-{}", std::process::id());
+        let job = |ns: &str| format!("{}{:08x}", job_prefix(&token, "127.0.0.1:1"), fingerprint(ns) as u32);
+        let ours = [inbox_path(&job("world"), 0), inbox_path(&job("world/split0/color1"), 3)];
+        let other_job = inbox_path(&format!("{}00000000", job_prefix(&token, "127.0.0.1:2")), 0);
+        for path in ours.iter().chain([&other_job]) {
+            std::fs::write(path, b"mailbox").unwrap();
+        }
+        assert_eq!(remove_job_shared_memory(&token, "127.0.0.1:1"), 2);
+        assert!(ours.iter().all(|path| !path.exists()));
+        assert!(other_job.exists(), "another job's file was removed");
+        std::fs::remove_file(other_job).unwrap();
     }
 
     #[test]
