@@ -367,3 +367,37 @@ fn a_stop_asked_of_one_rank_stops_every_rank_at_the_same_step_with_a_checkpoint(
     assert!(ends.iter().all(|end| *end == TrainEnd::Stopped { step: 3, checkpointed: true }), "{ends:?}");
     assert_eq!(std::fs::read_to_string(dir.path().join("latest")).unwrap(), "step-00000003");
 }
+
+#[test]
+fn a_checkpoint_that_fails_before_it_is_published_leaves_no_rank_files() {
+    let plan = plan("3xh100", &[(2, &[2, 2, 4])], 1);
+    let dir = tempfile::tempdir().unwrap();
+    // Rank 0 cannot publish step 1: its manifest's name is taken by a directory (as a full
+    // disk or a dead peer fails it, after the other ranks wrote their files).
+    std::fs::create_dir_all(dir.path().join("step-00000001/manifest.json")).unwrap();
+    let train = TrainOptions {
+        until_step: 1,
+        schedule: one_f_one_b(),
+        checkpoint_dir: Some(dir.path().to_path_buf()),
+        checkpoint_every: 1,
+        keep_checkpoints: 3,
+        stop: None,
+    };
+    let errors = run_workers(&plan, worker_options(AdamW::default(), None), |mut worker| {
+        let result = worker.train(&train, None, |_: &StepMetrics| Ok(()));
+        // As `medley worker` does with a failure of its own: the others stop at once.
+        if let Err(err) = &result
+            && err.blamed_rank().is_none()
+        {
+            worker.abort(&err.to_string());
+        }
+        result.err().map(|err| err.to_string())
+    });
+    assert!(errors.iter().all(Option::is_some), "{errors:?}");
+    let left: Vec<String> = std::fs::read_dir(dir.path().join("step-00000001"))
+        .unwrap()
+        .map(|entry| entry.unwrap().file_name().to_string_lossy().into_owned())
+        .collect();
+    assert_eq!(left, ["manifest.json"], "the unpublished checkpoint's rank files stayed");
+    assert!(!dir.path().join("latest").exists());
+}
