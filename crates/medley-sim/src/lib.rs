@@ -45,11 +45,15 @@ use setup::Setup;
 /// Gradients, pipeline messages, keys and values travel as bf16.
 pub(crate) const ELEMENT_BYTES: f64 = 2.0;
 
-/// Seconds as the simulator's whole nanoseconds.
-/// The longest step the engine simulates, s: its clock counts nanoseconds in a `u64` (584 years),
-/// and a step the cost model prices beyond this (absurd device rates or links) would overflow it.
+/// The furthest the engine's clock runs, s: it counts nanoseconds in a `u64` (584 years), and a
+/// step the cost model prices beyond this (absurd device rates or links), or a transfer a network
+/// trace slows past it, would overflow it.
 const HORIZON_S: f64 = 1e9;
 
+/// [`HORIZON_S`] in the clock's nanoseconds.
+pub(crate) const HORIZON_NS: u64 = 1_000_000_000 * 1_000_000_000;
+
+/// Seconds as the simulator's whole nanoseconds.
 pub(crate) fn ns(seconds: f64) -> u64 {
     (seconds * 1e9).round() as u64
 }
@@ -92,6 +96,12 @@ pub enum SimError {
          holds ({HORIZON_S:e} s): check the cluster's device rates, links and the calibration's efficiencies"
     )]
     BeyondHorizon { predicted_s: f64 },
+    #[error(
+        "simulated time passes {HORIZON_S:e} s, the furthest the simulator's clock runs, before the step ends: \
+         the network trace leaves links too little bandwidth to finish it ({})",
+        waiting.join("; ")
+    )]
+    PastHorizon { waiting: Vec<String> },
 }
 
 /// Knobs of a simulation beyond the plan.

@@ -17,7 +17,18 @@ use rand_chacha::ChaCha8Rng;
 #[error("{0}")]
 pub struct TraceError(pub String);
 
-/// The fraction of a link's bandwidth that is available over time.
+/// The least fraction of its bandwidth a trace may leave a link, other than 0 (a link that is
+/// down): a millionth of a 400 Gb/s NIC is 50 kB/s, and anything slower stands for a link that
+/// is down, which 0 says. Below it the simulated times of ordinary transfers run past any clock.
+pub const MIN_FRACTION: f64 = 1e-6;
+
+/// The latest time a trace may name, and its longest period, s (about 32 years): as far as the
+/// simulator's nanosecond clock is let run.
+pub const MAX_TIME_S: f64 = 1e9;
+
+/// The fraction of a link's bandwidth that is available over time. Invariant (held by the
+/// parsers, [`FromStr`] and [`BandwidthTrace::from_csv`]): every fraction is 0 or from
+/// [`MIN_FRACTION`] to 1, every time and period at most [`MAX_TIME_S`].
 #[derive(Clone, Debug, PartialEq)]
 pub enum BandwidthTrace {
     /// Always `fraction`.
@@ -62,6 +73,11 @@ impl BandwidthTrace {
             let time_s: f64 = time.parse().map_err(|_| error(format!("`{time}` is not a time in seconds")))?;
             if !(time_s.is_finite() && time_s >= 0.0) {
                 return Err(error(format!("time {time_s} must be a non-negative number of seconds")));
+            }
+            if time_s > MAX_TIME_S {
+                return Err(error(format!(
+                    "time {time_s:e} s is beyond {MAX_TIME_S:e} s, the latest a trace may name"
+                )));
             }
             let fraction = parse_fraction(fraction).map_err(error)?;
             let time_ns = seconds_to_ns(time_s);
@@ -163,6 +179,9 @@ impl<'a> Fields<'a> {
         let text = self.get(key)?;
         let ns =
             parse_duration_ns(text).ok_or_else(|| format!("`{key}={text}`: expected a duration like 2s or 500ms"))?;
+        if ns > seconds_to_ns(MAX_TIME_S) {
+            return Err(format!("`{key}={text}`: periods are at most {MAX_TIME_S:e} s"));
+        }
         if ns < MIN_PERIOD_NS {
             return Err(format!(
                 "`{key}={text}`: periods are at least 10us (bandwidth other jobs take changes over microseconds or \
@@ -179,7 +198,11 @@ impl<'a> Fields<'a> {
 
 fn parse_fraction(text: &str) -> Result<f64, String> {
     match text.parse::<f64>() {
-        Ok(fraction) if (0.0..=1.0).contains(&fraction) => Ok(fraction),
+        Ok(fraction) if fraction == 0.0 || (MIN_FRACTION..=1.0).contains(&fraction) => Ok(fraction),
+        Ok(fraction) if fraction > 0.0 && fraction < MIN_FRACTION => Err(format!(
+            "fraction `{text}` is below the floor of {MIN_FRACTION:e}: give 0 for a link that is down, \
+             or at least {MIN_FRACTION:e}"
+        )),
         _ => Err(format!("fraction `{text}` must be a number from 0 to 1")),
     }
 }
@@ -280,9 +303,6 @@ pub struct TraceWalker {
     cursor: TraceCursor,
 }
 
-/// The least bandwidth fraction a transfer proceeds at: a trace at 0 would stall it forever.
-const MIN_FRACTION: f64 = 1e-6;
-
 impl TraceWalker {
     /// The walk of link number `link` (links draw independent random periods) through `trace`.
     pub fn new(trace: &BandwidthTrace, link: u64) -> Self {
@@ -300,6 +320,7 @@ impl TraceWalker {
                 self.fraction = fraction;
                 self.next = self.cursor.next_change();
             }
+            // A link that is down still moves at the floor: a trace at 0 would stall it forever.
             let rate_per_ns = full_bytes_per_s * self.fraction.max(MIN_FRACTION) / 1e9;
             let done_ns = now_ns as f64 + left / rate_per_ns;
             match self.next {
@@ -365,6 +386,27 @@ mod tests {
             let err = bad.parse::<BandwidthTrace>().unwrap_err().to_string();
             assert!(err.contains(bad), "{err}");
         }
+    }
+
+    #[test]
+    fn fractions_below_the_floor_and_times_past_the_clock_are_refused() {
+        // Issue 31: 1e-12 to 1e-300 of the bandwidth were accepted and simulated wrong.
+        for tiny in ["1e-7", "1e-12", "1e-300", "5e-324"] {
+            for text in [format!("constant:{tiny}"), format!("on-off:full=1s,reduced=1s,fraction={tiny}")] {
+                let err = text.parse::<BandwidthTrace>().unwrap_err().to_string();
+                assert!(err.contains(&text) && err.contains("below the floor of 1e-6"), "{err}");
+            }
+            let err = BandwidthTrace::from_csv(&format!("time_s,fraction\n0,1\n1,{tiny}\n"), "t.csv").unwrap_err();
+            let err = err.to_string();
+            assert!(err.contains("t.csv:3") && err.contains("fraction") && err.contains("1e-6"), "{err}");
+        }
+        // A link that is down, and the floor itself, still read.
+        assert_eq!("constant:0".parse::<BandwidthTrace>().unwrap(), BandwidthTrace::Constant { fraction: 0.0 });
+        assert_eq!("constant:1e-6".parse::<BandwidthTrace>().unwrap(), BandwidthTrace::Constant { fraction: 1e-6 });
+        let err = BandwidthTrace::from_csv("0,1\n1e300,0.5\n", "t.csv").unwrap_err().to_string();
+        assert!(err.contains("t.csv:2") && err.contains("1e9 s"), "{err}");
+        let err = "on-off:full=100years,reduced=1s,fraction=0.5".parse::<BandwidthTrace>().unwrap_err().to_string();
+        assert!(err.contains("full=100years") && err.contains("1e9 s"), "{err}");
     }
 
     #[test]

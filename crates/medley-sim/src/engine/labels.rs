@@ -58,8 +58,16 @@ impl StepRun<'_, '_, '_> {
     /// The error for a step that cannot finish: every stuck rank and what it waits for, and the
     /// transfers stalled on links whose bandwidth never comes back.
     pub(super) fn deadlock(&self) -> SimError {
-        let stuck = self
-            .ranks
+        let stuck = self.unfinished();
+        match self.sim.network.n_flows() {
+            0 => SimError::Deadlock { stuck },
+            stalled_transfers => SimError::Stalled { stuck, stalled_transfers },
+        }
+    }
+
+    /// Every rank that has not finished, at which instruction.
+    pub(super) fn unfinished(&self) -> Vec<String> {
+        self.ranks
             .iter()
             .enumerate()
             .filter(|(_, state)| state.done_ns.is_none())
@@ -68,11 +76,7 @@ impl StepRun<'_, '_, '_> {
                     self.programs[rank].instructions.get(state.pc).map_or("end".into(), |i| i.to_string());
                 format!("{} at instruction {} ({instruction})", self.sim.setup.ranks[rank].id, state.pc)
             })
-            .collect();
-        match self.sim.network.n_flows() {
-            0 => SimError::Deadlock { stuck },
-            stalled_transfers => SimError::Stalled { stuck, stalled_transfers },
-        }
+            .collect()
     }
 }
 

@@ -19,7 +19,7 @@ use medley_trace::timeline::{COLLECTIVE_TID, COMPUTE_TID, LAYER_TID, lane_tid};
 use serde_json::json;
 
 use crate::network::{DrainAt, FlowId};
-use crate::{ELEMENT_BYTES, ns};
+use crate::{ELEMENT_BYTES, HORIZON_NS, ns};
 use crate::{SimError, Simulation};
 
 // The step's parts, each an `impl StepRun` over this module's state.
@@ -261,6 +261,10 @@ impl<'s, 'p, 'w> StepRun<'s, 'p, 'w> {
             };
             if !matches!(event, Event::Bandwidth(_)) {
                 self.queued_work -= 1;
+            }
+            // Drains beyond the clock saturate at its end: refuse them before time could wrap.
+            if at_ns > HORIZON_NS {
+                return Err(SimError::PastHorizon { waiting: self.unfinished() });
             }
             self.sim.now_ns = at_ns;
             self.events += 1;
