@@ -10,7 +10,7 @@ use medley_schedule::StepSchedules;
 use medley_spec::Schedule;
 use serde::Serialize;
 
-use crate::{SimConfig, SimError, Simulation, StepReport};
+use crate::{MAX_EVENTS, SimConfig, SimError, Simulation, StepReport};
 
 /// One step of a run, in brief.
 #[derive(Clone, Debug, PartialEq, Serialize)]
@@ -36,7 +36,10 @@ pub struct RunReport {
     pub last_step: StepReport,
 }
 
-/// Simulates `n_steps` steps of `plan` (at least one) under `schedule`.
+/// Simulates `n_steps` steps of `plan` (at least one) under `schedule`. Steps beyond
+/// [`MAX_PASSES`](crate::MAX_PASSES) are refused before they start, and runs whose steps so far
+/// put the whole beyond [`MAX_EVENTS`] as soon as they do (after the first step, unless later
+/// steps take more events).
 pub fn simulate_steps(
     plan: &Plan,
     calibration: &Calibration,
@@ -45,10 +48,12 @@ pub fn simulate_steps(
     n_steps: u32,
     timeline: Option<&mut dyn Write>,
 ) -> Result<RunReport, SimError> {
+    crate::check_passes(plan)?;
     let mut simulation = Simulation::new(plan, calibration, config, timeline)?;
     let mut schedules = StepSchedules::new(schedule, max_k_within_memory(plan, calibration));
     let mut steps = Vec::new();
     let mut last_step = None;
+    let mut events: u64 = 0;
     for step in 0..n_steps.max(1) {
         let kind = schedules.next();
         let report = simulation.step(&medley_schedule::generate(plan, kind)?)?;
@@ -61,6 +66,12 @@ pub fn simulate_steps(
             peak_memory_gib: report.peak_memory_gib,
             fits: report.fits,
         });
+        events += report.events;
+        let steps_left = u64::from(n_steps.saturating_sub(step + 1));
+        if events.saturating_add(report.events.saturating_mul(steps_left)) > MAX_EVENTS {
+            let events_per_step = report.events.max(events / u64::from(step + 1)).max(1);
+            return Err(SimError::TooManyEvents { n_steps, events_per_step });
+        }
         last_step = Some(report);
     }
     simulation.finish()?;

@@ -102,6 +102,41 @@ pub enum SimError {
         waiting.join("; ")
     )]
     PastHorizon { waiting: Vec<String> },
+    #[error(
+        "a step of this plan is {passes_per_step} passes (a micro-batch's forward and backward through one stage), \
+         beyond the {MAX_PASSES} the simulator runs in a step (about 30 s and a few GB): fewer micro-batches (a \
+         larger micro-batch or a smaller global batch) simulate"
+    )]
+    TooManyPasses { passes_per_step: u64 },
+    #[error(
+        "{n_steps} steps of this plan are about {} events, beyond the {MAX_EVENTS} the simulator runs at once \
+         (about 30 s): simulate at most {} steps of this plan",
+        u64::from(*.n_steps).saturating_mul(*.events_per_step),
+        MAX_EVENTS / .events_per_step
+    )]
+    TooManyEvents { n_steps: u32, events_per_step: u64 },
+}
+
+/// The most events one simulation runs over all its steps: about 30 s on a two-core machine.
+pub const MAX_EVENTS: u64 = 1 << 25;
+
+/// The most passes (a micro-batch's forward and backward through one stage) a simulated step
+/// runs: about 30 s and a few GB on a two-core machine (its programs are generated whole).
+pub const MAX_PASSES: u64 = 1 << 21;
+
+/// The passes one step of `plan` simulates: every replica's micro-batches through each of its
+/// (virtual) stages.
+pub fn passes_per_step(plan: &Plan) -> u64 {
+    plan.replicas().iter().map(|replica| u64::from(replica.n_micro_batches) * replica.stages.len() as u64).sum()
+}
+
+/// Refuses a step of `plan` beyond [`MAX_PASSES`], before anything is simulated.
+fn check_passes(plan: &Plan) -> Result<(), SimError> {
+    let passes_per_step = passes_per_step(plan);
+    if passes_per_step > MAX_PASSES {
+        return Err(SimError::TooManyPasses { passes_per_step });
+    }
+    Ok(())
 }
 
 /// Knobs of a simulation beyond the plan.
@@ -224,6 +259,7 @@ pub fn simulate(
     config: &SimConfig,
     timeline: Option<&mut dyn Write>,
 ) -> Result<StepReport, SimError> {
+    check_passes(plan)?;
     let mut simulation = Simulation::new(plan, calibration, config, timeline)?;
     let report = simulation.step(&medley_schedule::generate(plan, schedule)?)?;
     simulation.finish()?;

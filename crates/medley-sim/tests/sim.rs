@@ -379,6 +379,42 @@ fn a_slower_network_never_makes_a_faster_step() {
     assert!(refused, "1e-300 of the bandwidth runs past any clock");
 }
 
+/// Issue 31: `--steps 1000000`, or a million micro-batches a step, simulated for minutes and
+/// gigabytes. A step beyond the simulator's budget of passes is refused before it is simulated,
+/// and a run beyond its budget of events after its first step, saying how many steps fit.
+#[test]
+fn runs_beyond_the_budgets_are_refused_at_once() {
+    let calibration = Calibration::default();
+    assert_eq!(medley_sim::passes_per_step(&uniform_pipeline(2, 3)), 6);
+    let huge = megatron(Layout {
+        cluster: "16xh100",
+        model: uniform_model(4),
+        seq_len: 2048,
+        global_batch: 1 << 20,
+        degrees: Degrees::new(4, 4, 1),
+        recompute: Recompute::Full,
+    });
+    assert_eq!(medley_sim::passes_per_step(&huge), 4 << 20);
+    let err = simulate(&huge, ScheduleKind::OneFOneB, &calibration, &SimConfig::default(), None).unwrap_err();
+    assert!(matches!(err, SimError::TooManyPasses { .. }), "{err}");
+    assert!(err.to_string().contains(&medley_sim::MAX_PASSES.to_string()), "{err}");
+    // Few passes, but a gradient all-reduce across nodes every step: refused after the first.
+    let replicated = megatron(Layout {
+        cluster: "16xh100",
+        model: uniform_model(4),
+        seq_len: 2048,
+        global_batch: 2,
+        degrees: Degrees::new(8, 1, 2),
+        recompute: Recompute::Full,
+    });
+    let one_step = simulate(&replicated, ScheduleKind::OneFOneB, &calibration, &SimConfig::default(), None).unwrap();
+    let schedule = Schedule::Fixed(ScheduleKind::OneFOneB);
+    let err = simulate_steps(&replicated, &calibration, &SimConfig::default(), schedule, u32::MAX, None).unwrap_err();
+    assert!(matches!(err, SimError::TooManyEvents { .. }), "{err}");
+    let max_steps = medley_sim::MAX_EVENTS / one_step.events;
+    assert!(err.to_string().contains(&format!("at most {max_steps} steps")), "{err}");
+}
+
 #[test]
 fn programs_of_another_plan_are_refused() {
     let calibration = Calibration::default();

@@ -6,9 +6,10 @@ use serde::{Deserialize, Serialize};
 use crate::device::{DeviceSpec, LinkKind, Vendor, catalog_device};
 use crate::error::SpecError;
 
-/// The largest cluster medley plans: far beyond today's largest training runs, and small enough
-/// that device counts never overflow.
-pub const MAX_GPUS: u32 = 1 << 20;
+/// The largest cluster medley plans: beyond today's largest training runs (Llama 3 405B trained
+/// on 16,384 H100s), and what the search finishes in about 30 s and 2 GB on two cores (it prices
+/// its finalists as explicit plans, device by device: 1,048,576 GPUs took minutes and 16.8 GB).
+pub const MAX_GPUS: u32 = 1 << 15;
 
 /// The most node groups a cluster may list (the planner searches at most a handful).
 pub const MAX_GROUPS: usize = 64;
@@ -479,6 +480,16 @@ mod tests {
         ] {
             let err = Cluster::from_inline(text, Fabric::default(), Bridge::default()).unwrap_err();
             assert!(err.to_string().contains(wanted), "{text}: {err}");
+        }
+    }
+
+    #[test]
+    fn clusters_beyond_what_the_planner_searches_in_seconds_are_refused() {
+        // Issue 31: 1,048,576 GPUs were accepted and planned for minutes and 16.8 GB.
+        assert!(Cluster::from_inline("32768xh100", Fabric::default(), Bridge::default()).is_ok());
+        for text in ["32776xh100", "16384xh100,16392xmi300x", "1048576xh100"] {
+            let err = Cluster::from_inline(text, Fabric::default(), Bridge::default()).unwrap_err().to_string();
+            assert!(err.contains("medley plans at most 32768"), "{text}: {err}");
         }
     }
 

@@ -214,14 +214,17 @@ fn expressible(
     Ok(pool)
 }
 
-/// The candidates with one simulated step each (none above [`render::SIMULATE_UP_TO_GPUS`]), fastest
+/// The candidates with one simulated step each (none above [`render::SIMULATE_UP_TO_GPUS`] or
+/// [`render::SIMULATE_UP_TO_PASSES`]), fastest
 /// first by the simulator where it ran and by the cost model where it did not.
 pub(crate) fn confirm_by_simulation(candidates: Vec<Candidate>, calibration: &Calibration) -> Result<Confirmed> {
     let simulated: Vec<Option<StepReport>> = candidates
         .par_iter()
         .map(|candidate| {
             let plan = &candidate.plan;
-            if candidate.prediction.n_gpus_used > render::SIMULATE_UP_TO_GPUS {
+            let too_large = candidate.prediction.n_gpus_used > render::SIMULATE_UP_TO_GPUS
+                || medley_sim::passes_per_step(plan) > render::SIMULATE_UP_TO_PASSES;
+            if too_large {
                 return Ok(None);
             }
             simulate_steps(plan, calibration, &SimConfig::default(), plan.schedule(), 1, None)

@@ -16,12 +16,17 @@ use crate::inputs::Specs;
 /// Plans on more GPUs than this are ranked by the cost model alone: one simulated step of a
 /// 16,384-GPU plan takes seconds (every replica's collectives are simulated flow by flow).
 pub(crate) const SIMULATE_UP_TO_GPUS: u32 = 4096;
+/// Nor are plans of more passes a step than this (a micro-batch's forward and backward through a
+/// stage; a million sequences a step are millions of passes): the candidates are simulated side
+/// by side, each within a quarter of what `medley simulate` runs at once.
+pub(crate) const SIMULATE_UP_TO_PASSES: u64 = medley_sim::MAX_PASSES / 4;
 
 /// The candidates ranked by simulated step time (analytical search first, simulation to
 /// confirm), and the cost model's rank of each.
 pub struct Confirmed {
     pub candidates: Vec<Candidate>,
-    /// `None` for a plan too large to simulate in moments ([`SIMULATE_UP_TO_GPUS`]).
+    /// `None` for a plan too large to simulate in moments ([`SIMULATE_UP_TO_GPUS`],
+    /// [`SIMULATE_UP_TO_PASSES`]).
     pub simulated: Vec<Option<StepReport>>,
     /// `analytical_rank[i]`: where the cost model ranked candidate i (0 = first).
     pub analytical_rank: Vec<usize>,
@@ -164,10 +169,11 @@ fn agreement(confirmed: &Confirmed) -> String {
     let skipped = match unsimulated {
         0 => String::new(),
         n => format!(
-            "; {} on more than {} GPUs ranked by the cost model alone, not simulated (a step of such a plan takes \
-             the simulator seconds: `medley simulate --plan` runs one)",
+            "; {} on more than {} GPUs or of more than {} passes a step ranked by the cost model alone, not \
+             simulated (a step of such a plan takes the simulator seconds: `medley simulate --plan` runs one)",
             count(n, "plan"),
-            SIMULATE_UP_TO_GPUS
+            SIMULATE_UP_TO_GPUS,
+            SIMULATE_UP_TO_PASSES
         ),
     };
     if gaps.is_empty() {
