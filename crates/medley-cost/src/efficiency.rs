@@ -20,7 +20,7 @@
 use std::collections::BTreeMap;
 use std::fmt;
 
-use medley_spec::{DeviceSpec, Vendor, catalog_device};
+use medley_spec::{DeviceSpec, Vendor, catalog_device, echo};
 use serde::Deserialize;
 use thiserror::Error;
 
@@ -56,9 +56,10 @@ impl Efficiency {
 
 #[derive(Debug, Error, PartialEq)]
 pub enum CalibrationError {
-    #[error("{source_name}: {message}")]
+    /// `message` echoes user text through [`echo`] where it quotes any.
+    #[error("{}: {message}", echo(.source_name))]
     Syntax { source_name: String, message: String },
-    #[error("{source_name}: device `{device}`: efficiency `{field}` must be in (0, 1], got {value}")]
+    #[error("{}: device `{}`: efficiency `{field}` must be in (0, 1], got {value}", echo(.source_name), echo(.device))]
     OutOfRange { source_name: String, device: String, field: &'static str, value: f64 },
 }
 
@@ -91,7 +92,7 @@ impl fmt::Display for ProfileKind {
         match self {
             ProfileKind::Gpu => f.write_str("a GPU efficiency profile"),
             ProfileKind::Emulation { model: Some(model) } => {
-                write!(f, "an emulation profile (this machine's CPU speed, measured on model `{model}`)")
+                write!(f, "an emulation profile (this machine's CPU speed, measured on model `{}`)", echo(model))
             }
             ProfileKind::Emulation { model: None } => f.write_str("an emulation profile (this machine's CPU speed)"),
         }
@@ -118,8 +119,14 @@ impl Calibration {
     /// memory = 0.85
     /// ```
     pub fn from_toml(text: &str, source: &str) -> Result<Self, CalibrationError> {
-        let file: CalibrationFile = toml::from_str(text)
-            .map_err(|err| CalibrationError::Syntax { source_name: source.to_string(), message: err.to_string() })?;
+        // The parser's own message quotes the offending line whole: its message and line only.
+        let file: CalibrationFile = toml::from_str(text).map_err(|err| {
+            let line = err.span().map_or(1, |span| text[..span.start.min(text.len())].matches('\n').count() + 1);
+            CalibrationError::Syntax {
+                source_name: source.to_string(),
+                message: format!("line {line}: {}", echo(err.message().trim())),
+            }
+        })?;
         for (device, efficiency) in &file.device {
             let fields =
                 [("matmul", efficiency.matmul), ("attention", efficiency.attention), ("memory", efficiency.memory)];
@@ -139,7 +146,9 @@ impl Calibration {
             (Some("gpu"), None) => ProfileKind::Gpu,
             (Some("gpu"), Some(_)) => return Err(syntax("`model` belongs to emulation profiles only".into())),
             (Some("emulation"), model) => ProfileKind::Emulation { model },
-            (Some(other), _) => return Err(syntax(format!("kind `{other}` is neither \"gpu\" nor \"emulation\""))),
+            (Some(other), _) => {
+                return Err(syntax(format!("kind `{}` is neither \"gpu\" nor \"emulation\"", echo(other))));
+            }
             (None, Some(model)) => ProfileKind::Emulation { model: Some(model) },
             (None, None) if file.device.values().any(|e| e.matmul < LEGACY_EMULATION_BELOW) => {
                 ProfileKind::Emulation { model: None }
@@ -248,6 +257,16 @@ mod tests {
         let mut gpu = Calibration::default();
         gpu.set(&h100, Efficiency { matmul: 0.6, attention: 0.4, memory: 0.9 });
         assert_eq!(Calibration::from_toml(&gpu.to_toml(), "g.toml").unwrap(), gpu);
+    }
+
+    /// Issue 31: a profile's `kind` reached the terminal raw, escapes and all.
+    #[test]
+    fn errors_echo_profile_text_escaped_and_cut() {
+        let long = "k".repeat(100_000);
+        for kind in ["\\u001b[31mgpu", long.as_str()] {
+            let err = Calibration::from_toml(&format!("kind = \"{kind}\"\n"), "k.toml").unwrap_err().to_string();
+            assert!(!err.chars().any(char::is_control) && err.len() < 1000, "{err:?}");
+        }
     }
 
     #[test]

@@ -11,7 +11,7 @@ use std::fmt;
 use std::str::FromStr;
 
 use medley_cost::{Calibration, CostModel, Setting};
-use medley_spec::{Cluster, JobSpec, ModelSpec, Schedule, ScheduleKind};
+use medley_spec::{Cluster, JobSpec, ModelSpec, Schedule, ScheduleKind, echo};
 use rayon::prelude::*;
 
 use crate::assemble::{ReplicaLayout, assemble, stages_from_counts};
@@ -70,13 +70,13 @@ impl FromStr for Degrees {
         let mut degrees = Degrees::new(1, 1, 1);
         for part in text.split(',').map(str::trim).filter(|part| !part.is_empty()) {
             let (axis, value) =
-                part.split_once('=').ok_or_else(|| format!("`{part}`: expected AXIS=DEGREE, e.g. tp=8"))?;
+                part.split_once('=').ok_or_else(|| format!("`{}`: expected AXIS=DEGREE, e.g. tp=8", echo(part)))?;
             let value: u32 = value
                 .trim()
                 .parse()
                 .ok()
                 .filter(|&value| value > 0)
-                .ok_or_else(|| format!("`{part}`: the degree must be a positive integer"))?;
+                .ok_or_else(|| format!("`{}`: the degree must be a positive integer", echo(part)))?;
             match axis.trim() {
                 "tp" => degrees.tp = value,
                 "pp" => degrees.pp = value,
@@ -84,7 +84,7 @@ impl FromStr for Degrees {
                 "vpp" => degrees.vpp = value,
                 "cp" => degrees.cp = value,
                 "hp" => degrees.hp = value,
-                other => return Err(format!("unknown axis `{other}`; expected tp, pp, dp, vpp, cp or hp")),
+                other => return Err(format!("unknown axis `{}`; expected tp, pp, dp, vpp, cp or hp", echo(other))),
             }
         }
         Ok(degrees)
@@ -317,6 +317,16 @@ impl Baselines {
 #[cfg(test)]
 mod tests {
     use super::*;
+
+    /// Issue 31: user text in `--fix` errors goes through medley-spec's one echo.
+    #[test]
+    fn degree_errors_echo_text_escaped_and_cut() {
+        let long = "9".repeat(100_000);
+        for text in ["tp\u{1b}[31m=8".to_string(), "tp=\u{1b}".to_string(), format!("tp={long}"), format!("{long}=1")] {
+            let err = text.parse::<Degrees>().unwrap_err();
+            assert!(!err.chars().any(char::is_control) && err.len() < 1000, "{err:?}");
+        }
+    }
 
     #[test]
     fn degrees_parse_with_defaults_and_errors() {

@@ -4,7 +4,7 @@
 use serde::{Deserialize, Serialize};
 
 use crate::device::{DeviceSpec, LinkKind, Vendor, catalog_device};
-use crate::error::SpecError;
+use crate::error::{SpecError, echo};
 
 /// The largest cluster medley plans: beyond today's largest training runs (Llama 3 405B trained
 /// on 16,384 H100s), and what the search finishes in about 30 s and 2 GB on two cores (it prices
@@ -228,7 +228,10 @@ impl Cluster {
                 return Err(SpecError::field(
                     source,
                     format!("group[{idx}].device"),
-                    format!("`{}` names two different devices; give custom devices their own names", group.device.name),
+                    format!(
+                        "`{}` names two different devices; give custom devices their own names",
+                        echo(&group.device.name)
+                    ),
                 ));
             }
         }
@@ -384,7 +387,7 @@ fn count_and_device(source: &str, entry: &str) -> Result<(u32, DeviceSpec), Spec
     let count: u32 = count
         .trim()
         .parse()
-        .map_err(|_| bad(format!("`{count}` is not a GPU count; expected COUNTxDEVICE, e.g. 64xh100")))?;
+        .map_err(|_| bad(format!("`{}` is not a GPU count; expected COUNTxDEVICE, e.g. 64xh100", echo(count))))?;
     if count == 0 {
         return Err(bad("the GPU count must be at least 1".to_string()));
     }
@@ -490,6 +493,28 @@ mod tests {
         for text in ["32776xh100", "16384xh100,16392xmi300x", "1048576xh100"] {
             let err = Cluster::from_inline(text, Fabric::default(), Bridge::default()).unwrap_err().to_string();
             assert!(err.contains("medley plans at most 32768"), "{text}: {err}");
+        }
+    }
+
+    /// Issue 31: escapes in inline clusters and cluster files reached the terminal raw, and
+    /// 100 KB names were echoed whole.
+    #[test]
+    fn errors_echo_names_escaped_and_cut() {
+        let long = "a".repeat(100_000);
+        let group = |device: &str| format!("[[group]]\ndevice = \"{device}\"\nnodes = 1\n");
+        let errors = [
+            Cluster::from_inline("2x\u{1b}[31mh100", Fabric::default(), Bridge::default()).unwrap_err(),
+            Cluster::from_inline("\u{1b}[31mx8xh100", Fabric::default(), Bridge::default()).unwrap_err(),
+            Cluster::from_inline(&format!("8x{long}"), Fabric::default(), Bridge::default()).unwrap_err(),
+            Cluster::from_toml(&group("\\u001b[31mh100"), "c.toml").unwrap_err(),
+            Cluster::from_toml(&group(&long), "c.toml").unwrap_err(),
+            Cluster::from_toml(&group("h100").replace("nodes", "\"\\u001b[2J\""), "c.toml").unwrap_err(),
+        ];
+        for err in errors {
+            let message = err.to_string();
+            assert!(!message.chars().any(char::is_control), "{message:?}");
+            assert!(message.len() < 1000, "{} bytes", message.len());
+            assert!(message.contains("\\u{1b}") || message.contains("100000 characters"), "{message}");
         }
     }
 

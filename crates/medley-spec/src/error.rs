@@ -1,22 +1,25 @@
 //! Errors for every way a spec can be wrong, each naming where and what to do.
 
-use std::fmt;
+use std::fmt::{self, Write as _};
 
 /// Where a piece of text came from: a file path, or a label such as `--cluster`.
 pub type Source = String;
 
 #[derive(Debug, thiserror::Error, PartialEq)]
 pub enum SpecError {
-    #[error("{source_name}:{line}:{column}: {message}")]
+    /// `message` is a TOML or JSON parser's, which may quote the text.
+    #[error("{}:{line}:{column}: {}", echo(.source_name), echo(.message))]
     Syntax { source_name: Source, line: usize, column: usize, message: String },
-    #[error("{source_name}: field `{field}`: {message}")]
+    /// `message` echoes user text through [`echo`] where it quotes any.
+    #[error("{}: field `{}`: {message}", echo(.source_name), echo(.field))]
     Field { source_name: Source, field: String, message: String },
     #[error(
-        "{source_name}: medley cannot represent this model ({}); it refuses rather than misread its size and cost",
+        "{}: medley cannot represent this model ({}); it refuses rather than misread its size and cost",
+        echo(.source_name),
         .reasons.join("; ")
     )]
     Unrepresentable { source_name: Source, reasons: Vec<String> },
-    #[error("unknown {kind} `{name}`{}", did_you_mean(.close))]
+    #[error("unknown {kind} `{}`{}", echo(.name), did_you_mean(.close))]
     Unknown { kind: &'static str, name: String, close: Vec<String> },
 }
 
@@ -48,7 +51,38 @@ fn line_column(text: &str, offset: usize) -> (usize, usize) {
     (line, column)
 }
 
-/// Names from `candidates` within a small edit distance of `name`, closest first.
+/// The most characters of a user's text that a message echoes.
+pub const MAX_ECHO_CHARS: usize = 200;
+
+/// User-given text (a name, a path, a value, a key) as a message echoes it: control and
+/// bidirectional-override characters escaped (`\u{1b}`), so that no input can send terminal
+/// escapes or reorder what is printed, and at most [`MAX_ECHO_CHARS`] characters, cut with an
+/// ellipsis and the text's length said. Every echo of user text goes through it.
+pub fn echo(text: &str) -> Echo<'_> {
+    Echo(text)
+}
+
+/// User-given text, displayed as [`echo`] says.
+pub struct Echo<'a>(&'a str);
+
+impl fmt::Display for Echo<'_> {
+    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
+        for ch in self.0.chars().take(MAX_ECHO_CHARS) {
+            let reorders = matches!(ch, '\u{200e}' | '\u{200f}' | '\u{202a}'..='\u{202e}' | '\u{2066}'..='\u{2069}');
+            if ch.is_control() || reorders {
+                write!(f, "{}", ch.escape_default())?;
+            } else {
+                f.write_char(ch)?;
+            }
+        }
+        let n_chars = self.0.chars().count();
+        if n_chars > MAX_ECHO_CHARS {
+            write!(f, "… ({n_chars} characters)")?;
+        }
+        Ok(())
+    }
+}
+
 /// The longest name a spec may give a model or device.
 const MAX_NAME_CHARS: usize = 200;
 
@@ -64,6 +98,7 @@ pub(crate) fn check_name(source: &str, field: &str, name: &str) -> Result<(), Sp
     Ok(())
 }
 
+/// Names from `candidates` within a small edit distance of `name`, closest first.
 pub(crate) fn close_names<'a>(name: &str, candidates: impl Iterator<Item = &'a str>) -> Vec<String> {
     let name = name.to_ascii_lowercase();
     let mut scored: Vec<(f64, &str)> =
@@ -89,6 +124,15 @@ mod tests {
     fn line_column_counts_from_one() {
         assert_eq!(line_column("ab\ncd", 0), (1, 1));
         assert_eq!(line_column("ab\ncd", 4), (2, 2));
+    }
+
+    #[test]
+    fn echoes_escape_control_characters_and_cut_long_text() {
+        assert_eq!(echo("h100-sxm").to_string(), "h100-sxm");
+        assert_eq!(echo("2x\u{1b}[31mh100\n").to_string(), "2x\\u{1b}[31mh100\\n");
+        assert_eq!(echo("é\u{202e}").to_string(), "é\\u{202e}");
+        let long = echo(&"a".repeat(100_000)).to_string();
+        assert_eq!(long, format!("{}… (100000 characters)", "a".repeat(MAX_ECHO_CHARS)));
     }
 
     #[test]

@@ -5,7 +5,7 @@ use std::str::FromStr;
 
 use serde::{Deserialize, Serialize};
 
-use crate::error::SpecError;
+use crate::error::{SpecError, echo};
 use crate::schedule::{Schedule, ScheduleKind};
 
 /// Numeric precision of training.
@@ -52,7 +52,7 @@ impl FromStr for AttentionKernel {
         AttentionKernel::ALL
             .into_iter()
             .find(|kernel| kernel.to_string() == text.to_ascii_lowercase())
-            .ok_or_else(|| format!("unknown attention kernel `{text}`; expected fused or unfused"))
+            .ok_or_else(|| format!("unknown attention kernel `{}`; expected fused or unfused", echo(text)))
     }
 }
 
@@ -88,7 +88,7 @@ impl FromStr for Recompute {
         Recompute::ALL
             .into_iter()
             .find(|mode| mode.to_string() == text.to_ascii_lowercase())
-            .ok_or_else(|| format!("unknown recompute `{text}`; expected none, selective or full"))
+            .ok_or_else(|| format!("unknown recompute `{}`; expected none, selective or full", echo(text)))
     }
 }
 

@@ -15,7 +15,7 @@ pub use cluster::{
     Bridge, BridgeMode, Cluster, DEFAULT_GPUS_PER_NODE, DeviceId, DeviceSlot, Fabric, MAX_GPUS, NodeGroup,
 };
 pub use device::{DeviceSpec, LinkKind, Vendor, catalog_device, catalog_devices};
-pub use error::SpecError;
+pub use error::{Echo, MAX_ECHO_CHARS, SpecError, echo};
 pub use job::{AttentionKernel, JobParts, JobSpec, Precision, Recompute};
 pub use model::{Experts, MlpKind, ModelParts, ModelSpec, catalog_model, catalog_model_names};
 pub use schedule::{Schedule, ScheduleKind};

@@ -3,7 +3,7 @@
 use serde::{Deserialize, Serialize};
 use serde_json::Value;
 
-use crate::error::{SpecError, check_name, close_names};
+use crate::error::{SpecError, check_name, close_names, echo};
 
 /// The MLP block's shape.
 #[derive(Clone, Copy, Debug, Default, PartialEq, Eq, Serialize, Deserialize)]
@@ -442,7 +442,8 @@ impl HfKeys<'_> {
         let mut reasons = Vec::new();
         if !model_type.is_empty() && !READ_MODEL_TYPES.contains(&model_type) {
             reasons.push(format!(
-                "its `model_type` `{model_type}` is not one whose keys medley reads ({})",
+                "its `model_type` `{}` is not one whose keys medley reads ({})",
+                echo(model_type),
                 READ_MODEL_TYPES.join(", ")
             ));
         }
@@ -453,6 +454,7 @@ impl HfKeys<'_> {
             .collect();
         other_layers.dedup();
         if !other_layers.is_empty() {
+            let other_layers: Vec<String> = other_layers.iter().map(|kind| echo(kind).to_string()).collect();
             reasons.push(format!("some of its layers are `{}` (`layer_types`)", other_layers.join("`, `")));
         }
         let latent: Vec<&str> = ["q_lora_rank", "kv_lora_rank"]

@@ -7,6 +7,8 @@ use std::str::FromStr;
 
 use serde::{Deserialize, Serialize};
 
+use crate::error::echo;
+
 /// A fixed order of one pipeline rank's forward and backward passes.
 #[derive(Clone, Copy, Debug, PartialEq, Eq, PartialOrd, Ord, Hash, Serialize, Deserialize)]
 #[serde(tag = "kind", rename_all = "kebab-case", deny_unknown_fields)]
@@ -133,7 +135,7 @@ impl FromStr for Schedule {
             return k
                 .parse()
                 .map(|k| Schedule::Fixed(ScheduleKind::Kfkb { k }))
-                .map_err(|_| format!("schedule `{text}`: k must be a positive integer, as in kfkb:4"));
+                .map_err(|_| format!("schedule `{}`: k must be a positive integer, as in kfkb:4", echo(text)));
         }
         let kind = match lower.as_str() {
             "gpipe" => ScheduleKind::Gpipe,
@@ -143,7 +145,8 @@ impl FromStr for Schedule {
             "adaptive" => return Ok(Schedule::Adaptive),
             _ => {
                 return Err(format!(
-                    "unknown schedule `{text}`; expected gpipe, 1f1b, interleaved, kfkb:K, zb-h1 or adaptive"
+                    "unknown schedule `{}`; expected gpipe, 1f1b, interleaved, kfkb:K, zb-h1 or adaptive",
+                    echo(text)
                 ));
             }
         };

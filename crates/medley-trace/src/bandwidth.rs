@@ -9,6 +9,7 @@
 use std::fmt;
 use std::str::FromStr;
 
+use medley_spec::echo;
 use rand::{Rng, SeedableRng};
 use rand_chacha::ChaCha8Rng;
 
@@ -56,21 +57,22 @@ impl BandwidthTrace {
         let mut points = Vec::new();
         let mut first_row = true;
         for (row_idx, row) in reader.records().enumerate() {
-            let row = row.map_err(|err| TraceError(format!("{source}: {err}")))?;
+            let row = row.map_err(|err| TraceError(format!("{}: {}", echo(source), echo(&err.to_string()))))?;
             if row.iter().all(str::is_empty) {
                 continue;
             }
             let line = row.position().map_or(row_idx as u64 + 1, csv::Position::line);
-            let error = |message: String| TraceError(format!("{source}:{line}: {message}"));
+            let error = |message: String| TraceError(format!("{}:{line}: {message}", echo(source)));
             let is_header =
                 std::mem::take(&mut first_row) && row.get(0).is_some_and(|first| first.parse::<f64>().is_err());
             if is_header {
                 continue;
             }
             let (Some(time), Some(fraction), None) = (row.get(0), row.get(1), row.get(2)) else {
-                return Err(error(format!("`{}`: expected time_s,fraction", row.iter().collect::<Vec<_>>().join(","))));
+                let row = row.iter().collect::<Vec<_>>().join(",");
+                return Err(error(format!("`{}`: expected time_s,fraction", echo(&row))));
             };
-            let time_s: f64 = time.parse().map_err(|_| error(format!("`{time}` is not a time in seconds")))?;
+            let time_s: f64 = time.parse().map_err(|_| error(format!("`{}` is not a time in seconds", echo(time))))?;
             if !(time_s.is_finite() && time_s >= 0.0) {
                 return Err(error(format!("time {time_s} must be a non-negative number of seconds")));
             }
@@ -87,7 +89,7 @@ impl BandwidthTrace {
             points.push((time_ns, fraction));
         }
         if points.is_empty() {
-            return Err(TraceError(format!("{source}: no time_s,fraction rows")));
+            return Err(TraceError(format!("{}: no time_s,fraction rows", echo(source))));
         }
         Ok(BandwidthTrace::Points(points))
     }
@@ -100,7 +102,7 @@ impl FromStr for BandwidthTrace {
     /// `random:seed=N,full=T,reduced=T,fraction=F`, with times like `2s`, `500ms`, `40us`.
     /// CSV traces come from [`BandwidthTrace::from_csv`].
     fn from_str(text: &str) -> Result<Self, TraceError> {
-        let error = |message: String| TraceError(format!("network trace `{text}`: {message}"));
+        let error = |message: String| TraceError(format!("network trace `{}`: {message}", echo(text)));
         let (kind, rest) = text.split_once(':').unwrap_or((text, ""));
         match kind.trim() {
             "constant" => Ok(BandwidthTrace::Constant { fraction: parse_fraction(rest.trim()).map_err(error)? }),
@@ -116,13 +118,13 @@ impl FromStr for BandwidthTrace {
                 let fields = Fields::parse(rest, &["seed", "full", "reduced", "fraction"]).map_err(error)?;
                 let seed = fields.get("seed").map_err(error)?;
                 Ok(BandwidthTrace::Random {
-                    seed: seed.parse().map_err(|_| error(format!("seed `{seed}` is not a whole number")))?,
+                    seed: seed.parse().map_err(|_| error(format!("seed `{}` is not a whole number", echo(seed))))?,
                     mean_full_ns: fields.duration_ns("full").map_err(error)?,
                     mean_reduced_ns: fields.duration_ns("reduced").map_err(error)?,
                     fraction: fields.fraction().map_err(error)?,
                 })
             }
-            other => Err(error(format!("unknown kind `{other}`; expected constant, on-off, random or csv"))),
+            other => Err(error(format!("unknown kind `{}`; expected constant, on-off, random or csv", echo(other)))),
         }
     }
 }
@@ -156,10 +158,10 @@ impl<'a> Fields<'a> {
     fn parse(text: &'a str, expected: &[&str]) -> Result<Self, String> {
         let mut pairs = Vec::new();
         for part in text.split(',').map(str::trim).filter(|part| !part.is_empty()) {
-            let (key, value) = part.split_once('=').ok_or_else(|| format!("`{part}`: expected KEY=VALUE"))?;
+            let (key, value) = part.split_once('=').ok_or_else(|| format!("`{}`: expected KEY=VALUE", echo(part)))?;
             let key = key.trim();
             if !expected.contains(&key) {
-                return Err(format!("unknown key `{key}`; expected {}", expected.join(", ")));
+                return Err(format!("unknown key `{}`; expected {}", echo(key), expected.join(", ")));
             }
             pairs.push((key, value.trim()));
         }
@@ -177,15 +179,16 @@ impl<'a> Fields<'a> {
 
     fn duration_ns(&self, key: &str) -> Result<u64, String> {
         let text = self.get(key)?;
-        let ns =
-            parse_duration_ns(text).ok_or_else(|| format!("`{key}={text}`: expected a duration like 2s or 500ms"))?;
+        let ns = parse_duration_ns(text)
+            .ok_or_else(|| format!("`{key}={}`: expected a duration like 2s or 500ms", echo(text)))?;
         if ns > seconds_to_ns(MAX_TIME_S) {
-            return Err(format!("`{key}={text}`: periods are at most {MAX_TIME_S:e} s"));
+            return Err(format!("`{key}={}`: periods are at most {MAX_TIME_S:e} s", echo(text)));
         }
         if ns < MIN_PERIOD_NS {
             return Err(format!(
-                "`{key}={text}`: periods are at least 10us (bandwidth other jobs take changes over microseconds or \
-                 more, and each change is an event to simulate)"
+                "`{key}={}`: periods are at least 10us (bandwidth other jobs take changes over microseconds or \
+                 more, and each change is an event to simulate)",
+                echo(text)
             ));
         }
         Ok(ns)
@@ -200,10 +203,11 @@ fn parse_fraction(text: &str) -> Result<f64, String> {
     match text.parse::<f64>() {
         Ok(fraction) if fraction == 0.0 || (MIN_FRACTION..=1.0).contains(&fraction) => Ok(fraction),
         Ok(fraction) if fraction > 0.0 && fraction < MIN_FRACTION => Err(format!(
-            "fraction `{text}` is below the floor of {MIN_FRACTION:e}: give 0 for a link that is down, \
-             or at least {MIN_FRACTION:e}"
+            "fraction `{}` is below the floor of {MIN_FRACTION:e}: give 0 for a link that is down, \
+             or at least {MIN_FRACTION:e}",
+            echo(text)
         )),
-        _ => Err(format!("fraction `{text}` must be a number from 0 to 1")),
+        _ => Err(format!("fraction `{}` must be a number from 0 to 1", echo(text))),
     }
 }
 
@@ -407,6 +411,22 @@ mod tests {
         assert!(err.contains("t.csv:2") && err.contains("1e9 s"), "{err}");
         let err = "on-off:full=100years,reduced=1s,fraction=0.5".parse::<BandwidthTrace>().unwrap_err().to_string();
         assert!(err.contains("full=100years") && err.contains("1e9 s"), "{err}");
+    }
+
+    /// Issue 31: user text in a trace's errors goes through medley-spec's one echo.
+    #[test]
+    fn errors_echo_trace_text_escaped_and_cut() {
+        let long = "9".repeat(100_000);
+        let inline = ["constant:\u{1b}[31m", "\u{1b}[2J:1", "on-off:full=1s,reduced=1s,fraction=0.5,\u{1b}=1"];
+        let mut errors: Vec<String> =
+            inline.iter().map(|text| text.parse::<BandwidthTrace>().unwrap_err().to_string()).collect();
+        errors.push(format!("constant:{long}").parse::<BandwidthTrace>().unwrap_err().to_string());
+        errors.push(BandwidthTrace::from_csv("0,1\n\u{1b}[31m,1\n", "t.csv").unwrap_err().to_string());
+        errors.push(BandwidthTrace::from_csv(&format!("0,1\n1,{long}\n"), "t.csv").unwrap_err().to_string());
+        errors.push(BandwidthTrace::from_csv("0,1\n1,2\n", "\u{1b}[31m.csv").unwrap_err().to_string());
+        for err in errors {
+            assert!(!err.chars().any(char::is_control) && err.len() < 1000, "{err:?}");
+        }
     }
 
     #[test]

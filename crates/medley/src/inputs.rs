@@ -7,7 +7,7 @@ use anyhow::{Context, Result, bail};
 use clap::Args;
 use medley_cost::{Calibration, ProfileKind};
 use medley_spec::{
-    AttentionKernel, Bridge, Cluster, Fabric, JobParts, JobSpec, ModelSpec, Recompute, Schedule, catalog_model,
+    AttentionKernel, Bridge, Cluster, Fabric, JobParts, JobSpec, ModelSpec, Recompute, Schedule, catalog_model, echo,
 };
 
 /// The example mixed cluster `medley plan` uses when none is given.
@@ -229,13 +229,16 @@ pub fn read_emulation_profile(path: &str, model: &ModelSpec) -> Result<Calibrati
         ProfileKind::Emulation { model: None } => Ok(calibration.measured_on(model.name())),
         ProfileKind::Emulation { model: Some(measured) } if measured == model.name() => Ok(calibration),
         ProfileKind::Emulation { model: Some(measured) } => bail!(
-            "{path} is an emulation profile measured on model `{measured}`, but this run trains `{}`; write one for it \
+            "{} is an emulation profile measured on model `{}`, but this run trains `{}`; write one for it \
              with `medley calibrate --model ...`, or leave out --calibration to measure this machine now",
+            echo(path),
+            echo(measured),
             model.name()
         ),
         kind => bail!(
-            "{path} is {kind}; medley train emulates its fleet on this machine and takes an emulation profile \
-             (`medley calibrate -o FILE`), or none to measure this machine now"
+            "{} is {kind}; medley train emulates its fleet on this machine and takes an emulation profile \
+             (`medley calibrate -o FILE`), or none to measure this machine now",
+            echo(path)
         ),
     }
 }
@@ -247,7 +250,8 @@ pub fn check_calibration_names(calibration: &Calibration, cluster: &Cluster) -> 
     for profiled in calibration.device_names() {
         if !names.iter().any(|name| name.eq_ignore_ascii_case(profiled)) {
             bail!(
-                "the calibration profile names device `{profiled}`, which the cluster does not have ({})",
+                "the calibration profile names device `{}`, which the cluster does not have ({})",
+                echo(profiled),
                 names.join(", ")
             );
         }
@@ -280,16 +284,17 @@ const MAX_INPUT_BYTES: u64 = 64 << 20;
 
 pub fn read(path: &str) -> Result<String> {
     use std::io::Read;
-    let file = fs::File::open(path).with_context(|| format!("cannot read {path}"))?;
+    let file = fs::File::open(path).with_context(|| format!("cannot read {}", echo(path)))?;
     let mut bytes = Vec::new();
-    file.take(MAX_INPUT_BYTES + 1).read_to_end(&mut bytes).with_context(|| format!("cannot read {path}"))?;
+    file.take(MAX_INPUT_BYTES + 1).read_to_end(&mut bytes).with_context(|| format!("cannot read {}", echo(path)))?;
     if bytes.len() as u64 > MAX_INPUT_BYTES {
         bail!(
-            "{path} is larger than {} MiB, more than any input medley reads: is it the right file?",
+            "{} is larger than {} MiB, more than any input medley reads: is it the right file?",
+            echo(path),
             MAX_INPUT_BYTES >> 20
         );
     }
-    String::from_utf8(bytes).with_context(|| format!("{path} is not UTF-8 text"))
+    String::from_utf8(bytes).with_context(|| format!("{} is not UTF-8 text", echo(path)))
 }
 
 #[cfg(test)]
