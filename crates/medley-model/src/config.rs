@@ -45,6 +45,13 @@ impl ModelConfig {
         if seq_len == 0 {
             return Err(unsupported("the sequence length is 0"));
         }
+        if model.vocab() < crate::data::BYTE_TOKENS {
+            return Err(unsupported(&format!(
+                "its vocabulary has {} tokens, fewer than the {} of the runtime's byte-level tokenizer",
+                model.vocab(),
+                crate::data::BYTE_TOKENS
+            )));
+        }
         Ok(ModelConfig {
             n_layers: model.n_layers() as usize,
             hidden: model.hidden() as usize,
@@ -64,5 +71,26 @@ impl ModelConfig {
 
     pub fn kv_dim(&self) -> usize {
         self.n_kv_heads * self.head_dim()
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    /// Issue 31: a config with fewer than 256 tokens panicked in calibration, its byte-level
+    /// tokens indexing past the embedding.
+    #[test]
+    fn a_vocabulary_below_the_byte_tokenizer_is_refused() {
+        let config = |vocab: u32| {
+            let text = format!(
+                r#"{{"model_type": "llama", "hidden_size": 256, "intermediate_size": 512, "num_hidden_layers": 2,
+                    "num_attention_heads": 4, "num_key_value_heads": 4, "vocab_size": {vocab}}}"#
+            );
+            ModelConfig::from_spec(&ModelSpec::from_hf_config(&text, "config.json").unwrap(), 64)
+        };
+        let err = config(100).unwrap_err().to_string();
+        assert!(err.contains("100") && err.contains("256"), "{err}");
+        assert_eq!(config(256).unwrap().vocab, 256);
     }
 }

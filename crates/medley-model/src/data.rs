@@ -6,6 +6,10 @@ use crate::{MicroBatch, ModelError};
 /// *Hamlet* and *Macbeth*, public domain; see `data/SOURCE.md`.
 pub const SHAKESPEARE: &[u8] = include_bytes!("../data/shakespeare.txt");
 
+/// Tokens the byte-level tokenizer gives: one per byte value, so a trained model's vocabulary
+/// holds at least these.
+pub const BYTE_TOKENS: u32 = 256;
+
 pub fn encode(text: &str) -> Vec<u32> {
     text.bytes().map(u32::from).collect()
 }
