@@ -68,6 +68,7 @@ impl FromStr for Degrees {
     /// degree 1.
     fn from_str(text: &str) -> Result<Self, String> {
         let mut degrees = Degrees::new(1, 1, 1);
+        let mut given: Vec<&str> = Vec::new();
         for part in text.split(',').map(str::trim).filter(|part| !part.is_empty()) {
             let (axis, value) =
                 part.split_once('=').ok_or_else(|| format!("`{}`: expected AXIS=DEGREE, e.g. tp=8", echo(part)))?;
@@ -77,7 +78,12 @@ impl FromStr for Degrees {
                 .ok()
                 .filter(|&value| value > 0)
                 .ok_or_else(|| format!("`{}`: the degree must be a positive integer", echo(part)))?;
-            match axis.trim() {
+            let axis = axis.trim();
+            if given.contains(&axis) {
+                return Err(format!("`{}` is given twice; give each axis once", echo(axis)));
+            }
+            given.push(axis);
+            match axis {
                 "tp" => degrees.tp = value,
                 "pp" => degrees.pp = value,
                 "dp" => degrees.dp = value,
@@ -317,6 +323,15 @@ impl Baselines {
 #[cfg(test)]
 mod tests {
     use super::*;
+
+    /// Issue 31: `tp=8,tp=4` was taken as tp=4.
+    #[test]
+    fn an_axis_given_twice_is_refused_naming_it() {
+        for (text, axis) in [("tp=8,tp=4", "tp"), ("tp=8,pp=2,dp=1,pp=2", "pp"), ("vpp=2, vpp=2", "vpp")] {
+            let err = text.parse::<Degrees>().unwrap_err();
+            assert!(err.contains(&format!("`{axis}` is given twice")), "{text}: {err}");
+        }
+    }
 
     /// Issue 31: user text in `--fix` errors goes through medley-spec's one echo.
     #[test]

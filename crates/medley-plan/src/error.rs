@@ -7,9 +7,10 @@ use crate::layers::LayerRange;
 
 #[derive(Debug, Error, PartialEq)]
 pub enum PlanError {
-    /// A plan's structure is broken (usually a hand-edited plan file).
+    /// A plan's structure is broken (usually a hand-edited plan file). The message quotes the
+    /// problem, which is therefore not also its source: `{:#}` would print it twice.
     #[error("invalid plan: {0}")]
-    Invalid(#[from] InvalidPlan),
+    Invalid(InvalidPlan),
     /// No layout of the cluster fits the model and job; the message says what would.
     #[error("nothing fits: {0}")]
     NothingFits(String),
@@ -26,6 +27,12 @@ pub enum PlanError {
     /// A fixed layout that cannot be built on this cluster.
     #[error("layout {layout}: {message}")]
     Layout { layout: String, message: String },
+}
+
+impl From<InvalidPlan> for PlanError {
+    fn from(problem: InvalidPlan) -> Self {
+        PlanError::Invalid(problem)
+    }
 }
 
 /// What is wrong with a plan's parts, naming the field.
@@ -129,4 +136,28 @@ pub enum RouteProblem {
     BridgeMode { mode: BridgeMode },
     #[error("a bridge route for members of one vendor")]
     BridgeInsideVendor,
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    /// An error and its sources as `{:#}` prints them (anyhow's chain, joined by ": ").
+    pub(crate) fn chain(err: &dyn std::error::Error) -> String {
+        let mut text = err.to_string();
+        let mut source = err.source();
+        while let Some(next) = source {
+            text += &format!(": {next}");
+            source = next.source();
+        }
+        text
+    }
+
+    /// Issue 31: `medley plan --plan` with a broken plan printed its problem twice, the message
+    /// quoting it and its source being it.
+    #[test]
+    fn an_invalid_plan_prints_its_problem_once() {
+        let chain = chain(&PlanError::from(InvalidPlan::NoReplicas));
+        assert_eq!(chain, "invalid plan: a plan needs at least one replica");
+    }
 }

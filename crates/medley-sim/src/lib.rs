@@ -61,7 +61,7 @@ pub(crate) fn ns(seconds: f64) -> u64 {
 /// Why a simulation could not run.
 #[derive(Debug, thiserror::Error)]
 pub enum SimError {
-    #[error("invalid plan: {0}")]
+    #[error(transparent)]
     Plan(#[from] PlanError),
     #[error("the programs do not match the plan: {0}")]
     ProgramsDoNotMatchPlan(String),
@@ -81,14 +81,16 @@ pub enum SimError {
         stuck.join("; ")
     )]
     Stalled { stuck: Vec<String>, stalled_transfers: usize },
+    // The messages below quote their cause, which is therefore not also their source (see the
+    // `From`s after the enum): `{:#}` would print it twice.
     #[error("invalid programs: {0}")]
-    Schedule(#[from] medley_schedule::ScheduleError),
+    Schedule(medley_schedule::ScheduleError),
     #[error("lowering an all-reduce: {0}")]
-    Collective(#[from] medley_collective::CollectiveError),
-    #[error("{0}")]
+    Collective(medley_collective::CollectiveError),
+    #[error(transparent)]
     Trace(#[from] medley_trace::TraceError),
     #[error("writing the timeline: {0}")]
-    Timeline(#[from] std::io::Error),
+    Timeline(std::io::Error),
     #[error("the simulator cannot run this plan yet: {0}")]
     Unsupported(&'static str),
     #[error(
@@ -137,6 +139,24 @@ fn check_passes(plan: &Plan) -> Result<(), SimError> {
         return Err(SimError::TooManyPasses { passes_per_step });
     }
     Ok(())
+}
+
+impl From<medley_schedule::ScheduleError> for SimError {
+    fn from(err: medley_schedule::ScheduleError) -> Self {
+        SimError::Schedule(err)
+    }
+}
+
+impl From<medley_collective::CollectiveError> for SimError {
+    fn from(err: medley_collective::CollectiveError) -> Self {
+        SimError::Collective(err)
+    }
+}
+
+impl From<std::io::Error> for SimError {
+    fn from(err: std::io::Error) -> Self {
+        SimError::Timeline(err)
+    }
 }
 
 /// Knobs of a simulation beyond the plan.
@@ -264,4 +284,30 @@ pub fn simulate(
     let report = simulation.step(&medley_schedule::generate(plan, schedule)?)?;
     simulation.finish()?;
     Ok(report)
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    /// Issue 31: errors printed their cause twice (`{:#}` joins an error and its sources), and
+    /// a plan's problem came wrapped as "invalid plan: invalid plan: ...".
+    #[test]
+    fn errors_print_their_cause_once() {
+        let chain = |err: &dyn std::error::Error| {
+            let mut text = err.to_string();
+            let mut source = err.source();
+            while let Some(next) = source {
+                text += &format!(": {next}");
+                source = next.source();
+            }
+            text
+        };
+        let plan = SimError::from(PlanError::from(medley_plan::InvalidPlan::NoReplicas));
+        assert_eq!(chain(&plan), "invalid plan: a plan needs at least one replica");
+        let trace = SimError::from(medley_trace::TraceError("t.csv: no rows".into()));
+        assert_eq!(chain(&trace), "t.csv: no rows");
+        let io = SimError::from(std::io::Error::other("disk full"));
+        assert_eq!(chain(&io), "writing the timeline: disk full");
+    }
 }

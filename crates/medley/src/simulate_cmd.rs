@@ -54,7 +54,7 @@ pub struct SimulateArgs {
     #[arg(long)]
     pub sequence_parallel: bool,
     /// Steps to simulate; the network trace and the adaptive schedule carry over between them.
-    #[arg(long, default_value_t = 1)]
+    #[arg(long, default_value_t = 1, value_parser = clap::value_parser!(u32).range(1..))]
     pub steps: u32,
     /// Available bandwidth of inter-node links over time: constant:F,
     /// on-off:full=T,reduced=T,fraction=F, random:seed=N,full=T,reduced=T,fraction=F, or a CSV

@@ -853,6 +853,31 @@ fn inputs_that_once_panicked_are_refused_or_handled() {
     check(&["plan", "--cluster", &many.to_string_lossy()], 2, "at most 64");
 }
 
+/// Issue 31: numbers that cannot be right, repeated axes, zero steps and doubled messages.
+#[test]
+fn issue_31_inputs_are_refused_once_and_plainly() {
+    let what_if = ["simulate", "--cluster", "8xh100,8xmi300x", "--model", "llama3-8b", "--seq-len", "2048"];
+    let with = |extra: [&'static str; 2]| what_if.iter().copied().chain(extra).collect::<Vec<_>>();
+    check(&with(["--network-trace", "constant:1e-12"]), 2, "below the floor of 1e-6");
+    check(&with(["--steps", "0"]), 2, "--steps");
+    check(&with(["--steps", "1000000"]), 2, "simulate at most");
+    check(&["plan", "--cluster", "1048576xh100"], 2, "medley plans at most 32768");
+    check(&["plan", "-q", "--cluster", "8xh100", "--fix", "tp=8,tp=4"], 2, "`tp` is given twice");
+    let output = check(&["plan", "--cluster", "2x\u{1b}[31mh100"], 2, "\\u{1b}[31mh100");
+    assert!(!stderr(&output).contains('\u{1b}'), "{}", stderr(&output));
+    // A hand-edited plan's problem, said once.
+    let plan = scratch("issue-31-plan.json");
+    let plan_text = plan.to_string_lossy().to_string();
+    let fixed = ["plan", "-q", "--cluster", "8xh100", "--model", "llama3-8b", "--fix", "tp=8", "-o", &plan_text];
+    check(&fixed, 0, "");
+    let edited = fs::read_to_string(&plan).unwrap().replacen("\"tp\": 8", "\"tp\": 3", 1);
+    fs::write(&plan, edited).unwrap();
+    for command in ["plan", "simulate"] {
+        let output = check(&[command, "--plan", &plan_text], 2, "tp=3 must be");
+        assert_eq!(stderr(&output).matches("tp=3 must be").count(), 1, "{}", stderr(&output));
+    }
+}
+
 #[test]
 fn a_stalled_rank_0_is_named_and_killed_within_the_timeout() {
     let out = scratch("train-stalled");
