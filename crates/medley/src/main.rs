@@ -73,7 +73,11 @@ enum Command {
 }
 
 fn main() -> ExitCode {
-    let cli = Cli::parse();
+    let cli = match Cli::try_parse() {
+        Ok(cli) => cli,
+        Err(err) if err.use_stderr() => return refuse_arguments(&err),
+        Err(help_or_version) => help_or_version.exit(),
+    };
     log::init(log::level(cli.verbose, cli.quiet));
     let result = match cli.command {
         Command::Plan(args) => {
@@ -96,6 +100,16 @@ fn main() -> ExitCode {
         eprintln!("error: {err:#}");
         ExitCode::from(2)
     })
+}
+
+/// Prints clap's error for bad arguments with the arguments it quotes escaped and cut (a
+/// terminal escape or a megabyte given as a value is not echoed raw), and exits as clap would.
+fn refuse_arguments(err: &clap::Error) -> ExitCode {
+    let text = err.render().to_string();
+    for line in text.lines() {
+        eprintln!("{}", medley_spec::echo(line));
+    }
+    ExitCode::from(u8::try_from(err.exit_code()).unwrap_or(2))
 }
 
 /// `medley plan | head` should end quietly, as Unix tools do, not panic in `println!`: restore

@@ -1336,3 +1336,16 @@ fn a_signal_stops_the_run_at_the_end_of_a_step_and_says_how_to_resume() {
         assert_eq!(losses(&out).len() as u64, trained + 1);
     }
 }
+
+#[test]
+fn bad_arguments_are_quoted_escaped_and_cut() {
+    let escape = "tp=1\u{1b}[31m";
+    let huge = "x".repeat(100_000);
+    for value in [escape, huge.as_str()] {
+        let output = medley(&["plan", "--fix", value]);
+        let text = stderr(&output);
+        assert_eq!(output.status.code(), Some(2), "{text}");
+        assert!(!text.contains('\u{1b}') && text.len() < 2_000, "{text}");
+        assert!(text.contains("invalid value"), "{text}");
+    }
+}
