@@ -11,11 +11,11 @@ use crate::bind::Cores;
 use crate::dtype::{DType, Element};
 use crate::env::{Config, LaunchEnv};
 use crate::exec::{Call, Scratch, execute};
-use crate::mesh::{self, JoinBudget};
+use crate::mesh;
 use crate::session::Session;
 use crate::transport::window::Windows;
 use crate::transport::{Links, Sink, Ticket};
-use crate::wait::{Blame, Waiter};
+use crate::wait::{Blame, JoinBudget, Waiter};
 use crate::wire::{FrameHeader, fingerprint};
 
 /// A group of ranks that run collectives together. Every rank of the group must call the same

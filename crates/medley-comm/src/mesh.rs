@@ -16,6 +16,7 @@ use crate::transport::shm::{Inbox, ShmTransport, allow_reads_by, inbox_path, job
 use crate::transport::tcp::TcpTransport;
 use crate::transport::window::{self, Windows, window_path};
 use crate::transport::{Links, Transport};
+use crate::wait::JoinBudget;
 use crate::wire::{Hello, fingerprint, same_token};
 
 /// What every rank publishes about itself.
@@ -61,29 +62,6 @@ fn hostname() -> String {
     let ok = unsafe { libc::gethostname(buf.as_mut_ptr().cast(), buf.len()) } == 0;
     let len = buf.iter().position(|&b| b == 0).unwrap_or(0);
     if ok { String::from_utf8_lossy(&buf[..len]).into_owned() } else { "unknown-host".into() }
-}
-
-/// How long a communicator's ranks have to join it, all waits together: every wait of the join
-/// ends by `deadline` and names the rank it waited on.
-#[derive(Clone, Copy, Debug)]
-pub(crate) struct JoinBudget {
-    pub deadline: Instant,
-    pub total: Duration,
-}
-
-impl JoinBudget {
-    pub fn from_now(total: Duration) -> JoinBudget {
-        JoinBudget { deadline: Instant::now() + total, total }
-    }
-
-    /// What is left of it, at least a millisecond (a socket refuses a zero timeout).
-    fn left(&self) -> Duration {
-        self.deadline.saturating_duration_since(Instant::now()).max(Duration::from_millis(1))
-    }
-
-    fn timeout(&self, rank: usize, what: &'static str) -> CommError {
-        CommError::Timeout { rank, waited: self.total, what }
-    }
 }
 
 /// Connects rank `me` of the communicator whose ranks are the job ranks `members`, under `ns`,

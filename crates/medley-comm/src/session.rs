@@ -11,9 +11,8 @@ const PEER_REPORT_GRACE: Duration = Duration::from_millis(250);
 use crate::CommError;
 use crate::bind::Cores;
 use crate::env::{Config, LaunchEnv, StoreHost};
-use crate::mesh::JoinBudget;
 use crate::store::{Monitor, StoreClient, StoreServer};
-use crate::wait::{Abort, Blame};
+use crate::wait::{Abort, Blame, JoinBudget};
 
 pub(crate) struct Session {
     pub env: LaunchEnv,

@@ -171,3 +171,26 @@ mod tests {
         assert_eq!(err.blamed_rank(), Some(5));
     }
 }
+
+/// How long a communicator's ranks have to join it, all waits together: every wait of the join
+/// ends by `deadline` and names the rank it waited on.
+#[derive(Clone, Copy, Debug)]
+pub(crate) struct JoinBudget {
+    pub deadline: Instant,
+    pub total: Duration,
+}
+
+impl JoinBudget {
+    pub fn from_now(total: Duration) -> JoinBudget {
+        JoinBudget { deadline: Instant::now() + total, total }
+    }
+
+    /// What is left of it, at least a millisecond (a socket refuses a zero timeout).
+    pub fn left(&self) -> Duration {
+        self.deadline.saturating_duration_since(Instant::now()).max(Duration::from_millis(1))
+    }
+
+    pub fn timeout(&self, rank: usize, what: &'static str) -> CommError {
+        CommError::Timeout { rank, waited: self.total, what }
+    }
+}
