@@ -81,14 +81,16 @@ pub(crate) fn connect(
     let listen = listener.local_addr().map_err(|e| io("the data listener's address", e))?.to_string();
     let mine = RankInfo { listen, domain: session.env.domain.clone(), host: hostname(), pid: std::process::id() };
     session.store.set(&format!("{ns}/info/{me}"), &mine.encode())?;
-    let wait_for = |key: String, peer: usize, what: &'static str| -> Result<Vec<u8>, CommError> {
-        let value = session.store.wait_for(&key, budget.deadline, &session.abort)?;
-        value.ok_or_else(|| budget.timeout(members[peer], what))
-    };
     let infos: Vec<RankInfo> = (0..n)
         .map(|r| {
             RankInfo::decode(
-                &wait_for(format!("{ns}/info/{r}"), r, "joining: it never published its address")?,
+                &wait_for_peer(
+                    session,
+                    budget,
+                    members[r],
+                    &format!("{ns}/info/{r}"),
+                    "joining: it never published its address",
+                )?,
                 members[r],
             )
         })
@@ -145,9 +147,21 @@ struct Joining<'a> {
 impl Joining<'_> {
     /// Waits until `peer` has set `key` in the store (within the budget).
     fn wait_for(&self, key: &str, peer: usize, what: &'static str) -> Result<(), CommError> {
-        let value = self.session.store.wait_for(key, self.budget.deadline, &self.session.abort)?;
-        value.map(drop).ok_or_else(|| self.budget.timeout(self.members[peer], what))
+        wait_for_peer(self.session, self.budget, self.members[peer], key, what).map(drop)
     }
+}
+
+/// The value job rank `rank` sets under `key`, waited for within `budget`; the timeout names
+/// the rank and `what` it never did.
+fn wait_for_peer(
+    session: &Session,
+    budget: JoinBudget,
+    rank: usize,
+    key: &str,
+    what: &'static str,
+) -> Result<Vec<u8>, CommError> {
+    let value = session.store.wait_for(key, budget.deadline, &session.abort)?;
+    value.ok_or_else(|| budget.timeout(rank, what))
 }
 
 /// Creates this rank's inbox (and window, with `share_windows`), maps its shared-memory peers'

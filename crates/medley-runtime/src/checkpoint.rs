@@ -166,7 +166,10 @@ fn step_dir_name(step: u64) -> String {
 /// The step a checkpoint directory's name says (`step-00000006`: 6).
 fn step_of(name: &str) -> Option<u64> {
     let digits = name.strip_prefix("step-")?;
-    (digits.len() >= 8 && digits.bytes().all(|byte| byte.is_ascii_digit())).then(|| digits.parse().ok())?
+    if digits.len() < 8 || !digits.bytes().all(|byte| byte.is_ascii_digit()) {
+        return None;
+    }
+    digits.parse().ok()
 }
 
 fn io_error(path: &Path) -> impl FnOnce(std::io::Error) -> RuntimeError + '_ {
@@ -512,8 +515,9 @@ pub fn read_latest(root: &Path) -> Result<(PathBuf, Manifest), RuntimeError> {
 }
 
 /// Once step `latest` is published: keeps the `keep` newest checkpoints up to it and removes
-/// the older ones, and the later ones proven unfinished (left by a run that stopped while
-/// writing them, since a resume starts from `latest`); other later ones are kept.
+/// the older ones, and the later ones when each is proven unfinished (left by a run that
+/// stopped while writing them, since a resume starts from `latest`); otherwise all later ones
+/// are kept.
 fn remove_older(root: &Path, latest: u64, keep: usize) -> Result<(), RuntimeError> {
     let steps = step_dirs(root)?;
     let kept_from = steps.iter().filter(|(step, _)| *step <= latest).count().saturating_sub(keep.max(1));
