@@ -5,15 +5,18 @@
 //! - [`megatron`]: Megatron-LM's arguments (parallel sizes, the uneven stages as
 //!   `--pipeline-model-parallel-layout`, batch, recompute, model shape) and a torchrun launch
 //!   script whose rank order puts each rank on the device the plan chose.
+//! - [`expressible`]: the search restricted to plans a framework can run.
 //! - [`placement`]: a framework's fixed rank order against the plan's devices: which host and GPU
 //!   each rank must run on, and whether hosts can be listed so that it does.
 
 mod common;
+pub mod expressible;
 pub mod megatron;
 pub mod placement;
 pub mod torchtitan;
 
 pub use common::Arg;
+pub use expressible::{Framework, Restricted, restrict};
 
 /// The frameworks' names, as refusals name them.
 pub const MEGATRON: &str = "Megatron-LM";

@@ -18,7 +18,7 @@ use crate::assemble::{ReplicaLayout, assemble, stages_from_counts};
 use crate::candidates::Candidate;
 use crate::error::PlanError;
 use crate::evaluate::evaluate;
-use crate::long_context::{ContextDegrees, search_long_context};
+use crate::long_context::{ContextDegrees, EvenBaselines, LONG_CONTEXT_TOKENS, search_long_context};
 use crate::plan::{Plan, tp_splits_heads};
 use crate::search::{SearchOptions, candidate_settings, search, settings_with_tp};
 
@@ -318,6 +318,42 @@ impl Baselines {
         );
         Baselines { uniform, homogeneous }
     }
+}
+
+/// A baseline as a report's table shows it: its name, which device type for the best
+/// homogeneous one, and its plan, absent when it does not fit.
+#[derive(Clone, Debug)]
+pub struct NamedBaseline {
+    pub name: String,
+    pub detail: Option<String>,
+    pub candidate: Option<Candidate>,
+}
+
+/// Every layout a searched plan is compared with, by name: uniform and best homogeneous, and
+/// for long sequences the even context-parallel layouts.
+pub fn named_baselines(
+    cluster: &Cluster,
+    model: &ModelSpec,
+    job: &JobSpec,
+    calibration: &Calibration,
+) -> Vec<NamedBaseline> {
+    let (baselines, even) = rayon::join(
+        || Baselines::compute(cluster, model, job, calibration),
+        || (job.seq_len() >= LONG_CONTEXT_TOKENS).then(|| EvenBaselines::compute(cluster, model, job, calibration)),
+    );
+    let mut rows = vec![
+        NamedBaseline { name: "uniform".into(), detail: None, candidate: baselines.uniform },
+        NamedBaseline {
+            name: "best-homogeneous".into(),
+            detail: baselines.homogeneous.as_ref().map(|(device, _)| device.clone()),
+            candidate: baselines.homogeneous.map(|(_, candidate)| candidate),
+        },
+    ];
+    for (kind, candidate) in even.iter().flat_map(EvenBaselines::rows) {
+        let detail = candidate.map(|candidate| candidate.plan.stage_label(&candidate.plan.replicas()[0].stages[0]));
+        rows.push(NamedBaseline { name: kind.name().into(), detail, candidate: candidate.cloned() });
+    }
+    rows
 }
 
 #[cfg(test)]

@@ -1,17 +1,21 @@
-//! One self-contained HTML page of a plan — and of a training run, when there is one — that
-//! opens offline: no script or style from anywhere else, every picture inline SVG.
+//! What people read: one self-contained HTML page of a plan — and of a training run, when there
+//! is one — that opens offline (no script or style from anywhere else, every picture inline SVG),
+//! and the terminal's tables.
 //!
 //! - [`picture`]: the plan (replicas, stages as wide as their layers, device types, routes).
 //! - [`timeline`]: a step as lanes per rank from the Perfetto events the simulator and the
 //!   runtime write, so a measured step and a simulated one are drawn alike.
 //! - [`charts`]: memory against capacity, candidates and baselines, loss and step times.
+//! - [`plan_text`]: `medley plan`'s tables and JSON; [`text`]: the tables' words and figures.
 //!
 //! The page checks itself once drawn: every picture must have a size, or it says which did not
 //! (`data-rendered` on the root element, and a console error) — what the browser test reads.
 
 pub mod charts;
 pub mod picture;
+pub mod plan_text;
 pub mod svg;
+pub mod text;
 pub mod timeline;
 
 use std::fmt::Write;

@@ -25,6 +25,9 @@ pub enum RuntimeError {
     Model(#[from] ModelError),
     #[error("{}: {reason}", path.display())]
     Checkpoint { path: PathBuf, reason: String },
+    /// A run directory refused (in use, holding another run) or one that does not read.
+    #[error("{0}")]
+    RunDirectory(String),
     #[error("{}: {error}", path.display())]
     Io { path: PathBuf, error: std::io::Error },
     #[error("program of {rank}: {reason}")]

@@ -27,6 +27,7 @@ mod layout;
 mod metrics;
 mod native;
 mod p2p;
+pub mod run_dir;
 mod train;
 mod worker;
 
@@ -40,5 +41,6 @@ pub use error::RuntimeError;
 pub use host_memory::{HostMemory, calibration_memory, worker_memory};
 pub use layout::{ContextSeat, EmulatedDevice, RankLayout, check_runnable, context_groups, rank_ids, worker_count};
 pub use metrics::{RankMetrics, StepMetrics};
+pub use run_dir::{ClaimedRun, Emulation, RunDir};
 pub use train::{StopRequest, TrainEnd, TrainOptions};
 pub use worker::{LinkEmulation, Worker, WorkerOptions, time_dilation};

@@ -1,7 +1,7 @@
 //! What a step measured: per rank, and for the job.
 
 use medley_schedule::{RankTimes, ScheduleKind};
-use serde::Serialize;
+use serde::{Deserialize, Serialize};
 
 use crate::RankLayout;
 
@@ -84,7 +84,7 @@ fn members_late_s(clocks: &[StepClock]) -> Vec<f64> {
 }
 
 /// One rank's line in a step's metrics.
-#[derive(Clone, Debug, PartialEq, Serialize)]
+#[derive(Clone, Debug, PartialEq, Serialize, Deserialize)]
 pub struct RankMetrics {
     pub rank: usize,
     /// The pipeline rank, e.g. `r1s0`.
@@ -102,7 +102,7 @@ impl RankMetrics {
 }
 
 /// One training step of the job, as `metrics.jsonl` records it.
-#[derive(Clone, Debug, PartialEq, Serialize)]
+#[derive(Clone, Debug, PartialEq, Serialize, Deserialize)]
 pub struct StepMetrics {
     /// Steps completed, counting this one.
     pub step: u64,

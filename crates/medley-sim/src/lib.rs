@@ -22,6 +22,7 @@ mod adaptive;
 mod context;
 mod engine;
 mod network;
+pub mod rank;
 mod report;
 mod setup;
 

@@ -13,7 +13,7 @@ use medley_bench::planner::{
 use medley_bench::stats::TIMED_RUNS;
 use serde::Serialize;
 
-use crate::render::{percent, right, table, times};
+use medley_report::text::{percent, right, table, times};
 
 #[derive(Subcommand, Debug)]
 pub enum BenchCommand {

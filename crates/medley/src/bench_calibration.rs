@@ -13,7 +13,7 @@ use medley_bench::cited::{
 use medley_cost::Calibration;
 use serde::Serialize;
 
-use crate::render::{right, table};
+use medley_report::text::{right, table};
 
 /// What the held-out runs must stay within (issue 20): on average, and each.
 const HELD_OUT_MEAN_TARGET: f64 = 0.05;

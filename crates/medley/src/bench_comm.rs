@@ -20,7 +20,7 @@ use serde::Serialize;
 use serde::de::DeserializeOwned;
 
 use crate::inputs::parse_gb_s;
-use crate::render::{right, table};
+use medley_report::text::{right, table};
 
 /// A byte count: plain, or with a K, M or G suffix (binary).
 fn parse_bytes(text: &str) -> Result<usize, String> {

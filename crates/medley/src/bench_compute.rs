@@ -22,7 +22,7 @@ use serde::{Deserialize, Serialize};
 use statrs::statistics::{Data, OrderStatistics};
 
 use crate::inputs::load_model;
-use crate::render::{right, table};
+use medley_report::text::{right, table};
 
 /// Steps before timing starts (allocator, caches, lazily built kernels), as the script does.
 const WARM_UP: usize = 2;

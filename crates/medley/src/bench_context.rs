@@ -10,7 +10,7 @@ use medley_bench::stats::TIMED_RUNS;
 use medley_plan::long_context::EvenKind;
 use serde_json::json;
 
-use crate::render::{percent, quantity, right, table, times};
+use medley_report::text::{percent, quantity, right, table, times};
 
 pub fn bench_context(json: bool) -> Result<()> {
     // The planner's time first, alone, so that nothing competes for the cores.

@@ -7,7 +7,7 @@ use medley_bench::schedules::{OrderingRow, SimulatorSpeedRow, orderings, speed_r
 use medley_bench::stats::TIMED_RUNS;
 use serde::Serialize;
 
-use crate::render::{right, table, times};
+use medley_report::text::{right, table, times};
 
 pub fn bench_schedules(json: bool) -> Result<()> {
     // Speed first, alone, so that the peak RSS is the simulator's.

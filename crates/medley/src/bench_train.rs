@@ -8,20 +8,18 @@ use clap::Args;
 use medley_cost::Calibration;
 use medley_plan::long_context::even_fixed;
 use medley_plan::{Plan, SearchOptions, baselines, search};
-use medley_runtime::{DeviceChoice, RankLayout};
+use medley_runtime::{DeviceChoice, RankLayout, RunDir};
 use medley_sim::{SimConfig, simulate_steps};
 use medley_spec::{Cluster, ModelSpec, Schedule, catalog_model};
 
 use crate::inputs::{JobFlags, load_model};
 use serde::Serialize;
-use serde_json::Value;
 
 use crate::progress::Progress;
-use crate::render::{percent, right, table, times};
-use crate::run_dir::RunDir;
-use crate::train_cmd::{as_trained, calibrate_here, launch_and_watch, runtime_job, write_run_inputs};
+use crate::train_cmd::{as_trained, calibrate_here, launch_and_watch, runtime_job};
 use crate::worker_cmd::{RunFlags, WorkerArgs};
 use medley_bench::stats::median;
+use medley_report::text::{percent, right, table, times};
 
 #[derive(Args, Debug)]
 #[command(
@@ -225,14 +223,15 @@ struct RunTweaks {
 /// measured step times after the warm-up.
 fn step_times(plan: &Plan, calibration: &Calibration, name: &str, steps: u64, tweaks: RunTweaks) -> Result<Vec<f64>> {
     let dir = std::env::temp_dir().join(format!("medley-bench-train-{}-{name}", std::process::id()));
-    let run_dir = RunDir::claim(&dir, None, true)?;
-    run_dir.start_over_if_forced()?;
-    let (plan_path, calibration_path) = write_run_inputs(&dir, plan, calibration)?;
+    let claimed = RunDir::at(&dir).claim(None, true)?;
+    claimed.start_over_if_forced()?;
+    let run_dir = claimed.dir();
+    run_dir.write_inputs(plan, calibration)?;
     let layouts = RankLayout::all(plan, calibration)?;
     let (link_gb_s, link_trace) = tweaks.link.map_or((None, None), |(gb_s, trace)| (Some(gb_s), Some(trace)));
     let args = WorkerArgs {
-        plan: plan_path.to_string_lossy().into_owned(),
-        calibration: Some(calibration_path.to_string_lossy().into_owned()),
+        plan: run_dir.plan().to_string_lossy().into_owned(),
+        calibration: Some(run_dir.calibration().to_string_lossy().into_owned()),
         out: dir.clone(),
         resume: None,
         run: RunFlags {
@@ -257,15 +256,12 @@ fn step_times(plan: &Plan, calibration: &Calibration, name: &str, steps: u64, tw
     };
     // A benchmark's table is its output: the runs it times show no progress of their own.
     let outcome = launch_and_watch(&args, &layouts, Progress::Quiet)?;
-    drop(run_dir);
+    drop(claimed);
     std::fs::remove_dir_all(&dir).ok();
     if !outcome.end.succeeded() {
         bail!("the {name} run's workers failed: {}", outcome.end.first_error().unwrap_or("no error message"));
     }
-    let times: Vec<f64> = outcome.steps[WARM_UP_STEPS as usize..]
-        .iter()
-        .filter_map(|step: &Value| step["step_time_s"].as_f64())
-        .collect();
+    let times: Vec<f64> = outcome.steps[WARM_UP_STEPS as usize..].iter().map(|step| step.step_time_s).collect();
     if times.is_empty() {
         bail!("the {name} run reported no steps");
     }

@@ -7,7 +7,7 @@ use anyhow::{Context, Result};
 use clap::{Args, Subcommand};
 use medley_export::ExportError;
 
-use crate::plan_cmd::load_plan;
+use crate::inputs::load_plan;
 
 #[derive(Subcommand, Debug)]
 pub enum ExportCommand {
@@ -60,7 +60,7 @@ pub fn run(which: &ExportCommand) -> Result<ExitCode> {
         false => script,
     };
     match &args.output {
-        None => crate::render::emit(&text)?,
+        None => crate::emit(&text)?,
         Some(path) => {
             std::fs::write(path, &text).with_context(|| format!("cannot write {path}"))?;
             if !args.json {

@@ -6,6 +6,7 @@ use std::path::Path;
 use anyhow::{Context, Result, bail};
 use clap::Args;
 use medley_cost::{Calibration, ProfileKind};
+use medley_plan::{Plan, PlanParts};
 use medley_spec::{
     AttentionKernel, Bridge, Cluster, Fabric, JobParts, JobSpec, ModelSpec, Recompute, Schedule, catalog_model, echo,
 };
@@ -295,6 +296,41 @@ pub fn read(path: &str) -> Result<String> {
         );
     }
     String::from_utf8(bytes).with_context(|| format!("{} is not UTF-8 text", echo(path)))
+}
+
+/// The specs a plan file carries, with the calibration the flags name.
+pub fn specs_of_plan(args: &SpecArgs, path: &str, plan: &Plan) -> Result<Specs> {
+    let calibration = args.resolve_calibration(plan.model())?;
+    check_calibration_names(&calibration, plan.cluster())?;
+    specs_with_calibration(path, plan, calibration)
+}
+
+/// The specs a plan file carries, priced with `calibration`.
+pub fn specs_with_calibration(path: &str, plan: &Plan, calibration: Calibration) -> Result<Specs> {
+    let parts = JobParts {
+        seq_len: plan.seq_len(),
+        global_batch: plan.global_batch(),
+        micro_batch: None,
+        precision: Default::default(),
+        zero1: plan.zero1(),
+        recompute: None,
+        attention: plan.attention(),
+        overlap_grad_reduce: plan.overlap_grad_reduce(),
+        schedule: plan.schedule(),
+    };
+    Ok(Specs {
+        job: JobSpec::new(parts, path)?,
+        cluster: plan.cluster().clone(),
+        model: plan.model().clone(),
+        calibration,
+    })
+}
+
+/// A plan file: its parts read, then checked, so a hand edit that breaks the plan is named.
+pub fn load_plan(path: &str) -> Result<Plan> {
+    let parts: PlanParts =
+        serde_json::from_str(&read(path)?).with_context(|| format!("{path} is not a medley plan"))?;
+    Plan::new(parts).with_context(|| format!("in {path}"))
 }
 
 #[cfg(test)]

@@ -14,9 +14,7 @@ mod inputs;
 mod log;
 mod plan_cmd;
 mod progress;
-mod render;
 mod report_cmd;
-mod run_dir;
 mod simulate_cmd;
 mod stop;
 mod train_cmd;
@@ -122,6 +120,15 @@ fn exit_quietly_on_closed_pipe() {
     unsafe {
         libc::signal(libc::SIGPIPE, libc::SIG_DFL);
     }
+}
+
+/// Writes a command's result to standard output: a full disk or a closed pipe is an error that
+/// says so, never a panic (as `println!` would).
+pub(crate) fn emit(text: &str) -> anyhow::Result<()> {
+    use anyhow::Context;
+    use std::io::Write;
+    let mut out = std::io::stdout().lock();
+    out.write_all(text.as_bytes()).and_then(|()| out.flush()).context("cannot write the result to standard output")
 }
 
 #[cfg(test)]

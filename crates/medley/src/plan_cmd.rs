@@ -8,17 +8,14 @@ use std::io::Write;
 
 use anyhow::{Context, Result, bail};
 use clap::Args;
-use medley_cost::Calibration;
-use medley_plan::baselines::{self, Baselines, Degrees};
-use medley_plan::long_context::{EvenBaselines, LONG_CONTEXT_TOKENS};
-use medley_plan::{Candidate, Plan, PlanError, PlanParts, SearchOptions, evaluate, search};
-use medley_sim::{SimConfig, StepReport, simulate_steps};
-use medley_spec::{JobParts, JobSpec};
-use rayon::prelude::*;
+use medley_export::expressible::{EXPRESSIBLE_POOL, Framework, restrict};
+use medley_plan::baselines::{self, Degrees, named_baselines};
+use medley_plan::{Candidate, PlanError, SearchOptions, evaluate, search};
+use medley_sim::rank::rank_by_simulation;
 use serde_json::json;
 
-use crate::inputs::{SpecArgs, Specs, check_calibration_names, read};
-use crate::render::{self, Baseline, Confirmed, Report};
+use crate::inputs::{SpecArgs, Specs, load_plan, specs_of_plan};
+use medley_report::plan_text::{self, PlanReport};
 
 #[derive(Args, Debug)]
 pub struct PlanArgs {
@@ -48,36 +45,9 @@ pub struct PlanArgs {
     pub plan: Option<String>,
     /// Only plans this framework can run (`medley export`), and what that costs against the best
     /// plan: `megatron` or `torchtitan` (which has no ZeRO-1: its search plans without it).
-    #[arg(long, value_enum, conflicts_with_all = ["plan", "fix"])]
+    #[arg(long, conflicts_with_all = ["plan", "fix"])]
     pub expressible: Option<Framework>,
 }
-
-/// A framework plans can be exported to.
-#[derive(Clone, Copy, Debug, PartialEq, Eq, clap::ValueEnum)]
-pub enum Framework {
-    Megatron,
-    Torchtitan,
-}
-
-impl Framework {
-    fn name(self) -> &'static str {
-        match self {
-            Framework::Megatron => medley_export::MEGATRON,
-            Framework::Torchtitan => medley_export::TORCHTITAN,
-        }
-    }
-
-    /// Why the framework cannot run `plan`, if it cannot.
-    fn refusal(self, plan: &Plan) -> Option<medley_export::ExportError> {
-        match self {
-            Framework::Megatron => medley_export::megatron::megatron(plan).err(),
-            Framework::Torchtitan => medley_export::torchtitan::torchtitan(plan).err(),
-        }
-    }
-}
-
-/// Candidates the search keeps when only some of them may be expressible.
-const EXPRESSIBLE_POOL: usize = 32;
 
 pub fn run(args: &PlanArgs) -> Result<ExitCode> {
     let given = args.plan.as_deref().map(|path| load_plan(path).map(|plan| (path, plan))).transpose()?;
@@ -112,7 +82,7 @@ pub fn run(args: &PlanArgs) -> Result<ExitCode> {
         Ok(found) => found,
         Err(err @ PlanError::NothingFits(_)) => {
             if args.json {
-                render::emit(
+                crate::emit(
                     &(serde_json::to_string_pretty(&json!({"fits": false, "error": err.to_string()}))? + "\n"),
                 )?;
             }
@@ -122,19 +92,25 @@ pub fn run(args: &PlanArgs) -> Result<ExitCode> {
         Err(err) => return Err(err.into()),
     };
     let search_s = started.elapsed().as_secs_f64();
-    let confirmed = confirm_by_simulation(candidates, &specs.calibration)?;
+    let confirmed = rank_by_simulation(candidates, &specs.calibration).context("simulating the candidates")?;
     let candidates = &confirmed.candidates;
     let picked = args.pick as usize - 1;
     if picked >= candidates.len() {
-        bail!("--pick {}: only {} to pick from", args.pick, render::count(candidates.len(), "ranked plan"));
+        bail!(
+            "--pick {}: only {} to pick from",
+            args.pick,
+            medley_report::text::count(candidates.len(), "ranked plan")
+        );
     }
-    let baselines = baseline_rows(&specs);
+    let baselines = named_baselines(&specs.cluster, &specs.model, &specs.job, &specs.calibration);
     if let Some(path) = &args.output {
         let json = serde_json::to_string_pretty(&candidates[picked].plan)?;
         fs::write(path, json + "\n").with_context(|| format!("cannot write {}", path.display()))?;
     }
-    let report = Report {
-        specs: &specs,
+    let report = PlanReport {
+        cluster: &specs.cluster,
+        model: &specs.model,
+        job: &specs.job,
         candidates,
         picked,
         confirmed: &confirmed,
@@ -143,9 +119,9 @@ pub fn run(args: &PlanArgs) -> Result<ExitCode> {
         search_s,
     };
     if args.json {
-        render::emit(&(serde_json::to_string_pretty(&render::json(&report))? + "\n"))?;
+        crate::emit(&(serde_json::to_string_pretty(&plan_text::json(&report))? + "\n"))?;
     } else {
-        render::emit(&render::text(&report))?;
+        crate::emit(&plan_text::text(&report))?;
         std::io::stdout().flush()?;
         match &args.output {
             Some(path) => tracing::info!("plan #{} written to {}", args.pick, path.display()),
@@ -163,9 +139,7 @@ pub fn run(args: &PlanArgs) -> Result<ExitCode> {
     Ok(ExitCode::SUCCESS)
 }
 
-/// The best of `candidates` and the baselines that `framework` can run, fastest first, and a note
-/// of what the restriction costs against the fastest plan. torchtitan has no ZeRO-1, so its
-/// plans come from a search and baselines without it.
+/// The best plans `framework` can run, at most `top`, with what the restriction costs said.
 fn expressible(
     specs: &Specs,
     candidates: Vec<Candidate>,
@@ -173,129 +147,19 @@ fn expressible(
     top: usize,
     options: &SearchOptions,
 ) -> Result<Vec<Candidate>, PlanError> {
-    let best_s = candidates.first().map_or(f64::INFINITY, |best| best.prediction.step_time_s);
-    let first_refusal = candidates.first().and_then(|best| framework.refusal(&best.plan));
-    let (cluster, model, calibration) = (&specs.cluster, &specs.model, &specs.calibration);
-    let (job, candidates) = match framework == Framework::Torchtitan && specs.job.zero1() {
-        true => {
-            tracing::info!(
-                "torchtitan has no ZeRO-1 (its FSDP shards parameters and gradients too): searching without it"
-            );
-            let job = specs.job.clone().with_zero1(false);
-            let searched = match search(cluster, model, &job, calibration, options) {
-                Ok(outcome) => outcome.candidates,
-                Err(PlanError::NothingFits(_)) => Vec::new(),
-                Err(err) => return Err(err),
-            };
-            (job, searched)
-        }
-        false => (specs.job.clone(), candidates),
-    };
-    let baselines = Baselines::compute(cluster, model, &job, calibration);
-    let mut pool: Vec<Candidate> = candidates
-        .into_iter()
-        .chain(baselines.uniform)
-        .chain(baselines.homogeneous.map(|(_, candidate)| candidate))
-        .filter(|candidate| framework.refusal(&candidate.plan).is_none())
-        .collect();
-    pool.sort_by(|a, b| a.prediction.step_time_s.total_cmp(&b.prediction.step_time_s));
-    pool.truncate(top);
-    let name = framework.name();
-    let Some(best) = pool.first() else {
-        let why = first_refusal.map_or_else(String::new, |refusal| format!(" (the best plan: {refusal})"));
-        return Err(PlanError::NothingFits(format!("no plan {name} can run was found{why}")));
-    };
-    let cost = best.prediction.step_time_s / best_s;
-    tracing::info!(
-        "restricted to plans {name} can run: the best takes {:.3} s a step, {cost:.2}× the unrestricted plan's {:.3} s",
-        best.prediction.step_time_s,
-        best_s
-    );
-    Ok(pool)
-}
-
-/// The candidates with one simulated step each (none above [`render::SIMULATE_UP_TO_GPUS`] or
-/// [`render::SIMULATE_UP_TO_PASSES`]), fastest
-/// first by the simulator where it ran and by the cost model where it did not.
-pub(crate) fn confirm_by_simulation(candidates: Vec<Candidate>, calibration: &Calibration) -> Result<Confirmed> {
-    let simulated: Vec<Option<StepReport>> = candidates
-        .par_iter()
-        .map(|candidate| {
-            let plan = &candidate.plan;
-            let too_large = candidate.prediction.n_gpus_used > render::SIMULATE_UP_TO_GPUS
-                || medley_sim::passes_per_step(plan) > render::SIMULATE_UP_TO_PASSES;
-            if too_large {
-                return Ok(None);
-            }
-            simulate_steps(plan, calibration, &SimConfig::default(), plan.schedule(), 1, None)
-                .map(|run| Some(run.last_step))
-        })
-        .collect::<Result<_, _>>()
-        .context("simulating the candidates")?;
-    let step_s =
-        |idx: usize| simulated[idx].as_ref().map_or(candidates[idx].prediction.step_time_s, |step| step.step_time_s);
-    let mut order: Vec<usize> = (0..candidates.len()).collect();
-    order.sort_by(|&a, &b| step_s(a).total_cmp(&step_s(b)));
-    let mut slots: Vec<Option<(Candidate, Option<StepReport>)>> =
-        candidates.into_iter().zip(simulated).map(Some).collect();
-    let (candidates, simulated) = order.iter().map(|&idx| slots[idx].take().expect("each once")).unzip();
-    Ok(Confirmed { candidates, simulated, analytical_rank: order })
-}
-
-/// The specs a plan file carries, with the calibration the flags name.
-pub(crate) fn specs_of_plan(args: &SpecArgs, path: &str, plan: &Plan) -> Result<Specs> {
-    let calibration = args.resolve_calibration(plan.model())?;
-    check_calibration_names(&calibration, plan.cluster())?;
-    specs_with_calibration(path, plan, calibration)
-}
-
-/// The specs a plan file carries, priced with `calibration`.
-pub(crate) fn specs_with_calibration(path: &str, plan: &Plan, calibration: Calibration) -> Result<Specs> {
-    let parts = JobParts {
-        seq_len: plan.seq_len(),
-        global_batch: plan.global_batch(),
-        micro_batch: None,
-        precision: Default::default(),
-        zero1: plan.zero1(),
-        recompute: None,
-        attention: plan.attention(),
-        overlap_grad_reduce: plan.overlap_grad_reduce(),
-        schedule: plan.schedule(),
-    };
-    Ok(Specs {
-        job: JobSpec::new(parts, path)?,
-        cluster: plan.cluster().clone(),
-        model: plan.model().clone(),
-        calibration,
-    })
-}
-
-/// A plan file: its parts read, then checked, so a hand edit that breaks the plan is named.
-pub(crate) fn load_plan(path: &str) -> Result<Plan> {
-    let parts: PlanParts =
-        serde_json::from_str(&read(path)?).with_context(|| format!("{path} is not a medley plan"))?;
-    Plan::new(parts).with_context(|| format!("in {path}"))
-}
-
-/// The rows of the report's baselines table: uniform and best homogeneous, and for long
-/// sequences the even context-parallel layouts.
-pub(crate) fn baseline_rows(specs: &Specs) -> Vec<Baseline> {
     let (cluster, model, job, calibration) = (&specs.cluster, &specs.model, &specs.job, &specs.calibration);
-    let (baselines, even) = rayon::join(
-        || Baselines::compute(cluster, model, job, calibration),
-        || (job.seq_len() >= LONG_CONTEXT_TOKENS).then(|| EvenBaselines::compute(cluster, model, job, calibration)),
-    );
-    let mut rows = vec![
-        Baseline { name: "uniform".into(), detail: None, candidate: baselines.uniform },
-        Baseline {
-            name: "best-homogeneous".into(),
-            detail: baselines.homogeneous.as_ref().map(|(device, _)| device.clone()),
-            candidate: baselines.homogeneous.map(|(_, candidate)| candidate),
-        },
-    ];
-    for (kind, candidate) in even.iter().flat_map(EvenBaselines::rows) {
-        let detail = candidate.map(|candidate| candidate.plan.stage_label(&candidate.plan.replicas()[0].stages[0]));
-        rows.push(Baseline { name: kind.name().into(), detail, candidate: candidate.cloned() });
+    if !framework.has_zero1() && job.zero1() {
+        tracing::info!(
+            "{framework} has no ZeRO-1 (its FSDP shards parameters and gradients too): searching without it"
+        );
     }
-    rows
+    let mut restricted = restrict(cluster, model, job, calibration, candidates, framework, options)?;
+    restricted.candidates.truncate(top);
+    tracing::info!(
+        "restricted to plans {framework} can run: the best takes {:.3} s a step, {:.2}× the unrestricted plan's {:.3} s",
+        restricted.candidates[0].prediction.step_time_s,
+        restricted.cost,
+        restricted.unrestricted_s
+    );
+    Ok(restricted.candidates)
 }

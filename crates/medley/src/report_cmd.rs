@@ -16,9 +16,13 @@ use medley_sim::{SimConfig, StepReport, simulate_steps};
 use serde_json::Value;
 
 use crate::inputs::{Specs, check_calibration_names, check_gpu_pricing, read};
-use crate::plan_cmd::{baseline_rows, confirm_by_simulation, load_plan};
-use crate::render::{self, percent, pipeline_summary, seconds};
-use crate::run_dir::{CALIBRATION, EMULATION, METRICS, PLAN, TIMELINE};
+use medley_plan::baselines::named_baselines;
+use medley_sim::rank::rank_by_simulation;
+
+use crate::inputs::load_plan;
+use medley_report::plan_text::{self, pipeline_summary};
+use medley_report::text::{percent, seconds};
+use medley_runtime::RunDir;
 
 #[derive(Args, Debug)]
 pub struct ReportArgs {
@@ -45,12 +49,12 @@ const CANDIDATES: usize = 4;
 pub fn run(args: &ReportArgs) -> Result<()> {
     let plan_path = match (&args.plan, &args.run) {
         (Some(plan), _) => plan.clone(),
-        (None, Some(run)) => run.join(PLAN).to_string_lossy().into_owned(),
+        (None, Some(run)) => RunDir::at(run).plan().to_string_lossy().into_owned(),
         (None, None) => unreachable!("clap requires --plan without --run"),
     };
     let calibration = match (&args.calibration, &args.run) {
         (Some(path), _) => Some(path.clone()),
-        (None, Some(run)) => Some(run.join(CALIBRATION).to_string_lossy().into_owned()),
+        (None, Some(run)) => Some(RunDir::at(run).calibration().to_string_lossy().into_owned()),
         (None, None) => None,
     };
     let html = page(&plan_path, calibration.as_deref(), args.run.as_deref())?;
@@ -77,7 +81,7 @@ pub fn page(plan_path: &str, calibration: Option<&str>, run: Option<&Path>) -> R
         Some(dilation) => calibration.dilated(plan.cluster().groups().iter().map(|group| &group.device), dilation),
         None => calibration,
     };
-    let specs = crate::plan_cmd::specs_with_calibration(plan_path, &plan, calibration)?;
+    let specs = crate::inputs::specs_with_calibration(plan_path, &plan, calibration)?;
     let (simulated, lanes) = simulate_with_lanes(&plan, &specs.calibration)?;
     let run = run.map(|dir| run_record(dir, simulated.step_time_s)).transpose()?;
     let prediction = evaluate(&plan, &specs.calibration);
@@ -92,10 +96,10 @@ pub fn page(plan_path: &str, calibration: Option<&str>, run: Option<&Path>) -> R
         })
         .collect();
     let report = Report {
-        title: format!("medley: {} on {}", plan.model().name(), render::cluster_summary(plan.cluster())),
+        title: format!("medley: {} on {}", plan.model().name(), plan_text::cluster_summary(plan.cluster())),
         facts: facts(&plan, &specs, &prediction, &simulated, run.as_ref()),
         plan: &plan,
-        explanation: render::explain(&plan),
+        explanation: plan_text::explain(&plan),
         simulated: lanes,
         memory,
         compared: compared(&plan, &simulated, &specs)?,
@@ -121,8 +125,8 @@ fn facts(
     run: Option<&RunRecord>,
 ) -> Vec<(String, String)> {
     let mut facts = vec![
-        ("model".to_string(), render::model_summary(&specs.model)),
-        ("job".into(), render::job_summary(&specs.job)),
+        ("model".to_string(), plan_text::model_summary(&specs.model)),
+        ("job".into(), plan_text::job_summary(&specs.job)),
         ("layout".into(), pipeline_summary(plan)),
         (
             "step time".into(),
@@ -169,7 +173,7 @@ fn compared(plan: &Plan, simulated: &StepReport, specs: &Specs) -> Result<Vec<Co
         .unwrap_or_default();
     let others: Vec<Candidate> =
         searched.into_iter().filter(|candidate| candidate.plan != *plan).take(CANDIDATES).collect();
-    let confirmed = confirm_by_simulation(others, &specs.calibration)?;
+    let confirmed = rank_by_simulation(others, &specs.calibration).context("simulating the candidates")?;
     let mut rows = vec![row("this plan", plan, (simulated.step_time_s, &simulated.utilisation), simulated.fits, false)];
     rows[0].chosen = true;
     let mut add = |name: &str, candidate: &Candidate, simulated: &Option<StepReport>, baseline: bool| {
@@ -189,12 +193,12 @@ fn compared(plan: &Plan, simulated: &StepReport, specs: &Specs) -> Result<Vec<Co
     for (idx, (candidate, simulated)) in confirmed.candidates.iter().zip(&confirmed.simulated).enumerate() {
         add(&format!("candidate {}", idx + 1), candidate, simulated, false);
     }
-    let baselines = baseline_rows(specs);
+    let baselines = named_baselines(&specs.cluster, &specs.model, &specs.job, &specs.calibration);
     let (fitting, missing): (Vec<_>, Vec<_>) = baselines.into_iter().partition(|baseline| baseline.candidate.is_some());
     let names: Vec<String> = fitting.iter().map(baseline_name).collect();
     let candidates: Vec<Candidate> = fitting.into_iter().filter_map(|baseline| baseline.candidate).collect();
     let plans: Vec<Plan> = candidates.iter().map(|candidate| candidate.plan.clone()).collect();
-    let simulated = confirm_by_simulation(candidates, &specs.calibration)?;
+    let simulated = rank_by_simulation(candidates, &specs.calibration).context("simulating the candidates")?;
     for (name, baseline_plan) in names.iter().zip(&plans) {
         let idx =
             simulated.candidates.iter().position(|candidate| candidate.plan == *baseline_plan).expect("each simulated");
@@ -214,7 +218,7 @@ fn compared(plan: &Plan, simulated: &StepReport, specs: &Specs) -> Result<Vec<Co
     Ok(rows)
 }
 
-fn baseline_name(baseline: &render::Baseline) -> String {
+fn baseline_name(baseline: &medley_plan::baselines::NamedBaseline) -> String {
     match &baseline.detail {
         Some(detail) => format!("{} ({detail})", baseline.name),
         None => baseline.name.clone(),
@@ -236,20 +240,12 @@ fn row(name: &str, plan: &Plan, (step_s, utilisation): (f64, &Utilisation), fits
 
 /// A training run's metrics and the timeline of its median step.
 fn run_record(dir: &Path, predicted_step_s: f64) -> Result<RunRecord> {
-    let metrics = dir.join(METRICS);
-    let text = fs::read_to_string(&metrics).with_context(|| format!("cannot read {}", metrics.display()))?;
-    let steps: Vec<RunStep> = text
-        .lines()
-        .filter(|line| !line.trim().is_empty())
-        .map(|line| {
-            let step: Value = serde_json::from_str(line)
-                .with_context(|| format!("{} holds a line that is not JSON", metrics.display()))?;
-            let number = |field: &str| {
-                step[field].as_f64().with_context(|| format!("{}: a step without {field}", metrics.display()))
-            };
-            Ok(RunStep { step: number("step")? as u64, loss: number("loss")?, step_time_s: number("step_time_s")? })
-        })
-        .collect::<Result<_>>()?;
+    let run = RunDir::at(dir);
+    let steps: Vec<RunStep> = run
+        .read_metrics()?
+        .into_iter()
+        .map(|step| RunStep { step: step.step, loss: step.loss, step_time_s: step.step_time_s })
+        .collect();
     let median = steady_median(&steps);
     let measured_step = steps
         .iter()
@@ -258,7 +254,7 @@ fn run_record(dir: &Path, predicted_step_s: f64) -> Result<RunRecord> {
             (a.step_time_s - median.unwrap_or(0.0)).abs().total_cmp(&(b.step_time_s - median.unwrap_or(0.0)).abs())
         })
         .map(|step| step.step);
-    let timeline = dir.join(TIMELINE);
+    let timeline = run.timeline();
     let measured = match fs::read(&timeline) {
         Ok(bytes) => {
             let document: Value =
@@ -271,12 +267,13 @@ fn run_record(dir: &Path, predicted_step_s: f64) -> Result<RunRecord> {
     Ok(RunRecord { steps, predicted_step_s, measured_step, measured })
 }
 
-/// The time dilation a run trained at (`emulation.json`; 1 for runs from before it was kept).
+/// The time dilation a run trained at (1 for runs from before it was kept).
 fn run_dilation(dir: &Path) -> Result<f64> {
-    let path = dir.join(EMULATION);
-    let Ok(text) = fs::read_to_string(&path) else { return Ok(1.0) };
-    let record: Value = serde_json::from_str(&text).with_context(|| format!("{} is not JSON", path.display()))?;
-    Ok(record["time_dilation"].as_f64().filter(|factor| factor.is_finite() && *factor >= 1.0).unwrap_or(1.0))
+    let emulation = RunDir::at(dir).read_emulation()?;
+    Ok(emulation
+        .map(|record| record.time_dilation)
+        .filter(|factor| factor.is_finite() && *factor >= 1.0)
+        .unwrap_or(1.0))
 }
 
 /// The median step time after the first (which includes start-up), as `medley train` reports it.

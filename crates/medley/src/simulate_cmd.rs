@@ -16,8 +16,8 @@ use medley_sim::{BandwidthTrace, RunReport, SimConfig, simulate_steps};
 use medley_spec::Recompute;
 
 use crate::inputs::{SpecArgs, Specs, read};
-use crate::plan_cmd::{load_plan, specs_of_plan};
-use crate::render::{self, count, percent, right, seconds, table};
+use crate::inputs::{load_plan, specs_of_plan};
+use medley_report::text::{count, percent, right, seconds, table};
 
 #[derive(Args, Debug)]
 pub struct SimulateArgs {
@@ -93,9 +93,9 @@ pub fn run(args: &SimulateArgs) -> Result<ExitCode> {
         None => simulate_steps(&plan, &specs.calibration, &config, schedule, args.steps, None),
     }?;
     if args.json {
-        render::emit(&(serde_json::to_string_pretty(&json(&report))? + "\n"))?;
+        crate::emit(&(serde_json::to_string_pretty(&json(&report))? + "\n"))?;
     } else {
-        render::emit(&(text(&specs, &plan, &report) + "\n"))?;
+        crate::emit(&(text(&specs, &plan, &report) + "\n"))?;
         if let Some(path) = &args.trace {
             std::io::stdout().flush()?;
             tracing::info!("timeline written to {} (open it at https://ui.perfetto.dev)", path.display());

@@ -1,12 +1,11 @@
 //! `medley train`: plans a job on an emulated fleet (or takes a plan), starts one `medley worker`
 //! process per pipeline rank on this machine, shows progress and reports the outcome.
 
-use std::collections::BTreeMap;
 use std::ffi::OsString;
 use std::fs;
 use std::io::{BufRead, BufReader};
 use std::num::NonZeroU32;
-use std::path::{Path, PathBuf};
+use std::path::PathBuf;
 use std::process::ExitCode;
 use std::sync::Arc;
 use std::time::{Duration, Instant};
@@ -18,24 +17,21 @@ use medley_cost::context::KvExchange;
 use medley_launch::{Echo, JobEnd, LocalJob, RankCommand};
 use medley_plan::max_k_within_memory;
 use medley_plan::{Plan, SearchOptions, search};
+use medley_runtime::run_dir::same_dir;
 use medley_runtime::{
-    DeviceChoice, RankLayout, calibration_memory, check_resumable, emulation_calibration, measure_model_pass,
-    read_latest, time_dilation, unfinished_later_checkpoints, verify_checkpoint, worker_memory,
+    DeviceChoice, Emulation, RankLayout, RunDir, StepMetrics, calibration_memory, check_resumable,
+    emulation_calibration, measure_model_pass, read_latest, time_dilation, unfinished_later_checkpoints,
+    verify_checkpoint, worker_memory,
 };
-use medley_sim::timeline::{merge_segments, trace_events};
 use medley_sim::{SimConfig, simulate_steps};
 use medley_spec::{Cluster, JobParts, JobSpec, ModelSpec, Schedule, ScheduleKind};
-use serde_json::Value;
 
 use crate::host::check_memory;
 use crate::inputs::{JobFlags, load_model, read_emulation_profile};
 use crate::progress::Progress;
-use crate::render::{percent, right, seconds, table};
-use crate::run_dir::{
-    CALIBRATION, CHECKPOINTS, EMULATION, METRICS, PLAN, REPORT, RunDir, TIMELINE, TIMELINES, same_dir,
-};
 use crate::stop::{self, StopSignals};
-use crate::worker_cmd::{RunFlags, WorkerArgs, timeline_segment};
+use crate::worker_cmd::{RunFlags, WorkerArgs};
+use medley_report::text::{percent, right, seconds, table};
 
 /// Two fast NVIDIA GPUs and two slower AMD ones: the smallest fleet that shows every kind of
 /// heterogeneity the runtime handles (speed, vendor domain, bridge).
@@ -80,34 +76,37 @@ pub struct TrainArgs {
 
 pub fn run(args: &TrainArgs) -> Result<ExitCode> {
     let out = args.out.clone().or_else(|| args.resume.clone()).unwrap_or_else(|| PathBuf::from("medley-run"));
-    let run_dir = RunDir::claim(&out, args.resume.as_deref(), args.force)?;
+    let claimed = RunDir::at(&out).claim(args.resume.as_deref(), args.force)?;
+    let run_dir = claimed.dir();
     let (plan, calibration) = choose_plan(args)?;
     let layouts = RankLayout::all(&plan, &calibration)?;
     check_workers_memory(&plan, &calibration, &layouts, args.worker.schedule.unwrap_or(plan.schedule()))?;
     if let Some(dir) = &args.resume {
-        let (checkpoint, manifest) = read_latest(&dir.join(CHECKPOINTS))?;
+        let source = RunDir::at(dir);
+        let (checkpoint, manifest) = read_latest(&source.checkpoints())?;
         check_resumable(&checkpoint, &manifest, &plan)?;
         verify_checkpoint(&checkpoint, &manifest)?;
         if same_dir(dir, &out) {
-            unfinished_later_checkpoints(&dir.join(CHECKPOINTS), manifest.step)?;
+            unfinished_later_checkpoints(&source.checkpoints(), manifest.step)?;
         }
     }
     // Only a run that passed its checks touches the directory.
-    run_dir.start_over_if_forced()?;
-    let (plan_path, calibration_path) = write_run_inputs(run_dir.path(), &plan, &calibration)?;
-    println!("{}", crate::render::explain(&plan));
+    claimed.start_over_if_forced()?;
+    run_dir.write_inputs(&plan, &calibration)?;
+    println!("{}", medley_report::plan_text::explain(&plan));
     println!("{}", workers_table(&plan, &layouts, !args.worker.no_emulate));
     let mut run = args.worker.clone();
     if !run.no_emulate {
         run.time_dilation = run.time_dilation.max(dilation_here(layouts.len()));
     }
-    write_emulation(run_dir.path(), &run, layouts.len())?;
+    let emulation = Emulation { time_dilation: run.time_dilation, workers: layouts.len(), cores: cores_here() };
+    run_dir.write_emulation(&emulation)?;
     let devices = plan.cluster().groups().iter().map(|group| &group.device);
     let predicted_step_s = predict_step_s(&plan, &calibration.dilated(devices, run.time_dilation), &run)?;
     run.timeout_s = timeout_for(predicted_step_s, &run);
     let worker_args = WorkerArgs {
-        plan: plan_path.to_string_lossy().into_owned(),
-        calibration: Some(calibration_path.to_string_lossy().into_owned()),
+        plan: run_dir.plan().to_string_lossy().into_owned(),
+        calibration: Some(run_dir.calibration().to_string_lossy().into_owned()),
         out: out.clone(),
         resume: args.resume.clone(),
         run,
@@ -117,7 +116,7 @@ pub fn run(args: &TrainArgs) -> Result<ExitCode> {
     };
     let started = Instant::now();
     let outcome = launch_and_watch(&worker_args, &layouts, Progress::new(worker_args.run.steps))?;
-    report(&out, &outcome, &layouts, (started.elapsed(), predicted_step_s))
+    report(run_dir, &outcome, &layouts, (started.elapsed(), predicted_step_s))
 }
 
 /// The cores this process may run on.
@@ -133,19 +132,10 @@ fn dilation_here(workers: usize) -> f64 {
         tracing::info!(
             "{} share {cores} cores: every emulated device runs {dilation:.2}× slower still (time dilation), so that \
              the workers keep to it when all compute at once, and the prediction with it",
-            crate::render::count(workers, "worker")
+            medley_report::text::count(workers, "worker")
         );
     }
     dilation
-}
-
-/// Records the run's time dilation (`emulation.json`), which prices its prediction.
-fn write_emulation(out: &Path, run: &RunFlags, workers: usize) -> Result<()> {
-    let path = out.join(EMULATION);
-    let cores = cores_here();
-    let record = serde_json::json!({"time_dilation": run.time_dilation, "workers": workers, "cores": cores});
-    fs::write(&path, serde_json::to_string_pretty(&record)? + "\n")
-        .with_context(|| format!("cannot write {}", path.display()))
 }
 
 /// Sequences at least this long also get long-context plans in `medley train`, one sequence per
@@ -191,9 +181,9 @@ fn choose_plan(args: &TrainArgs) -> Result<(Plan, Calibration)> {
         Ok((plan, calibration))
     };
     if let Some(path) = &args.plan {
-        return given(crate::plan_cmd::load_plan(path)?);
+        return given(crate::inputs::load_plan(path)?);
     }
-    let resumed = args.resume.as_ref().map(|dir| read_latest(&dir.join(CHECKPOINTS))).transpose()?;
+    let resumed = args.resume.as_ref().map(|dir| read_latest(&RunDir::at(dir).checkpoints())).transpose()?;
     let resumed = match (resumed, &args.fleet) {
         (Some((_, manifest)), None) => return given(manifest.plan),
         (resumed, _) => resumed.map(|(_, manifest)| manifest.plan),
@@ -255,17 +245,6 @@ pub fn runtime_job(seq_len: u32, global_batch: u32, micro_batch: u32, schedule: 
     Ok(JobSpec::new(parts, "command line")?)
 }
 
-/// Writes the plan and the profile the workers read; returns their paths.
-pub fn write_run_inputs(out: &Path, plan: &Plan, calibration: &Calibration) -> Result<(PathBuf, PathBuf)> {
-    let plan_path = out.join(PLAN);
-    fs::write(&plan_path, serde_json::to_string_pretty(plan)? + "\n")
-        .with_context(|| format!("cannot write {}", plan_path.display()))?;
-    let calibration_path = out.join(CALIBRATION);
-    fs::write(&calibration_path, calibration.to_toml())
-        .with_context(|| format!("cannot write {}", calibration_path.display()))?;
-    Ok((plan_path, calibration_path))
-}
-
 /// What a run that would not fit this machine's memory is told to change.
 const SMALLER_RUN: &str = "train a smaller model, shorter sequences (--seq-len) or smaller micro-batches (--micro-batch), on fewer workers (--fleet), or on a machine with more memory";
 
@@ -283,7 +262,7 @@ fn check_workers_memory(
         fixed => fixed,
     };
     let needs = layouts.iter().map(|layout| worker_memory(plan, layout, schedule)).collect::<Result<Vec<_>, _>>()?;
-    let what = format!("the {} of {}", crate::render::count(layouts.len(), "worker"), plan.model().name());
+    let what = format!("the {} of {}", medley_report::text::count(layouts.len(), "worker"), plan.model().name());
     check_memory(&what, &needs, SMALLER_RUN)
 }
 
@@ -332,7 +311,7 @@ fn workers_table(plan: &Plan, layouts: &[RankLayout], emulate: bool) -> String {
 /// How the workers ended, and the steps rank 0 reported.
 pub(crate) struct Outcome {
     pub end: JobEnd,
-    pub steps: Vec<Value>,
+    pub steps: Vec<StepMetrics>,
     /// The signal that asked the job to stop early, if one did.
     pub stopped_by: Option<i32>,
 }
@@ -363,12 +342,8 @@ pub(crate) fn launch_and_watch(args: &WorkerArgs, layouts: &[RankLayout], progre
         std::thread::spawn(move || {
             let mut steps = Vec::new();
             for line in BufReader::new(stdout).lines().map_while(Result::ok) {
-                let Ok(step) = serde_json::from_str::<Value>(&line) else { continue };
-                progress.step(
-                    step["step"].as_u64().unwrap_or(0),
-                    step["loss"].as_f64().unwrap_or(f64::NAN),
-                    step["tokens_per_s"].as_f64().unwrap_or(0.0),
-                );
+                let Ok(step) = serde_json::from_str::<StepMetrics>(&line) else { continue };
+                progress.step(step.step, step.loss, step.tokens_per_s);
                 steps.push(step);
             }
             steps
@@ -394,14 +369,14 @@ fn worker_flags(args: &WorkerArgs) -> Vec<String> {
 /// The run's wall time and the simulator's predicted step time.
 type Timing = (Duration, f64);
 
-fn report(out: &Path, outcome: &Outcome, layouts: &[RankLayout], timing: Timing) -> Result<ExitCode> {
+fn report(out: &RunDir, outcome: &Outcome, layouts: &[RankLayout], timing: Timing) -> Result<ExitCode> {
     let failed = outcome.end.failed_ranks();
     if failed.is_empty() {
-        merge_timelines(out)?;
+        out.merge_timelines()?;
         print_summary(out, &outcome.steps, timing);
         write_report(out);
         let Some(signal) = outcome.stopped_by else { return Ok(ExitCode::SUCCESS) };
-        let stopped_at = outcome.steps.last().and_then(|step| step["step"].as_u64()).unwrap_or(0);
+        let stopped_at = outcome.steps.last().map_or(0, |step| step.step);
         tracing::warn!("stopped at step {stopped_at} on {}; {}", stop::name(signal), last_checkpoint(out));
         return Ok(ExitCode::from(stop::exit_code(signal) as u8));
     }
@@ -417,74 +392,41 @@ fn report(out: &Path, outcome: &Outcome, layouts: &[RankLayout], timing: Timing)
 }
 
 /// The run's last complete checkpoint and how to continue from it, in words.
-fn last_checkpoint(out: &Path) -> String {
-    match read_latest(&out.join(CHECKPOINTS)) {
+fn last_checkpoint(out: &RunDir) -> String {
+    match read_latest(&out.checkpoints()) {
         Ok((dir, manifest)) => format!(
             "the last complete checkpoint is {} (step {}); continue with `medley train --resume {}`",
             dir.display(),
             manifest.step,
-            out.display()
+            out.root().display()
         ),
         Err(_) => "no checkpoint was completed".to_string(),
     }
 }
 
 /// The run's report page; a report that cannot be written is said, and the run still succeeded.
-fn write_report(out: &Path) {
-    let (plan, calibration, path) = (out.join(PLAN), out.join(CALIBRATION), out.join(REPORT));
-    let page = crate::report_cmd::page(&plan.to_string_lossy(), Some(&calibration.to_string_lossy()), Some(out));
+fn write_report(out: &RunDir) {
+    let (plan, calibration, path) = (out.plan(), out.calibration(), out.report());
+    let page = crate::report_cmd::page(&plan.to_string_lossy(), Some(&calibration.to_string_lossy()), Some(out.root()));
     match page.and_then(|html| fs::write(&path, html).with_context(|| format!("cannot write {}", path.display()))) {
         Ok(()) => println!("report: {} (open it in a browser)", path.display()),
         Err(err) => tracing::warn!("the run's report was not written: {err:#}"),
     }
 }
 
-/// One Perfetto file of the whole run from the workers' per-rank files: each segment (the first
-/// run, then every resumption in step order) after the one before. As in `metrics.jsonl`, a
-/// segment's steps past the checkpoint the next one resumed from are left out: they were trained
-/// again.
-fn merge_timelines(out: &Path) -> Result<()> {
-    let dir = out.join(TIMELINES);
-    let mut segments: BTreeMap<Option<u64>, Vec<PathBuf>> = BTreeMap::new();
-    for entry in fs::read_dir(&dir).with_context(|| format!("cannot read {}", dir.display()))? {
-        let path = entry.with_context(|| format!("cannot read {}", dir.display()))?.path();
-        if let Some(start) = path.file_name().and_then(|name| name.to_str()).and_then(timeline_segment) {
-            segments.entry(start).or_default().push(path);
-        }
-    }
-    let starts: Vec<Option<u64>> = segments.keys().copied().collect();
-    let mut merged = Vec::new();
-    for (idx, paths) in segments.into_values().enumerate() {
-        let superseded_after = starts.get(idx + 1).copied().flatten().unwrap_or(u64::MAX);
-        let mut events = Vec::new();
-        for path in paths {
-            let text = fs::read_to_string(&path).with_context(|| format!("cannot read {}", path.display()))?;
-            let kept = trace_events(&text).into_iter().filter(|event| {
-                event.pointer("/args/step").and_then(Value::as_u64).is_none_or(|step| step <= superseded_after)
-            });
-            events.extend(kept);
-        }
-        merged.push(events);
-    }
-    let path = out.join(TIMELINE);
-    fs::write(&path, serde_json::to_vec(&merge_segments(merged))?)
-        .with_context(|| format!("cannot write {}", path.display()))
-}
-
-fn print_summary(out: &Path, steps: &[Value], (wall, predicted_step_s): Timing) {
-    let field = |step: &Value, name: &str| step[name].as_f64().unwrap_or(f64::NAN);
+fn print_summary(out: &RunDir, steps: &[StepMetrics], (wall, predicted_step_s): Timing) {
     let (Some(first), Some(last)) = (steps.first(), steps.last()) else {
         tracing::info!("nothing to train: the run is already at the requested step");
         return;
     };
     // The first step includes the workers' start-up and first-touch costs.
     let steady = if steps.len() > 1 { &steps[1..] } else { steps };
-    let mean_tokens_per_s = steady.iter().map(|s| field(s, "tokens_per_s")).sum::<f64>() / steady.len() as f64;
+    let mean_tokens_per_s = steady.iter().map(|s| s.tokens_per_s).sum::<f64>() / steady.len() as f64;
     let mut rows = table(&["run", "summary"]);
-    rows.add_row(vec![right("steps"), right(format!("{} → {}", field(first, "step") - 1.0, field(last, "step")))]);
-    rows.add_row(vec![right("loss"), right(format!("{:.3} → {:.3}", field(first, "loss"), field(last, "loss")))]);
+    rows.add_row(vec![right("steps"), right(format!("{} → {}", first.step - 1, last.step))]);
+    rows.add_row(vec![right("loss"), right(format!("{:.3} → {:.3}", first.loss, last.loss))]);
     rows.add_row(vec![right("tokens/s (mean after step 1)"), right(format!("{mean_tokens_per_s:.0}"))]);
-    let measured = medley_bench::stats::median(steady.iter().map(|s| field(s, "step_time_s")).collect());
+    let measured = medley_bench::stats::median(steady.iter().map(|s| s.step_time_s).collect());
     rows.add_row(vec![
         right("step time (median after step 1)"),
         right(format!(
@@ -498,8 +440,8 @@ fn print_summary(out: &Path, steps: &[Value], (wall, predicted_step_s): Timing) 
     println!("{rows}");
     println!(
         "metrics: {}\ntimeline: {} (open in ui.perfetto.dev)\ncheckpoint: {}",
-        out.join(METRICS).display(),
-        out.join(TIMELINE).display(),
-        out.join(CHECKPOINTS).display()
+        out.metrics().display(),
+        out.timeline().display(),
+        out.checkpoints().display()
     );
 }

@@ -4,9 +4,9 @@
 //! by the job script; plus MEDLEY_TOKEN, the job's shared secret.
 
 use std::collections::BTreeMap;
-use std::fs::{self, File, OpenOptions};
+use std::fs::{self, File};
 use std::io::{BufWriter, Write};
-use std::path::{Path, PathBuf};
+use std::path::PathBuf;
 use std::sync::Arc;
 use std::time::Duration;
 
@@ -15,15 +15,15 @@ use clap::Args;
 use medley_comm::{Config, LaunchEnv};
 use medley_cost::Calibration;
 use medley_model::AdamW;
+use medley_runtime::run_dir::same_dir;
 use medley_runtime::{
-    DeviceChoice, LinkEmulation, RuntimeError, StopRequest, TrainEnd, TrainOptions, Worker, WorkerOptions,
+    DeviceChoice, LinkEmulation, RunDir, RuntimeError, StopRequest, TrainEnd, TrainOptions, Worker, WorkerOptions,
     sweep_incomplete,
 };
 use medley_sim::{BandwidthTrace, Timeline};
 use medley_spec::Schedule;
 
-use crate::plan_cmd::load_plan;
-use crate::run_dir::{CHECKPOINTS, METRICS, RunDir, TIMELINES, refuse_a_run_over_another, same_dir};
+use crate::inputs::load_plan;
 use crate::stop::StopSignals;
 
 #[derive(Args, Debug, Clone)]
@@ -191,12 +191,12 @@ pub fn run(args: &WorkerArgs) -> Result<()> {
     let _run_dir = match (args.run_dir_locked, rank) {
         (true, _) => None,
         (false, 0) => {
-            let run_dir = RunDir::claim(&args.out, args.resume.as_deref(), args.force)?;
+            let run_dir = RunDir::at(&args.out).claim(args.resume.as_deref(), args.force)?;
             run_dir.start_over_if_forced()?;
             Some(run_dir)
         }
         (false, _) if args.force => None,
-        (false, _) => refuse_a_run_over_another(&args.out, args.resume.as_deref(), false).map(|_| None)?,
+        (false, _) => RunDir::at(&args.out).refuse_a_run_over_another(args.resume.as_deref(), false).map(|_| None)?,
     };
     let mut worker = Worker::join(plan, env, options).map_err(|err| blame(err, rank))?;
     let result = train_joined(&mut worker, args, schedule, &signals);
@@ -218,12 +218,13 @@ pub fn run(args: &WorkerArgs) -> Result<()> {
 /// Resumes if asked, trains, and writes the timeline and (rank 0) the metrics.
 fn train_joined(worker: &mut Worker, args: &WorkerArgs, schedule: Schedule, signals: &StopSignals) -> Result<()> {
     let rank = worker.layout().job_rank;
+    let run_dir = RunDir::at(&args.out);
     let resumed_at = match &args.resume {
         Some(dir) => {
-            let step = worker.resume(&dir.join(CHECKPOINTS))?.step;
+            let step = worker.resume(&RunDir::at(dir).checkpoints())?.step;
             // Only the run's own directory is swept, once every file this rank read has passed.
             if rank == 0 && same_dir(dir, &args.out) {
-                sweep_incomplete(&dir.join(CHECKPOINTS), step)?;
+                sweep_incomplete(&run_dir.checkpoints(), step)?;
             }
             Some(step)
         }
@@ -232,7 +233,7 @@ fn train_joined(worker: &mut Worker, args: &WorkerArgs, schedule: Schedule, sign
     let train = TrainOptions {
         until_step: args.run.steps,
         schedule,
-        checkpoint_dir: Some(args.out.join(CHECKPOINTS)),
+        checkpoint_dir: Some(run_dir.checkpoints()),
         checkpoint_every: args.run.checkpoint_every,
         keep_checkpoints: args.run.keep_checkpoints as usize,
         stop: Some(StopRequest {
@@ -240,9 +241,9 @@ fn train_joined(worker: &mut Worker, args: &WorkerArgs, schedule: Schedule, sign
             checkpoint: args.run.checkpoint_on_signal,
         }),
     };
-    let timeline_dir = args.out.join(TIMELINES);
+    let timeline_dir = run_dir.timelines();
     fs::create_dir_all(&timeline_dir).with_context(|| format!("cannot create {}", timeline_dir.display()))?;
-    let timeline_path = timeline_dir.join(timeline_file_name(rank, resumed_at));
+    let timeline_path = run_dir.rank_timeline(rank, resumed_at);
     let mut timeline_file = BufWriter::new(
         File::create(&timeline_path).with_context(|| format!("cannot create {}", timeline_path.display()))?,
     );
@@ -250,12 +251,12 @@ fn train_joined(worker: &mut Worker, args: &WorkerArgs, schedule: Schedule, sign
     let layout = worker.layout();
     let label = format!("{} · {} (worker {rank}, emulated)", layout.id, layout.device.name);
     timeline.process(worker.timeline_pid(), &label, rank as u32);
-    let mut metrics = (rank == 0).then(|| open_metrics(&args.out, resumed_at)).transpose()?;
+    let mut metrics = (rank == 0).then(|| run_dir.open_metrics(resumed_at)).transpose()?;
     let printer = (rank == 0 && args.print_metrics).then(MetricsPrinter::start);
     let end = worker.train(&train, Some(&mut timeline), |step| {
         if let Some(file) = metrics.as_mut() {
             let line = serde_json::to_string(step).expect("metrics serialise");
-            writeln!(file, "{line}").map_err(|error| RuntimeError::Io { path: args.out.join(METRICS), error })?;
+            writeln!(file, "{line}").map_err(|error| RuntimeError::Io { path: run_dir.metrics(), error })?;
             if let Some(printer) = &printer {
                 printer.print(line);
             }
@@ -280,48 +281,6 @@ fn train_joined(worker: &mut Worker, args: &WorkerArgs, schedule: Schedule, sign
         );
     }
     Ok(())
-}
-
-/// A rank's timeline of one run segment: a fresh run's, or a resumed one's from the step it
-/// resumed at (each segment has its own clock; `medley train` merges them in order).
-fn timeline_file_name(rank: usize, resumed_at: Option<u64>) -> String {
-    match resumed_at {
-        None => format!("rank-{rank}.json"),
-        Some(step) => format!("rank-{rank}.from-step-{step:08}.json"),
-    }
-}
-
-/// The segment a timeline file named by [`timeline_file_name`] belongs to: `Some(None)` for the
-/// first run's, `Some(Some(step))` for one resumed at `step`; `None` for other files.
-pub fn timeline_segment(file_name: &str) -> Option<Option<u64>> {
-    let rest = file_name.strip_prefix("rank-")?.strip_suffix(".json")?;
-    match rest.split_once(".from-step-") {
-        None => rest.parse::<usize>().ok().map(|_| None),
-        Some((rank, step)) => {
-            rank.parse::<usize>().ok()?;
-            step.parse().ok().map(Some)
-        }
-    }
-}
-
-/// The metrics file, fresh, or after a resume at `resumed_at` keeping only the steps up to it (a
-/// run that stopped after its last checkpoint recorded steps that are trained again now).
-fn open_metrics(out: &Path, resumed_at: Option<u64>) -> Result<File> {
-    let path = out.join(METRICS);
-    let kept: Vec<String> = match resumed_at {
-        None => Vec::new(),
-        Some(step) => fs::read_to_string(&path)
-            .unwrap_or_default()
-            .lines()
-            .filter(|line| {
-                let recorded = serde_json::from_str::<serde_json::Value>(line).ok().and_then(|v| v["step"].as_u64());
-                recorded.is_some_and(|recorded| recorded <= step)
-            })
-            .map(|line| format!("{line}\n"))
-            .collect(),
-    };
-    medley_model::write_atomically(&path, kept.concat().as_bytes())?;
-    OpenOptions::new().append(true).open(&path).with_context(|| format!("cannot open {}", path.display()))
 }
 
 /// Prints metric lines on standard output from a thread of its own, so that a reader that stops
@@ -373,15 +332,6 @@ mod tests {
 
     fn vars(pairs: &[(&str, &str)]) -> Vec<(String, String)> {
         pairs.iter().map(|(k, v)| (k.to_string(), v.to_string())).collect()
-    }
-
-    #[test]
-    fn timeline_file_names_tell_their_segment() {
-        for (rank, resumed_at) in [(0, None), (3, None), (1, Some(40))] {
-            assert_eq!(timeline_segment(&timeline_file_name(rank, resumed_at)), Some(resumed_at));
-        }
-        assert_eq!(timeline_segment("rank-x.json"), None);
-        assert_eq!(timeline_segment("timeline.json"), None);
     }
 
     #[test]

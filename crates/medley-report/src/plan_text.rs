@@ -1,58 +1,36 @@
-//! Tables and JSON for people and scripts.
+//! `medley plan`'s result for people (tables and an account of the layout) and for scripts
+//! (JSON): the ranked plans, how the simulator ranks them, the baselines and the memory.
 
 use std::fmt::Write;
 
-use comfy_table::presets::UTF8_BORDERS_ONLY;
-use comfy_table::{Cell, CellAlignment, Table};
+use comfy_table::{Cell, Table};
 use medley_cost::params::total_params;
+use medley_plan::baselines::NamedBaseline;
 use medley_plan::{Candidate, GradientAlgorithm, Plan, Route};
-use medley_sim::StepReport;
+use medley_sim::rank::{Ranked, SIMULATE_UP_TO_GPUS, SIMULATE_UP_TO_PASSES};
 use serde_json::{Value, json};
 
 use medley_spec::{Cluster, JobSpec, ModelSpec};
 
-use crate::inputs::Specs;
+use crate::text::{count, count_words, percent, quantity, right, seconds, table, times};
 
-/// Plans on more GPUs than this are ranked by the cost model alone: one simulated step of a
-/// 16,384-GPU plan takes seconds (every replica's collectives are simulated flow by flow).
-pub(crate) const SIMULATE_UP_TO_GPUS: u32 = 4096;
-/// Nor are plans of more passes a step than this (a micro-batch's forward and backward through a
-/// stage; a million sequences a step are millions of passes): the candidates are simulated side
-/// by side, each within a quarter of what `medley simulate` runs at once.
-pub(crate) const SIMULATE_UP_TO_PASSES: u64 = medley_sim::MAX_PASSES / 4;
-
-/// The candidates ranked by simulated step time (analytical search first, simulation to
-/// confirm), and the cost model's rank of each.
-pub struct Confirmed {
-    pub candidates: Vec<Candidate>,
-    /// `None` for a plan too large to simulate in moments ([`SIMULATE_UP_TO_GPUS`],
-    /// [`SIMULATE_UP_TO_PASSES`]).
-    pub simulated: Vec<Option<StepReport>>,
-    /// `analytical_rank[i]`: where the cost model ranked candidate i (0 = first).
-    pub analytical_rank: Vec<usize>,
-}
-
-/// A baseline layout, absent when it does not fit.
-pub struct Baseline {
-    pub name: String,
-    /// Which device type, for the best homogeneous baseline.
-    pub detail: Option<String>,
-    pub candidate: Option<Candidate>,
-}
-
-pub struct Report<'a> {
-    pub specs: &'a Specs,
+/// What `medley plan` found, for one of its plans.
+pub struct PlanReport<'a> {
+    pub cluster: &'a Cluster,
+    pub model: &'a ModelSpec,
+    pub job: &'a JobSpec,
     pub candidates: &'a [Candidate],
     /// The candidate the report describes in full (`--pick`, 0 = the best).
     pub picked: usize,
-    pub confirmed: &'a Confirmed,
-    pub baselines: &'a [Baseline],
+    pub confirmed: &'a Ranked,
+    pub baselines: &'a [NamedBaseline],
     /// Layouts the search priced, when it searched.
     pub layouts_priced: Option<usize>,
     pub search_s: f64,
 }
 
-pub fn json(report: &Report) -> Value {
+/// The picked plan, its prediction and simulation, and the baselines, as one JSON object.
+pub fn json(report: &PlanReport) -> Value {
     let best = &report.candidates[report.picked];
     let baselines: Vec<Value> = report
         .baselines
@@ -92,12 +70,12 @@ pub fn json(report: &Report) -> Value {
     })
 }
 
-pub fn text(report: &Report) -> String {
+/// Every table of the report and the account of the picked plan.
+pub fn text(report: &PlanReport) -> String {
     let mut out = String::new();
-    let specs = report.specs;
     let best = &report.candidates[report.picked];
     let which = if report.picked == 0 { "the best plan".to_string() } else { format!("plan #{}", report.picked + 1) };
-    let _ = writeln!(out, "{}", headline(specs));
+    let _ = writeln!(out, "{}", headline(report));
     if let Some(priced) = report.layouts_priced {
         let _ = writeln!(out, "priced {priced} pipelines and layouts in {:.2} s\n", report.search_s);
     }
@@ -112,29 +90,29 @@ pub fn text(report: &Report) -> String {
     out
 }
 
-fn headline(specs: &Specs) -> String {
+fn headline(report: &PlanReport) -> String {
     format!(
         "medley plan: {} on {}\njob: {}",
-        model_summary(&specs.model),
-        cluster_summary(&specs.cluster),
-        job_summary(&specs.job)
+        model_summary(report.model),
+        cluster_summary(report.cluster),
+        job_summary(report.job)
     )
 }
 
 /// `llama3-70b (70.6B parameters)`.
-pub(crate) fn model_summary(model: &ModelSpec) -> String {
+pub fn model_summary(model: &ModelSpec) -> String {
     format!("{} ({} parameters)", model.name(), quantity(total_params(model) as f64))
 }
 
 /// `224 GPUs (64×H100-SXM, 128×A100-80GB, 32×MI300X)`.
-pub(crate) fn cluster_summary(cluster: &Cluster) -> String {
+pub fn cluster_summary(cluster: &Cluster) -> String {
     let groups: Vec<String> =
         cluster.groups().iter().map(|group| format!("{}×{}", group.n_gpus(), group.device.name)).collect();
     format!("{} ({})", count(cluster.n_gpus() as usize, "GPU"), groups.join(", "))
 }
 
 /// `4096 tokens × 1,024 sequences = 4.19M tokens per step, schedule 1f1b, ZeRO-1 on`.
-pub(crate) fn job_summary(job: &JobSpec) -> String {
+pub fn job_summary(job: &JobSpec) -> String {
     format!(
         "{} tokens × {} = {} tokens per step, schedule {}, ZeRO-1 {}",
         job.seq_len(),
@@ -145,18 +123,8 @@ pub(crate) fn job_summary(job: &JobSpec) -> String {
     )
 }
 
-pub(crate) fn table(header: &[&str]) -> Table {
-    let mut table = Table::new();
-    table.load_preset(UTF8_BORDERS_ONLY).set_header(header.iter().map(Cell::new));
-    table
-}
-
-pub(crate) fn right(text: impl ToString) -> Cell {
-    Cell::new(text.to_string()).set_alignment(CellAlignment::Right)
-}
-
 /// Whether the simulator confirms the cost model's ranking, and how far apart their times are.
-fn agreement(confirmed: &Confirmed) -> String {
+fn agreement(confirmed: &Ranked) -> String {
     let gaps: Vec<f64> = confirmed
         .candidates
         .iter()
@@ -196,7 +164,7 @@ fn agreement(confirmed: &Confirmed) -> String {
 
 /// The ranked candidates: simulated step time with the throughput and utilisation of that same
 /// simulation, then the cost model's step time; a column tells apart plans that look alike.
-fn candidates_table(candidates: &[Candidate], confirmed: &Confirmed) -> Table {
+fn candidates_table(candidates: &[Candidate], confirmed: &Ranked) -> Table {
     let details = look_alike_details(candidates);
     let mut header = vec![
         "#",
@@ -296,7 +264,7 @@ fn look_alike_details(candidates: &[Candidate]) -> Option<Vec<String>> {
     Some(details)
 }
 
-fn baselines_table(best: &Candidate, which: &str, baselines: &[Baseline]) -> Table {
+fn baselines_table(best: &Candidate, which: &str, baselines: &[NamedBaseline]) -> Table {
     let speedup = format!("{which}'s speedup");
     let mut table = table(&["baseline", "fits", "step time", "tokens/s", "MFU", &speedup]);
     for baseline in baselines {
@@ -338,68 +306,9 @@ fn memory_table(best: &Candidate) -> Table {
     table
 }
 
-/// `1 step`, `3 steps`, `2 micro-batches`, `4 pipeline boundaries`: a count with its noun in
-/// the right number.
-pub(crate) fn count(n: usize, noun: &str) -> String {
-    count_words(&n.to_string(), n, noun)
-}
-
-/// `figure noun` with the noun in the number `n` asks for: `8/4 micro-batches`.
-pub(crate) fn count_words(figure: &str, n: usize, noun: &str) -> String {
-    if n == 1 {
-        return format!("{figure} {noun}");
-    }
-    let plural = match noun.strip_suffix('y') {
-        Some(stem) if !stem.ends_with(['a', 'e', 'o', 'u']) => format!("{stem}ies"),
-        _ if ["s", "x", "ch", "sh"].iter().any(|end| noun.ends_with(end)) => format!("{noun}es"),
-        _ => format!("{noun}s"),
-    };
-    format!("{figure} {plural}")
-}
-
-pub(crate) use medley_report::seconds;
-
-/// Writes a command's result to standard output: a full disk or a closed pipe is an error that
-/// says so, never a panic (as `println!` would).
-pub(crate) fn emit(text: &str) -> anyhow::Result<()> {
-    use anyhow::Context;
-    use std::io::Write;
-    let mut out = std::io::stdout().lock();
-    out.write_all(text.as_bytes()).and_then(|()| out.flush()).context("cannot write the result to standard output")
-}
-
-/// A large count in words of three digits: `70.6B`, `1.62M`, `2,048`.
-pub(crate) fn quantity(n: f64) -> String {
-    match n {
-        n if n >= 1e12 => format!("{:.2}T", n / 1e12),
-        n if n >= 1e9 => format!("{:.1}B", n / 1e9),
-        n if n >= 1e6 => format!("{:.2}M", n / 1e6),
-        n => {
-            let digits = format!("{:.0}", n);
-            let mut grouped = String::new();
-            for (idx, digit) in digits.chars().enumerate() {
-                if idx > 0 && (digits.len() - idx).is_multiple_of(3) {
-                    grouped.push(',');
-                }
-                grouped.push(digit);
-            }
-            grouped
-        }
-    }
-}
-
-pub(crate) fn percent(fraction: f64) -> String {
-    format!("{:.1}%", 100.0 * fraction)
-}
-
-/// `1.25×`: how many times one quantity is another.
-pub(crate) fn times(ratio: f64) -> String {
-    format!("{ratio:.2}×")
-}
-
 /// `8× [H100-SXM:2, A100-80GB:4]`-style summary of the replica shapes: pipeline ranks per
 /// device type (with ` ×2 chunks` when ranks hold several virtual stages).
-pub(crate) fn pipeline_summary(plan: &Plan) -> String {
+pub fn pipeline_summary(plan: &Plan) -> String {
     let chunks = if plan.virtual_stages() > 1 { format!(" ×{} chunks", plan.virtual_stages()) } else { String::new() };
     plan.replica_shapes()
         .iter()
