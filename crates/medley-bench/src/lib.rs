@@ -1,13 +1,15 @@
-//! medley's benchmark suites, apart from the tables the CLI prints: what each suite runs and
-//! measures ([`planner`], [`context`], [`schedules`], [`comm`]), the statistics they report with, and the
-//! published runs the cost model's default efficiencies are fitted on ([`cited`]).
+//! medley's benchmark suites: what each suite runs and measures ([`planner`], [`context`], [`schedules`], [`comm`]), the statistics they report with, and the
+//! published runs the cost model's default efficiencies are fitted on ([`cited`]), and the tables
+//! `medley bench` prints ([`tables`]).
 
 pub mod cited;
 pub mod comm;
+pub mod compute;
 pub mod context;
 pub mod planner;
 pub mod schedules;
 pub mod stats;
+pub mod tables;
 
 use thiserror::Error;
 

@@ -1,11 +1,7 @@
 //! The `medley` command line: glue between the spec, cost and plan libraries and a person.
 
 mod bench;
-mod bench_calibration;
 mod bench_comm;
-mod bench_compute;
-mod bench_context;
-mod bench_schedules;
 mod bench_train;
 mod calibrate_cmd;
 mod export_cmd;

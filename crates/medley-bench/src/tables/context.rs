@@ -1,32 +1,42 @@
 //! `medley bench context`: long context on mixed fleets, the asymmetric plan against the even
 //! layouts and each device type alone, all simulated; and the planner's time on 1024 GPUs.
 
-use anyhow::Result;
-use comfy_table::Cell;
-use medley_bench::context::{
+use crate::BenchError;
+use crate::context::{
     CONTEXT_CASES, ContextInfo, ContextRow, ContextSpeedRow, Simulated, context_row, context_speed_row, context_summary,
 };
-use medley_bench::stats::TIMED_RUNS;
+use crate::stats::TIMED_RUNS;
+use comfy_table::Cell;
 use medley_plan::long_context::EvenKind;
 use serde_json::json;
 
 use medley_report::text::{percent, quantity, right, table, times};
 
-pub fn bench_context(json: bool) -> Result<()> {
+/// The suite's tables, or its rows as JSON.
+pub fn report(json: bool) -> Result<String, BenchError> {
+    use std::fmt::Write as _;
+    let mut out = String::new();
     // The planner's time first, alone, so that nothing competes for the cores.
     let speed = context_speed_row()?;
     let rows: Vec<ContextRow> = CONTEXT_CASES.iter().map(context_row).collect::<Result<_, _>>()?;
     if json {
         let summary = context_summary(&rows);
-        println!("{}", serde_json::to_string_pretty(&json!({"speed": speed, "rows": rows, "summary": summary}))?);
-        return Ok(());
+        let _ = writeln!(
+            out,
+            "{}",
+            serde_json::to_string_pretty(&json!({"speed": speed, "rows": rows, "summary": summary}))
+                .expect("rows serialise")
+        );
+        return Ok(out);
     }
-    println!("Planner time (medley plan's search, tensor- and context-parallel), median of {TIMED_RUNS} runs");
-    println!("{}\n", speed_table(&speed));
-    println!("Long context on mixed fleets: simulated tokens/s (one step, the same simulator for every plan)");
-    println!("{}", rows_table(&rows));
-    println!("{}", summary_text(&rows));
-    Ok(())
+    let _ =
+        writeln!(out, "Planner time (medley plan's search, tensor- and context-parallel), median of {TIMED_RUNS} runs");
+    let _ = writeln!(out, "{}\n", speed_table(&speed));
+    let _ =
+        writeln!(out, "Long context on mixed fleets: simulated tokens/s (one step, the same simulator for every plan)");
+    let _ = writeln!(out, "{}", rows_table(&rows));
+    let _ = writeln!(out, "{}", summary_text(&rows));
+    Ok(out)
 }
 
 fn case_cells(case: &ContextInfo) -> Vec<Cell> {

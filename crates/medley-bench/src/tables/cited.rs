@@ -5,11 +5,11 @@
 
 use std::fmt::Write as _;
 
-use anyhow::Result;
-use comfy_table::Cell;
-use medley_bench::cited::{
+use crate::BenchError;
+use crate::cited::{
     CitedPrediction, ErrorSummary, Fit, Reported, Role, SOURCES, error_summaries, fit_devices, planned_runs, predict,
 };
+use comfy_table::Cell;
 use medley_cost::Calibration;
 use serde::Serialize;
 
@@ -19,7 +19,9 @@ use medley_report::text::{right, table};
 const HELD_OUT_MEAN_TARGET: f64 = 0.05;
 const HELD_OUT_WORST_TARGET: f64 = 0.10;
 
-pub fn bench_calibration(json: bool) -> Result<()> {
+/// The suite's tables, or its rows as JSON.
+pub fn report(json: bool) -> Result<String, BenchError> {
+    let mut out = String::new();
     let runs = planned_runs()?;
     let rows = predict(&runs, &Calibration::default())?;
     let errors = error_summaries(&rows);
@@ -31,11 +33,15 @@ pub fn bench_calibration(json: bool) -> Result<()> {
             errors: &'a [ErrorSummary],
             fits: &'a [Fit],
         }
-        println!("{}", serde_json::to_string_pretty(&Out { runs: &rows, errors: &errors, fits: &fits })?);
-        return Ok(());
+        let _ = writeln!(
+            out,
+            "{}",
+            serde_json::to_string_pretty(&Out { runs: &rows, errors: &errors, fits: &fits }).expect("rows serialise")
+        );
+        return Ok(out);
     }
-    println!("{}", text(&rows, &errors, &fits));
-    Ok(())
+    let _ = writeln!(out, "{}", text(&rows, &errors, &fits));
+    Ok(out)
 }
 
 /// A source's number in the list that ends the report.

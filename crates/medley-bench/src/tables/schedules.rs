@@ -1,15 +1,18 @@
 //! `medley bench schedules`: the tables of [`medley_bench::schedules`]' suite — the simulator's
 //! own speed on a 1024-GPU step, and the orderings of pipeline schedules the literature reports.
 
-use anyhow::Result;
+use crate::BenchError;
+use crate::schedules::{OrderingRow, SimulatorSpeedRow, orderings, speed_row};
+use crate::stats::TIMED_RUNS;
 use comfy_table::Cell;
-use medley_bench::schedules::{OrderingRow, SimulatorSpeedRow, orderings, speed_row};
-use medley_bench::stats::TIMED_RUNS;
 use serde::Serialize;
 
 use medley_report::text::{right, table, times};
 
-pub fn bench_schedules(json: bool) -> Result<()> {
+/// The suite's tables, or its rows as JSON.
+pub fn report(json: bool) -> Result<String, BenchError> {
+    use std::fmt::Write as _;
+    let mut out = String::new();
     // Speed first, alone, so that the peak RSS is the simulator's.
     let speed = vec![speed_row(false)?, speed_row(true)?];
     let orderings = orderings()?;
@@ -19,10 +22,14 @@ pub fn bench_schedules(json: bool) -> Result<()> {
             speed: &'a [SimulatorSpeedRow],
             orderings: &'a [OrderingRow],
         }
-        println!("{}", serde_json::to_string_pretty(&Rows { speed: &speed, orderings: &orderings })?);
-        return Ok(());
+        let _ = writeln!(
+            out,
+            "{}",
+            serde_json::to_string_pretty(&Rows { speed: &speed, orderings: &orderings }).expect("rows serialise")
+        );
+        return Ok(out);
     }
-    println!("Simulator speed: one step, median of {TIMED_RUNS} runs");
+    let _ = writeln!(out, "Simulator speed: one step, median of {TIMED_RUNS} runs");
     let mut table_ = table(&["layout", "timeline", "median", "target", "target/median", "events", "peak RSS"]);
     for row in &speed {
         table_.add_row(vec![
@@ -35,8 +42,8 @@ pub fn bench_schedules(json: bool) -> Result<()> {
             right(row.peak_rss_mib.map_or("-".into(), |mib| format!("{mib:.0} MiB"))),
         ]);
     }
-    println!("{table_}\n");
-    println!("Schedule orderings, simulated side by side (speedup = baseline time / schedule time)");
+    let _ = writeln!(out, "{table_}\n");
+    let _ = writeln!(out, "Schedule orderings, simulated side by side (speedup = baseline time / schedule time)");
     let mut table_ = table(&["claim", "setting", "schedule", "baseline", "speedup", "needs", "holds"]);
     let mut legend = std::collections::BTreeMap::new();
     for row in &orderings {
@@ -51,9 +58,9 @@ pub fn bench_schedules(json: bool) -> Result<()> {
             Cell::new(if row.holds { "yes" } else { "NO" }),
         ]);
     }
-    println!("{table_}");
+    let _ = writeln!(out, "{table_}");
     for (setting, description) in legend {
-        println!("  {setting}: {description}");
+        let _ = writeln!(out, "  {setting}: {description}");
     }
-    Ok(())
+    Ok(out)
 }

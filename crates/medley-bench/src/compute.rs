@@ -18,11 +18,12 @@ use medley_model::{
     stage_compute,
 };
 use medley_runtime::DeviceChoice;
+use medley_spec::ModelSpec;
 use serde::{Deserialize, Serialize};
-use statrs::statistics::{Data, OrderStatistics};
 
-use crate::inputs::load_model;
 use medley_report::text::{right, table};
+
+use crate::stats::median;
 
 /// Steps before timing starts (allocator, caches, lazily built kernels), as the script does.
 const WARM_UP: usize = 2;
@@ -33,10 +34,10 @@ const LOSS_TOLERANCE: f64 = 1e-3;
 
 /// What both benches train.
 #[derive(Args, Debug)]
-struct TrainedShape {
+pub struct TrainedShape {
     /// Model to train (a catalog name or a config.json).
     #[arg(long, default_value = "tiny")]
-    model: String,
+    pub model: String,
     /// Samples per step.
     #[arg(long, default_value_t = 16)]
     batch: usize,
@@ -47,7 +48,7 @@ struct TrainedShape {
 #[derive(Args, Debug)]
 pub struct ComputeBenchArgs {
     #[command(flatten)]
-    shape: TrainedShape,
+    pub shape: TrainedShape,
     /// Timed steps per run, after 2 warm-up steps.
     #[arg(long, default_value_t = 10)]
     steps: usize,
@@ -86,9 +87,9 @@ struct TorchRun {
     step_s: Vec<f64>,
 }
 
-pub fn run(args: &ComputeBenchArgs) -> Result<()> {
-    let model = load_model(&args.shape.model)?;
-    let config = ModelConfig::from_spec(&model, args.shape.seq_len)?;
+/// `medley bench compute` on `model` (the one `args` names).
+pub fn run(args: &ComputeBenchArgs, model: &ModelSpec) -> Result<()> {
+    let config = ModelConfig::from_spec(model, args.shape.seq_len)?;
     let dataset = Dataset::shakespeare(config.seq_len, 0)?;
     let batch = dataset.micro_batch(0, args.shape.batch, loss_scale(args.shape.batch as u64, config.seq_len));
     let torch = std::env::var_os("TORCH_PYTHON").map(PathBuf::from);
@@ -235,17 +236,13 @@ fn torch_steps(python: &Path, inputs: &Path, threads: usize, steps: usize) -> Re
     serde_json::from_slice(&output.stdout).with_context(|| format!("reading {}'s output", script.display()))
 }
 
-fn median(values: Vec<f64>) -> f64 {
-    Data::new(values).median()
-}
-
 #[derive(Args, Debug)]
 pub struct DeviceBenchArgs {
     /// The device to measure: auto (a GPU when this build and machine have one), cuda, rocm or cpu.
     #[arg(long, default_value_t = DeviceChoice::Auto)]
     device: DeviceChoice,
     #[command(flatten)]
-    shape: TrainedShape,
+    pub shape: TrainedShape,
     /// Training steps on each, a new batch each step (the first 2 untimed).
     #[arg(long, default_value_t = 50)]
     steps: usize,
@@ -290,7 +287,7 @@ const CURVE_TOLERANCE: f64 = 0.01;
 /// `medley bench device`: the device's matmul rate against its datasheet, and the tiny model
 /// trained on the CPU and on the device from the same weights and batches, losses compared step by
 /// step and step times side by side.
-pub fn run_device(args: &DeviceBenchArgs) -> Result<()> {
+pub fn run_device(args: &DeviceBenchArgs, model: &ModelSpec) -> Result<()> {
     let device = args.device.resolve(0)?;
     let name = medley_gpu_name(device);
     let datasheet = name.as_deref().and_then(datasheet_peaks);
@@ -310,8 +307,7 @@ pub fn run_device(args: &DeviceBenchArgs) -> Result<()> {
             });
         }
     }
-    let model = load_model(&args.shape.model)?;
-    let config = ModelConfig::from_spec(&model, args.shape.seq_len)?;
+    let config = ModelConfig::from_spec(model, args.shape.seq_len)?;
     let dataset = Dataset::shakespeare(config.seq_len, 0)?;
     let scale = loss_scale(args.shape.batch as u64, config.seq_len);
     let batches: Vec<MicroBatch> = (0..args.steps as u64)

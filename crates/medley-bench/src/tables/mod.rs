@@ -1,0 +1,6 @@
+//! Each suite's tables as `medley bench` prints them, or its rows as JSON.
+
+pub mod cited;
+pub mod context;
+pub mod planner;
+pub mod schedules;
