@@ -9,8 +9,9 @@ use clap::Args;
 use medley_runtime::DeviceChoice;
 use medley_spec::Cluster;
 
+use crate::inputs::DEFAULT_FLEET;
 use crate::inputs::{JobFlags, load_model};
-use crate::train_cmd::{DEFAULT_FLEET, calibrate_here};
+use crate::job::calibrate_here;
 
 /// Takes train's job flags and defaults, so that train's command line makes its profile.
 #[derive(Args, Debug)]

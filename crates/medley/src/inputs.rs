@@ -14,6 +14,9 @@ use medley_spec::{
 /// The example mixed cluster `medley plan` uses when none is given.
 pub const DEFAULT_CLUSTER: &str = "64xh100,128xa100,32xmi300x";
 pub const DEFAULT_MODEL: &str = "llama3-70b";
+/// Two fast NVIDIA GPUs and two slower AMD ones: the smallest fleet that shows every kind of
+/// heterogeneity the runtime handles (speed, vendor domain, bridge).
+pub const DEFAULT_FLEET: &str = "2xh100,2xmi250x";
 
 /// A link bandwidth flag: a positive, finite number of GB/s.
 pub fn parse_gb_s(text: &str) -> Result<f64, String> {
@@ -331,6 +334,14 @@ pub fn load_plan(path: &str) -> Result<Plan> {
     let parts: PlanParts =
         serde_json::from_str(&read(path)?).with_context(|| format!("{path} is not a medley plan"))?;
     Plan::new(parts).with_context(|| format!("in {path}"))
+}
+
+/// A bandwidth trace: a CSV file's (time_s,fraction) or one of the named generators.
+pub fn network_trace(text: &str) -> Result<medley_sim::BandwidthTrace> {
+    if text.ends_with(".csv") || std::path::Path::new(text).is_file() {
+        return Ok(medley_sim::BandwidthTrace::from_csv(&read(text)?, text)?);
+    }
+    Ok(text.parse()?)
 }
 
 #[cfg(test)]

@@ -1,16 +1,16 @@
 //! The `medley` command line: glue between the spec, cost and plan libraries and a person.
 
 mod bench;
-mod bench_comm;
-mod bench_train;
 mod calibrate_cmd;
 mod export_cmd;
 mod host;
 mod inputs;
+mod job;
 mod log;
 mod plan_cmd;
 mod progress;
 mod report_cmd;
+mod report_page;
 mod simulate_cmd;
 mod stop;
 mod train_cmd;
@@ -47,7 +47,7 @@ enum Command {
     Calibrate(calibrate_cmd::CalibrateArgs),
     /// Run one rank of a training job under an external launcher (torchrun's RANK and
     /// WORLD_SIZE, or srun's or mpirun's rank variables; MASTER_ADDR, MASTER_PORT, MEDLEY_TOKEN).
-    Worker(Box<worker_cmd::WorkerArgs>),
+    Worker(Box<job::WorkerArgs>),
     /// A plan as a framework runs it: `medley export megatron --plan plan.json`.
     Export {
         #[command(subcommand)]
@@ -63,7 +63,7 @@ enum Command {
     },
     /// One rank of `medley bench comm` (started by it).
     #[command(hide = true)]
-    BenchCommWorker(bench_comm::WorkerArgs),
+    BenchCommWorker(bench::comm::WorkerArgs),
 }
 
 fn main() -> ExitCode {
@@ -88,7 +88,7 @@ fn main() -> ExitCode {
         Command::Export { which } => export_cmd::run(&which),
         Command::Report(args) => report_cmd::run(&args).map(|()| ExitCode::SUCCESS),
         Command::Bench { which } => bench::run(&which).map(|()| ExitCode::SUCCESS),
-        Command::BenchCommWorker(args) => bench_comm::worker(&args).map(|()| ExitCode::SUCCESS),
+        Command::BenchCommWorker(args) => bench::comm::worker(&args).map(|()| ExitCode::SUCCESS),
     };
     result.unwrap_or_else(|err| {
         eprintln!("error: {err:#}");

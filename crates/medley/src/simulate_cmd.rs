@@ -12,10 +12,10 @@ use medley_cost::{CostModel, Setting};
 use medley_plan::baselines::{self, Degrees, megatron_plan};
 use medley_plan::long_context::even_fixed;
 use medley_plan::{Plan, PlanError};
-use medley_sim::{BandwidthTrace, RunReport, SimConfig, simulate_steps};
+use medley_sim::{RunReport, SimConfig, simulate_steps};
 use medley_spec::Recompute;
 
-use crate::inputs::{SpecArgs, Specs, read};
+use crate::inputs::{SpecArgs, Specs, network_trace};
 use crate::inputs::{load_plan, specs_of_plan};
 use medley_report::text::{count, percent, right, seconds, table};
 
@@ -207,13 +207,6 @@ fn chosen(what: &str, plan: &Plan) -> String {
         plan.micro_batch(),
         plan.recompute()
     )
-}
-
-pub(crate) fn network_trace(text: &str) -> Result<BandwidthTrace> {
-    if text.ends_with(".csv") || std::path::Path::new(text).is_file() {
-        return Ok(BandwidthTrace::from_csv(&read(text)?, text)?);
-    }
-    Ok(text.parse()?)
 }
 
 fn json(report: &RunReport) -> serde_json::Value {

@@ -1,41 +1,34 @@
 //! `medley train`: plans a job on an emulated fleet (or takes a plan), starts one `medley worker`
 //! process per pipeline rank on this machine, shows progress and reports the outcome.
 
-use std::ffi::OsString;
 use std::fs;
-use std::io::{BufRead, BufReader};
 use std::num::NonZeroU32;
 use std::path::PathBuf;
 use std::process::ExitCode;
-use std::sync::Arc;
 use std::time::{Duration, Instant};
 
 use anyhow::{Context, Result};
 use clap::Args;
 use medley_cost::Calibration;
-use medley_cost::context::KvExchange;
-use medley_launch::{Echo, JobEnd, LocalJob, RankCommand};
 use medley_plan::max_k_within_memory;
 use medley_plan::{Plan, SearchOptions, search};
 use medley_runtime::run_dir::same_dir;
 use medley_runtime::{
-    DeviceChoice, Emulation, RankLayout, RunDir, StepMetrics, calibration_memory, check_resumable,
-    emulation_calibration, measure_model_pass, read_latest, time_dilation, unfinished_later_checkpoints,
-    verify_checkpoint, worker_memory,
+    Emulation, RankLayout, RunDir, StepMetrics, check_resumable, read_latest, time_dilation,
+    unfinished_later_checkpoints, verify_checkpoint, worker_memory,
 };
 use medley_sim::{SimConfig, simulate_steps};
-use medley_spec::{Cluster, JobParts, JobSpec, ModelSpec, Schedule, ScheduleKind};
+use medley_spec::{Cluster, ModelSpec, Schedule, ScheduleKind};
 
 use crate::host::check_memory;
+use crate::inputs::DEFAULT_FLEET;
 use crate::inputs::{JobFlags, load_model, read_emulation_profile};
+use crate::job::{
+    Outcome, RunFlags, SMALLER_RUN, WorkerArgs, as_trained, calibrate_here, cores_here, launch_and_watch, runtime_job,
+};
 use crate::progress::Progress;
-use crate::stop::{self, StopSignals};
-use crate::worker_cmd::{RunFlags, WorkerArgs};
+use crate::stop::{self};
 use medley_report::text::{percent, right, seconds, table};
-
-/// Two fast NVIDIA GPUs and two slower AMD ones: the smallest fleet that shows every kind of
-/// heterogeneity the runtime handles (speed, vendor domain, bridge).
-pub const DEFAULT_FLEET: &str = "2xh100,2xmi250x";
 
 #[derive(Args, Debug)]
 #[command(
@@ -117,11 +110,6 @@ pub fn run(args: &TrainArgs) -> Result<ExitCode> {
     let started = Instant::now();
     let outcome = launch_and_watch(&worker_args, &layouts, Progress::new(worker_args.run.steps))?;
     report(run_dir, &outcome, &layouts, (started.elapsed(), predicted_step_s))
-}
-
-/// The cores this process may run on.
-fn cores_here() -> usize {
-    std::thread::available_parallelism().map_or(1, usize::from)
 }
 
 /// The time dilation that fits `workers` to this machine's cores, said when it slows the run.
@@ -216,38 +204,6 @@ fn choose_plan(args: &TrainArgs) -> Result<(Plan, Calibration)> {
     Ok((as_trained(plan)?, calibration))
 }
 
-/// The plan as the runtime trains it: long-context stages all-gather keys and values (it has no
-/// ring attention yet), said when that changes the plan.
-pub(crate) fn as_trained(plan: Plan) -> Result<Plan> {
-    let stages = plan.replicas().iter().flat_map(|replica| &replica.stages);
-    if !stages.filter_map(|stage| stage.context.as_ref()).any(|context| context.kv_exchange == KvExchange::Ring) {
-        return Ok(plan);
-    }
-    tracing::info!(
-        "the runtime all-gathers keys and values (no ring attention yet): training the plan with that exchange"
-    );
-    Ok(plan.with_kv_exchange(KvExchange::AllGather)?)
-}
-
-/// A job as the runtime trains it: whole optimizer states on every replica (no ZeRO-1 sharding).
-pub fn runtime_job(seq_len: u32, global_batch: u32, micro_batch: u32, schedule: Option<Schedule>) -> Result<JobSpec> {
-    let parts = JobParts {
-        seq_len,
-        global_batch,
-        micro_batch: Some(micro_batch),
-        schedule: schedule.unwrap_or_default(),
-        zero1: false,
-        // The runtime reduces each chunk's gradients where the program says, but blocking: it
-        // does not overlap them with backward, so its plans are priced without overlap.
-        overlap_grad_reduce: false,
-        ..JobParts::default()
-    };
-    Ok(JobSpec::new(parts, "command line")?)
-}
-
-/// What a run that would not fit this machine's memory is told to change.
-const SMALLER_RUN: &str = "train a smaller model, shorter sequences (--seq-len) or smaller micro-batches (--micro-batch), on fewer workers (--fleet), or on a machine with more memory";
-
 /// Refuses a job whose workers would not fit in this machine's memory together. An adaptive
 /// schedule is priced at the largest k it may choose.
 fn check_workers_memory(
@@ -266,30 +222,6 @@ fn check_workers_memory(
     check_memory(&what, &needs, SMALLER_RUN)
 }
 
-/// Measures this machine and prices the fleet at its speed (see `medley calibrate`).
-pub fn calibrate_here(
-    cluster: &Cluster,
-    model: &ModelSpec,
-    seq_len: u32,
-    micro_batch: u32,
-    device: DeviceChoice,
-) -> Result<Calibration> {
-    // As many passes at once as the workers will run on this machine's cores.
-    let cores = cores_here();
-    let concurrency = (cluster.n_gpus() as usize).min(cores);
-    let need = calibration_memory(model, seq_len, micro_batch, concurrency)?;
-    let what = format!("calibrating {} ({concurrency} whole models at once)", model.name());
-    check_memory(&what, &[need], SMALLER_RUN)?;
-    let measured = measure_model_pass(model, seq_len, micro_batch, 6, concurrency, device.resolve(0)?)?;
-    tracing::info!(
-        "calibrated: one micro-batch ({micro_batch}×{seq_len} tokens) through {} takes {:.1} ms forward and backward here with {concurrency} at once, an optimizer step {:.1} ms; the fleet's fastest device is emulated at that speed",
-        model.name(),
-        measured.pass_s * 1e3,
-        measured.optimizer_s * 1e3
-    );
-    Ok(emulation_calibration(cluster, model, seq_len, measured))
-}
-
 fn workers_table(plan: &Plan, layouts: &[RankLayout], emulate: bool) -> String {
     let mut rows = table(&["worker", "rank", "device (emulated)", "domain", "layers", "micro-batches", "slowdown"]);
     for layout in layouts {
@@ -306,64 +238,6 @@ fn workers_table(plan: &Plan, layouts: &[RankLayout], emulate: bool) -> String {
         ]);
     }
     format!("Workers (processes on this machine; device speeds are emulated by stretching each pass):\n{rows}")
-}
-
-/// How the workers ended, and the steps rank 0 reported.
-pub(crate) struct Outcome {
-    pub end: JobEnd,
-    pub steps: Vec<StepMetrics>,
-    /// The signal that asked the job to stop early, if one did.
-    pub stopped_by: Option<i32>,
-}
-
-/// Starts one worker per layout and watches them, reporting each step to `progress`.
-pub(crate) fn launch_and_watch(args: &WorkerArgs, layouts: &[RankLayout], progress: Progress) -> Result<Outcome> {
-    let exe = std::env::current_exe().context("cannot find the medley executable to start workers")?;
-    let mut worker = vec![OsString::from("worker")];
-    worker.extend(worker_flags(args).into_iter().map(OsString::from));
-    let ranks: Vec<RankCommand> = layouts
-        .iter()
-        .map(|layout| RankCommand { args: worker.clone(), domain: layout.device.vendor.to_string() })
-        .collect();
-    let echo: Echo = {
-        let progress = progress.clone();
-        Arc::new(move |line: &str| progress.println(line))
-    };
-    // From here a signal asks the workers to stop at the end of a step instead of killing them.
-    let signals = StopSignals::register()?;
-    let mut job = LocalJob::start(&exe, &ranks, Some(echo))?;
-    job.forward_stop(Arc::clone(&signals.requested));
-    let stdout = job.take_rank0_stdout().expect("rank 0's output is piped");
-    // Rank 0's metrics are read on a thread of their own while the job is watched, so a worker
-    // that stops answering (even rank 0, stopped with its pipe open) is killed once the others
-    // have failed on it, rather than waited for while its output stays open.
-    let reader = {
-        let progress = progress.clone();
-        std::thread::spawn(move || {
-            let mut steps = Vec::new();
-            for line in BufReader::new(stdout).lines().map_while(Result::ok) {
-                let Ok(step) = serde_json::from_str::<StepMetrics>(&line) else { continue };
-                progress.step(step.step, step.loss, step.tokens_per_s);
-                steps.push(step);
-            }
-            steps
-        })
-    };
-    let end = job.wait(Duration::from_secs(args.run.timeout_s + 15), None);
-    // Every worker has exited or been killed: the pipe is closed and the reader done.
-    let steps = reader.join().unwrap_or_default();
-    progress.finish();
-    Ok(Outcome { end, steps, stopped_by: signals.received() })
-}
-
-fn worker_flags(args: &WorkerArgs) -> Vec<String> {
-    let mut flags =
-        vec![format!("--plan={}", args.plan), format!("--out={}", args.out.display()), "--print-metrics".into()];
-    flags.extend(args.run_dir_locked.then(|| "--run-dir-locked".to_string()));
-    flags.extend(args.calibration.as_ref().map(|path| format!("--calibration={path}")));
-    flags.extend(args.resume.as_ref().map(|dir| format!("--resume={}", dir.display())));
-    flags.extend(args.run.to_args());
-    flags
 }
 
 /// The run's wall time and the simulator's predicted step time.
@@ -407,7 +281,8 @@ fn last_checkpoint(out: &RunDir) -> String {
 /// The run's report page; a report that cannot be written is said, and the run still succeeded.
 fn write_report(out: &RunDir) {
     let (plan, calibration, path) = (out.plan(), out.calibration(), out.report());
-    let page = crate::report_cmd::page(&plan.to_string_lossy(), Some(&calibration.to_string_lossy()), Some(out.root()));
+    let page =
+        crate::report_page::page(&plan.to_string_lossy(), Some(&calibration.to_string_lossy()), Some(out.root()));
     match page.and_then(|html| fs::write(&path, html).with_context(|| format!("cannot write {}", path.display()))) {
         Ok(()) => println!("report: {} (open it in a browser)", path.display()),
         Err(err) => tracing::warn!("the run's report was not written: {err:#}"),

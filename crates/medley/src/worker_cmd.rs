@@ -6,127 +6,23 @@
 use std::collections::BTreeMap;
 use std::fs::{self, File};
 use std::io::{BufWriter, Write};
-use std::path::PathBuf;
 use std::sync::Arc;
 use std::time::Duration;
 
 use anyhow::{Context, Result};
-use clap::Args;
 use medley_comm::{Config, LaunchEnv};
 use medley_cost::Calibration;
 use medley_model::AdamW;
 use medley_runtime::run_dir::same_dir;
 use medley_runtime::{
-    DeviceChoice, LinkEmulation, RunDir, RuntimeError, StopRequest, TrainEnd, TrainOptions, Worker, WorkerOptions,
-    sweep_incomplete,
+    LinkEmulation, RunDir, RuntimeError, StopRequest, TrainEnd, TrainOptions, Worker, WorkerOptions, sweep_incomplete,
 };
 use medley_sim::{BandwidthTrace, Timeline};
 use medley_spec::Schedule;
 
 use crate::inputs::load_plan;
+use crate::job::WorkerArgs;
 use crate::stop::StopSignals;
-
-#[derive(Args, Debug, Clone)]
-pub struct WorkerArgs {
-    /// The plan to train (as `medley plan -o` writes it); every rank must get the same one.
-    #[arg(long)]
-    pub plan: String,
-    /// The emulation profile (from `medley calibrate`) that prices the devices against each
-    /// other for their slowdowns [default: the cost model's defaults].
-    #[arg(long)]
-    pub calibration: Option<String>,
-    /// The run directory: checkpoints, metrics.jsonl (rank 0), timeline/rank-R.json.
-    #[arg(long)]
-    pub out: PathBuf,
-    /// Continue from the newest checkpoint of this run directory (under this plan or another).
-    #[arg(long)]
-    pub resume: Option<PathBuf>,
-    #[command(flatten)]
-    pub run: RunFlags,
-    /// Print each step's metrics as a JSON line on standard output (rank 0).
-    #[arg(long)]
-    pub print_metrics: bool,
-    /// Start over in a run directory that holds a run: rank 0 deletes its checkpoints, metrics
-    /// and timelines first.
-    #[arg(long, conflicts_with = "resume")]
-    pub force: bool,
-    /// The launcher (`medley train`) holds the run directory's lock and checked it.
-    #[arg(long, hide = true)]
-    pub run_dir_locked: bool,
-}
-
-/// How every worker of a job trains: `medley train` passes them on as they are.
-#[derive(Args, Debug, Clone)]
-pub struct RunFlags {
-    /// Train until this many steps are done.
-    #[arg(long, default_value_t = 100)]
-    pub steps: u64,
-    /// Steps between checkpoints (0: only after the last step).
-    #[arg(long, default_value_t = 10)]
-    pub checkpoint_every: u64,
-    /// How many of the newest checkpoints to keep (at least 1); older ones are deleted once a
-    /// newer one is complete.
-    #[arg(long, default_value_t = 3, value_parser = clap::value_parser!(u64).range(1..))]
-    pub keep_checkpoints: u64,
-    /// Pipeline schedule [default: the plan's].
-    #[arg(long)]
-    pub schedule: Option<Schedule>,
-    /// Seeds the initial weights and the data order.
-    #[arg(long, default_value_t = 0)]
-    pub seed: u64,
-    /// AdamW learning rate, above 0 and at most 1.
-    #[arg(long, default_value_t = AdamW::default().lr, value_parser = crate::inputs::parse_learning_rate)]
-    pub lr: f32,
-    /// Compute at this machine's speed instead of stretching passes to the emulated device's.
-    #[arg(long)]
-    pub no_emulate: bool,
-    /// What the workers compute on: cpu (emulation's default), cuda, rocm (a binary built with
-    /// `--features cuda` / `rocm`), or auto (a GPU when this build and machine have one). A
-    /// worker takes its host's GPU number LOCAL_RANK modulo the host's count.
-    #[arg(long, default_value_t = DeviceChoice::Cpu)]
-    pub device: DeviceChoice,
-    /// Slow every emulated device by this common factor (at least 1); `medley train` sets it so
-    /// that the workers' CPU demand fits this machine's cores.
-    #[arg(long, default_value_t = 1.0, value_parser = crate::inputs::parse_dilation)]
-    pub time_dilation: f64,
-    /// Seconds to wait for a silent peer before naming it and stopping.
-    #[arg(long, default_value_t = 30)]
-    pub timeout_s: u64,
-    /// On SIGINT, SIGTERM, SIGUSR1 or SIGUSR2 (a preemption's warning), write a checkpoint of
-    /// the step the run stops at; without it the run stops there and keeps its last checkpoint.
-    #[arg(long)]
-    pub checkpoint_on_signal: bool,
-    /// Throttle the pipeline links to this many GB/s (emulating a slow network between stages).
-    #[arg(long, value_parser = crate::inputs::parse_gb_s)]
-    pub link_gb_s: Option<f64>,
-    /// How the throttled links' bandwidth varies (as `medley simulate --network-trace`):
-    /// constant:F, on-off:full=T,reduced=T,fraction=F, random:seed=N,full=T,reduced=T,fraction=F,
-    /// or a time_s,fraction CSV [default: constant:1].
-    #[arg(long, requires = "link_gb_s")]
-    pub link_trace: Option<String>,
-}
-
-impl RunFlags {
-    /// The flags as `medley worker` takes them.
-    pub fn to_args(&self) -> Vec<String> {
-        let mut flags = vec![
-            format!("--steps={}", self.steps),
-            format!("--checkpoint-every={}", self.checkpoint_every),
-            format!("--keep-checkpoints={}", self.keep_checkpoints),
-            format!("--seed={}", self.seed),
-            format!("--lr={}", self.lr),
-            format!("--timeout-s={}", self.timeout_s),
-        ];
-        flags.extend(self.schedule.map(|schedule| format!("--schedule={schedule}")));
-        flags.extend(self.no_emulate.then(|| "--no-emulate".to_string()));
-        flags.extend(self.checkpoint_on_signal.then(|| "--checkpoint-on-signal".to_string()));
-        flags.push(format!("--device={}", self.device));
-        flags.push(format!("--time-dilation={}", self.time_dilation));
-        flags.extend(self.link_gb_s.map(|gb_s| format!("--link-gb-s={gb_s}")));
-        flags.extend(self.link_trace.as_ref().map(|trace| format!("--link-trace={trace}")));
-        flags
-    }
-}
 
 /// Where launchers other than torchrun put a process's place in the job; torchrun's own
 /// variables win when both are set.
@@ -178,7 +74,7 @@ pub fn run(args: &WorkerArgs) -> Result<()> {
             .link_gb_s
             .map(|gb_s| -> Result<LinkEmulation> {
                 let trace = match &args.run.link_trace {
-                    Some(text) => crate::simulate_cmd::network_trace(text)?,
+                    Some(text) => crate::inputs::network_trace(text)?,
                     None => BandwidthTrace::Constant { fraction: 1.0 },
                 };
                 Ok(LinkEmulation { full_bytes_per_s: gb_s * 1e9, trace })

@@ -15,9 +15,8 @@ use medley_spec::{Cluster, ModelSpec, Schedule, catalog_model};
 use crate::inputs::{JobFlags, load_model};
 use serde::Serialize;
 
+use crate::job::{RunFlags, WorkerArgs, as_trained, calibrate_here, launch_and_watch, runtime_job};
 use crate::progress::Progress;
-use crate::train_cmd::{as_trained, calibrate_here, launch_and_watch, runtime_job};
-use crate::worker_cmd::{RunFlags, WorkerArgs};
 use medley_bench::stats::median;
 use medley_report::text::{percent, right, table, times};
 

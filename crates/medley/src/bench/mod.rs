@@ -1,6 +1,9 @@
 //! `medley bench ...`: benchmarks that print tables. The suites are `medley-bench`'s; those that
 //! start this binary's workers (`comm`, `train`, `kfkb`, `context-train`) are wired here.
 
+pub mod comm;
+mod train;
+
 use anyhow::Result;
 use clap::Subcommand;
 use medley_bench::{BenchError, tables};
@@ -35,7 +38,7 @@ pub enum BenchCommand {
         json: bool,
     },
     /// Communicator bandwidth and latency, nccl-tests style, over real worker processes.
-    Comm(crate::bench_comm::CommArgs),
+    Comm(comm::CommArgs),
     /// One worker's training step at each thread count, side by side with PyTorch on the same
     /// model, weights and tokens (when TORCH_PYTHON names a python that imports torch).
     Compute(medley_bench::compute::ComputeBenchArgs),
@@ -44,12 +47,12 @@ pub enum BenchCommand {
     Device(medley_bench::compute::DeviceBenchArgs),
     /// Real training on an emulated 2:1 mix: heterogeneity-aware vs uniform plan, measured and
     /// simulated.
-    Train(crate::bench_train::TrainBenchArgs),
+    Train(train::TrainBenchArgs),
     /// Real training under a throttled pipeline link: adaptive kFkB against 1F1B.
-    Kfkb(crate::bench_train::KfkbBenchArgs),
+    Kfkb(train::KfkbBenchArgs),
     /// Real long-context training on an emulated 2:1 mix: uneven against even context-parallel
     /// shards, measured and simulated.
-    ContextTrain(crate::bench_train::ContextTrainBenchArgs),
+    ContextTrain(train::ContextTrainBenchArgs),
 }
 
 pub fn run(which: &BenchCommand) -> Result<()> {
@@ -58,12 +61,12 @@ pub fn run(which: &BenchCommand) -> Result<()> {
         BenchCommand::Calibration { json } => print_report(tables::cited::report(*json)),
         BenchCommand::Context { json } => print_report(tables::context::report(*json)),
         BenchCommand::Schedules { json } => print_report(tables::schedules::report(*json)),
-        BenchCommand::Comm(args) => crate::bench_comm::run(args),
+        BenchCommand::Comm(args) => comm::run(args),
         BenchCommand::Compute(args) => medley_bench::compute::run(args, &load_model(&args.shape.model)?),
         BenchCommand::Device(args) => medley_bench::compute::run_device(args, &load_model(&args.shape.model)?),
-        BenchCommand::Train(args) => crate::bench_train::run(args),
-        BenchCommand::Kfkb(args) => crate::bench_train::run_kfkb(args),
-        BenchCommand::ContextTrain(args) => crate::bench_train::run_context(args),
+        BenchCommand::Train(args) => train::run(args),
+        BenchCommand::Kfkb(args) => train::run_kfkb(args),
+        BenchCommand::ContextTrain(args) => train::run_context(args),
     }
 }
 
