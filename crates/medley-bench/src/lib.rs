@@ -4,6 +4,7 @@
 
 pub mod cited;
 pub mod comm;
+pub mod comm_harness;
 pub mod compute;
 pub mod context;
 pub mod planner;

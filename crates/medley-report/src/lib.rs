@@ -6,7 +6,7 @@
 //! - [`timeline`]: a step as lanes per rank from the Perfetto events the simulator and the
 //!   runtime write, so a measured step and a simulated one are drawn alike.
 //! - [`charts`]: memory against capacity, candidates and baselines, loss and step times.
-//! - [`plan_text`]: `medley plan`'s tables and JSON; [`text`]: the tables' words and figures.
+//! - [`plan_text`], [`sim_text`]: `medley plan`'s and `medley simulate`'s tables and JSON; [`text`]: the tables' words and figures.
 //!
 //! The page checks itself once drawn: every picture must have a size, or it says which did not
 //! (`data-rendered` on the root element, and a console error) — what the browser test reads.
@@ -14,6 +14,7 @@
 pub mod charts;
 pub mod picture;
 pub mod plan_text;
+pub mod sim_text;
 pub mod svg;
 pub mod text;
 pub mod timeline;

@@ -25,6 +25,9 @@ pub enum RuntimeError {
     Model(#[from] ModelError),
     #[error("{}: {reason}", path.display())]
     Checkpoint { path: PathBuf, reason: String },
+    /// The workers would not fit in this machine's memory.
+    #[error("{0}")]
+    HostMemory(String),
     /// A run directory refused (in use, holding another run) or one that does not read.
     #[error("{0}")]
     RunDirectory(String),

@@ -22,6 +22,7 @@ mod checkpoint;
 mod context;
 mod device;
 mod error;
+mod host_available;
 mod host_memory;
 mod layout;
 mod metrics;
@@ -38,6 +39,7 @@ pub use checkpoint::{
 };
 pub use device::DeviceChoice;
 pub use error::RuntimeError;
+pub use host_available::check_memory;
 pub use host_memory::{HostMemory, calibration_memory, worker_memory};
 pub use layout::{ContextSeat, EmulatedDevice, RankLayout, check_runnable, context_groups, rank_ids, worker_count};
 pub use metrics::{RankMetrics, StepMetrics};

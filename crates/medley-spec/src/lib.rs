@@ -19,3 +19,11 @@ pub use error::{Echo, MAX_ECHO_CHARS, SpecError, echo};
 pub use job::{AttentionKernel, JobParts, JobSpec, Precision, Recompute};
 pub use model::{Experts, MlpKind, ModelParts, ModelSpec, catalog_model, catalog_model_names};
 pub use schedule::{Schedule, ScheduleKind};
+
+/// A link bandwidth as a flag gives it: a positive, finite number of GB/s.
+pub fn parse_gb_s(text: &str) -> Result<f64, String> {
+    match text.parse::<f64>() {
+        Ok(gb_s) if gb_s.is_finite() && gb_s > 0.0 => Ok(gb_s),
+        _ => Err(format!("{text:?} is not a positive number of GB/s")),
+    }
+}

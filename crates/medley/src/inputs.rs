@@ -18,13 +18,7 @@ pub const DEFAULT_MODEL: &str = "llama3-70b";
 /// heterogeneity the runtime handles (speed, vendor domain, bridge).
 pub const DEFAULT_FLEET: &str = "2xh100,2xmi250x";
 
-/// A link bandwidth flag: a positive, finite number of GB/s.
-pub fn parse_gb_s(text: &str) -> Result<f64, String> {
-    match text.parse::<f64>() {
-        Ok(gb_s) if gb_s.is_finite() && gb_s > 0.0 => Ok(gb_s),
-        _ => Err(format!("{text:?} is not a positive number of GB/s")),
-    }
-}
+pub use medley_spec::parse_gb_s;
 
 /// A time dilation: a finite factor of at least 1.
 pub fn parse_dilation(text: &str) -> Result<f64, String> {

@@ -20,9 +20,9 @@ use medley_runtime::{
 };
 use medley_spec::{Cluster, JobParts, JobSpec, ModelSpec, Schedule};
 
-use crate::host::check_memory;
 use crate::progress::Progress;
 use crate::stop::StopSignals;
+use medley_runtime::check_memory;
 
 #[derive(Args, Debug, Clone)]
 pub struct WorkerArgs {

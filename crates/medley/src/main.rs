@@ -3,7 +3,6 @@
 mod bench;
 mod calibrate_cmd;
 mod export_cmd;
-mod host;
 mod inputs;
 mod job;
 mod log;
@@ -63,7 +62,7 @@ enum Command {
     },
     /// One rank of `medley bench comm` (started by it).
     #[command(hide = true)]
-    BenchCommWorker(bench::comm::WorkerArgs),
+    BenchCommWorker(medley_bench::comm_harness::WorkerArgs),
 }
 
 fn main() -> ExitCode {
@@ -88,7 +87,7 @@ fn main() -> ExitCode {
         Command::Export { which } => export_cmd::run(&which),
         Command::Report(args) => report_cmd::run(&args).map(|()| ExitCode::SUCCESS),
         Command::Bench { which } => bench::run(&which).map(|()| ExitCode::SUCCESS),
-        Command::BenchCommWorker(args) => bench::comm::worker(&args).map(|()| ExitCode::SUCCESS),
+        Command::BenchCommWorker(args) => medley_bench::comm_harness::worker(&args).map(|()| ExitCode::SUCCESS),
     };
     result.unwrap_or_else(|err| {
         eprintln!("error: {err:#}");

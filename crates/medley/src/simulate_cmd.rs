@@ -7,17 +7,17 @@ use std::process::ExitCode;
 
 use anyhow::{Context, Result, bail};
 use clap::Args;
-use comfy_table::Cell;
 use medley_cost::{CostModel, Setting};
 use medley_plan::baselines::{self, Degrees, megatron_plan};
 use medley_plan::long_context::even_fixed;
 use medley_plan::{Plan, PlanError};
-use medley_sim::{RunReport, SimConfig, simulate_steps};
+use medley_sim::{SimConfig, simulate_steps};
 use medley_spec::Recompute;
 
 use crate::inputs::{SpecArgs, Specs, network_trace};
 use crate::inputs::{load_plan, specs_of_plan};
-use medley_report::text::{count, percent, right, seconds, table};
+use medley_report::sim_text;
+use medley_report::text::count;
 
 #[derive(Args, Debug)]
 pub struct SimulateArgs {
@@ -93,9 +93,9 @@ pub fn run(args: &SimulateArgs) -> Result<ExitCode> {
         None => simulate_steps(&plan, &specs.calibration, &config, schedule, args.steps, None),
     }?;
     if args.json {
-        crate::emit(&(serde_json::to_string_pretty(&json(&report))? + "\n"))?;
+        crate::emit(&(serde_json::to_string_pretty(&sim_text::json(&report))? + "\n"))?;
     } else {
-        crate::emit(&(text(&specs, &plan, &report) + "\n"))?;
+        crate::emit(&(sim_text::text(specs.cluster.n_gpus(), &plan, &report) + "\n"))?;
         if let Some(path) = &args.trace {
             std::io::stdout().flush()?;
             tracing::info!("timeline written to {} (open it at https://ui.perfetto.dev)", path.display());
@@ -207,83 +207,4 @@ fn chosen(what: &str, plan: &Plan) -> String {
         plan.micro_batch(),
         plan.recompute()
     )
-}
-
-fn json(report: &RunReport) -> serde_json::Value {
-    let mut object = serde_json::to_value(&report.last_step).expect("a report serialises");
-    object["step_time_s"] = report.mean_step_time_s.into();
-    object["tokens_per_s"] = report.tokens_per_s.into();
-    object["fits"] = report.fits.into();
-    object["steps"] = serde_json::to_value(&report.steps).expect("steps serialise");
-    object
-}
-
-fn text(specs: &Specs, plan: &Plan, report: &RunReport) -> String {
-    let last = &report.last_step;
-    let stages: Vec<usize> = plan.replicas().iter().map(|replica| replica.stages.len()).collect();
-    let (fewest, most) = (stages.iter().min().copied().unwrap_or(0), stages.iter().max().copied().unwrap_or(0));
-    let stages = match fewest == most {
-        true => count(most, "stage"),
-        false => format!("{fewest} to {most} stages"),
-    };
-    let mut out = format!(
-        "medley simulate: {} on {} of {} GPUs, {} × {stages}, tp={}, {} per step\n\n",
-        plan.model().name(),
-        plan.used_devices().len(),
-        specs.cluster.n_gpus(),
-        count(plan.replicas().len(), "replica"),
-        plan.tp(),
-        count(plan.n_micro_batches() as usize, "micro-batch"),
-    );
-    let mut summary = table(&["step time", "tokens/s", "model TFLOP/s/GPU", "MFU", "HFU", "bubble", "comm wait"]);
-    summary.add_row(vec![
-        right(seconds(report.mean_step_time_s)),
-        right(format!("{:.0}", report.tokens_per_s)),
-        right(format!("{:.1}", last.utilisation.model_tflops_per_gpu)),
-        right(percent(last.utilisation.mfu)),
-        right(percent(last.utilisation.hfu)),
-        right(percent(last.bubble_fraction)),
-        right(percent(last.comm_wait_fraction)),
-    ]);
-    out += &summary.to_string();
-    if report.steps.len() > 1 {
-        out += "\n\nSteps\n";
-        let mut steps = table(&["step", "schedule", "time", "comm wait"]);
-        for step in &report.steps {
-            steps.add_row(vec![
-                right(step.step),
-                Cell::new(&step.schedule),
-                right(seconds(step.step_time_s)),
-                right(percent(step.comm_wait_fraction)),
-            ]);
-        }
-        out += &steps.to_string();
-    }
-    out += "\n\nWhere the time went (last step, mean per rank of each device type)\n";
-    out += &breakdown(last).to_string();
-    out
-}
-
-fn breakdown(report: &medley_sim::StepReport) -> comfy_table::Table {
-    let mut by_device: std::collections::BTreeMap<&str, Vec<&medley_sim::RankReport>> = Default::default();
-    for rank in &report.ranks {
-        by_device.entry(rank.device.as_str()).or_default().push(rank);
-    }
-    let mut table = table(&["device", "ranks", "compute", "comm wait", "peer wait", "idle", "peak memory", "capacity"]);
-    for (device, ranks) in by_device {
-        let mean = |value: fn(&medley_sim::RankReport) -> f64| {
-            ranks.iter().map(|r| value(r)).sum::<f64>() / ranks.len() as f64
-        };
-        table.add_row(vec![
-            Cell::new(device),
-            right(ranks.len()),
-            right(seconds(mean(|r| r.times.compute_s))),
-            right(seconds(mean(|r| r.times.comm_wait_s))),
-            right(seconds(mean(|r| r.times.peer_wait_s))),
-            right(seconds(mean(|r| r.times.idle_s))),
-            right(format!("{:.1} GiB", report.peak_memory_by_device_gib[device])),
-            right(format!("{:.0} GiB", report.capacity_gib[device])),
-        ]);
-    }
-    table
 }

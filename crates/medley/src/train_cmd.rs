@@ -20,7 +20,6 @@ use medley_runtime::{
 use medley_sim::{SimConfig, simulate_steps};
 use medley_spec::{Cluster, ModelSpec, Schedule, ScheduleKind};
 
-use crate::host::check_memory;
 use crate::inputs::DEFAULT_FLEET;
 use crate::inputs::{JobFlags, load_model, read_emulation_profile};
 use crate::job::{
@@ -29,6 +28,7 @@ use crate::job::{
 use crate::progress::Progress;
 use crate::stop::{self};
 use medley_report::text::{percent, right, seconds, table};
+use medley_runtime::check_memory;
 
 #[derive(Args, Debug)]
 #[command(
@@ -219,7 +219,7 @@ fn check_workers_memory(
     };
     let needs = layouts.iter().map(|layout| worker_memory(plan, layout, schedule)).collect::<Result<Vec<_>, _>>()?;
     let what = format!("the {} of {}", medley_report::text::count(layouts.len(), "worker"), plan.model().name());
-    check_memory(&what, &needs, SMALLER_RUN)
+    Ok(check_memory(&what, &needs, SMALLER_RUN)?)
 }
 
 fn workers_table(plan: &Plan, layouts: &[RankLayout], emulate: bool) -> String {

@@ -1,10 +1,9 @@
 //! `medley bench ...`: benchmarks that print tables. The suites are `medley-bench`'s; those that
 //! start this binary's workers (`comm`, `train`, `kfkb`, `context-train`) are wired here.
 
-pub mod comm;
 mod train;
 
-use anyhow::Result;
+use anyhow::{Context, Result};
 use clap::Subcommand;
 use medley_bench::{BenchError, tables};
 
@@ -38,7 +37,7 @@ pub enum BenchCommand {
         json: bool,
     },
     /// Communicator bandwidth and latency, nccl-tests style, over real worker processes.
-    Comm(comm::CommArgs),
+    Comm(medley_bench::comm_harness::CommArgs),
     /// One worker's training step at each thread count, side by side with PyTorch on the same
     /// model, weights and tokens (when TORCH_PYTHON names a python that imports torch).
     Compute(medley_bench::compute::ComputeBenchArgs),
@@ -61,7 +60,10 @@ pub fn run(which: &BenchCommand) -> Result<()> {
         BenchCommand::Calibration { json } => print_report(tables::cited::report(*json)),
         BenchCommand::Context { json } => print_report(tables::context::report(*json)),
         BenchCommand::Schedules { json } => print_report(tables::schedules::report(*json)),
-        BenchCommand::Comm(args) => comm::run(args),
+        BenchCommand::Comm(args) => {
+            let exe = std::env::current_exe().context("finding the medley binary to start workers")?;
+            medley_bench::comm_harness::run(args, &exe)
+        }
         BenchCommand::Compute(args) => medley_bench::compute::run(args, &load_model(&args.shape.model)?),
         BenchCommand::Device(args) => medley_bench::compute::run_device(args, &load_model(&args.shape.model)?),
         BenchCommand::Train(args) => train::run(args),

@@ -3,15 +3,14 @@
 use std::fs;
 use std::path::Path;
 
-use anyhow::{Result, bail};
-use medley_runtime::HostMemory;
+use crate::{HostMemory, RuntimeError};
 
 const GIB: f64 = (1u64 << 30) as f64;
 
 /// Bytes a new process can take: `MemAvailable`, lowered to what this process's cgroup and each
 /// cgroup above it still allow (a Slurm job's, a systemd slice's, a container's); `None` where
 /// none of it can be read.
-pub fn available_memory_bytes() -> Option<f64> {
+fn available_memory_bytes() -> Option<f64> {
     let meminfo = fs::read_to_string("/proc/meminfo").ok().and_then(|text| mem_available(&text));
     let cgroup = fs::read_to_string("/proc/self/cgroup").ok().and_then(|text| cgroup_headroom(&text));
     match (meminfo, cgroup) {
@@ -66,7 +65,7 @@ fn mem_available(meminfo: &str) -> Option<f64> {
 
 /// Refuses, with the numbers, when the processes whose needs are `needs` (what `what` names)
 /// would together exceed the memory this machine has available.
-pub fn check_memory(what: &str, needs: &[HostMemory], remedy: &str) -> Result<()> {
+pub fn check_memory(what: &str, needs: &[HostMemory], remedy: &str) -> Result<(), RuntimeError> {
     let Some(available) = available_memory_bytes() else { return Ok(()) };
     let total = needs.iter().fold(HostMemory::default(), |sum, &need| sum + need);
     if total.total_bytes() <= available {
@@ -74,14 +73,14 @@ pub fn check_memory(what: &str, needs: &[HostMemory], remedy: &str) -> Result<()
     }
     let largest = needs.iter().map(HostMemory::total_bytes).fold(0.0, f64::max);
     let each = if needs.len() > 1 { format!("; the largest process {:.1} GiB", largest / GIB) } else { String::new() };
-    bail!(
+    Err(RuntimeError::HostMemory(format!(
         "{what} would need about {:.1} GiB of host memory ({:.1} GiB model state, {:.1} GiB activations{each}), \
          but this machine has {:.1} GiB available; {remedy}",
         total.total_bytes() / GIB,
         total.state_bytes / GIB,
         total.activation_bytes / GIB,
         available / GIB,
-    )
+    )))
 }
 
 #[cfg(test)]

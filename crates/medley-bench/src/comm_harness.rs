@@ -1,26 +1,27 @@
-//! `medley bench comm`: nccl-tests-style bandwidth tables for the medley communicator.
+//! `medley bench comm`'s harness: nccl-tests-style bandwidth tables for the medley communicator.
 //!
 //! The parent starts one real process per rank (`medley bench-comm-worker`, hidden) for each
 //! setup and rank count, with the torchrun-style environment the communicator reads; each worker
-//! runs [`medley_bench::comm::sweep`], rank 0 prints one JSON row per measurement, and the parent
+//! runs [`crate::comm::sweep`], rank 0 prints one JSON row per measurement, and the parent
 //! prints them as a table or as JSON. The run fails if any output element was wrong.
 
 use std::ffi::OsString;
 use std::io::{BufRead, BufReader};
+use std::path::Path;
 use std::time::{Duration, Instant};
 
+use crate::comm::{BenchOp, CommSetup, Row, Sweep};
 use anyhow::{Context, Result, bail};
 use clap::Args;
 use comfy_table::Cell;
-use medley_bench::comm::{BenchOp, CommSetup, Row, Sweep};
 use medley_collective::Algorithm;
 use medley_comm::{Communicator, LaunchEnv};
 use medley_launch::{LocalJob, RankCommand};
 use serde::Serialize;
 use serde::de::DeserializeOwned;
 
-use crate::inputs::parse_gb_s;
 use medley_report::text::{right, table};
+use medley_spec::parse_gb_s;
 
 /// A byte count: plain, or with a K, M or G suffix (binary).
 fn parse_bytes(text: &str) -> Result<usize, String> {
@@ -120,7 +121,8 @@ pub struct WorkerArgs {
 /// The largest message the benchmark sends: every rank holds two buffers of it.
 const MAX_MESSAGE_BYTES: usize = 16 << 30;
 
-pub fn run(args: &CommArgs) -> Result<()> {
+/// `medley bench comm`, its workers started as `exe bench-comm-worker ...`.
+pub fn run(args: &CommArgs, exe: &Path) -> Result<()> {
     if args.min_bytes == 0 || args.min_bytes > args.max_bytes {
         bail!("--min-bytes {} must be positive and at most --max-bytes {}", args.min_bytes, args.max_bytes);
     }
@@ -136,7 +138,8 @@ pub fn run(args: &CommArgs) -> Result<()> {
     let mut rows = Vec::new();
     for &setup in &args.setups {
         for &n_ranks in &args.ranks {
-            let run = run_workers(args, setup, n_ranks).with_context(|| format!("{setup:?} with {n_ranks} ranks"))?;
+            let run =
+                run_workers(args, exe, setup, n_ranks).with_context(|| format!("{setup:?} with {n_ranks} ranks"))?;
             if !args.json {
                 println!("{}", render(&run));
             }
@@ -197,8 +200,7 @@ fn bridge_cap(args: &CommArgs, setup: CommSetup) -> Option<u64> {
 }
 
 /// Starts `n_ranks` workers, collects rank 0's rows, and fails with a worker's stderr if any fails.
-fn run_workers(args: &CommArgs, setup: CommSetup, n_ranks: usize) -> Result<Vec<Row>> {
-    let exe = std::env::current_exe().context("finding the medley binary to start workers")?;
+fn run_workers(args: &CommArgs, exe: &Path, setup: CommSetup, n_ranks: usize) -> Result<Vec<Row>> {
     let ops: Vec<String> = args.ops.iter().map(name_of).collect();
     let setup_name = name_of(&setup);
     let mut worker: Vec<String> =
@@ -214,7 +216,7 @@ fn run_workers(args: &CommArgs, setup: CommSetup, n_ranks: usize) -> Result<Vec<
     let ranks: Vec<RankCommand> = (0..n_ranks)
         .map(|rank| RankCommand { args: worker.clone(), domain: setup.domain(rank, n_ranks).to_string() })
         .collect();
-    let mut job = LocalJob::start(&exe, &ranks, None)?;
+    let mut job = LocalJob::start(exe, &ranks, None)?;
     let stdout = job.take_rank0_stdout().expect("rank 0's output is piped");
     let rows: Result<Vec<Row>> = BufReader::new(stdout)
         .lines()
@@ -244,7 +246,7 @@ pub fn worker(args: &WorkerArgs) -> Result<()> {
         algorithms: args.algorithms.clone(),
         bridge_bytes_per_s: args.bridge_bytes_per_s,
     };
-    medley_bench::comm::sweep(&mut comm, &sweep, |row| {
+    crate::comm::sweep(&mut comm, &sweep, |row| {
         println!("{}", serde_json::to_string(&row).expect("a row is plain data"));
         Ok(())
     })?;
