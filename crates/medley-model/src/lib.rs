@@ -20,6 +20,7 @@
 
 mod checkpoint;
 mod compute;
+mod compute_device;
 mod config;
 pub mod context;
 mod cpu;
@@ -37,8 +38,9 @@ mod stage;
 
 pub use checkpoint::{NamedTensors, load_tensors, load_tensors_where, save_tensors, write_atomically};
 pub use compute::{HostTensor, MicroBatch, StageCompute, StageOutput};
+pub use compute_device::ComputeDevice;
 pub use config::ModelConfig;
-pub use device::{ComputeDevice, context_compute, matmul_seconds, stage_compute};
+pub use device::{context_compute, matmul_seconds, stage_compute};
 pub use error::ModelError;
 pub use optim::{AdamW, AdamWState};
 pub use stage::StageState;

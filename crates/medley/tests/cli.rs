@@ -1063,45 +1063,130 @@ fn sources(dir: &Path) -> Vec<PathBuf> {
     files
 }
 
-/// The top-level module a file belongs to (`lib` for the crate root), `None` for binaries.
-fn module_of(src: &Path, file: &Path) -> Option<String> {
-    let relative = file.strip_prefix(src).unwrap();
-    let first = relative.components().next()?.as_os_str().to_str()?.trim_end_matches(".rs").to_string();
-    match first.as_str() {
-        "bin" => None,
-        "lib" | "main" => Some("lib".into()),
-        _ => Some(first),
-    }
+/// A module's code without its tests and comments, on one line.
+fn code_of(file: &Path) -> String {
+    let text = fs::read_to_string(file).unwrap();
+    let code = text.split("#[cfg(test)]").next().unwrap();
+    code.lines().map(|line| line.split("//").next().unwrap()).collect::<Vec<_>>().join(" ")
 }
 
-/// Top-level modules each module's non-test code names through `crate::module`.
-fn module_imports(src: &Path) -> BTreeMap<String, BTreeSet<String>> {
-    let modules: BTreeSet<String> = sources(src).iter().filter_map(|file| module_of(src, file)).collect();
+/// The child modules of the module whose root file is `root` (`lib.rs`, `main.rs` or `x/mod.rs`,
+/// whose children sit in its directory; `x.rs`, whose children sit in `x/`): each name with the
+/// files it is made of, submodules included, and whether it has children of its own.
+fn children(root: &Path) -> BTreeMap<String, Vec<PathBuf>> {
+    let stem = root.file_stem().unwrap().to_str().unwrap();
+    let dir = match stem {
+        "lib" | "main" | "mod" => root.parent().unwrap().to_path_buf(),
+        _ => root.with_extension(""),
+    };
+    let mut found: BTreeMap<String, Vec<PathBuf>> = BTreeMap::new();
+    let Ok(entries) = fs::read_dir(&dir) else { return found };
+    for entry in entries {
+        let path = entry.unwrap().path();
+        let name = path.file_stem().unwrap().to_str().unwrap().to_string();
+        if ["lib", "main", "mod", "bin", "tests"].contains(&name.as_str()) {
+            continue;
+        }
+        let files = if path.is_dir() {
+            sources(&path)
+        } else if path.extension().is_some_and(|e| e == "rs") {
+            vec![path.clone()]
+        } else {
+            continue;
+        };
+        found.entry(name).or_default().extend(files);
+    }
+    found
+}
+
+/// The names a module's root file re-exports from its children (`pub use child::{A, b::C as D}`):
+/// each name with the child it comes from.
+fn reexports(root: &Path, children: &BTreeSet<String>) -> BTreeMap<String, String> {
+    let mut names = BTreeMap::new();
+    for statement in code_of(root).split(';') {
+        let Some(path) =
+            statement.trim().strip_prefix("pub use ").or_else(|| statement.trim().strip_prefix("pub(crate) use "))
+        else {
+            continue;
+        };
+        let path = path.trim().trim_start_matches("crate::").trim_start_matches("self::");
+        let Some((child, rest)) = path.split_once("::") else { continue };
+        if !children.contains(child) {
+            continue;
+        }
+        for item in rest.replace(['{', '}'], ",").split(',') {
+            let item = item.trim();
+            let name = item.rsplit_once(" as ").map_or(item, |(_, alias)| alias).rsplit("::").next().unwrap().trim();
+            if !name.is_empty() && name != "self" && name != "*" {
+                names.insert(name.to_string(), child.to_string());
+            }
+        }
+    }
+    names
+}
+
+/// For the module whose root file is `root` and which `crate::prefix` names: which of its child
+/// modules import which others, through `crate::prefix::child`, `super::child` (from the
+/// child's own file) or a name the root re-exports from a child.
+fn sibling_imports(root: &Path, prefix: &str) -> BTreeMap<String, BTreeSet<String>> {
+    let children = children(root);
+    let names: BTreeSet<String> = children.keys().cloned().collect();
+    let reexported = reexports(root, &names);
+    let resolve = |name: &str| -> Option<String> {
+        if names.contains(name) { Some(name.to_string()) } else { reexported.get(name).cloned() }
+    };
     let mut imports: BTreeMap<String, BTreeSet<String>> = BTreeMap::new();
-    for file in sources(src) {
-        let Some(module) = module_of(src, &file) else { continue };
-        let text = fs::read_to_string(&file).unwrap();
-        let code = text.split("#[cfg(test)]").next().unwrap();
-        let code: String = code.lines().map(|line| line.split("//").next().unwrap()).collect::<Vec<_>>().join(" ");
-        for name in crate_paths(&code) {
-            if name != module && modules.contains(&name) {
-                imports.entry(module.clone()).or_default().insert(name);
+    for (child, files) in &children {
+        for file in files {
+            let code = code_of(file);
+            let mut targets = paths_after(&code, &format!("crate::{prefix}"));
+            // `super::` names this module only from the child's own file.
+            let own_file = file.parent() == root.parent() || file.ends_with(format!("{child}/mod.rs"));
+            if own_file && (prefix.is_empty() || root.file_stem().is_some_and(|stem| stem != "lib")) {
+                targets.extend(paths_after(&code, "super::"));
+            }
+            for target in targets.iter().filter_map(|name| resolve(name)) {
+                if &target != child {
+                    imports.entry(child.clone()).or_default().insert(target);
+                }
             }
         }
     }
     imports
 }
 
-/// The first segment of every path under `crate::` in `code`, including each item of a
-/// `crate::{a, b::c, d}` list, nested or spread over lines. Paths through the crate root's
-/// re-exports (`crate::SomeType`) name no module and are not followed.
-fn crate_paths(code: &str) -> Vec<String> {
+/// Every module root file under `src` with the `crate::` path that names it (`""` for the crate).
+fn module_roots(src: &Path) -> Vec<(PathBuf, String)> {
+    let mut roots = Vec::new();
+    for root in [src.join("lib.rs"), src.join("main.rs")] {
+        if root.is_file() {
+            roots.push((root, String::new()));
+        }
+    }
+    for file in sources(src) {
+        let relative = file.strip_prefix(src).unwrap().with_extension("");
+        let parts: Vec<&str> = relative.iter().map(|part| part.to_str().unwrap()).collect();
+        if parts.first() == Some(&"bin") || matches!(parts.last(), Some(&"lib") | Some(&"main")) {
+            continue;
+        }
+        let module: Vec<&str> = parts.iter().copied().filter(|part| *part != "mod").collect();
+        let has_children = if parts.last() == Some(&"mod") { true } else { file.with_extension("").is_dir() };
+        if has_children {
+            roots.push((file.clone(), module.iter().map(|part| format!("{part}::")).collect()));
+        }
+    }
+    roots
+}
+
+/// The first segment of every path after `prefix` in `code`, including each item of a
+/// `prefix{a, b::c, d}` list, nested or spread over lines; names (`crate::Root`) as well as modules.
+fn paths_after(code: &str, prefix: &str) -> Vec<String> {
     let segment = |text: &str| -> String {
-        text.trim_start().chars().take_while(|c| c.is_ascii_lowercase() || *c == '_').collect()
+        text.trim_start().chars().take_while(|c| c.is_ascii_alphanumeric() || *c == '_').collect()
     };
     let mut names = Vec::new();
-    for (idx, _) in code.match_indices("crate::") {
-        let rest = &code[idx + 7..];
+    for (idx, _) in code.match_indices(prefix) {
+        let rest = &code[idx + prefix.len()..];
         let Some(list) = rest.strip_prefix('{') else {
             names.push(segment(rest));
             continue;
@@ -1165,17 +1250,62 @@ fn no_crate_has_a_module_cycle() {
         if !src.is_dir() {
             continue;
         }
-        let imports = module_imports(&src);
-        assert_eq!(find_cycle(&imports), None, "{}: modules import each other in a cycle", src.display());
+        for (root, prefix) in module_roots(&src) {
+            let imports = sibling_imports(&root, &prefix);
+            assert_eq!(find_cycle(&imports), None, "{}: modules import each other in a cycle", root.display());
+        }
         checked += 1;
     }
     assert!(checked >= 13, "only {checked} crates found");
 }
 
 #[test]
+fn no_command_imports_another() {
+    let src = crates_dir().join("medley/src");
+    for file in sources(&src) {
+        let code = code_of(&file);
+        let commands: Vec<String> = paths_after(&code, "crate::")
+            .into_iter()
+            .filter(|name| name.ends_with("_cmd") || name == "bench")
+            .collect();
+        let own = file
+            .strip_prefix(&src)
+            .unwrap()
+            .iter()
+            .next()
+            .unwrap()
+            .to_str()
+            .unwrap()
+            .trim_end_matches(".rs")
+            .to_string();
+        let others: Vec<&String> = commands.iter().filter(|name| **name != own).collect();
+        assert!(others.is_empty() || own == "main", "{} imports the command modules {others:?}", file.display());
+    }
+}
+
+#[test]
 fn crate_paths_read_lists_over_lines() {
     let code = "use crate::a::X; use crate::{b, c::{D, e}, F,\n  g::H}; let x = crate::Root;";
-    assert_eq!(crate_paths(code), ["a", "b", "c", "g"]);
+    assert_eq!(paths_after(code, "crate::"), ["a", "b", "c", "F", "g", "Root"]);
+}
+
+#[test]
+fn the_cycle_guard_sees_through_reexports_and_into_folders() {
+    let dir = tempfile::tempdir().unwrap();
+    let src = dir.path();
+    fs::create_dir_all(src.join("search")).unwrap();
+    fs::write(src.join("lib.rs"), "mod a; mod b; mod search; pub use a::Alpha; pub use b::{Beta, deep::Gamma as G};")
+        .unwrap();
+    fs::write(src.join("a.rs"), "use crate::Beta;").unwrap();
+    fs::write(src.join("b.rs"), "use crate::{G, Alpha};").unwrap();
+    fs::write(src.join("search/mod.rs"), "mod x; mod y; use x::X;").unwrap();
+    fs::write(src.join("search/x.rs"), "use super::y::Y;").unwrap();
+    fs::write(src.join("search/y.rs"), "use crate::search::x::X; use super::Space;").unwrap();
+    let cycles: Vec<_> = module_roots(src)
+        .into_iter()
+        .filter_map(|(root, prefix)| find_cycle(&sibling_imports(&root, &prefix)))
+        .collect();
+    assert_eq!(cycles.len(), 2, "{cycles:?}");
 }
 
 #[test]

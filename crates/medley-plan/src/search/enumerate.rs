@@ -4,7 +4,6 @@
 use itertools::Itertools;
 use medley_spec::NodeGroup;
 
-use super::template::BlockConfig;
 use crate::partition::StageLoad;
 
 /// Orders of a block's node groups along the pipeline: every permutation for up to four groups;
@@ -70,13 +69,10 @@ pub(super) fn compositions_within(loads: &[StageLoad], n_layers: u32) -> Vec<Vec
     out
 }
 
-/// Calls `visit` with every choice of one configuration per block.
-pub(super) fn for_each_combination<'c>(options: &[&'c [BlockConfig]], visit: &mut impl FnMut(&[&'c BlockConfig])) {
-    fn recurse<'c>(
-        options: &[&'c [BlockConfig]],
-        chosen: &mut Vec<&'c BlockConfig>,
-        visit: &mut impl FnMut(&[&'c BlockConfig]),
-    ) {
+/// Calls `visit` with every choice of one option per block (a configuration per block, in the
+/// search).
+pub(super) fn for_each_combination<'c, T>(options: &[&'c [T]], visit: &mut impl FnMut(&[&'c T])) {
+    fn recurse<'c, T>(options: &[&'c [T]], chosen: &mut Vec<&'c T>, visit: &mut impl FnMut(&[&'c T])) {
         match options.split_first() {
             None => visit(chosen),
             Some((first, rest)) => {
