@@ -59,6 +59,7 @@
 
 pub mod adaptive;
 mod check;
+pub mod context_layer;
 mod error;
 mod generate;
 mod geometry;

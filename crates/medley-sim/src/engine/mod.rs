@@ -10,8 +10,7 @@
 //! block: the pass before it reduces the gradients bucket by bucket, and the optimizer step
 //! waits for them (see `all_reduce`).
 
-use std::cmp::Reverse;
-use std::collections::{BinaryHeap, HashMap, HashSet, VecDeque};
+use std::collections::{HashMap, HashSet};
 
 use medley_collective::{self as collective, Choice, Counts, DomainId, Group, Op, RankSteps, ReduceOp, Step};
 use medley_schedule::{Instruction, Program, RankId};
@@ -22,6 +21,10 @@ use crate::network::{DrainAt, FlowId};
 use crate::{ELEMENT_BYTES, HORIZON_NS, ns};
 use crate::{SimError, Simulation};
 
+// The event core, shared with the long-context layer's executor.
+mod events;
+pub(crate) mod layer;
+use events::{Channels, EventQueue};
 // The step's parts, each an `impl StepRun` over this module's state.
 mod all_reduce;
 use all_reduce::CollectiveState;
@@ -77,29 +80,6 @@ enum Event {
     JoinBucket { group: u32, bucket: u32, rank: usize },
 }
 
-struct Scheduled {
-    at_ns: u64,
-    seq: u64,
-    event: Event,
-}
-
-impl PartialEq for Scheduled {
-    fn eq(&self, other: &Self) -> bool {
-        (self.at_ns, self.seq) == (other.at_ns, other.seq)
-    }
-}
-impl Eq for Scheduled {}
-impl PartialOrd for Scheduled {
-    fn partial_cmp(&self, other: &Self) -> Option<std::cmp::Ordering> {
-        Some(self.cmp(other))
-    }
-}
-impl Ord for Scheduled {
-    fn cmp(&self, other: &Self) -> std::cmp::Ordering {
-        (self.at_ns, self.seq).cmp(&(other.at_ns, other.seq))
-    }
-}
-
 /// A send waiting for its channel.
 #[derive(Clone, Copy, Debug)]
 struct QueuedSend {
@@ -108,13 +88,6 @@ struct QueuedSend {
     to: usize,
     bytes: f64,
     route: medley_plan::Route,
-}
-
-/// The transfers from one rank to another: one on the wire at a time.
-#[derive(Debug, Default)]
-struct Channel {
-    busy: bool,
-    queue: VecDeque<QueuedSend>,
 }
 
 /// What a blocked rank waits for.
@@ -172,12 +145,11 @@ enum PassKind {
 pub(crate) struct StepRun<'s, 'p, 'w> {
     sim: &'s mut Simulation<'p, 'w>,
     programs: &'s [Program],
-    queue: BinaryHeap<Reverse<Scheduled>>,
-    seq: u64,
+    queue: EventQueue<Event>,
     pub ranks: Vec<RankState>,
     mailbox: HashSet<MessageKey>,
     waiting: HashMap<MessageKey, usize>,
-    channels: HashMap<(usize, usize), Channel>,
+    channels: Channels<QueuedSend>,
     /// When each message's send was issued.
     issued_ns: HashMap<MessageKey, u64>,
     /// Per DP group, its collectives (see `all_reduce::collectives`).
@@ -213,12 +185,11 @@ impl<'s, 'p, 'w> StepRun<'s, 'p, 'w> {
         let mut run = StepRun {
             sim,
             programs,
-            queue: BinaryHeap::new(),
-            seq: 0,
+            queue: EventQueue::default(),
             ranks,
             mailbox: HashSet::new(),
             waiting: HashMap::new(),
-            channels: HashMap::new(),
+            channels: Channels::default(),
             issued_ns: HashMap::new(),
             collectives,
             bucket_waits: HashMap::new(),
@@ -256,7 +227,7 @@ impl<'s, 'p, 'w> StepRun<'s, 'p, 'w> {
             if self.queued_work == 0 && self.sim.network.n_flows() == 0 {
                 return Err(self.deadlock());
             }
-            let Some(Reverse(Scheduled { at_ns, event, .. })) = self.queue.pop() else {
+            let Some((at_ns, event)) = self.queue.pop() else {
                 return Err(self.deadlock());
             };
             if !matches!(event, Event::Bandwidth(_)) {
@@ -287,8 +258,7 @@ impl<'s, 'p, 'w> StepRun<'s, 'p, 'w> {
         if !matches!(event, Event::Bandwidth(_)) {
             self.queued_work += 1;
         }
-        self.seq += 1;
-        self.queue.push(Reverse(Scheduled { at_ns, seq: self.seq, event }));
+        self.queue.push(at_ns, event);
     }
 
     fn schedule_drains(&mut self) {

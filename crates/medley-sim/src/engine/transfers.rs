@@ -15,18 +15,13 @@ impl StepRun<'_, '_, '_> {
         self.send(from, to, key, bytes, route);
     }
 
-    /// Starts a transfer; the sender moves on.
     /// Issues a transfer; the sender moves on. Transfers between one pair of ranks go one at a
     /// time, in order, as operations on one NCCL channel do.
     pub(super) fn send(&mut self, from: usize, to: usize, key: MessageKey, bytes: f64, route: medley_plan::Route) {
         self.ranks[from].pending_sends += 1;
         self.issued_ns.insert(key, self.sim.now_ns);
         let send = QueuedSend { key, from, to, bytes, route };
-        let channel = self.channels.entry((from, to)).or_default();
-        if channel.busy {
-            channel.queue.push_back(send);
-        } else {
-            channel.busy = true;
+        if let Some(send) = self.channels.offer(from, to, send) {
             self.start_transfer(send);
         }
     }
@@ -67,10 +62,8 @@ impl StepRun<'_, '_, '_> {
         let transfer = self.sim.network.finish(now, flow, &mut self.drains);
         self.schedule_drains();
         self.push(now + transfer.latency_ns, Event::Deliver(transfer));
-        let channel = self.channels.get_mut(&(transfer.from, transfer.to)).expect("a transfer's channel");
-        match channel.queue.pop_front() {
-            Some(next) => self.start_transfer(next),
-            None => channel.busy = false,
+        if let Some(next) = self.channels.finished(transfer.from, transfer.to) {
+            self.start_transfer(next);
         }
     }
 
