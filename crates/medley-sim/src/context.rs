@@ -15,8 +15,8 @@ use medley_plan::{Stage, StageContext};
 use medley_schedule::context_layer::{AttentionWork, Keys, LayerError, LayerPass, LayerShape, Work, device_programs};
 use medley_spec::{Cluster, DeviceSlot, NodeGroup, Recompute};
 
-use crate::engine::layer::run_layer;
-pub use crate::engine::layer::{DevicePass, PhaseSpan};
+use crate::layer::run_layer;
+pub use crate::layer::{DevicePass, PhaseSpan};
 use crate::{SimError, ns};
 
 /// One layer of a long-context stage: each device's forward and backward.

@@ -21,6 +21,8 @@
 mod adaptive;
 mod context;
 mod engine;
+mod events;
+mod layer;
 mod network;
 pub mod rank;
 mod report;

@@ -22,9 +22,7 @@ use crate::{ELEMENT_BYTES, HORIZON_NS, ns};
 use crate::{SimError, Simulation};
 
 // The event core, shared with the long-context layer's executor.
-mod events;
-pub(crate) mod layer;
-use events::{Channels, EventQueue};
+use crate::events::{Channels, EventQueue};
 // The step's parts, each an `impl StepRun` over this module's state.
 mod all_reduce;
 use all_reduce::CollectiveState;

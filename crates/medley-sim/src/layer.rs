@@ -7,8 +7,8 @@ use medley_cost::comm::{self, Link};
 use medley_schedule::context_layer::{DeviceStreams, LayerOp, Tag, Waiting, Work};
 use medley_spec::{BridgeMode, Cluster, DeviceSlot};
 
-use super::events::{Channels, EventQueue};
 use crate::ELEMENT_BYTES;
+use crate::events::{Channels, EventQueue};
 use crate::network::{DrainAt, Network, ResourceId};
 use crate::ns;
 
