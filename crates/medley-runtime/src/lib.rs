@@ -2,7 +2,7 @@
 //!
 //! One [`Worker`] per pipeline rank of a [`medley_plan::Plan`] (a process, or a thread in tests)
 //! joins the job through `medley-comm`, builds its model chunks as `medley-model` stages and runs
-//! the very [`medley_schedule::Programs`] the simulator executes: forward and backward passes per
+//! the very [`medley_schedule::CheckedPrograms`] the simulator executes: forward and backward passes per
 //! micro-batch, activations and gradients to and from neighbour stages as asynchronous sends and
 //! tagged receives, one gradient all-reduce per data-parallel group over a communicator split
 //! for it (in the plan's algorithm, hierarchical across vendor domains), the optimizer step.

@@ -6,7 +6,7 @@ use std::sync::Arc;
 use std::sync::atomic::AtomicBool;
 
 use medley_plan::max_k_within_memory;
-use medley_schedule::{ScheduleKind, StepSchedules, generate};
+use medley_schedule::{ProgramsByKind, ScheduleKind, StepSchedules};
 use medley_spec::Schedule;
 use medley_trace::Timeline;
 
@@ -80,10 +80,11 @@ impl Worker {
         )?;
         let k_max = max_k_within_memory(&self.plan, &self.options.calibration);
         let mut schedules = StepSchedules::new(options.schedule, k_max);
+        let mut by_kind = ProgramsByKind::default();
         while self.step < options.until_step {
             let kind = schedules.next();
-            let programs = generate(&self.plan, kind)?;
-            let metrics = self.step(&programs, timeline.as_deref_mut())?;
+            let programs = by_kind.get(&self.plan, kind)?;
+            let metrics = self.step(programs, timeline.as_deref_mut())?;
             schedules.observe(kind, metrics.step_time_s, metrics.pipeline_wait_fraction);
             on_step(&metrics)?;
             // Every rank sees the same gathered loss, so all stop together.

@@ -13,7 +13,7 @@ use medley_model::{
     AdamW, HostTensor, MicroBatch, ModelConfig, StageCompute, StageOutput, StageState, context_compute, stage_compute,
 };
 use medley_plan::{LayerRange, Plan};
-use medley_schedule::{Instruction, Programs, RankId};
+use medley_schedule::{CheckedPrograms, Instruction, RankId};
 use medley_trace::timeline::{COLLECTIVE_TID, COMPUTE_TID};
 use medley_trace::{BandwidthTrace, Timeline, TraceWalker};
 use serde_json::json;
@@ -261,7 +261,7 @@ impl Worker {
     /// job's metrics for it, the same on every rank.
     pub fn step(
         &mut self,
-        programs: &Programs,
+        programs: &CheckedPrograms,
         mut timeline: Option<&mut Timeline>,
     ) -> Result<StepMetrics, RuntimeError> {
         let program = programs.programs.iter().find(|program| program.rank == self.layout.id).ok_or_else(|| {
@@ -526,7 +526,7 @@ impl Worker {
 
     /// Every rank's times and losses, gathered so that each rank reports (and adapts to) the same
     /// numbers, and whether any rank has been asked to stop (its first word).
-    fn gather_metrics(&mut self, state: &StepState, programs: &Programs) -> Result<StepMetrics, RuntimeError> {
+    fn gather_metrics(&mut self, state: &StepState, programs: &CheckedPrograms) -> Result<StepMetrics, RuntimeError> {
         let stop = self.stop_requested.as_ref().is_some_and(|flag| flag.load(Ordering::Acquire));
         let mut mine = vec![f64::from(u8::from(stop))];
         mine.extend(state.clock.to_words(state.loss_sum));

@@ -10,11 +10,23 @@ use medley_plan::Plan;
 
 use crate::error::ScheduleError;
 use crate::geometry::{VirtualPipeline, check_chunks, dp_group_chunk, rank_dp_groups};
-use crate::program::{Instruction, Program, Programs, RankId};
+use crate::program::{CheckedPrograms, Instruction, Program, Programs, RankId};
 
-/// Checks `programs` against the validated `plan` they were generated for. Ranks are physical:
-/// with several chunks per rank, one program runs all of a rank's chunks.
-pub fn check(plan: &Plan, programs: &Programs) -> Result<(), ScheduleError> {
+/// Checks `programs` against the validated `plan` they were generated for, and returns them
+/// checked. Ranks are physical: with several chunks per rank, one program runs all of a rank's
+/// chunks.
+pub fn check(plan: &Plan, programs: &Programs) -> Result<CheckedPrograms, ScheduleError> {
+    prove(plan, programs)?;
+    Ok(CheckedPrograms::proven(programs.clone()))
+}
+
+/// [`check`] without the copy, for programs this crate has just generated.
+pub(crate) fn check_owned(plan: &Plan, programs: Programs) -> Result<CheckedPrograms, ScheduleError> {
+    prove(plan, &programs)?;
+    Ok(CheckedPrograms::proven(programs))
+}
+
+fn prove(plan: &Plan, programs: &Programs) -> Result<(), ScheduleError> {
     check_chunks(plan, programs.schedule)?;
     check_ranks(plan, programs)?;
     for program in &programs.programs {

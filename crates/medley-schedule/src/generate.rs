@@ -4,17 +4,20 @@
 use medley_plan::Plan;
 use medley_spec::ScheduleKind;
 
+use crate::check::check_owned;
 use crate::error::ScheduleError;
 use crate::geometry::{VirtualPipeline, check_chunks, dp_group_chunk, rank_dp_groups};
-use crate::program::{Instruction, Program, Programs, RankId};
+use crate::program::{CheckedPrograms, Instruction, Program, Programs, RankId};
 use crate::schedules::{ChunkPass, Pass, passes};
 
 /// Every rank's program for one step of `plan` under `schedule` (a [`Plan`] is valid by
 /// construction); replicas may differ in depth, layer split and micro-batch count, each
 /// running its own pipeline. Fails when the schedule does not run the plan's chunks per rank
 /// (interleaved needs `virtual_stages` > 1, every other kind exactly 1), and for interleaved when
-/// a replica's micro-batch count is neither a multiple of its rank count nor below it.
-pub fn generate(plan: &Plan, schedule: ScheduleKind) -> Result<Programs, ScheduleError> {
+/// a replica's micro-batch count is neither a multiple of its rank count nor below it. The
+/// programs are checked before they are returned: a generator's mistake is an error here, never a
+/// wrong step in an engine.
+pub fn generate(plan: &Plan, schedule: ScheduleKind) -> Result<CheckedPrograms, ScheduleError> {
     check_chunks(plan, schedule)?;
     let mut programs = Vec::new();
     for (replica_idx, replica) in plan.replicas().iter().enumerate() {
@@ -34,7 +37,28 @@ pub fn generate(plan: &Plan, schedule: ScheduleKind) -> Result<Programs, Schedul
             programs.push(Program { rank, instructions });
         }
     }
-    Ok(Programs { schedule, programs })
+    check_owned(plan, Programs { schedule, programs })
+}
+
+/// One plan's checked programs for each schedule kind asked for, each generated once: an adaptive
+/// schedule changes kFkB's k between steps, and its few kinds repeat.
+#[derive(Debug, Default)]
+pub struct ProgramsByKind {
+    generated: Vec<CheckedPrograms>,
+}
+
+impl ProgramsByKind {
+    /// `plan`'s programs under `kind` (always the same plan for one `ProgramsByKind`).
+    pub fn get(&mut self, plan: &Plan, kind: ScheduleKind) -> Result<&CheckedPrograms, ScheduleError> {
+        let idx = match self.generated.iter().position(|programs| programs.schedule == kind) {
+            Some(idx) => idx,
+            None => {
+                self.generated.push(generate(plan, kind)?);
+                self.generated.len() - 1
+            }
+        };
+        Ok(&self.generated[idx])
+    }
 }
 
 /// Wraps each pass in the transfers it needs: a forward receives its input from the previous

@@ -4,7 +4,8 @@
 //! executes, in order, in one training step. [`generate`] turns a validated plan and a
 //! [`ScheduleKind`] into [`Programs`]: one [`Program`] per pipeline rank ([`RankId`]: replica and
 //! pipeline rank, which runs all of its model chunks when the plan has several), a list of
-//! [`Instruction`]s. [`check`] proves a step's programs correct. The simulator
+//! [`Instruction`]s. [`check`] proves a step's programs correct, and [`CheckedPrograms`] are
+//! the only programs the engines take, so neither proves them again. The simulator
 //! executes the programs in simulated time and the runtime executes the very same programs for
 //! real; neither reorders them.
 //!
@@ -70,7 +71,7 @@ mod times;
 pub use adaptive::{AdaptiveK, StepObservation, StepSchedules};
 pub use check::check;
 pub use error::ScheduleError;
-pub use generate::generate;
+pub use generate::{ProgramsByKind, generate};
 pub use medley_spec::{Schedule, ScheduleKind};
-pub use program::{Instruction, Program, Programs, RankId};
+pub use program::{CheckedPrograms, Instruction, Program, Programs, RankId};
 pub use times::RankTimes;

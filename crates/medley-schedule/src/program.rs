@@ -119,6 +119,39 @@ pub struct Programs {
     pub programs: Vec<Program>,
 }
 
+/// A step's programs proven correct for their plan by [`check`](crate::check): the only form the
+/// engines take, so neither proves them again. [`generate`](crate::generate) returns them checked;
+/// programs edited by hand are checked again through [`check`](crate::check).
+#[derive(Clone, Debug, PartialEq, Eq, Serialize)]
+#[serde(transparent)]
+pub struct CheckedPrograms(Programs);
+
+impl CheckedPrograms {
+    /// Wraps programs [`check`](crate::check) has just proven.
+    pub(crate) fn proven(programs: Programs) -> CheckedPrograms {
+        CheckedPrograms(programs)
+    }
+
+    /// The programs, to edit (and check again).
+    pub fn into_programs(self) -> Programs {
+        self.0
+    }
+}
+
+impl std::ops::Deref for CheckedPrograms {
+    type Target = Programs;
+
+    fn deref(&self) -> &Programs {
+        &self.0
+    }
+}
+
+impl fmt::Display for CheckedPrograms {
+    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
+        self.0.fmt(f)
+    }
+}
+
 impl fmt::Display for Programs {
     fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
         writeln!(f, "schedule {}", self.schedule)?;

@@ -6,7 +6,7 @@ use std::io::Write;
 
 use medley_cost::Calibration;
 use medley_plan::{Plan, max_k_within_memory};
-use medley_schedule::StepSchedules;
+use medley_schedule::{ProgramsByKind, StepSchedules};
 use medley_spec::Schedule;
 use serde::Serialize;
 
@@ -54,9 +54,10 @@ pub fn simulate_steps(
     let mut steps = Vec::new();
     let mut last_step = None;
     let mut events: u64 = 0;
+    let mut programs = ProgramsByKind::default();
     for step in 0..n_steps.max(1) {
         let kind = schedules.next();
-        let report = simulation.step(&medley_schedule::generate(plan, kind)?)?;
+        let report = simulation.step(programs.get(plan, kind)?)?;
         schedules.observe(kind, report.step_time_s, report.pipeline_wait_fraction);
         steps.push(StepSummary {
             step,

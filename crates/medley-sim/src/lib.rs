@@ -32,7 +32,7 @@ use std::io::Write;
 
 use medley_cost::Calibration;
 use medley_plan::{Plan, PlanError};
-use medley_schedule::{Programs, ScheduleKind};
+use medley_schedule::{CheckedPrograms, ScheduleKind};
 
 pub use adaptive::{RunReport, StepSummary, simulate_steps};
 pub use context::{ContextLayerReport, DevicePass, PhaseSpan, simulate_context_layer};
@@ -245,11 +245,10 @@ impl<'p, 'w> Simulation<'p, 'w> {
         }
     }
 
-    /// Simulates one step of `programs`, which must be correct programs of this simulation's
-    /// plan: `medley_schedule::check` proves them first.
-    pub fn step(&mut self, programs: &Programs) -> Result<StepReport, SimError> {
+    /// Simulates one step of `programs`, proven correct by `medley_schedule::check` and here
+    /// matched to this simulation's plan by their ranks.
+    pub fn step(&mut self, programs: &CheckedPrograms) -> Result<StepReport, SimError> {
         self.check_programs(programs)?;
-        medley_schedule::check(self.setup.plan, programs)?;
         let mut run = StepRun::new(self, &programs.programs);
         run.run()?;
         Ok(StepReport::of(&run, programs.schedule.to_string()))
@@ -260,7 +259,7 @@ impl<'p, 'w> Simulation<'p, 'w> {
         self.timeline.map_or(Ok(()), Timeline::finish).map_err(SimError::from)
     }
 
-    fn check_programs(&self, programs: &Programs) -> Result<(), SimError> {
+    fn check_programs(&self, programs: &CheckedPrograms) -> Result<(), SimError> {
         let expected: Vec<_> = self.setup.ranks.iter().map(|rank| rank.id).collect();
         let given: Vec<_> = programs.programs.iter().map(|program| program.rank).collect();
         if expected != given {
