@@ -9,7 +9,7 @@ use std::collections::{BTreeMap, BTreeSet};
 use medley_plan::Plan;
 
 use crate::error::ScheduleError;
-use crate::geometry::{VirtualPipeline, check_chunks, dp_group_chunk, rank_dp_groups};
+use crate::geometry::{ReplicaGeometry, VirtualPipeline, check_chunks};
 use crate::program::{CheckedPrograms, Instruction, Program, Programs, RankId};
 
 /// Checks `programs` against the validated `plan` they were generated for, and returns them
@@ -29,8 +29,10 @@ pub(crate) fn check_owned(plan: &Plan, programs: Programs) -> Result<CheckedProg
 fn prove(plan: &Plan, programs: &Programs) -> Result<(), ScheduleError> {
     check_chunks(plan, programs.schedule)?;
     check_ranks(plan, programs)?;
+    let geometries: Vec<ReplicaGeometry> =
+        plan.replicas().iter().map(|replica| ReplicaGeometry::of(plan, replica)).collect();
     for program in &programs.programs {
-        check_program(plan, programs, program)?;
+        check_program(plan, programs, program, &geometries[program.rank.replica as usize])?;
     }
     check_matching(&programs.programs)?;
     execute(plan, &programs.programs)
@@ -69,10 +71,15 @@ struct Seen {
 type Neighbour = fn(VirtualPipeline, usize, u32) -> Option<(usize, u32)>;
 
 /// One rank's program on its own: references, local order, pass counts, groups and memory.
-fn check_program(plan: &Plan, programs: &Programs, program: &Program) -> Result<(), ScheduleError> {
+fn check_program(
+    plan: &Plan,
+    programs: &Programs,
+    program: &Program,
+    geometry: &ReplicaGeometry,
+) -> Result<(), ScheduleError> {
     let rank = program.rank;
     let replica = &plan.replicas()[rank.replica as usize];
-    let pipeline = VirtualPipeline::of(plan, replica);
+    let pipeline = geometry.pipeline;
     let rank_idx = rank.pp_rank as usize;
     let m = replica.n_micro_batches;
     let n_chunks = pipeline.n_chunks;
@@ -168,7 +175,7 @@ fn check_program(plan: &Plan, programs: &Programs, program: &Program) -> Result<
                 if plan.dp_groups().get(dp_group as usize).map(|group| group.layers) != Some(layers) {
                     return malformed(format!("the plan has no dp group {dp_group} over layers {layers}"));
                 }
-                let Some(chunk) = dp_group_chunk(plan, rank, dp_group) else {
+                let Some(chunk) = geometry.group_chunk(rank_idx, dp_group) else {
                     return malformed(format!("the rank holds no layers of dp group {dp_group}"));
                 };
                 let mut of_chunk = seen.iter().skip(chunk as usize).step_by(n_chunks as usize);
@@ -191,7 +198,7 @@ fn check_program(plan: &Plan, programs: &Programs, program: &Program) -> Result<
         let reason = "a step ends with the optimizer step".into();
         return Err(ScheduleError::Malformed { rank, idx: n_instructions - 1, instruction: last, reason });
     }
-    let expected = rank_dp_groups(plan, rank);
+    let expected: Vec<u32> = geometry.groups(rank_idx).iter().map(|&(dp_group, _)| dp_group).collect();
     all_reduced.sort_unstable();
     if all_reduced != expected {
         return Err(ScheduleError::DpGroups { rank, expected, found: all_reduced });

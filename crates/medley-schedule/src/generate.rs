@@ -6,7 +6,7 @@ use medley_spec::ScheduleKind;
 
 use crate::check::check_owned;
 use crate::error::ScheduleError;
-use crate::geometry::{VirtualPipeline, check_chunks, dp_group_chunk, rank_dp_groups};
+use crate::geometry::{ReplicaGeometry, VirtualPipeline, check_chunks};
 use crate::program::{CheckedPrograms, Instruction, Program, Programs, RankId};
 use crate::schedules::{ChunkPass, Pass, passes};
 
@@ -21,7 +21,8 @@ pub fn generate(plan: &Plan, schedule: ScheduleKind) -> Result<CheckedPrograms, 
     check_chunks(plan, schedule)?;
     let mut programs = Vec::new();
     for (replica_idx, replica) in plan.replicas().iter().enumerate() {
-        let pipeline = VirtualPipeline::of(plan, replica);
+        let geometry = ReplicaGeometry::of(plan, replica);
+        let pipeline = geometry.pipeline;
         let (m, n_ranks) = (replica.n_micro_batches, pipeline.n_ranks as u32);
         // Megatron's order over a last group of k micro-batches, 0 < k < p, waits on itself
         // (Megatron-LM refuses it too); below p there is one group and the warm-up covers it.
@@ -32,7 +33,7 @@ pub fn generate(plan: &Plan, schedule: ScheduleKind) -> Result<CheckedPrograms, 
             let rank = RankId::new(replica_idx, rank_idx);
             let passes = passes(schedule, rank_idx, pipeline.n_ranks, pipeline.n_chunks, replica.n_micro_batches);
             let mut instructions = lower_passes(rank, pipeline, &passes);
-            synchronise(plan, rank, &mut instructions);
+            synchronise(plan, geometry.groups(rank_idx), &mut instructions);
             instructions.push(Instruction::OptimizerStep);
             programs.push(Program { rank, instructions });
         }
@@ -110,13 +111,11 @@ fn lower_passes(rank: RankId, pipeline: VirtualPipeline, passes: &[ChunkPass]) -
 /// that pass's gradient send), where the simulator overlaps it with that pass, bucket by bucket,
 /// and the runtime runs it before the rank's remaining chunks. Never earlier than the group
 /// before it, so the order holds whatever order chunks finish in.
-fn synchronise(plan: &Plan, rank: RankId, instructions: &mut Vec<Instruction>) {
-    let groups: Vec<u32> = rank_dp_groups(plan, rank).into_iter().rev().collect();
+fn synchronise(plan: &Plan, groups: &[(u32, u32)], instructions: &mut Vec<Instruction>) {
     let mut placed: Vec<(usize, Instruction)> = Vec::with_capacity(groups.len());
-    for dp_group in groups {
+    for &(dp_group, chunk) in groups.iter().rev() {
         let at = match plan.overlap_grad_reduce() {
-            true => dp_group_chunk(plan, rank, dp_group)
-                .map_or(instructions.len(), |chunk| after_last_backward(instructions, chunk)),
+            true => after_last_backward(instructions, chunk),
             false => instructions.len(),
         };
         let at = placed.last().map_or(at, |&(previous, _)| at.max(previous));

@@ -5,7 +5,6 @@ use medley_plan::{Plan, Replica};
 use medley_spec::ScheduleKind;
 
 use crate::error::ScheduleError;
-use crate::program::RankId;
 
 /// Whether `schedule` runs `plan`'s chunks per rank.
 pub(crate) fn check_chunks(plan: &Plan, schedule: ScheduleKind) -> Result<(), ScheduleError> {
@@ -51,15 +50,35 @@ impl VirtualPipeline {
     }
 }
 
-/// The data-parallel groups whose layers rank `rank` holds in any of its chunks, ascending.
-pub(crate) fn rank_dp_groups(plan: &Plan, rank: RankId) -> Vec<u32> {
-    (0..plan.dp_groups().len() as u32).filter(|&dp_group| dp_group_chunk(plan, rank, dp_group).is_some()).collect()
+/// A replica's geometry, computed once for all its ranks: its pipeline, and for each rank the
+/// data-parallel groups whose layers it holds, ascending, each with the chunk that holds them.
+#[derive(Clone, Debug)]
+pub(crate) struct ReplicaGeometry {
+    pub pipeline: VirtualPipeline,
+    rank_groups: Vec<Vec<(u32, u32)>>,
 }
 
-/// The chunk of rank `rank` that holds data-parallel group `dp_group`'s layers, if any does.
-pub(crate) fn dp_group_chunk(plan: &Plan, rank: RankId, dp_group: u32) -> Option<u32> {
-    let replica = &plan.replicas()[rank.replica as usize];
-    let layers = plan.dp_groups().get(dp_group as usize)?.layers;
-    let mut chunks = replica.stages.iter().skip(rank.pp_rank as usize).step_by(plan.n_ranks(replica));
-    chunks.position(|stage| stage.layers.contains(layers)).map(|chunk| chunk as u32)
+impl ReplicaGeometry {
+    pub fn of(plan: &Plan, replica: &Replica) -> Self {
+        let pipeline = VirtualPipeline::of(plan, replica);
+        let mut rank_groups = vec![Vec::new(); pipeline.n_ranks];
+        for (dp_group, group) in plan.dp_groups().iter().enumerate() {
+            // The first stage holding the group's layers, as a rank and chunk.
+            if let Some(stage_idx) = replica.stages.iter().position(|stage| stage.layers.contains(group.layers)) {
+                let (rank_idx, chunk) = (stage_idx % pipeline.n_ranks, (stage_idx / pipeline.n_ranks) as u32);
+                rank_groups[rank_idx].push((dp_group as u32, chunk));
+            }
+        }
+        ReplicaGeometry { pipeline, rank_groups }
+    }
+
+    /// Rank `rank_idx`'s data-parallel groups, ascending, each with the chunk holding its layers.
+    pub fn groups(&self, rank_idx: usize) -> &[(u32, u32)] {
+        &self.rank_groups[rank_idx]
+    }
+
+    /// The chunk of rank `rank_idx` that holds data-parallel group `dp_group`'s layers, if any.
+    pub fn group_chunk(&self, rank_idx: usize, dp_group: u32) -> Option<u32> {
+        self.groups(rank_idx).iter().find(|&&(group, _)| group == dp_group).map(|&(_, chunk)| chunk)
+    }
 }
