@@ -1,7 +1,8 @@
 //! Context and head parallelism against one process: a stage split over devices (each a thread
 //! here, exchanging through memory) gives the whole model's loss and, summed over its devices,
 //! its gradients — for even and uneven shards, token runs and heads, KV heads shared by several
-//! devices, and stages in a pipeline.
+//! devices, and stages in a pipeline; and each device's collectives are those of the layer order
+//! `medley-schedule` defines and the simulator times.
 
 use std::ops::Range;
 use std::sync::{Arc, Barrier, Mutex};
@@ -11,6 +12,9 @@ use medley_model::data::Dataset;
 use medley_model::{
     ComputeDevice, HostTensor, MicroBatch, ModelConfig, ModelError, StageOutput, StageState, context_compute,
     stage_compute,
+};
+use medley_schedule::context_layer::{
+    HeadShare, KvExchange, LayerCollective, LayerPass, LayerShape, LayerStep, Recompute,
 };
 
 const SEED: u64 = 42;
@@ -223,4 +227,107 @@ fn more_head_parallel_devices_than_kv_heads_match_one_process() {
 fn context_times_head_parallelism_in_a_pipeline_matches_one_process() {
     let groups = head_tail(30, &[(18, vec![10, 8]), (12, vec![5, 7])], &[1, 3]);
     check_against_one_process(30, groups, &[1, 3, 4]);
+}
+
+// ---------------------------------------------------------------------------------------------
+// The runtime's order of collectives is the schedule's, which the simulator times.
+
+/// One collective a device ran: which, and its counts (a row per sender for an all-to-all).
+type Called = (LayerCollective, Vec<Vec<usize>>);
+
+/// [`InMemory`], writing down each collective it runs.
+struct Recording {
+    inner: InMemory,
+    calls: Arc<Mutex<Vec<Called>>>,
+}
+
+impl ContextCollectives for Recording {
+    fn group_all_to_all(&mut self, input: &[f32], counts: &[Vec<usize>]) -> Result<Vec<f32>, ModelError> {
+        self.calls.lock().unwrap().push((LayerCollective::GroupAllToAll, counts.to_vec()));
+        self.inner.group_all_to_all(input, counts)
+    }
+
+    fn lane_all_gather(&mut self, input: &[f32], counts: &[usize]) -> Result<Vec<f32>, ModelError> {
+        self.calls.lock().unwrap().push((LayerCollective::LaneAllGather, vec![counts.to_vec()]));
+        self.inner.lane_all_gather(input, counts)
+    }
+
+    fn lane_reduce_scatter(&mut self, input: &[f32], counts: &[usize]) -> Result<Vec<f32>, ModelError> {
+        self.calls.lock().unwrap().push((LayerCollective::LaneReduceScatter, vec![counts.to_vec()]));
+        self.inner.lane_reduce_scatter(input, counts)
+    }
+}
+
+/// What device (`group`, `member`) of `groups` runs for one micro-batch of `batch` sequences
+/// through `n_layers` layers, by the schedule: every layer's forward steps, then every layer's
+/// backward steps, each collective with its counts (a group of one and a lane of one skip theirs).
+fn scheduled(config: &ModelConfig, groups: &[ContextGroup], group: usize, member: usize, batch: usize) -> Vec<Called> {
+    let placement = ContextPlacement::new(config, groups.to_vec(), group, member).unwrap();
+    let heads: Vec<HeadShare> = (0..placement.group_size())
+        .map(|m| HeadShare { q_heads: placement.q_heads(m).len() as u32, kv_heads: placement.kv_heads(m).len() as u32 })
+        .collect();
+    let sizes = groups.iter().map(|g| (g.positions.len(), g.device_tokens.clone())).collect();
+    let shape = LayerShape::new(config.head_dim(), sizes, &heads, KvExchange::AllGather, Recompute::None).unwrap();
+    let times_batch = |counts: Vec<usize>| counts.into_iter().map(|count| count * batch).collect::<Vec<_>>();
+    let mut calls = Vec::new();
+    for pass in [LayerPass::Forward, LayerPass::Backward] {
+        for _ in 0..config.n_layers {
+            for step in shape.steps(pass) {
+                let counts = match (step, step.collective()) {
+                    (LayerStep::AllToAll(all_to_all), Some(collective)) if heads.len() > 1 => {
+                        let counts = shape.all_to_all_counts(group, all_to_all).into_iter().map(times_batch);
+                        Some((collective, counts.collect()))
+                    }
+                    (_, Some(collective @ (LayerCollective::LaneAllGather | LayerCollective::LaneReduceScatter)))
+                        if groups.len() > 1 =>
+                    {
+                        Some((collective, vec![times_batch(shape.lane_counts(member, 1))]))
+                    }
+                    _ => None,
+                };
+                calls.extend(counts);
+            }
+        }
+    }
+    calls
+}
+
+/// Every device of `groups` runs one micro-batch's forward and backward through the whole model;
+/// each device's collectives, in order, are the schedule's.
+fn check_collectives_follow_the_schedule(seq: usize, groups: Vec<ContextGroup>) {
+    let config = config(seq);
+    let micro_batch = batch(&config, 0, 2);
+    let size = groups[0].q_heads.len();
+    let group_seats: Vec<Vec<Seat>> = groups.iter().map(|_| Seat::table(size)).collect();
+    let lane_seats: Vec<Vec<Seat>> = (0..size).map(|_| Seat::table(groups.len())).collect();
+    let handles: Vec<_> = (0..groups.len())
+        .flat_map(|g| (0..size).map(move |m| (g, m)))
+        .map(|(g, m)| {
+            let (config, groups, micro_batch) = (config.clone(), groups.clone(), micro_batch.clone());
+            let inner = InMemory { group: group_seats[g][m].clone(), lane: lane_seats[m][g].clone() };
+            std::thread::spawn(move || {
+                let calls = Arc::new(Mutex::new(Vec::new()));
+                let collectives = Box::new(Recording { inner, calls: calls.clone() });
+                let placement = ContextPlacement::new(&config, groups.clone(), g, m).unwrap();
+                let layers = 0..config.n_layers;
+                let compute = context_compute(&config, layers.clone(), placement, collectives, ComputeDevice::Cpu);
+                let mut stage = StageState::new(&config, layers, SEED, compute.unwrap()).unwrap();
+                train(std::slice::from_mut(&mut stage), &[micro_batch]);
+                let expected = scheduled(&config, &groups, g, m, 2);
+                assert_eq!(*calls.lock().unwrap(), expected, "group {g} member {m}");
+            })
+        })
+        .collect();
+    for handle in handles {
+        handle.join().unwrap();
+    }
+}
+
+#[test]
+fn the_runtimes_collectives_follow_the_schedules_layer_order() {
+    // Uneven shards over a lane of three; uneven tokens and heads in groups of two; a group of
+    // more devices than KV heads; every device on its own.
+    check_collectives_follow_the_schedule(30, head_tail(30, &[(12, vec![12]), (10, vec![10]), (8, vec![8])], &[4]));
+    check_collectives_follow_the_schedule(30, head_tail(30, &[(18, vec![10, 8]), (12, vec![5, 7])], &[1, 3]));
+    check_collectives_follow_the_schedule(30, head_tail(30, &[(30, vec![7, 8, 7, 8])], &[1, 1, 1, 1]));
 }

@@ -1,14 +1,16 @@
 //! A long-context stage's collectives over the job's communicators: the head group's
-//! all-to-all-v and the lane's ring all-gather-v and reduce-scatter-v, the step lists the
-//! simulator prices; and the pacing that emulates a slower device inside such a pass.
+//! all-to-all-v and the lane's ring all-gather-v and reduce-scatter-v, each with the operation
+//! and algorithm `medley_schedule::context_layer` gives it, whose step lists the simulator
+//! prices; and the pacing that emulates a slower device inside such a pass.
 
 use std::sync::atomic::{AtomicU64, Ordering};
 use std::sync::{Arc, Mutex};
 use std::time::Instant;
 
-use medley_comm::{Algorithm, CommError, Communicator, Counts, Op, ReduceOp};
+use medley_comm::{CommError, Communicator, Counts};
 use medley_model::ModelError;
 use medley_model::context::ContextCollectives;
+use medley_schedule::context_layer::LayerCollective;
 
 /// Emulates a slower device inside passes that communicate: each stretch of computing is
 /// followed, before the collective that ends it, by a sleep of `stretch − 1` times its length, so
@@ -88,6 +90,24 @@ pub(crate) struct CommCollectives {
 }
 
 impl CommCollectives {
+    /// Runs `collective` over its communicator, as a pause in computing.
+    fn run(
+        &mut self,
+        collective: LayerCollective,
+        counts: Counts,
+        input: &[f32],
+        output: &mut [f32],
+    ) -> Result<(), CommError> {
+        let communicator = match collective {
+            LayerCollective::GroupAllToAll => &mut self.group,
+            LayerCollective::LaneAllGather | LayerCollective::LaneReduceScatter => &mut self.lane,
+        };
+        let (op, algorithm) = (collective.op(), collective.algorithm());
+        let result = self.pacer.around(|| communicator.collective(op, &counts, Some(algorithm), input, output));
+        self.count_sent();
+        result
+    }
+
     fn count_sent(&self) {
         self.sent.store(self.group.bytes_sent() + self.lane.bytes_sent(), Ordering::Relaxed);
     }
@@ -102,33 +122,22 @@ impl ContextCollectives for CommCollectives {
         let me = self.group.rank();
         let mut output = vec![0f32; counts.iter().map(|row| row[me]).sum()];
         let counts = Counts::PerPair(counts.to_vec());
-        let group = &mut self.group;
-        self.pacer
-            .around(|| group.collective(Op::AllToAll, &counts, Some(Algorithm::Pairwise), input, &mut output))
+        self.run(LayerCollective::GroupAllToAll, counts, input, &mut output)
             .map_err(failed("the head group's all-to-all"))?;
-        self.count_sent();
         Ok(output)
     }
 
     fn lane_all_gather(&mut self, input: &[f32], counts: &[usize]) -> Result<Vec<f32>, ModelError> {
         let mut output = vec![0f32; counts.iter().sum()];
-        let counts = Counts::PerRank(counts.to_vec());
-        let lane = &mut self.lane;
-        self.pacer
-            .around(|| lane.collective(Op::AllGather, &counts, Some(Algorithm::Ring), input, &mut output))
+        self.run(LayerCollective::LaneAllGather, Counts::PerRank(counts.to_vec()), input, &mut output)
             .map_err(failed("the lane's all-gather of keys and values"))?;
-        self.count_sent();
         Ok(output)
     }
 
     fn lane_reduce_scatter(&mut self, input: &[f32], counts: &[usize]) -> Result<Vec<f32>, ModelError> {
         let mut output = vec![0f32; counts[self.lane.rank()]];
-        let (op, counts) = (Op::ReduceScatter { op: ReduceOp::Sum }, Counts::PerRank(counts.to_vec()));
-        let lane = &mut self.lane;
-        self.pacer
-            .around(|| lane.collective(op, &counts, Some(Algorithm::Ring), input, &mut output))
+        self.run(LayerCollective::LaneReduceScatter, Counts::PerRank(counts.to_vec()), input, &mut output)
             .map_err(failed("the lane's reduce-scatter of the keys' and values' gradients"))?;
-        self.count_sent();
         Ok(output)
     }
 }

@@ -1,10 +1,15 @@
 //! [`StageCompute`] for one device of a long-context stage (see [`crate::context`]): each layer
 //! is three autodiff graphs — up to Q, K and V of the device's tokens; attention of the group's
 //! tokens for the device's heads over every group's keys; the output projection and MLP — joined
-//! by the all-to-alls and the lane's all-gather, which the backward runs in reverse.
+//! by the all-to-alls and the lane's all-gather, which the backward runs in reverse. Between the
+//! matmuls, a layer walks `medley_schedule::context_layer`'s steps, the order the simulator times.
 
 use std::collections::HashMap;
 use std::ops::Range;
+
+use medley_schedule::context_layer::{
+    AllToAll, AttentionWork, KvExchange, LayerPass, LayerStep, Recompute, layer_steps,
+};
 
 use super::burn::tensor::{Bool, Int};
 
@@ -218,33 +223,75 @@ impl ContextStage {
     }
 
     /// One layer's attention for this device's tokens' `q`, `k`, `v` (`[batch, tokens, heads,
-    /// head_dim]`): to the heads, the lane's keys and values, attention, back to the tokens.
+    /// head_dim]`): the forward's steps between its matmuls, in the schedule's order (to the
+    /// heads, the lane's keys and values and attention on them, back to the tokens).
     fn attend(&mut self, [q, k, v]: [HostTensor; 3]) -> Result<(Attention, HostTensor), ModelError> {
-        let group = self.send_to_heads(&[(&q, Heads::Query), (&k, Heads::KeyValue), (&v, Heads::KeyValue)])?;
-        let (k, v) = self.lane_keys_values(&group[1], &group[2])?;
-        let leaf = |t: &HostTensor| self.weights.host_to_device::<4>(t).require_grad();
-        let (q, k, v) = (leaf(&group[0]), leaf(&k), leaf(&v));
-        let out = self.attention(q.clone(), k.clone(), v.clone());
-        let tokens = self.send_to_tokens(&[(&device_to_host(out.clone().detach())?, Heads::Query)])?;
-        Ok((Attention { q, k, v, out }, tokens.into_iter().next().expect("one tensor in, one out")))
+        let (mut heads, mut attention, mut tokens) = (None, None, None);
+        for step in runtime_steps(LayerPass::Forward) {
+            match step {
+                // The segments' graphs run the matmuls, before and after.
+                LayerStep::Matmuls(_) => {}
+                LayerStep::AllToAll(AllToAll::QkvToHeads) => {
+                    let tensors = [(&q, Heads::Query), (&k, Heads::KeyValue), (&v, Heads::KeyValue)];
+                    heads = Some(self.send_to_heads(&tensors)?);
+                }
+                LayerStep::KeysValues { copies: 1, attention: AttentionWork::Forward } => {
+                    let group = heads.take().ok_or_else(|| out_of_order(step))?;
+                    let (k, v) = self.lane_keys_values(&group[1], &group[2])?;
+                    let leaf = |t: &HostTensor| self.weights.host_to_device::<4>(t).require_grad();
+                    let (q, k, v) = (leaf(&group[0]), leaf(&k), leaf(&v));
+                    let out = self.attention(q.clone(), k.clone(), v.clone());
+                    attention = Some(Attention { q, k, v, out });
+                }
+                LayerStep::AllToAll(AllToAll::OutputToTokens) => {
+                    let out = &attention.as_ref().ok_or_else(|| out_of_order(step))?.out;
+                    let out = device_to_host(out.clone().detach())?;
+                    tokens = self.send_to_tokens(&[(&out, Heads::Query)])?.into_iter().next();
+                }
+                step => return Err(unsupported(step)),
+            }
+        }
+        let last = LayerStep::AllToAll(AllToAll::OutputToTokens);
+        attention.zip(tokens).ok_or_else(|| out_of_order(last))
     }
 
-    /// The backward of one layer's attention from its output's gradient for this device's tokens:
-    /// the gradients of those tokens' Q, K and V.
+    /// The backward of one layer's attention from its output's gradient for this device's tokens,
+    /// in the schedule's order (to the heads, attention's backward, the keys' and values'
+    /// gradients over the lane, back to the tokens): the gradients of those tokens' Q, K and V.
     fn attend_backward(&mut self, attention: Attention, d_out: &HostTensor) -> Result<[HostTensor; 3], ModelError> {
-        let d_out = self.send_to_heads(&[(d_out, Heads::Query)])?.remove(0);
-        let gradients = (attention.out * self.weights.host_to_device::<4>(&d_out)).sum().backward();
-        let grad = |leaf: &Tensor<4>| {
-            let grad = leaf
-                .grad(&gradients)
-                .ok_or_else(|| ModelError::Context("attention left a leaf without gradient".into()))?;
-            device_to_host(grad)
-        };
-        let (dq, dk, dv) = (grad(&attention.q)?, grad(&attention.k)?, grad(&attention.v)?);
-        let (dk, dv) = self.lane_gradients(&dk, &dv)?;
-        let tokens = self.send_to_tokens(&[(&dq, Heads::Query), (&dk, Heads::KeyValue), (&dv, Heads::KeyValue)])?;
-        let [dq, dk, dv]: [HostTensor; 3] = tokens.try_into().expect("three tensors in, three out");
-        Ok([dq, dk, dv])
+        let (mut attention, mut d_heads, mut grads, mut tokens) = (Some(attention), None, None, None);
+        for step in runtime_steps(LayerPass::Backward) {
+            match step {
+                LayerStep::Matmuls(_) => {}
+                LayerStep::AllToAll(AllToAll::OutputGradToHeads) => {
+                    d_heads = self.send_to_heads(&[(d_out, Heads::Query)])?.into_iter().next();
+                }
+                LayerStep::Attention(AttentionWork::Backward { recomputed: false }) => {
+                    let (attention, d_out) = attention.take().zip(d_heads.take()).ok_or_else(|| out_of_order(step))?;
+                    let gradients = (attention.out * self.weights.host_to_device::<4>(&d_out)).sum().backward();
+                    let grad = |leaf: &Tensor<4>| {
+                        let grad = leaf
+                            .grad(&gradients)
+                            .ok_or_else(|| ModelError::Context("attention left a leaf without gradient".into()))?;
+                        device_to_host(grad)
+                    };
+                    grads = Some([grad(&attention.q)?, grad(&attention.k)?, grad(&attention.v)?]);
+                }
+                LayerStep::KvGradients => {
+                    let [dq, dk, dv] = grads.take().ok_or_else(|| out_of_order(step))?;
+                    let (dk, dv) = self.lane_gradients(&dk, &dv)?;
+                    grads = Some([dq, dk, dv]);
+                }
+                LayerStep::AllToAll(AllToAll::QkvGradToTokens) => {
+                    let [dq, dk, dv] = grads.take().ok_or_else(|| out_of_order(step))?;
+                    let tensors = [(&dq, Heads::Query), (&dk, Heads::KeyValue), (&dv, Heads::KeyValue)];
+                    tokens = Some(self.send_to_tokens(&tensors)?);
+                }
+                step => return Err(unsupported(step)),
+            }
+        }
+        let tokens = tokens.ok_or_else(|| out_of_order(LayerStep::AllToAll(AllToAll::QkvGradToTokens)))?;
+        Ok(tokens.try_into().expect("three tensors in, three out"))
     }
 
     /// Causal attention of the group's queries over every key, by global position.
@@ -335,6 +382,22 @@ fn concat_tokens(parts: &[Vec<f32>], runs: &[usize], layout: HeadsLayout) -> Hos
         }
     }
     HostTensor::new(vec![layout.batch, layout.tokens, layout.heads, layout.head_dim], data)
+}
+
+/// The runtime's order of a layer's steps: the schedule's, with keys and values all-gathered
+/// and nothing recomputed (the autodiff graphs keep the forward's activations).
+fn runtime_steps(pass: LayerPass) -> Vec<LayerStep> {
+    layer_steps(pass, KvExchange::AllGather, Recompute::None)
+}
+
+/// A step this stage does not run.
+fn unsupported(step: LayerStep) -> ModelError {
+    ModelError::Context(format!("the long-context stage does not run the layer step {step:?}"))
+}
+
+/// A step whose inputs no earlier step produced.
+fn out_of_order(step: LayerStep) -> ModelError {
+    broken(&format!("layer step {step:?} out of order"))
 }
 
 /// A broken promise of this module's own bookkeeping, reported rather than panicking.
