@@ -9,8 +9,6 @@
 //! stale. Versions come from one counter for the whole network: a slot reused by a later flow
 //! never shares a version with its earlier occupant's pending drain events. Rates are bytes per nanosecond (numerically GB/s).
 
-use std::collections::BTreeSet;
-
 pub(crate) type ResourceId = usize;
 pub(crate) type FlowId = usize;
 
@@ -43,11 +41,24 @@ pub(crate) struct Network<P> {
     flows: Vec<Option<Flow<P>>>,
     free_slots: Vec<FlowId>,
     last_version: u64,
+    /// The search for a component marks what it has reached with its own number, so that it
+    /// needs no set of its own: `resource_marks[r]`, `flow_marks[f]`.
+    search: u64,
+    resource_marks: Vec<u64>,
+    flow_marks: Vec<u64>,
 }
 
 impl<P> Network<P> {
     pub(crate) fn new() -> Self {
-        Network { resources: Vec::new(), flows: Vec::new(), free_slots: Vec::new(), last_version: 0 }
+        Network {
+            resources: Vec::new(),
+            flows: Vec::new(),
+            free_slots: Vec::new(),
+            last_version: 0,
+            search: 0,
+            resource_marks: Vec::new(),
+            flow_marks: Vec::new(),
+        }
     }
 
     /// A resource of `capacity` bytes per ns at full bandwidth.
@@ -156,21 +167,31 @@ impl<P> Network<P> {
     }
 
     /// The flows and resources reachable from `seeds` through shared resources, sorted.
-    fn component(&self, seeds: &[ResourceId]) -> (Vec<FlowId>, Vec<ResourceId>) {
-        let mut resources: BTreeSet<ResourceId> = BTreeSet::new();
-        let mut flows: BTreeSet<FlowId> = BTreeSet::new();
+    fn component(&mut self, seeds: &[ResourceId]) -> (Vec<FlowId>, Vec<ResourceId>) {
+        self.search += 1;
+        let search = self.search;
+        self.resource_marks.resize(self.resources.len(), 0);
+        self.flow_marks.resize(self.flows.len(), 0);
+        let (mut flows, mut resources) = (Vec::new(), Vec::new());
         let mut frontier: Vec<ResourceId> = seeds.to_vec();
         while let Some(resource) = frontier.pop() {
-            if !resources.insert(resource) {
+            if self.resource_marks[resource] == search {
                 continue;
             }
+            self.resource_marks[resource] = search;
+            resources.push(resource);
             for &id in &self.resources[resource].flows {
-                if flows.insert(id) {
-                    frontier.extend(self.flow(id).path.iter().copied().filter(|r| !resources.contains(r)));
+                if self.flow_marks[id] != search {
+                    self.flow_marks[id] = search;
+                    flows.push(id);
+                    let path = &self.flows[id].as_ref().expect("live flow").path;
+                    frontier.extend(path.iter().copied().filter(|&r| self.resource_marks[r] != search));
                 }
             }
         }
-        (flows.into_iter().collect(), resources.into_iter().collect())
+        flows.sort_unstable();
+        resources.sort_unstable();
+        (flows, resources)
     }
 
     /// Progressive filling: raise every unfrozen flow's rate together until a resource is full

@@ -12,6 +12,7 @@
 
 use std::io::{self, Write};
 
+use serde::Serialize;
 use serde_json::{Value, json};
 
 /// Thread ids: fixed streams first, transfer lanes after.
@@ -29,9 +30,37 @@ pub fn lane_tid(lane: u32) -> u32 {
 /// so the simulation loop need not handle it at every event.
 pub struct Timeline<'w> {
     out: &'w mut dyn Write,
+    /// Each event is written here first, then to `out` in one piece.
+    buffer: Vec<u8>,
     wrote_event: bool,
     error: Option<io::Error>,
     next_flow_id: u64,
+}
+
+/// A complete slice, its keys in the order `serde_json::Value` writes them (sorted), so that it
+/// reads as every other event does.
+#[derive(Serialize)]
+struct Slice<'a> {
+    args: &'a Value,
+    cat: &'a str,
+    dur: f64,
+    name: &'a str,
+    ph: &'static str,
+    pid: u32,
+    tid: u32,
+    ts: f64,
+}
+
+/// One end of a flow arrow, its keys sorted as [`Slice`]'s.
+#[derive(Serialize)]
+struct FlowEnd<'a> {
+    cat: &'static str,
+    id: u64,
+    name: &'a str,
+    ph: &'static str,
+    pid: u32,
+    tid: u32,
+    ts: f64,
 }
 
 /// The pause drawn between the segments of a merged trace, µs.
@@ -39,24 +68,24 @@ const SEGMENT_GAP_US: f64 = 1_000.0;
 
 impl<'w> Timeline<'w> {
     pub fn new(out: &'w mut dyn Write) -> Self {
-        let mut timeline = Timeline { out, wrote_event: false, error: None, next_flow_id: 0 };
+        let mut timeline = Timeline { out, buffer: Vec::new(), wrote_event: false, error: None, next_flow_id: 0 };
         timeline.raw(br#"{"displayTimeUnit":"ns","traceEvents":["#);
         timeline
     }
 
     /// Names a rank's process and its fixed threads; `sort` orders processes in the viewer.
     pub fn process(&mut self, pid: u32, name: &str, sort: u32) {
-        self.event(json!({"ph": "M", "name": "process_name", "pid": pid, "args": {"name": name}}));
-        self.event(json!({"ph": "M", "name": "process_sort_index", "pid": pid, "args": {"sort_index": sort}}));
+        self.event(&json!({"ph": "M", "name": "process_name", "pid": pid, "args": {"name": name}}));
+        self.event(&json!({"ph": "M", "name": "process_sort_index", "pid": pid, "args": {"sort_index": sort}}));
         self.thread(pid, COMPUTE_TID, "compute");
         self.thread(pid, COLLECTIVE_TID, "collectives");
     }
 
     /// Names a thread; threads sort by id.
     pub fn thread(&mut self, pid: u32, tid: u32, name: &str) {
-        self.event(json!({"ph": "M", "name": "thread_name", "pid": pid, "tid": tid, "args": {"name": name}}));
+        self.event(&json!({"ph": "M", "name": "thread_name", "pid": pid, "tid": tid, "args": {"name": name}}));
         self.event(
-            json!({"ph": "M", "name": "thread_sort_index", "pid": pid, "tid": tid, "args": {"sort_index": tid}}),
+            &json!({"ph": "M", "name": "thread_sort_index", "pid": pid, "tid": tid, "args": {"sort_index": tid}}),
         );
     }
 
@@ -64,10 +93,8 @@ impl<'w> Timeline<'w> {
     pub fn slice(&mut self, track: (u32, u32), name: &str, category: &str, span_ns: (u64, u64), args: Value) {
         let (pid, tid) = track;
         let (start_ns, end_ns) = span_ns;
-        self.event(json!({
-            "ph": "X", "name": name, "cat": category, "pid": pid, "tid": tid,
-            "ts": micros(start_ns), "dur": micros(end_ns - start_ns), "args": args,
-        }));
+        let (ts, dur) = (micros(start_ns), micros(end_ns - start_ns));
+        self.event(&Slice { args: &args, cat: category, dur, name, ph: "X", pid, tid, ts });
     }
 
     /// A flow arrow from the slice on `from` that encloses `from_ns` to the next slice on `to`
@@ -75,15 +102,14 @@ impl<'w> Timeline<'w> {
     pub fn arrow(&mut self, name: &str, from: (u32, u32), from_ns: u64, to: (u32, u32), to_ns: u64) {
         let id = self.next_flow_id;
         self.next_flow_id += 1;
-        self.event(json!({"ph": "s", "name": name, "cat": "transfer", "id": id, "pid": from.0, "tid": from.1, "ts": micros(from_ns)}));
-        self.event(json!({
-            "ph": "f", "name": name, "cat": "transfer", "id": id,
-            "pid": to.0, "tid": to.1, "ts": micros(to_ns),
-        }));
+        let (pid, tid, ts) = (from.0, from.1, micros(from_ns));
+        self.event(&FlowEnd { cat: "transfer", id, name, ph: "s", pid, tid, ts });
+        let (pid, tid, ts) = (to.0, to.1, micros(to_ns));
+        self.event(&FlowEnd { cat: "transfer", id, name, ph: "f", pid, tid, ts });
     }
 
     pub fn counter(&mut self, pid: u32, name: &str, at_ns: u64, value: f64) {
-        self.event(json!({"ph": "C", "name": name, "pid": pid, "ts": micros(at_ns), "args": {name: value}}));
+        self.event(&json!({"ph": "C", "name": name, "pid": pid, "ts": micros(at_ns), "args": {name: value}}));
     }
 
     /// Closes the JSON document; the first write error, if any.
@@ -97,16 +123,16 @@ impl<'w> Timeline<'w> {
         self.error.map_or(Ok(()), Err)
     }
 
-    fn event(&mut self, event: Value) {
+    fn event(&mut self, event: &impl Serialize) {
         if self.error.is_some() {
             return;
         }
-        let separator: &[u8] = if self.wrote_event { b",\n" } else { b"\n" };
+        self.buffer.clear();
+        self.buffer.extend_from_slice(if self.wrote_event { b",\n" } else { b"\n" });
         self.wrote_event = true;
-        let result = self
-            .out
-            .write_all(separator)
-            .and_then(|()| serde_json::to_writer(&mut *self.out, &event).map_err(io::Error::from));
+        let result = serde_json::to_writer(&mut self.buffer, event)
+            .map_err(io::Error::from)
+            .and_then(|()| self.out.write_all(&self.buffer));
         if let Err(err) = result {
             self.error = Some(err);
         }

@@ -19,8 +19,8 @@ pub(super) struct CollectiveState {
     /// Lowered when every member has joined; a group's buckets share one lowering.
     steps: Option<Rc<Vec<RankSteps>>>,
     cursors: Vec<usize>,
-    sent: HashMap<(u32, u32), u32>,
-    received: HashMap<(u32, u32), u32>,
+    sent: FxHashMap<(u32, u32), u32>,
+    received: FxHashMap<(u32, u32), u32>,
     bytes: f64,
 }
 
@@ -38,8 +38,8 @@ pub(super) fn collectives(setup: &crate::setup::Setup, overlapped: bool) -> Vec<
                     joined_ns: vec![None; members.len()],
                     steps: None,
                     cursors: vec![0; members.len()],
-                    sent: HashMap::new(),
-                    received: HashMap::new(),
+                    sent: FxHashMap::default(),
+                    received: FxHashMap::default(),
                     bytes: bytes / f64::from(n_buckets),
                 })
                 .collect()
@@ -162,6 +162,7 @@ impl StepRun<'_, '_, '_> {
                     if !self.mailbox.remove(&key) {
                         return Err(key);
                     }
+                    self.issued_ns.remove(&key);
                     next_seq(&mut self.collectives[group_idx][bucket as usize].received, from, member);
                 }
                 // Local memory passes run at HBM speed, far beneath the transfers they sit between.
@@ -227,7 +228,7 @@ impl StepRun<'_, '_, '_> {
     }
 }
 
-fn next_seq(counters: &mut HashMap<(u32, u32), u32>, from: usize, to: usize) -> u32 {
+fn next_seq(counters: &mut FxHashMap<(u32, u32), u32>, from: usize, to: usize) -> u32 {
     let counter = counters.entry((from as u32, to as u32)).or_insert(0);
     *counter += 1;
     *counter - 1

@@ -10,7 +10,7 @@
 //! block: the pass before it reduces the gradients bucket by bucket, and the optimizer step
 //! waits for them (see `all_reduce`).
 
-use std::collections::{HashMap, HashSet};
+use rustc_hash::{FxHashMap, FxHashSet};
 
 use medley_collective::{self as collective, Choice, Counts, DomainId, Group, Op, RankSteps, ReduceOp, Step};
 use medley_schedule::{Instruction, Program, RankId};
@@ -145,17 +145,17 @@ pub(crate) struct StepRun<'s, 'p, 'w> {
     programs: &'s [Program],
     queue: EventQueue<Event>,
     pub ranks: Vec<RankState>,
-    mailbox: HashSet<MessageKey>,
-    waiting: HashMap<MessageKey, usize>,
+    mailbox: FxHashSet<MessageKey>,
+    waiting: FxHashMap<MessageKey, usize>,
     channels: Channels<QueuedSend>,
-    /// When each message's send was issued.
-    issued_ns: HashMap<MessageKey, u64>,
+    /// When each message not yet consumed was issued (a rank waiting on it reads it once).
+    issued_ns: FxHashMap<MessageKey, u64>,
     /// Per DP group, its collectives (see `all_reduce::collectives`).
     collectives: Vec<Vec<CollectiveState>>,
     /// Overlapped buckets waiting on a message: group, bucket, member.
-    bucket_waits: HashMap<MessageKey, (u32, u32, usize)>,
+    bucket_waits: FxHashMap<MessageKey, (u32, u32, usize)>,
     /// The (rank, group) reductions already started by the pass before them.
-    launched: HashSet<(usize, u32)>,
+    launched: FxHashSet<(usize, u32)>,
     drains: Vec<DrainAt>,
     n_done: usize,
     pub start_ns: u64,
@@ -185,13 +185,13 @@ impl<'s, 'p, 'w> StepRun<'s, 'p, 'w> {
             programs,
             queue: EventQueue::default(),
             ranks,
-            mailbox: HashSet::new(),
-            waiting: HashMap::new(),
+            mailbox: FxHashSet::default(),
+            waiting: FxHashMap::default(),
             channels: Channels::default(),
-            issued_ns: HashMap::new(),
+            issued_ns: FxHashMap::default(),
             collectives,
-            bucket_waits: HashMap::new(),
-            launched: HashSet::new(),
+            bucket_waits: FxHashMap::default(),
+            launched: FxHashSet::default(),
             drains: Vec::new(),
             n_done: 0,
             start_ns,
@@ -278,7 +278,7 @@ impl<'s, 'p, 'w> StepRun<'s, 'p, 'w> {
             let now = self.now();
             // The wait is the peer's until the awaited message was issued, the network's after.
             let issued_ns = match wait {
-                Wait::Message(key) => self.issued_ns.get(&key).map_or(now, |&at| at.clamp(since_ns, now)),
+                Wait::Message(key) => self.issued_ns.remove(&key).map_or(now, |at| at.clamp(since_ns, now)),
                 Wait::CollectiveStart(_) => now,
                 Wait::Sends | Wait::Reductions => since_ns,
             };
@@ -386,6 +386,7 @@ impl<'s, 'p, 'w> StepRun<'s, 'p, 'w> {
     /// Consumes a delivered message, or blocks the rank until it arrives.
     fn take(&mut self, rank: usize, key: MessageKey) -> bool {
         if self.mailbox.remove(&key) {
+            self.issued_ns.remove(&key);
             return true;
         }
         self.waiting.insert(key, rank);
