@@ -79,7 +79,7 @@ const SPEED_LAYOUT: Layout = Layout {
     degrees: Degrees::new(8, 16, 8),
     recompute: Recompute::Selective,
 };
-pub const SPEED_TARGET_S: f64 = 0.5;
+pub const SPEED_TARGET_S: f64 = 0.4;
 pub const MEMORY_TARGET_MIB: f64 = 1024.0;
 
 /// The Ada-Grouper setting (Wang et al. 2023): a pipeline across nodes of a shared cluster, one
