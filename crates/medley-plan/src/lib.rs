@@ -16,6 +16,7 @@ mod layers;
 pub mod long_context;
 mod partition;
 mod plan;
+mod replica_shape;
 mod search;
 pub mod shard_split;
 
@@ -27,7 +28,7 @@ pub use evaluate::{PipelineTiming, Prediction, Utilisation, evaluate, max_k_with
 pub use layers::LayerRange;
 pub use partition::{ClassShare, MAX_GROUPS, ReplicaClass, StageLoad, min_max_layers, split_micro_batches};
 pub use plan::{
-    DpGroup, GradientAlgorithm, PLAN_VERSION, PLAN_VERSION_WITHOUT_CONTEXT, Plan, PlanParts, Replica, ReplicaShape,
-    Route, Stage,
+    DpGroup, GradientAlgorithm, PLAN_VERSION, PLAN_VERSION_WITHOUT_CONTEXT, Plan, PlanParts, Replica, Route, Stage,
 };
+pub use replica_shape::ReplicaShape;
 pub use search::{SearchOptions, search};

@@ -21,7 +21,9 @@ mod calibrate;
 mod checkpoint;
 mod context;
 mod device;
+mod emulation;
 mod error;
+mod groups;
 mod host_available;
 mod host_memory;
 mod layout;
@@ -38,6 +40,7 @@ pub use checkpoint::{
     verify_checkpoint,
 };
 pub use device::DeviceChoice;
+pub use emulation::time_dilation;
 pub use error::RuntimeError;
 pub use host_available::check_memory;
 pub use host_memory::{HostMemory, calibration_memory, worker_memory};
@@ -45,4 +48,4 @@ pub use layout::{ContextSeat, EmulatedDevice, RankLayout, check_runnable, contex
 pub use metrics::{RankMetrics, StepMetrics};
 pub use run_dir::{ClaimedRun, Emulation, RunDir};
 pub use train::{StopRequest, TrainEnd, TrainOptions};
-pub use worker::{LinkEmulation, Worker, WorkerOptions, time_dilation};
+pub use worker::{LinkEmulation, Worker, WorkerOptions};

@@ -7,6 +7,7 @@
 //! this worker's program receives them in (with several chunks per rank, activations and
 //! gradients share a pair of ranks): a receive keeps messages it does not want yet in a stash.
 
+use medley_model::HostTensor;
 use std::collections::BTreeMap;
 
 use medley_comm::Communicator;
@@ -117,4 +118,43 @@ impl Mailbox {
 
 fn protocol(peer: usize, reason: String) -> RuntimeError {
     RuntimeError::Program { rank: format!("rank {peer}"), reason }
+}
+
+/// The indices into `from` and into `to` (both ascending positions) of the positions they share.
+pub(crate) fn overlap(from: &[usize], to: &[usize]) -> (Vec<usize>, Vec<usize>) {
+    let (mut i, mut j) = (0, 0);
+    let (mut from_rows, mut to_rows) = (Vec::new(), Vec::new());
+    while i < from.len() && j < to.len() {
+        match from[i].cmp(&to[j]) {
+            std::cmp::Ordering::Less => i += 1,
+            std::cmp::Ordering::Greater => j += 1,
+            std::cmp::Ordering::Equal => {
+                from_rows.push(i);
+                to_rows.push(j);
+                (i, j) = (i + 1, j + 1);
+            }
+        }
+    }
+    (from_rows, to_rows)
+}
+
+/// `rows` of every batch row of `tensor` (`[batch, tokens, hidden]`), in order.
+pub(crate) fn select_rows(tensor: &HostTensor, rows: &[usize]) -> Vec<f32> {
+    let (tokens, hidden) = (tensor.shape[1], tensor.shape[2]);
+    let mut data = Vec::with_capacity(tensor.shape[0] * rows.len() * hidden);
+    for batch_row in tensor.data.chunks(tokens * hidden) {
+        rows.iter().for_each(|&row| data.extend_from_slice(&batch_row[row * hidden..(row + 1) * hidden]));
+    }
+    data
+}
+
+/// Writes `data` (`select_rows`' layout) into `rows` of `tensor`.
+pub(crate) fn place_rows(tensor: &mut HostTensor, rows: &[usize], data: &[f32]) {
+    let (tokens, hidden) = (tensor.shape[1], tensor.shape[2]);
+    let mut parts = data.chunks(hidden);
+    for batch_row in tensor.data.chunks_mut(tokens * hidden) {
+        for (&row, part) in rows.iter().zip(parts.by_ref()) {
+            batch_row[row * hidden..(row + 1) * hidden].copy_from_slice(part);
+        }
+    }
 }

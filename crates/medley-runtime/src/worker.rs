@@ -18,11 +18,13 @@ use medley_trace::timeline::{COLLECTIVE_TID, COMPUTE_TID};
 use medley_trace::{BandwidthTrace, Timeline, TraceWalker};
 use serde_json::json;
 
-use crate::context::{CommCollectives, Pacer};
+use crate::context::Pacer;
+use crate::emulation::{emulated, stretched};
 use crate::error::CommContext;
+use crate::groups::{split_context_groups, split_dp_groups};
 use crate::metrics::{StepClock, StepMetrics};
 use crate::native::{NativeGroup, native_group};
-use crate::p2p::{Kind, Mailbox, Tag};
+use crate::p2p::{Kind, Mailbox, Tag, overlap, place_rows, select_rows};
 use crate::{DeviceChoice, RankLayout, RuntimeError};
 
 /// How a worker trains.
@@ -544,25 +546,6 @@ impl Worker {
     }
 }
 
-/// Runs a pass at the emulated device's speed: paced around its collectives on a long-context
-/// stage (their time counted as the step's collective time), stretched as a whole otherwise.
-fn emulated<T>(pacer: Option<&Pacer>, stretch: f64, clock: &mut StepClock, pass: impl FnOnce() -> T) -> T {
-    let Some(pacer) = pacer else { return stretched(stretch, pass) };
-    pacer.begin_pass();
-    let result = pass();
-    clock.collective_s += pacer.end_pass();
-    result
-}
-
-/// The common factor by which an emulated fleet's devices are slowed so that `workers` sharing
-/// `cores` keep their promise: when every worker computes at once (a pipeline's steady state, a
-/// step's first passes) each gets `cores / workers` of a core, so a pass takes `workers / cores`
-/// times its processor time. Every device is that much slower again (the fastest too), and the
-/// prediction with it; passes are paced by processor time, so the slowdown is not counted twice.
-pub fn time_dilation(workers: usize, cores: usize) -> f64 {
-    (workers as f64 / cores.max(1) as f64).max(1.0)
-}
-
 /// Checks that every worker of the job was started with the same `fields` (a name people know
 /// it by, and its value as text): each worker's hashes are gathered by all, so every worker stops
 /// with the same error naming the first worker and field that differ from worker 0's — instead
@@ -592,21 +575,6 @@ pub(crate) fn check_same_job(world: &mut Communicator, fields: &[(&str, String)]
     Ok(())
 }
 
-/// Runs a pass, stretched to `stretch` times the processor time it took here by sleeping, so a
-/// slower device's pass takes as long as it would. Paced by the pass's own processor time rather
-/// than its wall time: a pass slowed by workers competing for the cores is not stretched by that
-/// slowdown again (the time dilation keeps the emulated time above it).
-fn stretched<T>(stretch: f64, pass: impl FnOnce() -> T) -> T {
-    let (started, processor) = (Instant::now(), cpu_time::ThreadTime::now());
-    let result = pass();
-    if stretch > 1.0
-        && let Some(left) = processor.elapsed().mul_f64(stretch).checked_sub(started.elapsed())
-    {
-        std::thread::sleep(left);
-    }
-    result
-}
-
 fn take(
     map: &mut BTreeMap<(Kind, u32, u32), HostTensor>,
     key: (Kind, u32, u32),
@@ -616,108 +584,4 @@ fn take(
         rank: rank.to_string(),
         reason: format!("{key:?} is used before it was received or computed"),
     })
-}
-
-/// One communicator per DP group: every worker of the stage of each replica that holds the
-/// group's layers (a long-context stage's devices each hold the whole stage), in job-rank order;
-/// none for a group of one worker. Every rank takes part in every split.
-fn split_dp_groups(
-    plan: &Plan,
-    layouts: &[RankLayout],
-    layout: &RankLayout,
-    world: &mut Communicator,
-) -> Result<Vec<Option<Communicator>>, RuntimeError> {
-    let holds = |group_idx: usize, worker: &RankLayout| {
-        let holder = plan.holders(group_idx)[worker.id.replica as usize];
-        let replica = &plan.replicas()[worker.id.replica as usize];
-        plan.rank_of(replica, holder) == worker.id.pp_rank as usize
-    };
-    let mut communicators = Vec::new();
-    for (group_idx, group) in plan.dp_groups().iter().enumerate() {
-        if layouts.iter().filter(|worker| holds(group_idx, worker)).count() < 2 {
-            communicators.push(None);
-            continue;
-        }
-        let color = holds(group_idx, layout).then_some(0);
-        let communicator = world
-            .split(color, layout.job_rank as i64)
-            .during(|| format!("forming the data-parallel group of layers {}", group.layers))?;
-        communicators.push(communicator);
-    }
-    Ok(communicators)
-}
-
-/// A long-context worker's head-group and lane communicators; none for other workers. Every
-/// rank takes part in both splits.
-fn split_context_groups(
-    layouts: &[RankLayout],
-    layout: &RankLayout,
-    world: &mut Communicator,
-    pacer: Option<Pacer>,
-    sent: Arc<AtomicU64>,
-) -> Result<Option<CommCollectives>, RuntimeError> {
-    let seat = layout.context.as_ref();
-    // Colours name a group and a lane by a job rank of theirs: the rank's first worker's, plus
-    // the group's first member or the lane's member.
-    let first = layouts.iter().position(|other| other.id == layout.id).unwrap_or(layout.job_rank);
-    let place = seat.map(|seat| seat.placement.group_and_member());
-    let size = seat.map_or(1, |seat| seat.placement.group_size());
-    let group_color = place.map(|(group, _)| (first + group * size) as u32);
-    let lane_color = place.map(|(_, member)| (first + member) as u32);
-    let (group_key, lane_key) = place.map_or((0, 0), |(group, member)| (member as i64, group as i64));
-    let group = world.split(group_color, group_key).during(|| "forming the head-parallel groups".into())?;
-    let lane = world.split(lane_color, lane_key).during(|| "forming the context-parallel lanes".into())?;
-    Ok(group.zip(lane).zip(pacer).map(|((group, lane), pacer)| CommCollectives { group, lane, pacer, sent }))
-}
-
-/// The indices into `from` and into `to` (both ascending positions) of the positions they share.
-fn overlap(from: &[usize], to: &[usize]) -> (Vec<usize>, Vec<usize>) {
-    let (mut i, mut j) = (0, 0);
-    let (mut from_rows, mut to_rows) = (Vec::new(), Vec::new());
-    while i < from.len() && j < to.len() {
-        match from[i].cmp(&to[j]) {
-            std::cmp::Ordering::Less => i += 1,
-            std::cmp::Ordering::Greater => j += 1,
-            std::cmp::Ordering::Equal => {
-                from_rows.push(i);
-                to_rows.push(j);
-                (i, j) = (i + 1, j + 1);
-            }
-        }
-    }
-    (from_rows, to_rows)
-}
-
-/// `rows` of every batch row of `tensor` (`[batch, tokens, hidden]`), in order.
-fn select_rows(tensor: &HostTensor, rows: &[usize]) -> Vec<f32> {
-    let (tokens, hidden) = (tensor.shape[1], tensor.shape[2]);
-    let mut data = Vec::with_capacity(tensor.shape[0] * rows.len() * hidden);
-    for batch_row in tensor.data.chunks(tokens * hidden) {
-        rows.iter().for_each(|&row| data.extend_from_slice(&batch_row[row * hidden..(row + 1) * hidden]));
-    }
-    data
-}
-
-/// Writes `data` (`select_rows`' layout) into `rows` of `tensor`.
-fn place_rows(tensor: &mut HostTensor, rows: &[usize], data: &[f32]) {
-    let (tokens, hidden) = (tensor.shape[1], tensor.shape[2]);
-    let mut parts = data.chunks(hidden);
-    for batch_row in tensor.data.chunks_mut(tokens * hidden) {
-        for (&row, part) in rows.iter().zip(parts.by_ref()) {
-            batch_row[row * hidden..(row + 1) * hidden].copy_from_slice(part);
-        }
-    }
-}
-
-#[cfg(test)]
-mod tests {
-    use super::*;
-
-    #[test]
-    fn dilation_fits_the_workers_to_the_cores() {
-        assert_eq!(time_dilation(4, 2), 2.0);
-        assert_eq!(time_dilation(2, 2), 1.0, "workers that fit are not slowed");
-        assert_eq!(time_dilation(6, 2), 3.0);
-        assert_eq!(time_dilation(1, 16), 1.0);
-    }
 }

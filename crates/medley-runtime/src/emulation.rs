@@ -1,0 +1,54 @@
+//! How a worker stands in for a slower device: every pass stretched to the device's speed, and a
+//! common time dilation that fits the workers' demand for processor time to this machine's cores.
+
+use std::time::Instant;
+
+use crate::context::Pacer;
+use crate::metrics::StepClock;
+
+/// Runs a pass at the emulated device's speed: paced around its collectives on a long-context
+/// stage (their time counted as the step's collective time), stretched as a whole otherwise.
+pub(crate) fn emulated<T>(pacer: Option<&Pacer>, stretch: f64, clock: &mut StepClock, pass: impl FnOnce() -> T) -> T {
+    let Some(pacer) = pacer else { return stretched(stretch, pass) };
+    pacer.begin_pass();
+    let result = pass();
+    clock.collective_s += pacer.end_pass();
+    result
+}
+
+/// The common factor by which an emulated fleet's devices are slowed so that `workers` sharing
+/// `cores` keep their promise: when every worker computes at once (a pipeline's steady state, a
+/// step's first passes) each gets `cores / workers` of a core, so a pass takes `workers / cores`
+/// times its processor time. Every device is that much slower again (the fastest too), and the
+/// prediction with it; passes are paced by processor time, so the slowdown is not counted twice.
+pub fn time_dilation(workers: usize, cores: usize) -> f64 {
+    (workers as f64 / cores.max(1) as f64).max(1.0)
+}
+
+/// Runs a pass, stretched to `stretch` times the processor time it took here by sleeping, so a
+/// slower device's pass takes as long as it would. Paced by the pass's own processor time rather
+/// than its wall time: a pass slowed by workers competing for the cores is not stretched by that
+/// slowdown again (the time dilation keeps the emulated time above it).
+pub(crate) fn stretched<T>(stretch: f64, pass: impl FnOnce() -> T) -> T {
+    let (started, processor) = (Instant::now(), cpu_time::ThreadTime::now());
+    let result = pass();
+    if stretch > 1.0
+        && let Some(left) = processor.elapsed().mul_f64(stretch).checked_sub(started.elapsed())
+    {
+        std::thread::sleep(left);
+    }
+    result
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn dilation_fits_the_workers_to_the_cores() {
+        assert_eq!(time_dilation(4, 2), 2.0);
+        assert_eq!(time_dilation(2, 2), 1.0, "workers that fit are not slowed");
+        assert_eq!(time_dilation(6, 2), 3.0);
+        assert_eq!(time_dilation(1, 16), 1.0);
+    }
+}

@@ -1,0 +1,154 @@
+//! Tests of [`super`].
+
+use super::*;
+
+#[test]
+fn inline_form_fills_nodes_of_eight() {
+    let cluster = Cluster::from_inline("64xh100, 4xmi300x", Fabric::default(), Bridge::default()).unwrap();
+    let shapes: Vec<_> =
+        cluster.groups().iter().map(|g| (g.device.name.as_str(), g.n_nodes, g.gpus_per_node)).collect();
+    assert_eq!(shapes, [("H100-SXM", 8, 8), ("MI300X", 1, 4)]);
+    assert_eq!(cluster.n_gpus(), 68);
+    assert_eq!(cluster.vendors(), [Vendor::Nvidia, Vendor::Amd]);
+    let devices = cluster.devices();
+    assert_eq!(devices[64].node_idx, 8);
+    assert_eq!(devices[64].group_idx, 1);
+    assert_eq!(cluster.group_first_ids(), [0, 64]);
+}
+
+#[test]
+fn fleet_form_has_one_gpu_per_node() {
+    let cluster = Cluster::from_fleet("2xh100, 3xmi300x").unwrap();
+    let shapes: Vec<_> = cluster.groups().iter().map(|g| (g.n_nodes, g.gpus_per_node)).collect();
+    assert_eq!(shapes, [(2, 1), (3, 1)]);
+    let err = Cluster::from_fleet("2xh1000").unwrap_err();
+    assert!(err.to_string().contains("did you mean"), "{err}");
+}
+
+#[test]
+fn inline_form_rejects_bad_entries() {
+    for (text, wanted) in [
+        ("12xh100", "multiple of 8"),
+        ("h100", "COUNTxDEVICE"),
+        ("0xh100", "at least 1"),
+        ("8xh1000", "did you mean"),
+        ("", "at least one node group"),
+    ] {
+        let err = Cluster::from_inline(text, Fabric::default(), Bridge::default()).unwrap_err();
+        assert!(err.to_string().contains(wanted), "{text}: {err}");
+    }
+}
+
+#[test]
+fn clusters_beyond_what_the_planner_searches_in_seconds_are_refused() {
+    // Issue 31: 1,048,576 GPUs were accepted and planned for minutes and 16.8 GB.
+    assert!(Cluster::from_inline("32768xh100", Fabric::default(), Bridge::default()).is_ok());
+    for text in ["32776xh100", "16384xh100,16392xmi300x", "1048576xh100"] {
+        let err = Cluster::from_inline(text, Fabric::default(), Bridge::default()).unwrap_err().to_string();
+        assert!(err.contains("medley plans at most 32768"), "{text}: {err}");
+    }
+}
+
+/// Issue 31: escapes in inline clusters and cluster files reached the terminal raw, and
+/// 100 KB names were echoed whole.
+#[test]
+fn errors_echo_names_escaped_and_cut() {
+    let long = "a".repeat(100_000);
+    let group = |device: &str| format!("[[group]]\ndevice = \"{device}\"\nnodes = 1\n");
+    let errors = [
+        Cluster::from_inline("2x\u{1b}[31mh100", Fabric::default(), Bridge::default()).unwrap_err(),
+        Cluster::from_inline("\u{1b}[31mx8xh100", Fabric::default(), Bridge::default()).unwrap_err(),
+        Cluster::from_inline(&format!("8x{long}"), Fabric::default(), Bridge::default()).unwrap_err(),
+        Cluster::from_toml(&group("\\u001b[31mh100"), "c.toml").unwrap_err(),
+        Cluster::from_toml(&group(&long), "c.toml").unwrap_err(),
+        Cluster::from_toml(&group("h100").replace("nodes", "\"\\u001b[2J\""), "c.toml").unwrap_err(),
+    ];
+    for err in errors {
+        let message = err.to_string();
+        assert!(!message.chars().any(char::is_control), "{message:?}");
+        assert!(message.len() < 1000, "{} bytes", message.len());
+        assert!(message.contains("\\u{1b}") || message.contains("100000 characters"), "{message}");
+    }
+}
+
+#[test]
+fn toml_form_with_custom_device_and_overrides() {
+    let text = r#"
+[[device]]
+name = "my-gpu"
+vendor = "amd"
+bf16_tflops = 500
+fp16_tflops = 500
+fp32_tflops = 60
+hbm_gib = 96
+hbm_tb_s = 4
+intra_link = "pcie"
+intra_link_gb_s = 32
+nics_per_node = 2
+nic_gbit_s = 200
+
+[[group]]
+device = "H100"
+nodes = 2
+
+[[group]]
+device = "my-gpu"
+nodes = 1
+gpus_per_node = 4
+nic_gbit_s = 100
+
+[fabric]
+latency_us = 8
+
+[bridge]
+device_direct = false
+cpu_forward_gb_s = 6
+"#;
+    let cluster = Cluster::from_toml(text, "c.toml").unwrap();
+    assert_eq!(cluster.n_gpus(), 20);
+    assert_eq!(cluster.groups()[1].nic_gbit_s, 100.0);
+    assert_eq!(cluster.groups()[1].device.vendor, Vendor::Amd);
+    assert_eq!(cluster.fabric().latency_us, 8.0);
+    assert_eq!(cluster.bridge().modes(), [BridgeMode::CpuForward]);
+}
+
+#[test]
+fn toml_errors_name_file_line_and_field() {
+    let err = Cluster::from_toml("[[group]]\ndevice = \"h100\"\nnodes = 1\ncolour = 3\n", "c.toml").unwrap_err();
+    let text = err.to_string();
+    assert!(text.starts_with("c.toml:4:"), "{text}");
+    assert!(text.contains("colour"), "{text}");
+    let err = Cluster::from_toml("[[group]]\ndevice = \"h1000\"\nnodes = 1\n", "c.toml").unwrap_err();
+    assert!(err.to_string().contains("group[0].device"), "{err}");
+    let err = Cluster::from_toml("[[group]]\ndevice = \"h100\"\nnodes = 0\n", "c.toml").unwrap_err();
+    assert!(err.to_string().contains("group[0].n_nodes"), "{err}");
+    for (text, wanted) in [
+        ("[[group]]\ndevice = \"h100\"\nnodes = 1\n[fabric]\nlatency_us = -0.5\n", "fabric.latency_us"),
+        ("[[group]]\ndevice = \"h100\"\nnodes = 4000000000\n", "at most"),
+        (
+            "[[device]]\nname = \"H100\"\nvendor = \"amd\"\nfp16_tflops = 1\nfp32_tflops = 1\nhbm_gib = 1\nhbm_tb_s = 1\nintra_link = \"pcie\"\nintra_link_gb_s = 1\nnics_per_node = 1\nnic_gbit_s = 1\n[[group]]\ndevice = \"h100\"\nnodes = 1\n",
+            "catalog device",
+        ),
+    ] {
+        let err = Cluster::from_toml(text, "c.toml").unwrap_err().to_string();
+        assert!(err.contains(wanted), "{wanted}: {err}");
+    }
+}
+
+mod json_round_trip {
+    use super::*;
+
+    #[test]
+    fn cluster_round_trips_through_json_and_revalidates() {
+        let cluster = Cluster::from_inline("16xh100,8xmi300x", Fabric::default(), Bridge::default()).unwrap();
+        let json = serde_json::to_string(&cluster).unwrap();
+        assert_eq!(serde_json::from_str::<Cluster>(&json).unwrap(), cluster);
+        let broken = json.replace("\"n_nodes\":2", "\"n_nodes\":0");
+        let err = serde_json::from_str::<Cluster>(&broken).unwrap_err().to_string();
+        assert!(err.contains("n_nodes"), "{err}");
+        let no_memory = json.replacen("\"hbm_tb_s\":3.35", "\"hbm_tb_s\":0.0", 1);
+        assert_ne!(no_memory, json, "the H100's bandwidth is in the file");
+        let err = serde_json::from_str::<Cluster>(&no_memory).unwrap_err().to_string();
+        assert!(err.contains("device.H100-SXM.hbm_tb_s") && err.contains("positive"), "{err}");
+    }
+}
