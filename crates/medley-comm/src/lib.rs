@@ -13,6 +13,9 @@
 //! (point-to-point send/receive with tickets; see `transport/mod.rs`): the algorithms and the
 //! executor do not change.
 
+// Shared-memory transport and the bridge's device copies map and share memory across processes.
+#![allow(unsafe_code)]
+
 // The transports rest on Linux system calls: process_vm_readv for single-copy shared memory,
 // futex for waits, sched_setaffinity for core binding.
 #[cfg(not(target_os = "linux"))]

@@ -13,6 +13,9 @@
 //!   [`DeviceMemory`] takes part; [`HostStandIn`] is host memory standing in for a device, which
 //!   is how the bridge is tested on machines without one.
 
+// The GPU driver and communication libraries are C libraries loaded at run time.
+#![allow(unsafe_code)]
+
 mod bridge;
 mod device;
 mod error;

@@ -31,7 +31,7 @@ mod setup;
 use std::io::Write;
 
 use medley_cost::Calibration;
-use medley_plan::{Plan, PlanError};
+use medley_plan::Plan;
 use medley_schedule::{CheckedPrograms, ScheduleKind};
 
 pub use adaptive::{RunReport, StepSummary, simulate_steps};
@@ -64,8 +64,6 @@ pub(crate) fn ns(seconds: f64) -> u64 {
 /// Why a simulation could not run.
 #[derive(Debug, thiserror::Error)]
 pub enum SimError {
-    #[error(transparent)]
-    Plan(#[from] PlanError),
     #[error("the programs do not match the plan: {0}")]
     ProgramsDoNotMatchPlan(String),
     #[error("rank {rank} names peer {peer}, which the plan does not have")]
@@ -90,8 +88,6 @@ pub enum SimError {
     Schedule(medley_schedule::ScheduleError),
     #[error("lowering an all-reduce: {0}")]
     Collective(medley_collective::CollectiveError),
-    #[error(transparent)]
-    Trace(#[from] medley_trace::TraceError),
     #[error("writing the timeline: {0}")]
     Timeline(std::io::Error),
     #[error("the simulator cannot run this plan yet: {0}")]
@@ -305,10 +301,9 @@ mod tests {
             }
             text
         };
-        let plan = SimError::from(PlanError::from(medley_plan::InvalidPlan::NoReplicas));
-        assert_eq!(chain(&plan), "invalid plan: a plan needs at least one replica");
-        let trace = SimError::from(medley_trace::TraceError("t.csv: no rows".into()));
-        assert_eq!(chain(&trace), "t.csv: no rows");
+        let mismatch =
+            medley_schedule::ScheduleError::ChunkMismatch { schedule: ScheduleKind::Interleaved, virtual_stages: 1 };
+        assert_eq!(chain(&SimError::from(mismatch.clone())), format!("invalid programs: {mismatch}"));
         let io = SimError::from(std::io::Error::other("disk full"));
         assert_eq!(chain(&io), "writing the timeline: disk full");
     }

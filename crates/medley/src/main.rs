@@ -1,5 +1,8 @@
 //! The `medley` command line: glue between the spec, cost and plan libraries and a person.
 
+// Restoring the default action of SIGPIPE is one libc call.
+#![allow(unsafe_code)]
+
 mod bench;
 mod calibrate_cmd;
 mod export_cmd;

@@ -1,6 +1,9 @@
 //! The `medley` binary as a person or script runs it: exit codes, JSON shape, plan files; and, at
 //! the end, the invariants of ARCHITECTURE.md that the workspace's sources show.
 
+// Signalling workers and asking for the user id are libc calls.
+#![allow(unsafe_code)]
+
 use std::collections::{BTreeMap, BTreeSet};
 use std::fs;
 use std::io::Read;
