@@ -8,7 +8,7 @@ use std::fmt::Debug;
 use std::ops::Range;
 use thiserror::Error;
 
-use crate::{Buf, Combine, RankSteps, Step};
+use crate::{Buf, Combine, Counts, Op, RankSteps, ReduceOp, Step};
 
 /// An element type the reference executor can reduce.
 pub trait Element: Copy + Debug + PartialEq {
@@ -234,6 +234,51 @@ pub fn execute<T: Element>(plans: &[RankSteps], inputs: &[Vec<T>]) -> Result<Vec
         return Err(ExecError::Unreceived { from, to, count: queue.len() });
     }
     Ok(outputs)
+}
+
+/// What each rank's result must hold after `op` over `counts` on `inputs` (rank r's input at r),
+/// computed without any algorithm; `None` where the result is unspecified (a reduce's non-roots).
+/// The oracle both the algorithms' and the communicator's tests compare with, each with its own
+/// element types: `combine` and `divide` are their arithmetic.
+pub fn expected_results<T: Clone>(
+    op: Op,
+    counts: &Counts,
+    inputs: &[Vec<T>],
+    combine: impl Fn(T, T, Combine) -> T,
+    divide: impl Fn(T, usize) -> T,
+) -> Vec<Option<Vec<T>>> {
+    let n = inputs.len();
+    let reduce_all = |op: ReduceOp| {
+        let mut acc = inputs[0].clone();
+        for input in &inputs[1..] {
+            for (a, b) in acc.iter_mut().zip(input) {
+                *a = combine(a.clone(), b.clone(), op.into());
+            }
+        }
+        if op == ReduceOp::Avg {
+            acc.iter_mut().for_each(|a| *a = divide(a.clone(), n));
+        }
+        acc
+    };
+    let block = |sizes: &[usize], r: usize| {
+        let start: usize = sizes[..r].iter().sum();
+        start..start + sizes[r]
+    };
+    match (op, counts) {
+        (Op::AllReduce { op }, _) => vec![Some(reduce_all(op)); n],
+        (Op::ReduceScatter { op }, Counts::PerRank(sizes)) => {
+            let all = reduce_all(op);
+            (0..n).map(|r| Some(all[block(sizes, r)].to_vec())).collect()
+        }
+        (Op::AllGather, _) => vec![Some(inputs.concat()); n],
+        (Op::Broadcast { root }, _) => vec![Some(inputs[root].clone()); n],
+        (Op::Reduce { op, root }, _) => (0..n).map(|r| (r == root).then(|| reduce_all(op))).collect(),
+        (Op::AllToAll, Counts::PerPair(matrix)) => (0..n)
+            .map(|to| Some((0..n).flat_map(|from| inputs[from][block(&matrix[from], to)].to_vec()).collect()))
+            .collect(),
+        (Op::Barrier, _) => vec![Some(Vec::new()); n],
+        (op, counts) => panic!("{op:?} takes other counts than {counts:?}"),
+    }
 }
 
 #[cfg(test)]

@@ -2,7 +2,7 @@
 //! locally computed result. Inputs are small integers, so sums and products are exact in any order
 //! in f64 as in i64 (as nccl-tests does); only the average gets a tolerance.
 
-use medley_collective::reference::{Element, execute};
+use medley_collective::reference::{Element, execute, expected_results};
 use medley_collective::{
     Algorithm, Chunking, CollectiveError, Counts, DomainId, Group, Op, RankSteps, ReduceOp, as_messages, choose,
     plan_steps,
@@ -32,52 +32,13 @@ fn inputs(case: &Case, plans: &[RankSteps]) -> Vec<Vec<i64>> {
     plans.iter().map(|plan| (0..plan.input_len).map(|i| value(case.seed, plan.rank, i)).collect()).collect()
 }
 
-fn reduce_all<T: Element>(inputs: &[Vec<T>], op: ReduceOp) -> Vec<T> {
-    let mut acc = inputs[0].clone();
-    for input in &inputs[1..] {
-        for (a, &b) in acc.iter_mut().zip(input) {
-            *a = a.combine(b, op.into());
-        }
-    }
-    if op == ReduceOp::Avg {
-        acc.iter_mut().for_each(|a| *a = a.divide(inputs.len()));
-    }
-    acc
-}
-
-fn block(sizes: &[usize], r: usize) -> std::ops::Range<usize> {
-    let start: usize = sizes[..r].iter().sum();
-    start..start + sizes[r]
-}
-
-/// What each rank must hold in its result range, computed without any algorithm.
-fn expected<T: Element>(case: &Case, inputs: &[Vec<T>]) -> Vec<Vec<T>> {
-    let n = inputs.len();
-    match (case.op, &case.counts) {
-        (Op::AllReduce { op }, _) => vec![reduce_all(inputs, op); n],
-        (Op::ReduceScatter { op }, Counts::PerRank(sizes)) => {
-            let all = reduce_all(inputs, op);
-            (0..n).map(|r| all[block(sizes, r)].to_vec()).collect()
-        }
-        (Op::AllGather, _) => vec![inputs.concat(); n],
-        (Op::Broadcast { root }, _) => vec![inputs[root].clone(); n],
-        (Op::Reduce { op, root }, _) => {
-            (0..n).map(|r| if r == root { reduce_all(inputs, op) } else { Vec::new() }).collect()
-        }
-        (Op::AllToAll, Counts::PerPair(matrix)) => {
-            (0..n).map(|to| (0..n).flat_map(|from| inputs[from][block(&matrix[from], to)].to_vec()).collect()).collect()
-        }
-        (Op::Barrier, _) => vec![Vec::new(); n],
-        _ => unreachable!("cases are built with matching counts"),
-    }
-}
-
 fn run_as<T: Element>(case: &Case, plans: &[RankSteps], close: impl Fn(T, T) -> bool, to_t: impl Fn(i64) -> T) {
     let inputs: Vec<Vec<T>> =
         inputs(case, plans).into_iter().map(|input| input.into_iter().map(&to_t).collect()).collect();
     let outputs = execute(plans, &inputs).unwrap_or_else(|err| panic!("{case:?}: {err}"));
-    let expected = expected(case, &inputs);
+    let expected = expected_results(case.op, &case.counts, &inputs, T::combine, T::divide);
     for (plan, (output, expected)) in plans.iter().zip(outputs.iter().zip(&expected)) {
+        let expected = expected.as_deref().unwrap_or_default();
         let got = &output[plan.result.clone()];
         let ok = got.len() == expected.len() && got.iter().zip(expected).all(|(&g, &e)| close(g, e));
         assert!(ok, "{case:?}: rank {} holds {got:?}, expected {expected:?}", plan.rank);

@@ -11,6 +11,7 @@ use std::net::TcpListener;
 use std::process::{Child, Command, Stdio};
 use std::time::{Duration, Instant};
 
+use medley_collective::reference::expected_results;
 use medley_comm::{
     Algorithm, CommError, Communicator, Config, Counts, DType, Element, LaunchEnv, Op, ReduceOp, TransportKind, bf16,
     f16,
@@ -77,24 +78,6 @@ fn value(seed: u64, rank: usize, i: usize) -> i64 {
     ((seed as usize + 31 * rank + 17 * i) % 5) as i64 - 2
 }
 
-fn reduce_all<T: Element>(inputs: &[Vec<T>], op: ReduceOp) -> Vec<T> {
-    let mut acc = inputs[0].clone();
-    for input in &inputs[1..] {
-        for (a, &b) in acc.iter_mut().zip(input) {
-            *a = a.combine(b, op.into());
-        }
-    }
-    if op == ReduceOp::Avg {
-        acc.iter_mut().for_each(|a| *a = a.divide(inputs.len()));
-    }
-    acc
-}
-
-fn block(sizes: &[usize], r: usize) -> std::ops::Range<usize> {
-    let start: usize = sizes[..r].iter().sum();
-    start..start + sizes[r]
-}
-
 /// One collective's data for every rank.
 struct Case<T> {
     inputs: Vec<Vec<T>>,
@@ -112,21 +95,7 @@ fn case<T: Small>(op: Op, counts: &Counts, n: usize, seed: u64) -> Case<T> {
     };
     let inputs: Vec<Vec<T>> =
         (0..n).map(|r| (0..input_len(r)).map(|i| T::small(value(seed, r, i))).collect()).collect();
-    let expected: Vec<Option<Vec<T>>> = match (op, counts) {
-        (Op::AllReduce { op }, _) => vec![Some(reduce_all(&inputs, op)); n],
-        (Op::ReduceScatter { op }, Counts::PerRank(sizes)) => {
-            let all = reduce_all(&inputs, op);
-            (0..n).map(|r| Some(all[block(sizes, r)].to_vec())).collect()
-        }
-        (Op::AllGather, _) => vec![Some(inputs.concat()); n],
-        (Op::Broadcast { root }, _) => vec![Some(inputs[root].clone()); n],
-        (Op::Reduce { op, root }, _) => (0..n).map(|r| (r == root).then(|| reduce_all(&inputs, op))).collect(),
-        (Op::AllToAll, Counts::PerPair(matrix)) => (0..n)
-            .map(|to| Some((0..n).flat_map(|from| inputs[from][block(&matrix[from], to)].to_vec()).collect()))
-            .collect(),
-        (Op::Barrier, _) => vec![Some(Vec::new()); n],
-        _ => unreachable!("cases are built with matching counts"),
-    };
+    let expected = expected_results(op, counts, &inputs, T::combine, T::divide);
     let output_len = (0..n)
         .map(|r| match op {
             Op::Reduce { .. } => input_len(r),
