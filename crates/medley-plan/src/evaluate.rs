@@ -30,7 +30,7 @@ pub struct Prediction {
     pub bubble_fraction: f64,
     pub n_gpus_used: u32,
     /// Highest predicted memory per device type, GiB.
-    pub peak_memory_gib: BTreeMap<String, f64>,
+    pub peak_memory_by_device_gib: BTreeMap<String, f64>,
     pub capacity_gib: BTreeMap<String, f64>,
     pub fits: bool,
 }
@@ -97,7 +97,7 @@ pub fn evaluate(plan: &Plan, calibration: &Calibration) -> Prediction {
         bubble_fraction: busy.iter().map(|busy| 1.0 / busy - 1.0).sum::<f64>() / busy.len() as f64,
         n_gpus_used: plan.used_devices().len() as u32,
         fits: memory.fits(),
-        peak_memory_gib: memory.peak_gib,
+        peak_memory_by_device_gib: memory.peak_gib,
         capacity_gib: memory.capacity_gib,
     }
 }

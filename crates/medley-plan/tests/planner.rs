@@ -166,7 +166,7 @@ fn check_candidate(cluster: &Cluster, model: &ModelSpec, job: &JobSpec, candidat
 
     // Memory: every device type within its capacity.
     assert!(prediction.fits, "{context}");
-    for (name, peak_gib) in &prediction.peak_memory_gib {
+    for (name, peak_gib) in &prediction.peak_memory_by_device_gib {
         let group = cluster.groups().iter().find(|group| &group.device.name == name).unwrap();
         assert_eq!(prediction.capacity_gib[name], group.device.hbm_gib);
         assert!(*peak_gib > 0.0 && *peak_gib <= group.device.hbm_gib, "{name}: {peak_gib} GiB: {context}");
@@ -613,7 +613,7 @@ fn interleaving_shrinks_the_bubble_and_holds_more_activations() {
     assert!(interleaved.bubble_fraction < flat.bubble_fraction);
     // Rank 0 holds (4 − 1)·2 + 4 + 1 = 11 half-rank chunk-micro-batches, 5.5 micro-batches' worth,
     // where 1F1B holds 4.
-    assert!(interleaved.peak_memory_gib["H100-SXM"] > flat.peak_memory_gib["H100-SXM"]);
+    assert!(interleaved.peak_memory_by_device_gib["H100-SXM"] > flat.peak_memory_by_device_gib["H100-SXM"]);
 }
 
 #[test]

@@ -294,7 +294,7 @@ fn baselines_table(best: &Candidate, which: &str, baselines: &[NamedBaseline]) -
 
 fn memory_table(best: &Candidate) -> Table {
     let mut table = table(&["device type", "peak GiB", "capacity GiB", "used"]);
-    for (name, peak) in &best.prediction.peak_memory_gib {
+    for (name, peak) in &best.prediction.peak_memory_by_device_gib {
         let capacity = best.prediction.capacity_gib[name];
         table.add_row(vec![
             Cell::new(name),

@@ -469,7 +469,7 @@ proptest::proptest! {
                 proptest::prop_assert!(!pipelined || report.bubble_fraction > 0.0, "{schedule}: no bubble");
                 if plan.schedule() == schedule.into() {
                     for (device, peak) in &report.peak_memory_by_device_gib {
-                        let promised = predicted.peak_memory_gib[device];
+                        let promised = predicted.peak_memory_by_device_gib[device];
                         // The schedule reaches its promise: the simulated peak is the priced one
                         // (interleaved prices every chunk at the largest, so there it is a bound).
                         let tight = schedule != ScheduleKind::Interleaved;

@@ -52,7 +52,7 @@ pub fn page(plan_path: &str, calibration: Option<&str>, run: Option<&Path>) -> R
     let run = run.map(|dir| run_record(dir, simulated.step_time_s)).transpose()?;
     let prediction = evaluate(&plan, &specs.calibration);
     let memory = prediction
-        .peak_memory_gib
+        .peak_memory_by_device_gib
         .iter()
         .map(|(device_type, &predicted_gib)| MemoryBar {
             device_type: device_type.clone(),

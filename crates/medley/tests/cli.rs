@@ -74,7 +74,7 @@ fn default_plan_prints_tables_and_baselines() {
 fn json_has_the_documented_keys() {
     let output = check(&["plan", "--cluster", "16xh100,16xa100", "--model", "llama3-8b", "--json"], 0, "plan");
     let value: serde_json::Value = serde_json::from_str(&stdout(&output)).unwrap();
-    for key in ["step_time_s", "tokens_per_s", "mfu", "peak_memory_gib"] {
+    for key in ["step_time_s", "tokens_per_s", "mfu", "peak_memory_by_device_gib"] {
         assert!(value["prediction"].get(key).is_some(), "prediction.{key} missing");
     }
     let names: Vec<&str> = value["baselines"].as_array().unwrap().iter().map(|b| b["name"].as_str().unwrap()).collect();
