@@ -1,4 +1,4 @@
-//! medley's benchmark suites: what each suite runs and measures ([`planner`], [`context`], [`schedules`], [`comm`]), the statistics they report with, and the
+//! medley's benchmark suites: what each suite runs and measures ([`planner`], [`long_context`], [`schedules`], [`comm`]), the statistics they report with, and the
 //! published runs the cost model's default efficiencies are fitted on ([`cited`]), and the tables
 //! `medley bench` prints ([`tables`]).
 
@@ -6,7 +6,7 @@ pub mod cited;
 pub mod comm;
 pub mod comm_harness;
 pub mod compute;
-pub mod context;
+pub mod long_context;
 pub mod planner;
 pub mod schedules;
 pub mod stats;

@@ -5,15 +5,15 @@
 //! plans with it; the simulator takes its compute times per instruction.
 
 pub mod comm;
-pub mod context;
 mod efficiency;
 pub mod flops;
 pub mod gemm;
+pub mod long_context;
 pub mod memory;
 pub mod params;
 
-use context::{ContextLayerTime, ContextPass, ContextWork, KvExchange};
 use gemm::{Gemm, GemmGeometry};
+use long_context::{ContextLayerTime, ContextPass, ContextWork, KvExchange};
 use medley_spec::{AttentionKernel, ModelSpec, NodeGroup, Recompute};
 
 pub use efficiency::{Calibration, CalibrationError, Efficiency, ProfileKind};

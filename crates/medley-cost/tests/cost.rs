@@ -2,7 +2,7 @@
 
 use std::collections::BTreeSet;
 
-use medley_cost::context::{HeadSplit, HeadTailShards, KvExchange, Traffic, kv_traffic, ulysses_traffic};
+use medley_cost::long_context::{HeadSplit, HeadTailShards, KvExchange, Traffic, kv_traffic, ulysses_traffic};
 use medley_cost::params::{active_params, total_params};
 use medley_cost::{Calibration, CostModel, Setting, StageShape};
 use medley_spec::{MlpKind, ModelParts, ModelSpec, NodeGroup, Recompute, catalog_device, catalog_model};

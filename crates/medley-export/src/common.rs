@@ -2,7 +2,7 @@
 //! replica, one vendor, a dense model, even context parallelism, and the rank order of a
 //! `tp-cp-dp-pp` device mesh.
 
-use medley_cost::context::KvExchange;
+use medley_cost::long_context::KvExchange;
 use medley_plan::{Plan, Stage, StageContext};
 use medley_spec::DeviceId;
 use serde::Serialize;

@@ -5,7 +5,7 @@
 //! decoder layer, `L` the loss, `|` between stages in layer order, virtual stages included),
 //! checked against the rules Megatron's own `PipelineParallelLayerLayout` enforces.
 
-use medley_cost::context::KvExchange;
+use medley_cost::long_context::KvExchange;
 use medley_plan::{Plan, Stage};
 use medley_spec::{AttentionKernel, MlpKind, Recompute, Schedule, ScheduleKind};
 use serde::Serialize;

@@ -4,7 +4,7 @@
 mod plans;
 
 use medley_cost::Calibration;
-use medley_cost::context::KvExchange;
+use medley_cost::long_context::KvExchange;
 use medley_export::megatron::{MegatronExport, check_layout, megatron};
 use medley_plan::baselines::Degrees;
 use medley_plan::long_context::even_fixed;

@@ -5,7 +5,7 @@ use std::fmt;
 use std::ops::Range;
 use std::str::FromStr;
 
-use crate::context::{ContextCollectives, ContextPlacement};
+use crate::long_context::{ContextCollectives, ContextPlacement};
 use crate::{ComputeDevice, ModelConfig, ModelError, StageCompute};
 
 /// A stage holding `layers`, computing on `device`: on the CPU, on every thread of the rayon pool

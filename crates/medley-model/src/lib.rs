@@ -9,7 +9,7 @@
 //!   external upstream gradient, accumulated parameter gradients, loading parameters).
 //!   [`stage_compute`] builds it on a [`ComputeDevice`]: one model source on burn, compiled
 //!   against burn 0.22 for the CPU and against burn 0.21 for CUDA and ROCm GPUs.
-//! - [`context`]: where a device of a long-context stage stands (its tokens, its heads, its
+//! - [`long_context`]: where a device of a long-context stage stands (its tokens, its heads, its
 //!   group and lane) and the collectives its passes run; [`context_compute`] is its compute.
 //! - [`StageState`]: one rank's parameters, gradients and AdamW state on the host, with safetensors
 //!   checkpoints, driving a `StageCompute`.
@@ -25,7 +25,6 @@ mod checkpoint;
 mod compute;
 mod compute_device;
 mod config;
-pub mod context;
 mod cpu;
 pub mod data;
 mod device;
@@ -34,6 +33,7 @@ mod fused;
 #[cfg(any(feature = "cuda", feature = "rocm"))]
 mod gpu;
 mod kernels;
+pub mod long_context;
 mod optim;
 pub mod params;
 mod row_split;

@@ -9,8 +9,8 @@ use medley_cost::{Calibration, CostModel, GIB, PassTime, Setting, StageShape, fl
 use medley_spec::{BridgeMode, Cluster, DeviceId, DeviceSlot, DeviceSpec, Schedule, ScheduleKind, Vendor};
 use serde::Serialize;
 
-use crate::context_price::ContextPricer;
 use crate::layers::LayerRange;
+use crate::long_context_price::ContextPricer;
 use crate::plan::{GradientAlgorithm, Plan, Replica, Route, Stage};
 
 /// What a plan is predicted to do per optimizer step.

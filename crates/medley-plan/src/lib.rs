@@ -8,12 +8,12 @@
 mod assemble;
 pub mod baselines;
 mod candidates;
-mod context;
-pub mod context_price;
 mod error;
 mod evaluate;
 mod layers;
 pub mod long_context;
+pub mod long_context_price;
+mod long_context_stage;
 mod partition;
 mod plan;
 mod replica_shape;
@@ -22,10 +22,10 @@ pub mod shard_split;
 
 pub use assemble::{ReplicaLayout, assemble, stages_from_counts};
 pub use candidates::{Candidate, SearchOutcome};
-pub use context::{HeadGroup, StageContext};
 pub use error::{ContextProblem, InvalidPlan, PlanError, ReplicaProblem, RouteProblem};
 pub use evaluate::{PipelineTiming, Prediction, Utilisation, evaluate, max_k_within_memory};
 pub use layers::LayerRange;
+pub use long_context_stage::{HeadGroup, StageContext};
 pub use partition::{ClassShare, MAX_GROUPS, ReplicaClass, StageLoad, min_max_layers, split_micro_batches};
 pub use plan::{
     DpGroup, GradientAlgorithm, PLAN_VERSION, PLAN_VERSION_WITHOUT_CONTEXT, Plan, PlanParts, Replica, Route, Stage,

@@ -8,15 +8,15 @@
 use std::collections::BTreeSet;
 use std::fmt;
 
-use medley_cost::context::KvExchange;
+use medley_cost::long_context::KvExchange;
 use medley_spec::{
     AttentionKernel, BridgeMode, Cluster, DeviceId, ModelSpec, Recompute, Schedule, ScheduleKind, Vendor,
 };
 use serde::{Deserialize, Serialize};
 
-use crate::context::StageContext;
 use crate::error::{ContextProblem, InvalidPlan, PlanError, ReplicaProblem, RouteProblem};
 use crate::layers::LayerRange;
+use crate::long_context_stage::StageContext;
 
 /// The newest plan schema this build reads and writes. Version 2 added long-context stages
 /// ([`Stage::context`]); a plan says the oldest version that describes it, so a plan without

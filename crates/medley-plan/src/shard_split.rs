@@ -13,7 +13,7 @@
 //! fastest, among the groups that can hold one more.
 
 use good_lp::{Expression, ProblemVariables, Solution, SolverModel, Variable, microlp, variable};
-use medley_cost::context::HeadTailShards;
+use medley_cost::long_context::HeadTailShards;
 
 use crate::error::PlanError;
 

@@ -5,8 +5,8 @@
 
 use std::collections::BTreeSet;
 
-use medley_cost::context::HeadSplit;
-use medley_cost::context::KvExchange;
+use medley_cost::long_context::HeadSplit;
+use medley_cost::long_context::KvExchange;
 use medley_cost::{Calibration, CostModel, Setting};
 use medley_plan::baselines::{self, Degrees};
 use medley_plan::long_context::{ContextDegrees, even_fixed, search_long_context};

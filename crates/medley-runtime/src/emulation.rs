@@ -3,7 +3,7 @@
 
 use std::time::Instant;
 
-use crate::context::Pacer;
+use crate::long_context::Pacer;
 use crate::metrics::StepClock;
 
 /// Runs a pass at the emulated device's speed: paced around its collectives on a long-context

@@ -7,8 +7,8 @@ use std::sync::atomic::AtomicU64;
 use medley_comm::Communicator;
 use medley_plan::Plan;
 
-use crate::context::{CommCollectives, Pacer};
 use crate::error::CommContext;
+use crate::long_context::{CommCollectives, Pacer};
 use crate::{RankLayout, RuntimeError};
 
 /// One communicator per DP group: every worker of the stage of each replica that holds the

@@ -3,10 +3,10 @@
 
 use std::ops::Range;
 
-use medley_cost::context::KvExchange;
+use medley_cost::long_context::KvExchange;
 use medley_cost::{Calibration, CostModel, Setting};
 use medley_model::ModelConfig;
-use medley_model::context::{ContextGroup, ContextPlacement};
+use medley_model::long_context::{ContextGroup, ContextPlacement};
 use medley_plan::{Plan, Stage, StageContext};
 use medley_schedule::RankId;
 use medley_spec::{Recompute, Vendor};

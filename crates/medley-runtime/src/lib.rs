@@ -19,7 +19,6 @@
 
 mod calibrate;
 mod checkpoint;
-mod context;
 mod device;
 mod emulation;
 mod error;
@@ -27,6 +26,7 @@ mod groups;
 mod host_available;
 mod host_memory;
 mod layout;
+mod long_context;
 mod metrics;
 mod native;
 mod p2p;

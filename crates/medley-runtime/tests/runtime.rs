@@ -7,7 +7,7 @@ use std::sync::atomic::{AtomicBool, Ordering};
 use std::time::Duration;
 
 use medley_comm::{Config, LaunchEnv};
-use medley_cost::context::KvExchange;
+use medley_cost::long_context::KvExchange;
 use medley_cost::{Calibration, CostModel, Setting};
 use medley_model::{AdamW, HostTensor};
 use medley_plan::baselines::{Degrees, fixed};

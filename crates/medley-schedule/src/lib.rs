@@ -60,10 +60,10 @@
 
 pub mod adaptive;
 mod check;
-pub mod context_layer;
 mod error;
 mod generate;
 mod geometry;
+pub mod long_context_layer;
 mod program;
 mod schedules;
 mod times;

@@ -1,10 +1,10 @@
-//! One long-context layer's device programs ([`medley_schedule::context_layer`]) executed on the
+//! One long-context layer's device programs ([`medley_schedule::long_context_layer`]) executed on the
 //! event core: every device runs its compute and communication streams from time 0, its
 //! transfers are flows over the layer's own ports, max-min fair where they share one, and a pass
 //! ends when its device's streams have both run to their ends.
 
 use medley_cost::comm::{self, Link};
-use medley_schedule::context_layer::{DeviceStreams, LayerOp, Tag, Waiting, Work};
+use medley_schedule::long_context_layer::{DeviceStreams, LayerOp, Tag, Waiting, Work};
 use medley_spec::{BridgeMode, Cluster, DeviceSlot};
 
 use crate::ELEMENT_BYTES;

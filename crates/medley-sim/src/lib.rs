@@ -19,10 +19,10 @@
 //! shards over their own ports in lock step.
 
 mod adaptive;
-mod context;
 mod engine;
 mod events;
 mod layer;
+mod long_context;
 mod network;
 pub mod rank;
 mod report;
@@ -35,7 +35,7 @@ use medley_plan::Plan;
 use medley_schedule::{CheckedPrograms, ScheduleKind};
 
 pub use adaptive::{RunReport, StepSummary, simulate_steps};
-pub use context::{ContextLayerReport, DevicePass, PhaseSpan, simulate_context_layer};
+pub use long_context::{ContextLayerReport, DevicePass, PhaseSpan, simulate_context_layer};
 pub use medley_trace::{BandwidthTrace, timeline};
 pub use report::{RankReport, StepReport};
 

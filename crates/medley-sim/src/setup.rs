@@ -5,12 +5,12 @@ use std::collections::BTreeMap;
 
 use medley_cost::comm::{self, Link};
 use medley_cost::{Calibration, CostModel, GIB, PassTime, Setting, StageShape};
-use medley_plan::context_price::ContextPricer;
+use medley_plan::long_context_price::ContextPricer;
 use medley_plan::{Plan, Route, Stage};
 use medley_schedule::RankId;
 use medley_spec::{BridgeMode, DeviceSlot, Vendor};
 
-use crate::context::{DevicePass, PhaseSpan, chunk_pass, simulate_context_layer};
+use crate::long_context::{DevicePass, PhaseSpan, chunk_pass, simulate_context_layer};
 use crate::network::{Network, ResourceId};
 use crate::{ELEMENT_BYTES, SimError, ns};
 
@@ -96,7 +96,7 @@ struct RankParts {
     boundary_bytes: f64,
 }
 
-/// A long-context rank: one layer simulated on its devices (`crate::context`), its memory that
+/// A long-context rank: one layer simulated on its devices (`crate::long_context`), its memory that
 /// of the device with the least room to spare at `in_flight` micro-batches.
 fn context_rank(
     plan: &Plan,

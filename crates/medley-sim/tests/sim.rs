@@ -5,7 +5,7 @@ use std::collections::BTreeMap;
 use std::num::NonZeroU32;
 
 use medley_cost::comm::{self, Link};
-use medley_cost::context::KvExchange;
+use medley_cost::long_context::KvExchange;
 use medley_cost::{Calibration, CostModel, Setting};
 use medley_plan::baselines::{Degrees, megatron_plan};
 use medley_plan::long_context::{even_fixed, search_long_context};

@@ -11,7 +11,7 @@ use std::time::Duration;
 use anyhow::{Context, Result};
 use clap::Args;
 use medley_cost::Calibration;
-use medley_cost::context::KvExchange;
+use medley_cost::long_context::KvExchange;
 use medley_launch::{Echo, JobEnd, LocalJob, RankCommand};
 use medley_model::AdamW;
 use medley_plan::Plan;

@@ -7,7 +7,7 @@ use std::net::TcpListener;
 use std::time::Duration;
 
 use medley_comm::{Config, LaunchEnv};
-use medley_cost::context::KvExchange;
+use medley_cost::long_context::KvExchange;
 use medley_cost::{Calibration, CostModel};
 use medley_model::AdamW;
 use medley_plan::Plan;

@@ -1,6 +1,6 @@
 //! Each suite's tables as `medley bench` prints them, or its rows as JSON.
 
 pub mod cited;
-pub mod context;
+pub mod long_context;
 pub mod planner;
 pub mod schedules;

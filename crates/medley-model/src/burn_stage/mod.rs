@@ -8,11 +8,11 @@ use std::ops::Range;
 use burn::tensor::activation::{log_softmax, silu, softmax};
 use burn::tensor::{Bool, Int};
 
-mod context;
 mod gemm;
+mod long_context;
 
-pub use context::ContextStage;
 pub(crate) use gemm::matmul_seconds;
+pub use long_context::ContextStage;
 
 use super::backend::{self, Device, Gradients, Tensor, TensorData, burn};
 use crate::compute::take_pending;

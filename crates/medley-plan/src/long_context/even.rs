@@ -170,7 +170,11 @@ pub fn even_fixed(
         .min_by(|a, b| a.prediction.step_time_s.total_cmp(&b.prediction.step_time_s));
     let overflow = |candidate: &Candidate| {
         let prediction = &candidate.prediction;
-        prediction.peak_memory_by_device_gib.iter().map(|(name, peak)| peak / prediction.capacity_gib[name]).fold(0.0, f64::max)
+        prediction
+            .peak_memory_by_device_gib
+            .iter()
+            .map(|(name, peak)| peak / prediction.capacity_gib[name])
+            .fold(0.0, f64::max)
     };
     let smallest = || candidates.iter().min_by(|a, b| overflow(a).total_cmp(&overflow(b)));
     Ok(fastest.or_else(smallest).expect("at least one plan").clone())

@@ -23,7 +23,7 @@ use std::collections::BTreeMap;
 
 use itertools::Itertools;
 use medley_cost::comm::{self, Link};
-use medley_cost::context::{HeadSplit, KvExchange};
+use medley_cost::long_context::{HeadSplit, KvExchange};
 use medley_cost::{Calibration, CostModel, PassTime, Setting, StageShape};
 use medley_spec::{Cluster, DeviceId, DeviceSlot, JobSpec, ModelSpec, NodeGroup, Recompute, Schedule, ScheduleKind};
 use rayon::prelude::*;
@@ -32,11 +32,11 @@ pub use even::{EvenBaselines, EvenKind, even_fixed, even_plan};
 
 use crate::assemble::{ReplicaLayout, assemble};
 use crate::candidates::{SearchOutcome, ranked};
-use crate::context::{HeadGroup, StageContext};
-use crate::context_price::{ContextPricer, StageFrame};
 use crate::error::PlanError;
 use crate::evaluate::PipelineTiming;
 use crate::layers::LayerRange;
+use crate::long_context_price::{ContextPricer, StageFrame};
+use crate::long_context_stage::{HeadGroup, StageContext};
 use crate::partition::{ClassShare, ReplicaClass, check_group_count, set_partitions, split_micro_batches};
 use crate::plan::{PLAN_VERSION, Plan, Stage};
 use crate::shard_split::{GroupCost, GroupKind, KindShare, split_by_kind};
@@ -457,7 +457,9 @@ impl<'a> ContextSpace<'a> {
                     .map(|share| share.q_heads)
                     .collect();
                 let device_tokens = match even {
-                    true => medley_cost::context::split_whole(tokens as u32, &weights).expect("a token per device"),
+                    true => {
+                        medley_cost::long_context::split_whole(tokens as u32, &weights).expect("a token per device")
+                    }
                     false => {
                         let node_group = &self.cluster.groups()[self.slots[members[0] as usize].group_idx];
                         pricer.balance_tokens(node_group, n_tokens, tokens, &heads, recompute)

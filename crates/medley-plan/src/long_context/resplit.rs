@@ -4,13 +4,13 @@
 //! stage, in device order) get uneven shards and uneven stages too.
 
 use medley_cost::StageShape;
-use medley_cost::context::HeadSplit;
+use medley_cost::long_context::HeadSplit;
 
 use super::ContextSpace;
 use crate::assemble::ReplicaLayout;
-use crate::context::HeadGroup;
-use crate::context_price::StageFrame;
 use crate::layers::LayerRange;
+use crate::long_context_price::StageFrame;
+use crate::long_context_stage::HeadGroup;
 use crate::partition::{StageLoad, min_max_layers};
 use crate::plan::{Plan, Replica};
 use crate::shard_split::{GroupKind, split_by_kind};

@@ -58,7 +58,7 @@ pub fn run(which: &BenchCommand) -> Result<()> {
     match which {
         BenchCommand::Plan { json } => print_report(tables::planner::report(*json)),
         BenchCommand::Calibration { json } => print_report(tables::cited::report(*json)),
-        BenchCommand::Context { json } => print_report(tables::context::report(*json)),
+        BenchCommand::Context { json } => print_report(tables::long_context::report(*json)),
         BenchCommand::Schedules { json } => print_report(tables::schedules::report(*json)),
         BenchCommand::Comm(args) => {
             let exe = std::env::current_exe().context("finding the medley binary to start workers")?;

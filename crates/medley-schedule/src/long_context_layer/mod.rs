@@ -22,7 +22,7 @@ mod lower;
 mod tests;
 
 use medley_collective::{Algorithm, CollectiveError, Op, ReduceOp};
-pub use medley_cost::context::{HeadShare, KvExchange};
+pub use medley_cost::long_context::{HeadShare, KvExchange};
 pub use medley_spec::Recompute;
 use thiserror::Error;
 

@@ -1,6 +1,6 @@
 //! A long-context stage's collectives over the job's communicators: the head group's
 //! all-to-all-v and the lane's ring all-gather-v and reduce-scatter-v, each with the operation
-//! and algorithm `medley_schedule::context_layer` gives it, whose step lists the simulator
+//! and algorithm `medley_schedule::long_context_layer` gives it, whose step lists the simulator
 //! prices; and the pacing that emulates a slower device inside such a pass.
 
 use std::sync::atomic::{AtomicU64, Ordering};
@@ -9,8 +9,8 @@ use std::time::Instant;
 
 use medley_comm::{CommError, Communicator, Counts};
 use medley_model::ModelError;
-use medley_model::context::ContextCollectives;
-use medley_schedule::context_layer::LayerCollective;
+use medley_model::long_context::ContextCollectives;
+use medley_schedule::long_context_layer::LayerCollective;
 
 /// Emulates a slower device inside passes that communicate: each stretch of computing is
 /// followed, before the collective that ends it, by a sleep of `stretch − 1` times its length, so

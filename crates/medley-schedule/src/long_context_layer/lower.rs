@@ -11,7 +11,7 @@
 use std::num::NonZeroUsize;
 
 use medley_collective::{self as collective, Chunking, Counts, DomainId, Group, Step};
-use medley_cost::context::{HeadShare, HeadSplit, KvExchange};
+use medley_cost::long_context::{HeadShare, HeadSplit, KvExchange};
 use medley_plan::StageContext;
 use medley_spec::{ModelSpec, Recompute};
 

@@ -2,7 +2,7 @@
 //! layouts and each device type alone, all simulated; and the planner's time on 1024 GPUs.
 
 use crate::BenchError;
-use crate::context::{
+use crate::long_context::{
     CONTEXT_CASES, ContextInfo, ContextRow, ContextSpeedRow, Simulated, context_row, context_speed_row, context_summary,
 };
 use crate::stats::TIMED_RUNS;

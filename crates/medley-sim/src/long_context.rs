@@ -2,17 +2,19 @@
 //! own program of compute, sends and receives over the modelled links, and the layer ends when
 //! the last device does.
 //!
-//! The programs are `medley-schedule`'s ([`medley_schedule::context_layer`]): the layer's order
+//! The programs are `medley-schedule`'s ([`medley_schedule::long_context_layer`]): the layer's order
 //! of operations, which the runtime's long-context stage runs too, lowered over the plan's
 //! shards, tokens and heads into each device's compute and the sends and receives of
 //! medley-collective's step lists, the same description the runtime's communicator executes.
 //! This module prices each operation's work on its device from the cost model; the engine's
 //! event core ([`crate::engine::layer`]) runs them.
 
-use medley_cost::context::{ContextWork, HeadTailShards, KvExchange};
+use medley_cost::long_context::{ContextWork, HeadTailShards, KvExchange};
 use medley_cost::{CostModel, PassTime};
 use medley_plan::{Stage, StageContext};
-use medley_schedule::context_layer::{AttentionWork, Keys, LayerError, LayerPass, LayerShape, Work, device_programs};
+use medley_schedule::long_context_layer::{
+    AttentionWork, Keys, LayerError, LayerPass, LayerShape, Work, device_programs,
+};
 use medley_spec::{Cluster, DeviceSlot, NodeGroup, Recompute};
 
 use crate::layer::run_layer;

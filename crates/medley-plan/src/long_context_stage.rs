@@ -3,7 +3,7 @@
 //! (Ulysses) inside a group, each device holding some of the shard's tokens for the projections
 //! and MLP and some of the heads for attention. Shards, token shares and heads may be uneven.
 
-use medley_cost::context::{HeadSplit, HeadTailShards, KvExchange};
+use medley_cost::long_context::{HeadSplit, HeadTailShards, KvExchange};
 use medley_spec::{Cluster, DeviceId, DeviceSlot, ModelSpec};
 use serde::{Deserialize, Serialize};
 

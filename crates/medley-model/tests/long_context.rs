@@ -7,13 +7,13 @@
 use std::ops::Range;
 use std::sync::{Arc, Barrier, Mutex};
 
-use medley_model::context::{ContextCollectives, ContextGroup, ContextPlacement};
 use medley_model::data::Dataset;
+use medley_model::long_context::{ContextCollectives, ContextGroup, ContextPlacement};
 use medley_model::{
     ComputeDevice, HostTensor, MicroBatch, ModelConfig, ModelError, StageOutput, StageState, context_compute,
     stage_compute,
 };
-use medley_schedule::context_layer::{
+use medley_schedule::long_context_layer::{
     HeadShare, KvExchange, LayerCollective, LayerPass, LayerShape, LayerStep, Recompute,
 };
 

@@ -4,11 +4,13 @@
 //! and the same costs as linear functions of a group's shard for the split's linear program.
 
 use medley_cost::comm::{self, Link};
-use medley_cost::context::{self, ContextLayerTime, ContextWork, HeadShare, HeadSplit, KvExchange, kv_bytes_per_token};
+use medley_cost::long_context::{
+    self, ContextLayerTime, ContextWork, HeadShare, HeadSplit, KvExchange, kv_bytes_per_token,
+};
 use medley_cost::{CostModel, GIB, MemoryBreakdown, PassTime, StageShape};
 use medley_spec::{BridgeMode, Cluster, DeviceId, DeviceSlot, NodeGroup, Recompute};
 
-use crate::context::StageContext;
+use crate::long_context_stage::StageContext;
 use crate::shard_split::{GroupCost, Linear, NextLinear};
 
 /// Bytes per element of activations, keys and values (bf16).
@@ -70,7 +72,7 @@ impl<'a> ContextPricer<'a> {
                 kv_exchange: context.kv_exchange,
             };
             for (me, &device) in members.iter().enumerate() {
-                let kv = context::kv_traffic(
+                let kv = long_context::kv_traffic(
                     self.cost.model(),
                     &shards,
                     idx,
@@ -88,7 +90,7 @@ impl<'a> ContextPricer<'a> {
     fn device_work(&self, view: &GroupView, me: usize, device: DeviceId, kv_bytes: f64, n_tokens: u64) -> DeviceWork {
         let model = self.cost.model();
         let share = view.heads[me];
-        let ulysses = context::ulysses_traffic(model, &view.device_tokens, &view.heads, me, ACTIVATION_BYTES);
+        let ulysses = long_context::ulysses_traffic(model, &view.device_tokens, &view.heads, me, ACTIVATION_BYTES);
         let peers = view.device_tokens.len() as f64 - 1.0;
         let all_to_all_s =
             transfers_s(comm::intra_node_peer_link(view.node_group), peers, ulysses.sent.max(ulysses.received) as f64);
@@ -96,7 +98,7 @@ impl<'a> ContextPricer<'a> {
         let kv_s = transfers_s(view.kv_link, others, kv_bytes);
         let work = ContextWork {
             tokens: view.device_tokens[me] as f64,
-            attention_flops: context::attention_core_flops(model, n_tokens, view.shard_tokens, share.q_heads),
+            attention_flops: long_context::attention_core_flops(model, n_tokens, view.shard_tokens, share.q_heads),
             all_to_all_s,
             kv_s,
             kv_exchange: view.kv_exchange,
@@ -188,7 +190,7 @@ impl<'a> ContextPricer<'a> {
     ) -> Vec<u32> {
         let work = |tokens: f64, q_heads: u32| ContextWork {
             tokens,
-            attention_flops: context::attention_core_flops(self.cost.model(), n_tokens, shard, q_heads),
+            attention_flops: long_context::attention_core_flops(self.cost.model(), n_tokens, shard, q_heads),
             all_to_all_s: 0.0,
             kv_s: 0.0,
             kv_exchange: KvExchange::AllGather,
@@ -201,7 +203,7 @@ impl<'a> ContextPricer<'a> {
             .iter()
             .map(|&q| (shard as f64 / heads.len() as f64 + per_head_in_tokens * (mean_heads - f64::from(q))).max(1.0))
             .collect();
-        context::split_whole(shard as u32, &weights).expect("a shard holds at least a token per device")
+        long_context::split_whole(shard as u32, &weights).expect("a shard holds at least a token per device")
     }
 
     /// A group of `size` devices of `node_group` with heads split as evenly as grouped-query

@@ -2,12 +2,12 @@
 //! is three autodiff graphs — up to Q, K and V of the device's tokens; attention of the group's
 //! tokens for the device's heads over every group's keys; the output projection and MLP — joined
 //! by the all-to-alls and the lane's all-gather, which the backward runs in reverse. Between the
-//! matmuls, a layer walks `medley_schedule::context_layer`'s steps, the order the simulator times.
+//! matmuls, a layer walks `medley_schedule::long_context_layer`'s steps, the order the simulator times.
 
 use std::collections::HashMap;
 use std::ops::Range;
 
-use medley_schedule::context_layer::{
+use medley_schedule::long_context_layer::{
     AllToAll, AttentionWork, KvExchange, LayerPass, LayerStep, Recompute, layer_steps,
 };
 
@@ -16,7 +16,7 @@ use super::burn::tensor::{Bool, Int};
 use super::{Gradients, Tensor, TensorData};
 use super::{PendingOutput, Rotation, Weights, device_to_host, input_gradient, softmax_last};
 use crate::compute::take_pending;
-use crate::context::{ContextCollectives, ContextPlacement, HeadsLayout};
+use crate::long_context::{ContextCollectives, ContextPlacement, HeadsLayout};
 use crate::{ComputeDevice, HostTensor, MicroBatch, ModelConfig, ModelError, StageCompute, StageOutput};
 
 /// A stage's graph between two attentions: from the previous layer's attention output (or the
