@@ -279,7 +279,7 @@ impl Worker {
                 let tid = if category == "collective" { COLLECTIVE_TID } else { COMPUTE_TID };
                 let span = (begin_us * 1000, self.clock.now_us() * 1000);
                 let track = (self.timeline_pid(), tid);
-                timeline.slice(track, &instruction.to_string(), category, span, json!({"step": self.step + 1}));
+                timeline.slice(track, &instruction.to_string(), category, span, &json!({"step": self.step + 1}));
             }
         }
         self.mailbox.finish_step()?;

@@ -40,8 +40,8 @@ pub struct Timeline<'w> {
 /// A complete slice, its keys in the order `serde_json::Value` writes them (sorted), so that it
 /// reads as every other event does.
 #[derive(Serialize)]
-struct Slice<'a> {
-    args: &'a Value,
+struct Slice<'a, A: Serialize> {
+    args: &'a A,
     cat: &'a str,
     dur: f64,
     name: &'a str,
@@ -90,11 +90,11 @@ impl<'w> Timeline<'w> {
     }
 
     /// A complete slice from `start_ns` to `end_ns`.
-    pub fn slice(&mut self, track: (u32, u32), name: &str, category: &str, span_ns: (u64, u64), args: Value) {
+    pub fn slice(&mut self, track: (u32, u32), name: &str, category: &str, span_ns: (u64, u64), args: &impl Serialize) {
         let (pid, tid) = track;
         let (start_ns, end_ns) = span_ns;
         let (ts, dur) = (micros(start_ns), micros(end_ns - start_ns));
-        self.event(&Slice { args: &args, cat: category, dur, name, ph: "X", pid, tid, ts });
+        self.event(&Slice { args, cat: category, dur, name, ph: "X", pid, tid, ts });
     }
 
     /// A flow arrow from the slice on `from` that encloses `from_ns` to the next slice on `to`
@@ -208,7 +208,7 @@ mod tests {
     fn merged_segments_follow_one_another_and_keep_their_flows_apart() {
         let segment = |name: &str| {
             let bytes = write(|t| {
-                t.slice((1, COMPUTE_TID), name, "compute", (1_000, 5_000), json!({}));
+                t.slice((1, COMPUTE_TID), name, "compute", (1_000, 5_000), &json!({}));
                 t.arrow("act", (1, COMPUTE_TID), 2_000, (2, COMPUTE_TID), 3_000);
             });
             trace_events(std::str::from_utf8(&bytes).unwrap())
@@ -228,8 +228,8 @@ mod tests {
     #[test]
     fn a_trace_cut_short_keeps_its_whole_events() {
         let whole = write(|t| {
-            t.slice((1, COMPUTE_TID), "F0", "compute", (0, 1_000), json!({}));
-            t.slice((1, COMPUTE_TID), "F1", "compute", (1_000, 2_000), json!({}));
+            t.slice((1, COMPUTE_TID), "F0", "compute", (0, 1_000), &json!({}));
+            t.slice((1, COMPUTE_TID), "F1", "compute", (1_000, 2_000), &json!({}));
         });
         let names = |bytes: &[u8]| -> Vec<Value> {
             trace_events(&String::from_utf8_lossy(bytes)).iter().map(|e| e["name"].clone()).collect()

@@ -188,8 +188,8 @@ impl StepRun<'_, '_, '_> {
             1 => format!("all-reduce dp{group}"),
             _ => format!("all-reduce dp{group} bucket {bucket}"),
         };
-        let args = json!({"bytes": bytes, "members": n_members});
-        self.timeline_slice(rank, COLLECTIVE_TID, &name, "collective", (start_ns, self.now()), args);
+        let args = CollectiveArgs { bytes, members: n_members };
+        self.timeline_slice(rank, COLLECTIVE_TID, &name, "collective", (start_ns, self.now()), &args);
     }
 
     /// Lowers a collective to its algorithm's steps once every member has joined. Chunked as

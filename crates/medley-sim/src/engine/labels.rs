@@ -1,6 +1,26 @@
 //! What the timeline and the errors call things: slices, waits, messages, deadlocks.
 
+use serde::Serialize;
+
 use super::*;
+
+/// A slice with nothing to say beyond its name (`{}`, as the viewer expects).
+#[derive(Serialize)]
+pub(super) struct NoArgs {}
+
+/// A transfer's slice: what it carries.
+#[derive(Serialize)]
+pub(super) struct TransferArgs {
+    pub bytes: f64,
+}
+
+/// A collective's slice: what it reduces and over how many members (keys in `serde_json`'s
+/// sorted order, as every other event's).
+#[derive(Serialize)]
+pub(super) struct CollectiveArgs {
+    pub bytes: f64,
+    pub members: usize,
+}
 
 impl StepRun<'_, '_, '_> {
     pub(super) fn timeline_slice(
@@ -10,7 +30,7 @@ impl StepRun<'_, '_, '_> {
         name: &str,
         category: &str,
         span_ns: (u64, u64),
-        args: serde_json::Value,
+        args: &impl serde::Serialize,
     ) {
         if let Some(timeline) = self.sim.timeline.as_mut() {
             timeline.slice((rank as u32 + 1, tid), name, category, span_ns, args);

@@ -29,7 +29,7 @@ use all_reduce::CollectiveState;
 mod labels;
 mod transfers;
 
-use labels::chunk_suffix;
+use labels::{CollectiveArgs, NoArgs, TransferArgs, chunk_suffix};
 
 /// A message between ranks; receives match sends by key.
 #[derive(Clone, Copy, Debug, PartialEq, Eq, Hash)]
@@ -289,7 +289,7 @@ impl<'s, 'p, 'w> StepRun<'s, 'p, 'w> {
             }
             if now > since_ns && self.sim.timeline.is_some() {
                 let name = self.wait_label(rank, wait);
-                self.timeline_slice(rank, COMPUTE_TID, &name, "wait", (since_ns, now), json!({}));
+                self.timeline_slice(rank, COMPUTE_TID, &name, "wait", (since_ns, now), &NoArgs {});
             }
         }
         self.advance(rank)
@@ -364,10 +364,10 @@ impl<'s, 'p, 'w> StepRun<'s, 'p, 'w> {
                     if sync_ns > 0 {
                         let span = (start, start + sync_ns);
                         let name = "gradients over the stage's devices";
-                        self.timeline_slice(rank, COLLECTIVE_TID, name, "collective", span, json!({}));
+                        self.timeline_slice(rank, COLLECTIVE_TID, name, "collective", span, &NoArgs {});
                     }
                     let span = (start + sync_ns, start + sync_ns + optimizer_ns);
-                    self.timeline_slice(rank, COMPUTE_TID, "optimizer step", "optimizer", span, json!({}));
+                    self.timeline_slice(rank, COMPUTE_TID, "optimizer step", "optimizer", span, &NoArgs {});
                     self.push(span.1, Event::Resume(rank));
                     return Ok(());
                 }
@@ -445,9 +445,9 @@ impl<'s, 'p, 'w> StepRun<'s, 'p, 'w> {
                 self.sim.setup.ranks[rank].layer_phases.as_ref().zip(pass).map(|(phases, pass)| phases[pass].clone());
             for span in phases.unwrap_or_default() {
                 let at = (now + span.start_ns, now + span.end_ns);
-                self.timeline_slice(rank, LAYER_TID, span.name, "layer", at, json!({}));
+                self.timeline_slice(rank, LAYER_TID, span.name, "layer", at, &NoArgs {});
             }
-            self.timeline_slice(rank, COMPUTE_TID, &name, "compute", (now, now + duration_ns), args);
+            self.timeline_slice(rank, COMPUTE_TID, &name, "compute", (now, now + duration_ns), &args);
             if memory_change != 0.0 {
                 let at_ns = if memory_change > 0.0 { now } else { now + duration_ns };
                 let pid = rank as u32 + 1;

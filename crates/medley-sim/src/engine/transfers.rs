@@ -71,14 +71,14 @@ impl StepRun<'_, '_, '_> {
         let now = self.now();
         if self.sim.timeline.is_some() {
             let name = self.transfer_label(&transfer);
-            let args = json!({"bytes": transfer.bytes});
+            let args = TransferArgs { bytes: transfer.bytes };
             self.timeline_slice(
                 transfer.from,
                 lane_tid(transfer.lane),
                 &name,
                 "transfer",
                 (transfer.start_ns, now),
-                args,
+                &args,
             );
             let from = (transfer.from as u32 + 1, lane_tid(transfer.lane));
             let to = (transfer.to as u32 + 1, COMPUTE_TID);
