@@ -26,11 +26,15 @@ impl StopSignals {
     pub fn register() -> Result<StopSignals> {
         let requested = Arc::new(AtomicBool::new(false));
         let signal = Arc::new(AtomicUsize::new(0));
+        // Only a second Ctrl-C means "now", whatever came before it: a launcher passes SIGTERM on
+        // to workers, which may reach them before the terminal's SIGINT does.
+        let interrupted = Arc::new(AtomicBool::new(false));
         for number in STOP_SIGNALS {
-            // Only a second Ctrl-C means "now": a launcher passes SIGTERM on to workers that
-            // may have had the first signal already.
+            // The shutdown is registered before the flag it reads is set, so the first SIGINT
+            // only sets it.
             let now_on_second = (number == SIGINT).then(|| {
-                signal_hook::flag::register_conditional_shutdown(number, exit_code(number), Arc::clone(&requested))
+                signal_hook::flag::register_conditional_shutdown(number, exit_code(number), Arc::clone(&interrupted))
+                    .and_then(|_| signal_hook::flag::register(number, Arc::clone(&interrupted)))
             });
             let registered = now_on_second
                 .transpose()

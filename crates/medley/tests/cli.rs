@@ -1444,6 +1444,38 @@ fn a_rank_stopped_at_start_up_is_named_within_the_timeout() {
     assert!(text.contains("worker 1 (r0s1, H100-SXM): did not stop after the others failed; killed"), "{text}");
 }
 
+/// Sends `signal` to each of `pids`.
+fn signal_all(pids: &[u32], signal: i32) {
+    for &pid in pids {
+        // SAFETY: kill with a pid of a child of this test and a valid signal has no memory effects.
+        assert_eq!(unsafe { libc::kill(pid as i32, signal) }, 0);
+    }
+}
+
+#[test]
+fn a_launchers_sigterm_before_ctrl_c_still_stops_at_a_step_and_a_second_ctrl_c_stops_at_once() {
+    // The launcher's forwarded SIGTERM may reach a worker before the terminal's SIGINT does: that
+    // is still the first request, not a second Ctrl-C.
+    let out = scratch("train-term-then-int");
+    let launcher = start_endless_run(&out, "2xh100", &["10", "--checkpoint-every", "1000"], |out| has_steps(out, 2));
+    let workers: Vec<u32> = workers_of(launcher.id()).into_iter().map(|(pid, _)| pid).collect();
+    signal_all(&workers, libc::SIGTERM);
+    signal_all(&[&[launcher.id()][..], &workers].concat(), libc::SIGINT);
+    let output = finish(launcher, &["train", "(SIGTERM, then SIGINT)"]);
+    let text = stdout(&output) + &stderr(&output);
+    assert_eq!(output.status.code(), Some(130), "{text}");
+    assert!(text.contains("stopped at step"), "{text}");
+    // Two Ctrl-Cs end the launcher at once, without waiting for a step to end.
+    let out = scratch("train-int-twice");
+    let launcher = start_endless_run(&out, "1xh100", &["10"], |out| has_steps(out, 1));
+    signal_all(&[launcher.id()], libc::SIGINT);
+    signal_all(&[launcher.id()], libc::SIGINT);
+    let output = finish(launcher, &["train", "(SIGINT twice)"]);
+    let text = stdout(&output) + &stderr(&output);
+    assert_eq!(output.status.code(), Some(130), "{text}");
+    assert!(!text.contains("stopped at step"), "{text}");
+}
+
 #[test]
 fn a_signal_stops_the_run_at_the_end_of_a_step_and_says_how_to_resume() {
     for (signal, code) in [(libc::SIGTERM, 143), (libc::SIGINT, 130)] {
