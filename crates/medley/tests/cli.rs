@@ -1469,6 +1469,9 @@ fn a_launchers_sigterm_before_ctrl_c_still_stops_at_a_step_and_a_second_ctrl_c_s
     let out = scratch("train-int-twice");
     let launcher = start_endless_run(&out, "1xh100", &["10"], |out| has_steps(out, 1));
     signal_all(&[launcher.id()], libc::SIGINT);
+    // Apart, so that they are two signals (one pending signal of a kind absorbs the next), and
+    // well within a step.
+    std::thread::sleep(Duration::from_millis(100));
     signal_all(&[launcher.id()], libc::SIGINT);
     let output = finish(launcher, &["train", "(SIGINT twice)"]);
     let text = stdout(&output) + &stderr(&output);
