@@ -184,38 +184,62 @@ impl Worker {
     /// Writes this rank's stages into `root/step-NNNNNNNN/`; rank 0 then writes the manifest,
     /// moves `latest` to it and removes all but the `keep` newest checkpoints. Every rank must
     /// call it.
-    /// A checkpoint that fails before it is published (a full disk, a peer that died) leaves
-    /// none of its files behind.
+    /// A rank that cannot write its file (a full disk) removes it, and nobody publishes the
+    /// checkpoint; when rank 0 fails before publishing, every rank removes its file; a peer that
+    /// dies otherwise leaves the written files for a resume to sweep, as rank 0 may still publish
+    /// them.
     pub fn save_checkpoint(&mut self, root: &Path, keep: usize) -> Result<PathBuf, RuntimeError> {
         let name = step_dir_name(self.step);
         let dir = root.join(&name);
-        let result = self.write_checkpoint(root, &name, keep);
-        if result.is_err() && !is_published(root, &name) {
-            let mut written = vec![dir.join(format!("rank-{}.safetensors", self.layout.job_rank))];
-            if self.layout.job_rank == 0 {
-                written.push(dir.join(MANIFEST));
-            }
-            written.iter().for_each(|path| drop(fs::remove_file(path)));
+        let own_file = dir.join(rank_file(self.layout.job_rank));
+        if let Err(err) = self.write_rank_file(&dir) {
+            // This rank never reaches the barrier before publishing: nobody publishes the
+            // checkpoint, and its file is no use.
+            fs::remove_file(&own_file).ok();
             // Empty once every rank has removed its file; whoever is last removes it.
             fs::remove_dir(&dir).ok();
+            return Err(err);
         }
-        result.map(|()| dir)
+        // Once written, a rank's file stays when a peer fails — rank 0 may still publish the
+        // checkpoint from it (a resume sweeps an unpublished directory) — unless rank 0, the
+        // only one that publishes, is the rank that failed, without having published.
+        let published = self.publish(root, &name, keep);
+        if let Err(err) = &published {
+            let publisher_failed = self.layout.job_rank == 0 || err.blamed_rank() == Some(0);
+            if publisher_failed && !is_published(root, &name) {
+                if self.layout.job_rank == 0 {
+                    fs::remove_file(dir.join(MANIFEST)).ok();
+                }
+                fs::remove_file(&own_file).ok();
+                fs::remove_dir(&dir).ok();
+            }
+        }
+        published.map(|()| dir)
     }
 
-    fn write_checkpoint(&mut self, root: &Path, name: &str, keep: usize) -> Result<(), RuntimeError> {
-        let dir = root.join(name);
-        fs::create_dir_all(&dir).map_err(io_error(&dir))?;
-        // A long-context stage's devices hold the same weights: its first device writes them.
-        let writes = |layout: &RankLayout| layout.context.as_ref().is_none_or(|seat| seat.device_index == 0);
-        let file = |rank: usize| format!("rank-{rank}.safetensors");
-        let files: Vec<String> =
-            self.layouts.iter().filter(|layout| writes(layout)).map(|layout| file(layout.job_rank)).collect();
-        if writes(&self.layout) {
+    /// Writes this rank's file of the checkpoint in `dir` (the first device of a long-context
+    /// stage writes the stage's).
+    fn write_rank_file(&mut self, dir: &Path) -> Result<(), RuntimeError> {
+        fs::create_dir_all(dir).map_err(io_error(dir))?;
+        if writes_checkpoint(&self.layout) {
             let tensors: Vec<_> = self.stages.iter().flat_map(|stage| stage.checkpoint_tensors()).collect();
             let metadata = HashMap::from([("step".to_string(), self.step.to_string())]);
-            save_tensors(&dir.join(file(self.layout.job_rank)), &tensors, metadata)?;
+            save_tensors(&dir.join(rank_file(self.layout.job_rank)), &tensors, metadata)?;
         }
+        Ok(())
+    }
+
+    /// Once every rank has written its file, rank 0 writes the manifest, moves `latest` to the
+    /// checkpoint and removes all but the `keep` newest; every rank waits until it has.
+    fn publish(&mut self, root: &Path, name: &str, keep: usize) -> Result<(), RuntimeError> {
+        let dir = root.join(name);
         self.world.barrier().during(|| format!("waiting for every rank to write {}", dir.display()))?;
+        let files: Vec<String> = self
+            .layouts
+            .iter()
+            .filter(|layout| writes_checkpoint(layout))
+            .map(|layout| rank_file(layout.job_rank))
+            .collect();
         if self.layout.job_rank == 0 {
             let checksums = files
                 .iter()
@@ -457,6 +481,17 @@ fn sweep_temporary(dir: &Path) -> Result<(), RuntimeError> {
         }
     }
     Ok(())
+}
+
+/// Whether this rank writes a file of the checkpoint: a long-context stage's devices hold the same
+/// weights, and its first device writes them.
+fn writes_checkpoint(layout: &RankLayout) -> bool {
+    layout.context.as_ref().is_none_or(|seat| seat.device_index == 0)
+}
+
+/// The file rank `rank` writes in a checkpoint directory.
+fn rank_file(rank: usize) -> String {
+    format!("rank-{rank}.safetensors")
 }
 
 /// Whether `latest` in `root` names the checkpoint directory `name`.
