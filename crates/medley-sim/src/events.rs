@@ -5,7 +5,9 @@
 //! crate's [`Network`](crate::network::Network).
 
 use std::cmp::Reverse;
-use std::collections::{BinaryHeap, HashMap, VecDeque};
+use std::collections::{BinaryHeap, VecDeque};
+
+use rustc_hash::FxHashMap;
 
 struct Scheduled<E> {
     at_ns: u64,
@@ -64,12 +66,12 @@ struct Channel<S> {
 /// Every pair's channel; `S` is a send waiting for its turn.
 #[derive(Debug)]
 pub(crate) struct Channels<S> {
-    channels: HashMap<(usize, usize), Channel<S>>,
+    channels: FxHashMap<(usize, usize), Channel<S>>,
 }
 
 impl<S> Default for Channels<S> {
     fn default() -> Self {
-        Channels { channels: HashMap::new() }
+        Channels { channels: FxHashMap::default() }
     }
 }
 

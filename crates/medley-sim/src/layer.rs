@@ -9,7 +9,9 @@ use medley_spec::{BridgeMode, Cluster, DeviceSlot};
 
 use crate::ELEMENT_BYTES;
 use crate::events::{Channels, EventQueue};
-use crate::network::{DrainAt, Network, ResourceId};
+use smallvec::smallvec;
+
+use crate::network::{DrainAt, Network, Path, ResourceId};
 use crate::ns;
 
 /// One pass of one layer on one device, simulated.
@@ -231,12 +233,12 @@ fn add_phase(phases: &mut Vec<PhaseSpan>, span: PhaseSpan) {
 }
 
 /// The link between two of the stage's devices and the ports a transfer crosses.
-fn route(cluster: &Cluster, slots: &[DeviceSlot], ports: &[Ports], from: usize, to: usize) -> (Link, Vec<ResourceId>) {
+fn route(cluster: &Cluster, slots: &[DeviceSlot], ports: &[Ports], from: usize, to: usize) -> (Link, Path) {
     let (a, b) = (slots[from], slots[to]);
     let link = comm::link_between(cluster, a, b, BridgeMode::DeviceDirect);
     let path = match a.node_idx == b.node_idx {
-        true => vec![ports[from].intra_out, ports[to].intra_in],
-        false => vec![ports[from].nic_out, ports[to].nic_in],
+        true => smallvec![ports[from].intra_out, ports[to].intra_in],
+        false => smallvec![ports[from].nic_out, ports[to].nic_in],
     };
     (link, path)
 }

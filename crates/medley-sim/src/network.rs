@@ -12,14 +12,20 @@
 pub(crate) type ResourceId = usize;
 pub(crate) type FlowId = usize;
 
+use smallvec::SmallVec;
+
 struct Resource {
     capacity: f64,
     fraction: f64,
     flows: Vec<FlowId>,
 }
 
+/// The resources a flow crosses: a sender's port and a receiver's, so two fit without a heap
+/// allocation per transfer.
+pub(crate) type Path = SmallVec<[ResourceId; 2]>;
+
 struct Flow<P> {
-    path: Vec<ResourceId>,
+    path: Path,
     cap: f64,
     remaining: f64,
     rate: f64,
@@ -36,6 +42,22 @@ pub(crate) struct DrainAt {
     pub at_ns: u64,
 }
 
+/// What one re-rating works on, kept between re-ratings so that a transfer allocates nothing.
+#[derive(Default)]
+struct Scratch {
+    /// The component's flows and resources, sorted.
+    flows: Vec<FlowId>,
+    resources: Vec<ResourceId>,
+    frontier: Vec<ResourceId>,
+    rates: Vec<f64>,
+    frozen: Vec<bool>,
+    left: Vec<f64>,
+    saturated: Vec<bool>,
+    /// `flow_slot[f]`: flow f's place in `flows`; `resource_slot[r]`: resource r's in `resources`.
+    flow_slot: Vec<usize>,
+    resource_slot: Vec<usize>,
+}
+
 pub(crate) struct Network<P> {
     resources: Vec<Resource>,
     flows: Vec<Option<Flow<P>>>,
@@ -46,6 +68,7 @@ pub(crate) struct Network<P> {
     search: u64,
     resource_marks: Vec<u64>,
     flow_marks: Vec<u64>,
+    scratch: Scratch,
 }
 
 impl<P> Network<P> {
@@ -58,6 +81,7 @@ impl<P> Network<P> {
             search: 0,
             resource_marks: Vec::new(),
             flow_marks: Vec::new(),
+            scratch: Scratch::default(),
         }
     }
 
@@ -71,30 +95,25 @@ impl<P> Network<P> {
     pub(crate) fn start(
         &mut self,
         now_ns: u64,
-        path: Vec<ResourceId>,
+        path: Path,
         cap: f64,
         bytes: f64,
         payload: P,
         drains: &mut Vec<DrainAt>,
     ) -> FlowId {
         let version = self.next_version();
-        let flow = Flow { path, cap, remaining: bytes, rate: 0.0, updated_ns: now_ns, version, payload };
-        let id = match self.free_slots.pop() {
-            Some(id) => {
-                self.flows[id] = Some(flow);
-                id
-            }
-            None => {
-                self.flows.push(Some(flow));
-                self.flows.len() - 1
-            }
-        };
-        let path = self.flow(id).path.clone();
+        let id = self.free_slots.pop().unwrap_or_else(|| {
+            self.flows.push(None);
+            self.flows.len() - 1
+        });
         for &resource in &path {
             self.resources[resource].flows.push(id);
         }
-        self.rerate(now_ns, &path, drains);
-        if path.is_empty() {
+        let seeds = path.clone();
+        let unshared = path.is_empty();
+        self.flows[id] = Some(Flow { path, cap, remaining: bytes, rate: 0.0, updated_ns: now_ns, version, payload });
+        self.rerate(now_ns, &seeds, drains);
+        if unshared {
             // Nothing to share: the flow drains at once.
             drains.push(DrainAt { flow: id, version, at_ns: now_ns });
         }
@@ -144,36 +163,41 @@ impl<P> Network<P> {
     /// New max-min fair rates for every flow connected to `seeds`, progress booked at the old
     /// rates first.
     fn rerate(&mut self, now_ns: u64, seeds: &[ResourceId], drains: &mut Vec<DrainAt>) {
-        let (flows, resources) = self.component(seeds);
-        if flows.is_empty() {
-            return;
-        }
-        for &id in &flows {
-            let flow = self.flow_mut(id);
-            flow.remaining = (flow.remaining - flow.rate * (now_ns - flow.updated_ns) as f64).max(0.0);
-            flow.updated_ns = now_ns;
-        }
-        let rates = self.max_min_rates(&flows, &resources);
-        for (&id, rate) in flows.iter().zip(rates) {
-            let version = self.next_version();
-            let flow = self.flow_mut(id);
-            flow.rate = rate;
-            flow.version = version;
-            if rate > 0.0 || flow.remaining == 0.0 {
-                let wait_ns = if flow.remaining == 0.0 { 0 } else { (flow.remaining / rate).ceil() as u64 };
-                drains.push(DrainAt { flow: id, version: flow.version, at_ns: now_ns.saturating_add(wait_ns) });
+        self.find_component(seeds);
+        let mut scratch = std::mem::take(&mut self.scratch);
+        if !scratch.flows.is_empty() {
+            for &id in &scratch.flows {
+                let flow = self.flow_mut(id);
+                flow.remaining = (flow.remaining - flow.rate * (now_ns - flow.updated_ns) as f64).max(0.0);
+                flow.updated_ns = now_ns;
+            }
+            self.max_min_rates(&mut scratch);
+            for (&id, &rate) in scratch.flows.iter().zip(&scratch.rates) {
+                let version = self.next_version();
+                let flow = self.flow_mut(id);
+                flow.rate = rate;
+                flow.version = version;
+                if rate > 0.0 || flow.remaining == 0.0 {
+                    let wait_ns = if flow.remaining == 0.0 { 0 } else { (flow.remaining / rate).ceil() as u64 };
+                    drains.push(DrainAt { flow: id, version: flow.version, at_ns: now_ns.saturating_add(wait_ns) });
+                }
             }
         }
+        self.scratch = scratch;
     }
 
-    /// The flows and resources reachable from `seeds` through shared resources, sorted.
-    fn component(&mut self, seeds: &[ResourceId]) -> (Vec<FlowId>, Vec<ResourceId>) {
+    /// Puts in `scratch.flows` and `scratch.resources` the flows and resources reachable from
+    /// `seeds` through shared resources, sorted, and numbers their places.
+    fn find_component(&mut self, seeds: &[ResourceId]) {
         self.search += 1;
         let search = self.search;
         self.resource_marks.resize(self.resources.len(), 0);
         self.flow_marks.resize(self.flows.len(), 0);
-        let (mut flows, mut resources) = (Vec::new(), Vec::new());
-        let mut frontier: Vec<ResourceId> = seeds.to_vec();
+        let Scratch { flows, resources, frontier, flow_slot, resource_slot, .. } = &mut self.scratch;
+        flows.clear();
+        resources.clear();
+        frontier.clear();
+        frontier.extend_from_slice(seeds);
         while let Some(resource) = frontier.pop() {
             if self.resource_marks[resource] == search {
                 continue;
@@ -191,17 +215,30 @@ impl<P> Network<P> {
         }
         flows.sort_unstable();
         resources.sort_unstable();
-        (flows, resources)
+        flow_slot.resize(self.flows.len(), 0);
+        resource_slot.resize(self.resources.len(), 0);
+        for (slot, &id) in flows.iter().enumerate() {
+            flow_slot[id] = slot;
+        }
+        for (slot, &r) in resources.iter().enumerate() {
+            resource_slot[r] = slot;
+        }
     }
 
-    /// Progressive filling: raise every unfrozen flow's rate together until a resource is full
-    /// or a flow reaches its cap, freeze those flows, repeat.
-    fn max_min_rates(&self, flows: &[FlowId], resources: &[ResourceId]) -> Vec<f64> {
-        let mut rates = vec![0.0; flows.len()];
-        let mut frozen = vec![false; flows.len()];
-        let position = |id: FlowId| flows.binary_search(&id).expect("component flow");
-        let mut left: Vec<f64> =
-            resources.iter().map(|&r| self.resources[r].capacity * self.resources[r].fraction).collect();
+    /// Progressive filling over the component in `scratch`, into `scratch.rates`: raise every
+    /// unfrozen flow's rate together until a resource is full or a flow reaches its cap, freeze
+    /// those flows, repeat.
+    fn max_min_rates(&self, scratch: &mut Scratch) {
+        let Scratch { flows, resources, rates, frozen, left, saturated, flow_slot, resource_slot, .. } = scratch;
+        rates.clear();
+        rates.resize(flows.len(), 0.0);
+        frozen.clear();
+        frozen.resize(flows.len(), false);
+        left.clear();
+        left.extend(resources.iter().map(|&r| self.resources[r].capacity * self.resources[r].fraction));
+        let active_on = |r: ResourceId, frozen: &[bool]| {
+            self.resources[r].flows.iter().filter(|&&id| !frozen[flow_slot[id]]).count()
+        };
         loop {
             let mut level = f64::INFINITY;
             for (idx, &id) in flows.iter().enumerate() {
@@ -210,14 +247,14 @@ impl<P> Network<P> {
                 }
             }
             for (slot, &r) in resources.iter().enumerate() {
-                let active = self.resources[r].flows.iter().filter(|&&id| !frozen[position(id)]).count();
+                let active = active_on(r, frozen);
                 if active > 0 {
                     level = level.min(left[slot] / active as f64);
                 }
             }
             // Every flow frozen, or none limited by anything (no resources, no cap).
             if level == f64::INFINITY {
-                return rates;
+                return;
             }
             let level = level.max(0.0);
             for (idx, rate) in rates.iter_mut().enumerate() {
@@ -226,17 +263,17 @@ impl<P> Network<P> {
                 }
             }
             for (slot, &r) in resources.iter().enumerate() {
-                let active = self.resources[r].flows.iter().filter(|&&id| !frozen[position(id)]).count();
-                left[slot] -= level * active as f64;
+                left[slot] -= level * active_on(r, frozen) as f64;
             }
             // Freeze flows at their cap or on a saturated resource.
-            let saturated: Vec<bool> = left.iter().map(|&l| l <= 1e-12).collect();
+            saturated.clear();
+            saturated.extend(left.iter().map(|&l| l <= 1e-12));
             for (idx, &id) in flows.iter().enumerate() {
                 if frozen[idx] {
                     continue;
                 }
                 let flow = self.flow(id);
-                let on_full = flow.path.iter().any(|r| saturated[resources.binary_search(r).expect("component")]);
+                let on_full = flow.path.iter().any(|&r| saturated[resource_slot[r]]);
                 if on_full || flow.cap - rates[idx] <= 1e-12 {
                     frozen[idx] = true;
                 }
@@ -247,6 +284,8 @@ impl<P> Network<P> {
 
 #[cfg(test)]
 mod tests {
+    use smallvec::smallvec;
+
     use super::*;
 
     fn rates(network: &Network<()>) -> Vec<f64> {
@@ -259,12 +298,12 @@ mod tests {
         let mut drains = Vec::new();
         let (a, b, c) = (network.add_resource(10.0), network.add_resource(4.0), network.add_resource(10.0));
         // Two flows through b share its 4; the third, through a and c only, gets the rest of a.
-        network.start(0, vec![a, b], f64::INFINITY, 100.0, (), &mut drains);
-        network.start(0, vec![b, c], f64::INFINITY, 100.0, (), &mut drains);
-        network.start(0, vec![a, c], f64::INFINITY, 100.0, (), &mut drains);
+        network.start(0, smallvec![a, b], f64::INFINITY, 100.0, (), &mut drains);
+        network.start(0, smallvec![b, c], f64::INFINITY, 100.0, (), &mut drains);
+        network.start(0, smallvec![a, c], f64::INFINITY, 100.0, (), &mut drains);
         assert_eq!(rates(&network), [2.0, 2.0, 8.0]);
         // A cap below the fair share frees bandwidth for the others.
-        network.start(0, vec![a], 1.0, 100.0, (), &mut drains);
+        network.start(0, smallvec![a], 1.0, 100.0, (), &mut drains);
         assert_eq!(rates(&network), [2.0, 2.0, 7.0, 1.0]);
     }
 
@@ -278,12 +317,12 @@ mod tests {
         let mut network = Network::new();
         let link = network.add_resource(2.0);
         let mut drains = Vec::new();
-        let first = network.start(0, vec![link], f64::INFINITY, 100.0, (), &mut drains);
+        let first = network.start(0, smallvec![link], f64::INFINITY, 100.0, (), &mut drains);
         assert_eq!(drain_of(&network, &drains, first), Some(50));
         let stale = drains.clone();
         // At 10 ns a second flow halves the first's rate: 80 bytes left at 1 byte/ns.
         drains.clear();
-        let second = network.start(10, vec![link], f64::INFINITY, 10.0, (), &mut drains);
+        let second = network.start(10, smallvec![link], f64::INFINITY, 10.0, (), &mut drains);
         assert!(stale.iter().all(|d| !network.is_current(d.flow, d.version)));
         assert_eq!(drain_of(&network, &drains, first), Some(90));
         assert_eq!(drain_of(&network, &drains, second), Some(20));
@@ -305,15 +344,15 @@ mod tests {
         let mut network = Network::new();
         let link = network.add_resource(2.0);
         let mut drains = Vec::new();
-        let slow = network.start(0, vec![link], f64::INFINITY, 100.0, (), &mut drains);
-        let quick = network.start(0, vec![link], f64::INFINITY, 10.0, (), &mut drains);
+        let slow = network.start(0, smallvec![link], f64::INFINITY, 100.0, (), &mut drains);
+        let quick = network.start(0, smallvec![link], f64::INFINITY, 10.0, (), &mut drains);
         // Both at 1 byte/ns: the slow flow's drain at 100 ns goes stale when the quick one ends.
         let stale: Vec<DrainAt> = drains.iter().copied().filter(|d| d.flow == slow).collect();
         drains.clear();
         network.finish(10, quick, &mut drains);
         network.finish(55, slow, &mut drains);
         // A new flow takes the slow one's slot; the stale drain must not be current for it.
-        let next = network.start(60, vec![link], f64::INFINITY, 1000.0, (), &mut drains);
+        let next = network.start(60, smallvec![link], f64::INFINITY, 1000.0, (), &mut drains);
         assert_eq!(next, slow, "the slot is reused");
         assert!(stale.iter().all(|d| !network.is_current(d.flow, d.version)), "{stale:?}");
         assert_eq!(drain_of(&network, &drains, next), Some(560));

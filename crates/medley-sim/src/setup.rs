@@ -11,7 +11,9 @@ use medley_schedule::RankId;
 use medley_spec::{BridgeMode, DeviceSlot, Vendor};
 
 use crate::long_context::{DevicePass, PhaseSpan, chunk_pass, simulate_context_layer};
-use crate::network::{Network, ResourceId};
+use smallvec::smallvec;
+
+use crate::network::{Network, Path, ResourceId};
 use crate::{ELEMENT_BYTES, SimError, ns};
 
 /// One micro-batch's passes on one model chunk, in nanoseconds, and the activation memory the
@@ -267,7 +269,7 @@ impl<'p> Setup<'p> {
 
     /// The link a transfer from rank `from` to rank `to` crosses, and the port resources on its
     /// way: inside a node the GPUs' intra-node ports, between nodes their NICs.
-    pub(crate) fn path(&self, from: usize, to: usize, route: Route) -> (Link, Vec<ResourceId>) {
+    pub(crate) fn path(&self, from: usize, to: usize, route: Route) -> (Link, Path) {
         let (a, b) = (&self.ranks[from], &self.ranks[to]);
         let mode = match route {
             Route::Bridge { mode } => mode,
@@ -275,9 +277,9 @@ impl<'p> Setup<'p> {
         };
         let link = comm::link_between(self.plan.cluster(), a.slot, b.slot, mode);
         let resources = if a.slot.node_idx == b.slot.node_idx {
-            vec![a.ports.intra_out, b.ports.intra_in]
+            smallvec![a.ports.intra_out, b.ports.intra_in]
         } else {
-            vec![a.ports.nic_out, b.ports.nic_in]
+            smallvec![a.ports.nic_out, b.ports.nic_in]
         };
         (link, resources)
     }

@@ -11,6 +11,7 @@
 //! waits for them (see `all_reduce`).
 
 use rustc_hash::{FxHashMap, FxHashSet};
+use slab::Slab;
 
 use medley_collective::{self as collective, Choice, Counts, DomainId, Group, Op, RankSteps, ReduceOp, Step};
 use medley_schedule::{Instruction, Program, RankId};
@@ -72,10 +73,18 @@ pub(crate) struct Transfer {
 #[derive(Clone, Copy, Debug)]
 enum Event {
     Resume(usize),
-    Drained { flow: FlowId, version: u64 },
-    Deliver(Transfer),
+    Drained {
+        flow: FlowId,
+        version: u64,
+    },
+    /// A drained transfer arrives: its key in `StepRun::arriving`.
+    Deliver(usize),
     Bandwidth(usize),
-    JoinBucket { group: u32, bucket: u32, rank: usize },
+    JoinBucket {
+        group: u32,
+        bucket: u32,
+        rank: usize,
+    },
 }
 
 /// A send waiting for its channel.
@@ -157,6 +166,8 @@ pub(crate) struct StepRun<'s, 'p, 'w> {
     /// The (rank, group) reductions already started by the pass before them.
     launched: FxHashSet<(usize, u32)>,
     drains: Vec<DrainAt>,
+    /// Transfers drained and not yet delivered, held here so that queued events stay small.
+    arriving: Slab<Transfer>,
     n_done: usize,
     pub start_ns: u64,
     pub events: u64,
@@ -193,6 +204,7 @@ impl<'s, 'p, 'w> StepRun<'s, 'p, 'w> {
             bucket_waits: FxHashMap::default(),
             launched: FxHashSet::default(),
             drains: Vec::new(),
+            arriving: Slab::new(),
             n_done: 0,
             start_ns,
             events: 0,
@@ -240,7 +252,10 @@ impl<'s, 'p, 'w> StepRun<'s, 'p, 'w> {
             match event {
                 Event::Resume(rank) => self.resume(rank)?,
                 Event::Drained { flow, version } => self.drained(flow, version),
-                Event::Deliver(transfer) => self.deliver(transfer),
+                Event::Deliver(arrival) => {
+                    let transfer = self.arriving.remove(arrival);
+                    self.deliver(transfer)
+                }
                 Event::Bandwidth(endpoint) => self.bandwidth(endpoint),
                 Event::JoinBucket { group, bucket, rank } => self.join_bucket(group, bucket, rank)?,
             }

@@ -61,8 +61,10 @@ impl StepRun<'_, '_, '_> {
         let now = self.now();
         let transfer = self.sim.network.finish(now, flow, &mut self.drains);
         self.schedule_drains();
-        self.push(now + transfer.latency_ns, Event::Deliver(transfer));
-        if let Some(next) = self.channels.finished(transfer.from, transfer.to) {
+        let (from, to, latency_ns) = (transfer.from, transfer.to, transfer.latency_ns);
+        let arrival = self.arriving.insert(transfer);
+        self.push(now + latency_ns, Event::Deliver(arrival));
+        if let Some(next) = self.channels.finished(from, to) {
             self.start_transfer(next);
         }
     }
