@@ -3,7 +3,10 @@
 use serde::{Deserialize, Serialize};
 use serde_json::Value;
 
-use crate::error::{SpecError, check_name, close_names, echo};
+use crate::error::{SpecError, check_name, close_names};
+
+mod hf_config;
+use hf_config::HfKeys;
 
 /// The MLP block's shape.
 #[derive(Clone, Copy, Debug, Default, PartialEq, Eq, Serialize, Deserialize)]
@@ -38,6 +41,72 @@ pub struct Experts {
     /// The shared experts' MLP hidden sizes summed (0: none).
     #[serde(default, skip_serializing_if = "is_zero")]
     pub shared_ffn_hidden: u32,
+}
+
+/// A rescaling of RoPE's frequencies for contexts longer than pre-training's, as HuggingFace's
+/// `rope_scaling` names it.
+#[derive(Clone, Copy, Debug, PartialEq, Serialize, Deserialize)]
+#[serde(tag = "type", rename_all = "lowercase", deny_unknown_fields)]
+pub enum RopeScaling {
+    /// Llama 3.1's: wavelengths longer than `original_max_position_embeddings / low_freq_factor`
+    /// are stretched by `factor`, those shorter than `.. / high_freq_factor` kept, and those
+    /// between interpolated.
+    Llama3 { factor: f64, low_freq_factor: f64, high_freq_factor: f64, original_max_position_embeddings: u32 },
+}
+
+impl RopeScaling {
+    /// Llama 3.1's published values with `factor` (8 for 8B–405B, 32 for Llama 3.2's 1B and 3B).
+    pub fn llama3(factor: f64) -> RopeScaling {
+        RopeScaling::Llama3 {
+            factor,
+            low_freq_factor: 1.0,
+            high_freq_factor: 4.0,
+            original_max_position_embeddings: 8192,
+        }
+    }
+
+    /// The inverse frequencies of a head of `head_dim` with base `theta`, rescaled: what both
+    /// the runtime's rotary tables and an exporter's check are computed from.
+    pub fn inverse_frequencies(scaling: Option<RopeScaling>, theta: f64, head_dim: u32) -> Vec<f64> {
+        let half = head_dim / 2;
+        let base = (0..half).map(|i| theta.powf(-2.0 * f64::from(i) / f64::from(head_dim)));
+        match scaling {
+            None => base.collect(),
+            Some(RopeScaling::Llama3 {
+                factor,
+                low_freq_factor,
+                high_freq_factor,
+                original_max_position_embeddings,
+            }) => {
+                let old_context = f64::from(original_max_position_embeddings);
+                let (low_freq_wavelen, high_freq_wavelen) =
+                    (old_context / low_freq_factor, old_context / high_freq_factor);
+                base.map(|freq| {
+                    let wavelen = 2.0 * std::f64::consts::PI / freq;
+                    if wavelen < high_freq_wavelen {
+                        freq
+                    } else if wavelen > low_freq_wavelen {
+                        freq / factor
+                    } else {
+                        let smooth = (old_context / wavelen - low_freq_factor) / (high_freq_factor - low_freq_factor);
+                        (1.0 - smooth) * freq / factor + smooth * freq
+                    }
+                })
+                .collect()
+            }
+        }
+    }
+}
+
+/// RoPE's base in plans written before the model carried it: what the runtime then trained.
+fn default_rope_theta() -> f64 {
+    10_000.0
+}
+
+/// The normalisation's ε in plans written before the model carried it: what the runtime then
+/// trained.
+fn default_norm_eps() -> f64 {
+    1e-5
 }
 
 fn is_zero(value: &u32) -> bool {
@@ -75,7 +144,7 @@ impl From<ModelSpec> for ModelParts {
 
 /// The unchecked parts of a model, for [`ModelSpec::new`]. Fields added after plan schema v1
 /// default to what older plans meant.
-#[derive(Clone, Debug, Default, PartialEq, Serialize, Deserialize)]
+#[derive(Clone, Debug, PartialEq, Serialize, Deserialize)]
 #[serde(deny_unknown_fields)]
 pub struct ModelParts {
     pub name: String,
@@ -98,6 +167,38 @@ pub struct ModelParts {
     /// Every layer attends to at most this many tokens back (Mistral 7B's sliding window).
     #[serde(default, skip_serializing_if = "Option::is_none")]
     pub sliding_window: Option<u32>,
+    /// RoPE's base θ. Read by rotary models (those with gated MLPs); GELU models have learned
+    /// positions.
+    #[serde(default = "default_rope_theta")]
+    pub rope_theta: f64,
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub rope_scaling: Option<RopeScaling>,
+    /// The ε of every normalisation (RMSNorm; LayerNorm in GELU models).
+    #[serde(default = "default_norm_eps")]
+    pub norm_eps: f64,
+}
+
+impl Default for ModelParts {
+    fn default() -> Self {
+        ModelParts {
+            name: String::new(),
+            n_layers: 0,
+            hidden: 0,
+            n_heads: 0,
+            n_kv_heads: 0,
+            ffn_hidden: 0,
+            vocab: 0,
+            mlp: MlpKind::default(),
+            experts: None,
+            tie_embeddings: false,
+            head_dim: None,
+            qkv_bias: false,
+            sliding_window: None,
+            rope_theta: default_rope_theta(),
+            rope_scaling: None,
+            norm_eps: default_norm_eps(),
+        }
+    }
 }
 
 impl TryFrom<ModelParts> for ModelSpec {
@@ -123,6 +224,41 @@ fn params_upper_bound(parts: &ModelParts) -> f64 {
     };
     let mlp = 3.0 * hidden * (n_experts * expert_ffn + shared);
     f64::from(parts.n_layers) * (attention + mlp) + 2.0 * f64::from(parts.vocab) * hidden
+}
+
+/// RoPE's base, its scaling and the norm's ε: finite, positive, and within what any model uses.
+fn check_numerics(parts: &ModelParts, source: &str) -> Result<(), SpecError> {
+    if !(parts.rope_theta.is_finite() && (1.0..=1e12).contains(&parts.rope_theta)) {
+        return Err(SpecError::field(
+            source,
+            "rope_theta",
+            format!("must be between 1 and 1e12, got {}", parts.rope_theta),
+        ));
+    }
+    if !(parts.norm_eps.is_finite() && parts.norm_eps > 0.0 && parts.norm_eps < 1.0) {
+        return Err(SpecError::field(
+            source,
+            "norm_eps",
+            format!("must be above 0 and below 1, got {}", parts.norm_eps),
+        ));
+    }
+    if let Some(RopeScaling::Llama3 { factor, low_freq_factor, high_freq_factor, original_max_position_embeddings }) =
+        parts.rope_scaling
+    {
+        let ordered = 0.0 < low_freq_factor && low_freq_factor < high_freq_factor && high_freq_factor.is_finite();
+        if !(factor.is_finite() && factor >= 1.0 && ordered && original_max_position_embeddings > 0) {
+            return Err(SpecError::field(
+                source,
+                "rope_scaling",
+                format!(
+                    "llama3 scaling wants factor ≥ 1, 0 < low_freq_factor < high_freq_factor and a positive \
+                     original_max_position_embeddings; got factor {factor}, low {low_freq_factor}, high \
+                     {high_freq_factor}, original {original_max_position_embeddings}"
+                ),
+            ));
+        }
+    }
+    Ok(())
 }
 
 impl ModelSpec {
@@ -171,6 +307,7 @@ impl ModelSpec {
         {
             return Err(SpecError::field(source, "experts.n_experts", format!("must be at most {MAX_EXPERTS}")));
         }
+        check_numerics(&parts, source)?;
         let params = params_upper_bound(&parts);
         if params > MAX_PARAMS {
             return Err(SpecError::field(
@@ -288,225 +425,15 @@ impl ModelSpec {
     pub fn tie_embeddings(&self) -> bool {
         self.parts.tie_embeddings
     }
-}
-
-/// The HuggingFace `model_type`s whose shape keys medley reads (DeepSeek's, to refuse what it
-/// cannot represent by name); a config without one is read by the same keys.
-const READ_MODEL_TYPES: [&str; 13] = [
-    "llama",
-    "mistral",
-    "mixtral",
-    "qwen2",
-    "qwen2_moe",
-    "qwen3",
-    "qwen3_moe",
-    "gemma",
-    "gemma2",
-    "gemma3_text",
-    "phi3",
-    "deepseek_v2",
-    "deepseek_v3",
-];
-
-struct HfKeys<'a> {
-    config: &'a Value,
-    source: &'a str,
-}
-
-impl HfKeys<'_> {
-    fn optional(&self, key: &str) -> Result<Option<u32>, SpecError> {
-        match self.config.get(key) {
-            None | Some(Value::Null) => Ok(None),
-            Some(value) => {
-                value.as_u64().and_then(|value| u32::try_from(value).ok()).map(Some).ok_or_else(|| {
-                    SpecError::field(self.source, key, format!("expected a positive integer, got {value}"))
-                })
-            }
-        }
+    /// RoPE's base θ (rotary models).
+    pub fn rope_theta(&self) -> f64 {
+        self.parts.rope_theta
     }
-
-    fn required(&self, key: &str) -> Result<u32, SpecError> {
-        self.optional(key)?
-            .ok_or_else(|| SpecError::field(self.source, key, "missing; is this a HuggingFace config.json?"))
+    pub fn rope_scaling(&self) -> Option<RopeScaling> {
+        self.parts.rope_scaling
     }
-
-    fn flag(&self, key: &str) -> Option<bool> {
-        self.config.get(key).and_then(Value::as_bool)
-    }
-
-    fn text(&self, key: &str) -> &str {
-        self.config.get(key).and_then(Value::as_str).unwrap_or("")
-    }
-
-    /// The first of `keys` that is set, with its name.
-    fn first_of(&self, keys: &[&'static str]) -> Result<Option<(&'static str, u32)>, SpecError> {
-        for &key in keys {
-            if let Some(value) = self.optional(key)? {
-                return Ok(Some((key, value)));
-            }
-        }
-        Ok(None)
-    }
-
-    fn llama(&self, name: String) -> Result<ModelParts, SpecError> {
-        let model_type = self.text("model_type");
-        self.refuse_what_cannot_be_represented(model_type)?;
-        let n_heads = self.required("num_attention_heads")?;
-        let hidden = self.required("hidden_size")?;
-        // Every model type medley reads has gated MLPs (SwiGLU, Gemma's GeGLU); a config without
-        // one is gated unless its activation says GELU, as GPT-NeoX-style configs reusing these
-        // key names do.
-        let act = self.config.get("hidden_act").and_then(Value::as_str).unwrap_or("silu");
-        let gated = !model_type.is_empty() || !act.starts_with("gelu");
-        let mlp = if gated { MlpKind::SwiGlu } else { MlpKind::Gelu };
-        let ffn_hidden = self.required("intermediate_size")?;
-        Ok(ModelParts {
-            name,
-            n_layers: self.required("num_hidden_layers")?,
-            hidden,
-            n_heads,
-            n_kv_heads: self.optional("num_key_value_heads")?.unwrap_or(n_heads),
-            ffn_hidden,
-            vocab: self.required("vocab_size")?,
-            mlp,
-            experts: self.experts(ffn_hidden)?,
-            // Gemma's configuration class ties them unless told otherwise; the others untie.
-            tie_embeddings: self.flag("tie_word_embeddings").unwrap_or(model_type.starts_with("gemma")),
-            // A head size that is just hidden / heads is kept implicit, so equal models compare equal.
-            head_dim: self
-                .optional("head_dim")?
-                .filter(|&dim| u64::from(dim) * u64::from(n_heads) != u64::from(hidden)),
-            // Qwen2's attention always has Q, K and V biases; others say so with `attention_bias`.
-            qkv_bias: model_type.starts_with("qwen2") || self.flag("attention_bias") == Some(true),
-            sliding_window: self.sliding_window(model_type)?,
-        })
-    }
-
-    /// Routed experts under any of the names HuggingFace models use, their own MLP size, and
-    /// shared experts (`shared_expert_intermediate_size`, or DeepSeek's count of experts).
-    fn experts(&self, ffn_hidden: u32) -> Result<Option<Experts>, SpecError> {
-        let Some((_, n_experts)) = self.first_of(&["num_local_experts", "num_experts", "n_routed_experts"])? else {
-            return Ok(None);
-        };
-        if n_experts <= 1 {
-            return Ok(None);
-        }
-        let top_k = self.optional("num_experts_per_tok")?.ok_or_else(|| {
-            SpecError::field(self.source, "num_experts_per_tok", "missing: how many experts does each token run?")
-        })?;
-        let expert_ffn = self.optional("moe_intermediate_size")?;
-        let shared_ffn_hidden = match self.optional("shared_expert_intermediate_size")? {
-            Some(size) => size,
-            None => self.optional("n_shared_experts")?.unwrap_or(0).saturating_mul(expert_ffn.unwrap_or(ffn_hidden)),
-        };
-        Ok(Some(Experts {
-            n_experts,
-            top_k,
-            ffn_hidden: expert_ffn.filter(|&size| size != ffn_hidden),
-            shared_ffn_hidden,
-        }))
-    }
-
-    /// The window every layer attends within, if any: `layer_types` when given, else Qwen2's
-    /// `use_sliding_window` and `max_window_layers`, else `sliding_window` alone (Mistral).
-    fn sliding_window(&self, model_type: &str) -> Result<Option<u32>, SpecError> {
-        let n_layers = self.required("num_hidden_layers")?;
-        // HuggingFace's MistralConfig windows 4096 tokens when the key is absent (null: none).
-        let window = match self.config.get("sliding_window") {
-            None if model_type == "mistral" => Some(4096),
-            _ => self.optional("sliding_window")?,
-        };
-        let windowed_layers = match self.config.get("layer_types").and_then(Value::as_array) {
-            Some(types) => types.iter().filter(|kind| kind.as_str() == Some("sliding_attention")).count() as u32,
-            // Qwen's configurations window only with `use_sliding_window`, and then the layers
-            // from `max_window_layers` on.
-            None if model_type.starts_with("qwen") => match self.flag("use_sliding_window") {
-                Some(true) => n_layers.saturating_sub(self.optional("max_window_layers")?.unwrap_or(0)),
-                _ => 0,
-            },
-            None if self.flag("use_sliding_window") == Some(false) => 0,
-            None => n_layers,
-        };
-        match (window, windowed_layers) {
-            (_, 0) | (None, _) => Ok(None),
-            (Some(window), windowed) if windowed >= n_layers => Ok(Some(window)),
-            (Some(window), windowed) => Err(self.unrepresentable(vec![format!(
-                "{windowed} of its {n_layers} layers attend within a sliding window of {window} tokens and the others to \
-                 every token (`layer_types`, `max_window_layers`), but medley's layers are all alike"
-            )])),
-        }
-    }
-
-    /// Refuses configurations whose size or cost medley's model would get wrong.
-    fn refuse_what_cannot_be_represented(&self, model_type: &str) -> Result<(), SpecError> {
-        let mut reasons = Vec::new();
-        if !model_type.is_empty() && !READ_MODEL_TYPES.contains(&model_type) {
-            reasons.push(format!(
-                "its `model_type` `{}` is not one whose keys medley reads ({})",
-                echo(model_type),
-                READ_MODEL_TYPES.join(", ")
-            ));
-        }
-        let layer_types = self.config.get("layer_types").and_then(Value::as_array).into_iter().flatten();
-        let mut other_layers: Vec<&str> = layer_types
-            .filter_map(Value::as_str)
-            .filter(|kind| !["full_attention", "sliding_attention"].contains(kind))
-            .collect();
-        other_layers.dedup();
-        if !other_layers.is_empty() {
-            let other_layers: Vec<String> = other_layers.iter().map(|kind| echo(kind).to_string()).collect();
-            reasons.push(format!("some of its layers are `{}` (`layer_types`)", other_layers.join("`, `")));
-        }
-        let latent: Vec<&str> = ["q_lora_rank", "kv_lora_rank"]
-            .into_iter()
-            .filter(|key| self.config.get(*key).is_some_and(|value| !value.is_null()))
-            .collect();
-        if !latent.is_empty() {
-            reasons.push(format!("multi-head latent attention (`{}`)", latent.join("`, `")));
-        }
-        if let Some(dense) = self.optional("first_k_dense_replace")?.filter(|&n| n > 0) {
-            reasons.push(format!("its first {dense} layers are dense and the rest experts (`first_k_dense_replace`)"));
-        }
-        for key in ["decoder_sparse_step", "moe_layer_freq"] {
-            if let Some(step) = self.optional(key)?.filter(|&step| step > 1) {
-                reasons.push(format!("only every {step}th layer has experts (`{key}`)"));
-            }
-        }
-        if self.config.get("mlp_only_layers").and_then(Value::as_array).is_some_and(|layers| !layers.is_empty()) {
-            reasons.push("some layers are dense and the rest experts (`mlp_only_layers`)".into());
-        }
-        if self.flag("mlp_bias") == Some(true) {
-            reasons.push("its MLP projections have biases (`mlp_bias`)".into());
-        }
-        if model_type.starts_with("gemma")
-            && self.optional("sliding_window")?.is_some()
-            && self.config.get("layer_types").is_none()
-        {
-            reasons.push("its layers alternate between sliding-window and global attention (`sliding_window`)".into());
-        }
-        if reasons.is_empty() { Ok(()) } else { Err(self.unrepresentable(reasons)) }
-    }
-
-    fn unrepresentable(&self, reasons: Vec<String>) -> SpecError {
-        SpecError::Unrepresentable { source_name: self.source.to_string(), reasons }
-    }
-
-    fn gpt2(&self, name: String) -> Result<ModelParts, SpecError> {
-        let hidden = self.required("n_embd")?;
-        let n_heads = self.required("n_head")?;
-        Ok(ModelParts {
-            name,
-            n_layers: self.required("n_layer")?,
-            hidden,
-            n_heads,
-            n_kv_heads: n_heads,
-            ffn_hidden: self.optional("n_inner")?.unwrap_or(hidden.saturating_mul(4)),
-            vocab: self.required("vocab_size")?,
-            mlp: MlpKind::Gelu,
-            experts: None,
-            tie_embeddings: self.flag("tie_word_embeddings").unwrap_or(true),
-            ..ModelParts::default()
-        })
+    pub fn norm_eps(&self) -> f64 {
+        self.parts.norm_eps
     }
 }
 
@@ -541,32 +468,48 @@ fn entry(
 
 use MlpKind::{Gelu, SwiGlu};
 
-/// Shapes from each model's published `config.json` (HuggingFace model cards) or paper.
+/// A Llama 3.1-style model: RoPE base 500,000 with llama3 scaling by `factor`, RMSNorm ε 1e-5.
+fn llama3(factor: f64, parts: ModelParts) -> ModelParts {
+    ModelParts { rope_theta: 500_000.0, rope_scaling: Some(RopeScaling::llama3(factor)), norm_eps: 1e-5, ..parts }
+}
+
+/// Shapes and numerics from each model's published `config.json` (HuggingFace model cards) or
+/// paper.
 fn catalog() -> [ModelParts; 9] {
     [
         // medley's own: what the runtime trains on a CPU in minutes (byte-level vocabulary).
         entry("tiny", 8, 128, 4, 2, 352, 256, SwiGlu, None, false),
         entry("gpt2", 12, 768, 12, 12, 3072, 50257, Gelu, None, true),
-        entry("llama3.2-1b", 16, 2048, 32, 8, 8192, 128256, SwiGlu, None, true),
-        entry("llama3-8b", 32, 4096, 32, 8, 14336, 128256, SwiGlu, None, false),
-        entry("llama3-70b", 80, 8192, 64, 8, 28672, 128256, SwiGlu, None, false),
-        // Llama 3 paper (Dubey et al. 2024), Table 3.
-        entry("llama3-405b", 126, 16384, 128, 8, 53248, 128256, SwiGlu, None, false),
-        ModelParts { qkv_bias: true, ..entry("qwen2-7b", 28, 3584, 28, 4, 18944, 152064, SwiGlu, None, false) },
+        // meta-llama/Llama-3.2-1B.
+        llama3(32.0, entry("llama3.2-1b", 16, 2048, 32, 8, 8192, 128256, SwiGlu, None, true)),
+        // meta-llama/Llama-3.1-8B and -70B: Llama 3's shapes with 3.1's long-context RoPE.
+        llama3(8.0, entry("llama3-8b", 32, 4096, 32, 8, 14336, 128256, SwiGlu, None, false)),
+        llama3(8.0, entry("llama3-70b", 80, 8192, 64, 8, 28672, 128256, SwiGlu, None, false)),
+        // Llama 3 paper (Dubey et al. 2024), Table 3; meta-llama/Llama-3.1-405B.
+        llama3(8.0, entry("llama3-405b", 126, 16384, 128, 8, 53248, 128256, SwiGlu, None, false)),
+        ModelParts {
+            qkv_bias: true,
+            rope_theta: 1e6,
+            norm_eps: 1e-6,
+            ..entry("qwen2-7b", 28, 3584, 28, 4, 18944, 152064, SwiGlu, None, false)
+        },
         // GPT-3 paper (Brown et al. 2020), Table 2.1: 96 layers, d_model 12288, 96 heads, 4x MLP.
         entry("gpt3-175b", 96, 12288, 96, 96, 49152, 50257, Gelu, None, true),
-        entry(
-            "mixtral-8x7b",
-            32,
-            4096,
-            32,
-            8,
-            14336,
-            32000,
-            SwiGlu,
-            Some(Experts { n_experts: 8, top_k: 2, ..Experts::default() }),
-            false,
-        ),
+        ModelParts {
+            rope_theta: 1e6,
+            ..entry(
+                "mixtral-8x7b",
+                32,
+                4096,
+                32,
+                8,
+                14336,
+                32000,
+                SwiGlu,
+                Some(Experts { n_experts: 8, top_k: 2, ..Experts::default() }),
+                false,
+            )
+        },
     ]
 }
 

@@ -95,3 +95,73 @@ fn hf_config_errors_name_the_key() {
     let err = ModelSpec::from_hf_config(text, "c.json").unwrap_err().to_string();
     assert!(err.contains("do not divide"), "{err}");
 }
+
+/// Llama 3.1 8B's `config.json` as meta-llama publishes it (the keys medley reads).
+const LLAMA_3_1_8B: &str = r#"{"model_type":"llama","num_hidden_layers":32,"hidden_size":4096,
+    "num_attention_heads":32,"num_key_value_heads":8,"intermediate_size":14336,"vocab_size":128256,
+    "hidden_act":"silu","rms_norm_eps":1e-05,"rope_theta":500000.0,"tie_word_embeddings":false,
+    "rope_scaling":{"factor":8.0,"low_freq_factor":1.0,"high_freq_factor":4.0,
+                    "original_max_position_embeddings":8192,"rope_type":"llama3"}}"#;
+
+#[test]
+fn hf_rope_base_scaling_and_norm_epsilon_are_read_in_either_transformers_layout() {
+    let model = ModelSpec::from_hf_config(LLAMA_3_1_8B, "config.json").unwrap();
+    let mut expected = catalog_model("llama3-8b").unwrap();
+    expected.parts.name = "config.json".to_string();
+    assert_eq!(model, expected);
+    assert_eq!((model.rope_theta(), model.norm_eps()), (500_000.0, 1e-5));
+    assert_eq!(model.rope_scaling(), Some(RopeScaling::llama3(8.0)));
+    // transformers 5 keeps RoPE's keys in `rope_parameters`.
+    let v5 = LLAMA_3_1_8B
+        .replace(r#""rope_theta":500000.0,"#, "")
+        .replace(r#""rope_scaling":{"#, r#""rope_parameters":{"rope_theta":500000.0,"#);
+    assert_eq!(ModelSpec::from_hf_config(&v5, "config.json").unwrap(), expected, "{v5}");
+    // Absent keys take the configuration class's defaults.
+    let plain = llama_like(r#","model_type":"llama""#).unwrap();
+    assert_eq!((plain.rope_theta(), plain.rope_scaling(), plain.norm_eps()), (10_000.0, None, 1e-6));
+    let gpt2 = r#"{"model_type":"gpt2","n_layer":2,"n_embd":64,"n_head":2,"vocab_size":100,"layer_norm_epsilon":1e-6}"#;
+    assert_eq!(ModelSpec::from_hf_config(gpt2, "gpt2.json").unwrap().norm_eps(), 1e-6);
+}
+
+#[test]
+fn rope_that_medley_cannot_carry_is_refused_by_name() {
+    let yarn = r#","rope_scaling":{"rope_type":"yarn","factor":4.0,"original_max_position_embeddings":32768}"#;
+    let err = llama_like(yarn).unwrap_err().to_string();
+    assert!(err.contains("RoPE scaling is of type `yarn`"), "{err}");
+    let err = llama_like(r#","partial_rotary_factor":0.5"#).unwrap_err().to_string();
+    assert!(err.contains("rotates only 0.5 of each head"), "{err}");
+    let err = llama_like(r#","rope_scaling":{"rope_type":"llama3","factor":8.0}"#).unwrap_err().to_string();
+    assert!(err.contains("original_max_position_embeddings"), "{err}");
+    assert_eq!(llama_like(r#","rope_scaling":{"type":"default"}"#).unwrap().rope_scaling(), None);
+    for (extra, key) in [(r#","rope_theta":0"#, "rope_theta"), (r#","rms_norm_eps":2.0"#, "norm_eps")] {
+        let err = llama_like(extra).unwrap_err().to_string();
+        assert!(err.contains(key), "{extra}: {err}");
+    }
+}
+
+#[test]
+fn a_plan_written_before_rope_and_epsilon_were_carried_means_what_the_runtime_then_trained() {
+    let mut json = serde_json::to_value(catalog_model("llama3-8b").unwrap()).unwrap();
+    for key in ["rope_theta", "rope_scaling", "norm_eps"] {
+        json.as_object_mut().unwrap().remove(key);
+    }
+    let old: ModelSpec = serde_json::from_value(json).unwrap();
+    assert_eq!((old.rope_theta(), old.rope_scaling(), old.norm_eps()), (10_000.0, None, 1e-5));
+}
+
+#[test]
+fn llama3_scaling_stretches_long_wavelengths_and_interpolates_between() {
+    // Computed apart from this code with transformers' `_compute_llama3_parameters` formula, in
+    // Python floats: head size 128, base 500,000, factor 8, low 1, high 4, context 8,192.
+    let freqs = RopeScaling::inverse_frequencies(Some(RopeScaling::llama3(8.0)), 500_000.0, 128);
+    let plain = RopeScaling::inverse_frequencies(None, 500_000.0, 128);
+    assert_eq!(freqs.len(), 64);
+    for (idx, expected) in
+        [(0, 1.0), (20, 0.016560440080994446), (30, 0.0013718935677611381), (33, 0.00031269375038406517)]
+            .into_iter()
+            .chain([(40, 3.428102195952591e-05), (63, 3.068925988914511e-07)])
+    {
+        assert!((freqs[idx] / expected - 1.0).abs() < 1e-12, "{idx}: {} against {expected}", freqs[idx]);
+    }
+    assert!((plain[40] / 0.0002742481756762073 - 1.0).abs() < 1e-12);
+}
