@@ -1,4 +1,4 @@
-use medley_spec::{MlpKind, ModelSpec};
+use medley_spec::{MlpKind, ModelSpec, RopeScaling};
 use serde::{Deserialize, Serialize};
 
 use crate::ModelError;
@@ -13,7 +13,10 @@ pub struct ModelConfig {
     pub ffn_hidden: usize,
     pub vocab: usize,
     pub seq_len: usize,
-    pub rope_theta: f32,
+    pub rope_theta: f64,
+    /// Llama 3.1's rescaled frequencies, when the model has them.
+    #[serde(default)]
+    pub rope_scaling: Option<RopeScaling>,
     pub norm_eps: f32,
 }
 
@@ -60,8 +63,9 @@ impl ModelConfig {
             ffn_hidden: model.ffn_hidden() as usize,
             vocab: model.vocab() as usize,
             seq_len: seq_len as usize,
-            rope_theta: 10_000.0,
-            norm_eps: 1e-5,
+            rope_theta: model.rope_theta(),
+            rope_scaling: model.rope_scaling(),
+            norm_eps: model.norm_eps() as f32,
         })
     }
 
@@ -92,5 +96,20 @@ mod tests {
         let err = config(100).unwrap_err().to_string();
         assert!(err.contains("100") && err.contains("256"), "{err}");
         assert_eq!(config(256).unwrap().vocab, 256);
+    }
+
+    /// Issue 33: RoPE's base and scaling and the norm's ε were 10,000 and 1e-5 whatever the
+    /// model said: a Llama 3.1 config trained as another model.
+    #[test]
+    fn the_models_rope_and_epsilon_are_what_it_trains_with() {
+        let text = r#"{"model_type": "llama", "hidden_size": 256, "intermediate_size": 512, "num_hidden_layers": 2,
+            "num_attention_heads": 4, "num_key_value_heads": 4, "vocab_size": 256, "rms_norm_eps": 1e-6,
+            "rope_theta": 500000.0, "rope_scaling": {"rope_type": "llama3", "factor": 32.0, "low_freq_factor": 1.0,
+            "high_freq_factor": 4.0, "original_max_position_embeddings": 8192}}"#;
+        let config = ModelConfig::from_spec(&ModelSpec::from_hf_config(text, "config.json").unwrap(), 64).unwrap();
+        assert_eq!(
+            (config.rope_theta, config.rope_scaling, config.norm_eps),
+            (500_000.0, Some(RopeScaling::llama3(32.0)), 1e-6)
+        );
     }
 }

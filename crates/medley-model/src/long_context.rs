@@ -207,6 +207,7 @@ mod tests {
             vocab: 256,
             seq_len,
             rope_theta: 10_000.0,
+            rope_scaling: None,
             norm_eps: 1e-5,
         }
     }

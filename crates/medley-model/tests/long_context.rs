@@ -29,6 +29,7 @@ fn config(seq_len: usize) -> ModelConfig {
         vocab: 256,
         seq_len,
         rope_theta: 10_000.0,
+        rope_scaling: None,
         norm_eps: 1e-5,
     }
 }

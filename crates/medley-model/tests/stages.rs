@@ -19,6 +19,7 @@ fn small_config() -> ModelConfig {
         vocab: 256,
         seq_len: 16,
         rope_theta: 10_000.0,
+        rope_scaling: None,
         norm_eps: 1e-5,
     }
 }

@@ -18,6 +18,7 @@ use super::backend::{self, Device, Gradients, Tensor, TensorData, burn};
 use crate::compute::take_pending;
 use crate::params::{LAYER_TENSORS, ParamSpec, stage_params};
 use crate::{ComputeDevice, HostTensor, MicroBatch, ModelConfig, ModelError, StageCompute, StageOutput};
+use medley_spec::RopeScaling;
 
 /// A parameter on the device: norm gains are vectors, everything else matrices.
 enum DeviceParam {
@@ -282,17 +283,16 @@ pub(crate) fn rope_composite(x: Tensor<4>, cos: Tensor<4>, sin: Tensor<4>) -> Te
     x * cos + rotated * sin
 }
 
-/// Cosine and sine tables `[seq, head_dim]` for rotate-half RoPE: frequency i serves dimensions i
-/// and i + head_dim / 2.
+/// Cosine and sine tables `[seq, head_dim]` for rotate-half RoPE: frequency i (Llama 3.1's
+/// rescaled one where the model has it) serves dimensions i and i + head_dim / 2.
 fn rope_tables(config: &ModelConfig, device: &Device) -> (Tensor<2>, Tensor<2>) {
     let (seq, hd) = (config.seq_len, config.head_dim());
-    let half = hd / 2;
+    let freqs = RopeScaling::inverse_frequencies(config.rope_scaling, config.rope_theta, hd as u32);
     let mut cos = Vec::with_capacity(seq * hd);
     let mut sin = Vec::with_capacity(seq * hd);
     for pos in 0..seq {
         for dim in 0..hd {
-            let freq = config.rope_theta.powf(-((dim % half) as f32) / half as f32);
-            let angle = pos as f32 * freq;
+            let angle = (pos as f64 * freqs[dim % freqs.len()]) as f32;
             cos.push(angle.cos());
             sin.push(angle.sin());
         }
