@@ -7,7 +7,7 @@
 
 use medley_cost::long_context::KvExchange;
 use medley_plan::{Plan, Stage};
-use medley_spec::{AttentionKernel, MlpKind, Recompute, Schedule, ScheduleKind};
+use medley_spec::{AttentionKernel, MlpKind, ModelSpec, Recompute, RopeScaling, Schedule, ScheduleKind};
 use serde::Serialize;
 
 use crate::common::{Arg, Args, ContextDegrees, RankOrder, check_common, command_line, context_degrees, rank_devices};
@@ -45,7 +45,7 @@ pub fn megatron(plan: &Plan) -> Result<MegatronExport, ExportError> {
     }
     parallel_args(plan, context, &mut args)?;
     batch_and_memory_args(plan, &mut args);
-    model_args(plan, &mut args);
+    model_args(plan, &mut args)?;
     Ok(MegatronExport { world_size: devices.len() as u32, args: args.0, placement })
 }
 
@@ -188,7 +188,7 @@ fn batch_and_memory_args(plan: &Plan, args: &mut Args) {
     }
 }
 
-fn model_args(plan: &Plan, args: &mut Args) {
+fn model_args(plan: &Plan, args: &mut Args) -> Result<(), ExportError> {
     let model = plan.model();
     args.value("--num-layers", model.n_layers());
     args.value("--hidden-size", model.hidden());
@@ -203,13 +203,16 @@ fn model_args(plan: &Plan, args: &mut Args) {
     }
     args.value("--seq-length", plan.seq_len());
     args.value("--max-position-embeddings", plan.seq_len());
+    vocabulary_args(plan, args)?;
     if model.mlp() == MlpKind::SwiGlu {
         // A gated MLP is a Llama-style decoder: RMSNorm, rotary positions, no linear biases.
         args.flag("--swiglu");
         args.value("--normalization", "RMSNorm");
         args.value("--position-embedding-type", "rope");
+        rope_args(model, args)?;
         args.flag("--disable-bias-linear");
     }
+    args.value("--norm-epsilon", model.norm_eps());
     if model.qkv_bias() {
         args.flag("--add-qkv-bias");
     }
@@ -217,6 +220,63 @@ fn model_args(plan: &Plan, args: &mut Args) {
         args.flag("--untie-embeddings-and-output-weights");
     }
     args.flag("--bf16");
+    Ok(())
+}
+
+/// The model's vocabulary exactly: Megatron pads a tokenizer's vocabulary to a multiple of 128 ×
+/// tp unless told the size, and a padded model has other logits than the one planned. Its
+/// vocabulary-parallel embedding splits the rows evenly over the tensor-parallel group.
+fn vocabulary_args(plan: &Plan, args: &mut Args) -> Result<(), ExportError> {
+    let vocab = plan.model().vocab();
+    if !vocab.is_multiple_of(plan.tp()) {
+        return Err(ExportError::refused(
+            MEGATRON,
+            format!(
+                "its vocabulary of {vocab} tokens does not split over tensor parallelism {}: Megatron's \
+                 vocabulary-parallel embedding would pad it, a different model",
+                plan.tp()
+            ),
+        ));
+    }
+    args.value("--padded-vocab-size", vocab);
+    Ok(())
+}
+
+/// RoPE's base and Llama 3.1's scaling as Megatron takes them: an integer base (`--rotary-base`
+/// is an int), and the scaling's factor alone (`_apply_scaling` fixes low 1, high 4, context 8,192).
+fn rope_args(model: &ModelSpec, args: &mut Args) -> Result<(), ExportError> {
+    let theta = model.rope_theta();
+    if theta.fract() != 0.0 {
+        return Err(ExportError::refused(
+            MEGATRON,
+            format!("its RoPE base is {theta}; Megatron's --rotary-base takes a whole number"),
+        ));
+    }
+    args.value("--rotary-base", theta);
+    match model.rope_scaling() {
+        None => {}
+        Some(scaling) if scaling == RopeScaling::llama3(scaling_factor(scaling)) => {
+            args.flag("--use-rope-scaling");
+            args.value("--rope-scaling-factor", scaling_factor(scaling));
+        }
+        Some(RopeScaling::Llama3 { low_freq_factor, high_freq_factor, original_max_position_embeddings, .. }) => {
+            return Err(ExportError::refused(
+                MEGATRON,
+                format!(
+                    "its llama3 RoPE scaling has low_freq_factor {low_freq_factor}, high_freq_factor \
+                     {high_freq_factor} and original_max_position_embeddings {original_max_position_embeddings}; \
+                     Megatron's --use-rope-scaling fixes them at 1, 4 and 8192"
+                ),
+            ));
+        }
+    }
+    Ok(())
+}
+
+fn scaling_factor(scaling: RopeScaling) -> f64 {
+    match scaling {
+        RopeScaling::Llama3 { factor, .. } => factor,
+    }
 }
 
 impl MegatronExport {

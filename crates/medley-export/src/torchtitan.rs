@@ -10,7 +10,7 @@
 //! shards, with no head parallelism. A plan outside that is refused naming what differs.
 
 use medley_plan::{Plan, Stage};
-use medley_spec::{AttentionKernel, MlpKind, ModelSpec, Recompute, Schedule, ScheduleKind};
+use medley_spec::{AttentionKernel, MlpKind, ModelSpec, Recompute, RopeScaling, Schedule, ScheduleKind};
 use serde::Serialize;
 
 use crate::common::{Arg, Args, RankOrder, check_common, command_line, context_degrees, rank_devices};
@@ -88,7 +88,10 @@ fn recipe(model: &ModelSpec) -> Result<&'static str, ExportError> {
     let llama =
         model.mlp() == MlpKind::SwiGlu && !model.qkv_bias() && !model.tie_embeddings() && !model.has_own_head_dim();
     match RECIPES.iter().find(|(_, known)| *known == shape).filter(|_| llama) {
-        Some((name, _)) => Ok(name),
+        Some((name, _)) => {
+            check_recipe_numerics(model)?;
+            Ok(name)
+        }
         None => Err(ExportError::refused(
             TORCHTITAN,
             format!(
@@ -104,6 +107,36 @@ fn recipe(model: &ModelSpec) -> Result<&'static str, ExportError> {
             ),
         )),
     }
+}
+
+/// The llama3 recipes' RoPE and norm (`ComplexRoPE.Config(theta=500000, scaling="llama")` with
+/// its defaults factor 8, low 1, high 4, context 8,192; `RMSNorm`'s ε 1e-5): a model of a
+/// recipe's shape with other numerics would train as another model.
+fn check_recipe_numerics(model: &ModelSpec) -> Result<(), ExportError> {
+    let recipe = (500_000.0, Some(RopeScaling::llama3(8.0)), 1e-5);
+    let planned = (model.rope_theta(), model.rope_scaling(), model.norm_eps());
+    if planned == recipe {
+        return Ok(());
+    }
+    let scaling = |scaling: Option<RopeScaling>| match scaling {
+        None => "none".to_string(),
+        Some(RopeScaling::Llama3 { factor, low_freq_factor, high_freq_factor, original_max_position_embeddings }) => {
+            format!("llama3 {factor}/{low_freq_factor}/{high_freq_factor}/{original_max_position_embeddings}")
+        }
+    };
+    Err(ExportError::refused(
+        TORCHTITAN,
+        format!(
+            "its llama3 recipes train with RoPE base {}, scaling {} and norm ε {}; {} has base {}, scaling {} and ε {}",
+            recipe.0,
+            scaling(recipe.1),
+            recipe.2,
+            model.name(),
+            planned.0,
+            scaling(planned.1),
+            planned.2
+        ),
+    ))
 }
 
 /// torchtitan's name of the plan's schedule: single-stage schedules run one stage a rank, looped

@@ -9,8 +9,8 @@ use medley_export::megatron::{MegatronExport, check_layout, megatron};
 use medley_plan::baselines::Degrees;
 use medley_plan::long_context::even_fixed;
 use medley_plan::{Plan, PlanParts};
-use medley_spec::{AttentionKernel, Schedule, ScheduleKind, catalog_model};
-use plans::{Zero1, assembled, cluster, job, launch, uniform, words};
+use medley_spec::{AttentionKernel, RopeScaling, Schedule, ScheduleKind, catalog_model};
+use plans::{Zero1, assembled, cluster, job, launch, uniform, with_model, words};
 
 fn value<'a>(export: &'a MegatronExport, flag: &str) -> Option<&'a str> {
     plans::value(&export.args, flag)
@@ -166,4 +166,56 @@ fn layouts_are_checked_by_megatrons_rules() {
         let error = check_layout(layout, pp, layers).unwrap_err();
         assert!(error.contains(wanted), "{layout}: {error}");
     }
+}
+
+/// Issue 33: the export left out Llama 3's RoPE base and scaling, the norm's ε and the
+/// vocabulary, and Megatron trained a different model than the one planned.
+#[test]
+fn a_llama3_plan_exports_every_setting_of_its_math() {
+    let export = megatron(&uniform("8xh100", Degrees::new(2, 2, 2), Zero1::On)).unwrap();
+    for (flag, expected) in [
+        ("--rotary-base", "500000"),
+        ("--use-rope-scaling", ""),
+        ("--rope-scaling-factor", "8"),
+        ("--norm-epsilon", "0.00001"),
+        ("--padded-vocab-size", "128256"),
+        ("--position-embedding-type", "rope"),
+        ("--bf16", ""),
+    ] {
+        assert_eq!(value(&export, flag), Some(expected), "{flag} in {}", export.command_line());
+    }
+    // Megatron parses these as it declares them: an int base, float factor and ε.
+    let parsed = |flag| value(&export, flag).unwrap().parse::<f64>().unwrap();
+    assert_eq!((parsed("--rope-scaling-factor"), parsed("--norm-epsilon")), (8.0, 1e-5));
+    value(&export, "--rotary-base").unwrap().parse::<u64>().unwrap();
+    // Without scaling, no scaling flags; a plan's own base and ε are carried as they are.
+    let plain = with_model(uniform("8xh100", Degrees::new(2, 2, 2), Zero1::On), |model| {
+        model.rope_scaling = None;
+        model.rope_theta = 1e6;
+        model.norm_eps = 1e-6;
+    });
+    let plain = megatron(&plain).unwrap();
+    assert_eq!(value(&plain, "--use-rope-scaling"), None);
+    assert_eq!(value(&plain, "--rotary-base"), Some("1000000"));
+    assert_eq!(value(&plain, "--norm-epsilon"), Some("0.000001"));
+}
+
+#[test]
+fn numerics_megatron_cannot_carry_are_refused_naming_them() {
+    let plan = || uniform("8xh100", Degrees::new(2, 2, 2), Zero1::On);
+    let fractional = refusal(&with_model(plan(), |model| model.rope_theta = 10_000.5));
+    assert!(fractional.contains("--rotary-base takes a whole number"), "{fractional}");
+    let scaling = with_model(plan(), |model| {
+        model.rope_scaling = Some(RopeScaling::Llama3 {
+            factor: 8.0,
+            low_freq_factor: 1.0,
+            high_freq_factor: 2.0,
+            original_max_position_embeddings: 8192,
+        })
+    });
+    assert!(refusal(&scaling).contains("fixes them at 1, 4 and 8192"), "{}", refusal(&scaling));
+    let odd_vocab = refusal(&with_model(plan(), |model| model.vocab = 50257));
+    assert!(odd_vocab.contains("50257 tokens does not split over tensor parallelism 2"), "{odd_vocab}");
+    let v100 = refusal(&uniform("8xv100", Degrees::new(2, 2, 2), Zero1::On));
+    assert!(v100.contains("trains in bf16 and its V100"), "{v100}");
 }

@@ -9,7 +9,9 @@ use medley_cost::{Calibration, CostModel, Setting};
 use medley_export::{Arg, ExportError};
 use medley_plan::baselines::{Degrees, megatron_plan};
 use medley_plan::{Plan, ReplicaLayout, assemble, stages_from_counts};
-use medley_spec::{Cluster, JobParts, JobSpec, Recompute, Schedule, ScheduleKind, catalog_model};
+use medley_spec::{
+    Cluster, JobParts, JobSpec, ModelParts, ModelSpec, Recompute, Schedule, ScheduleKind, catalog_model,
+};
 
 /// Whether the job shards the optimizer state over data-parallel replicas.
 #[derive(Clone, Copy)]
@@ -62,6 +64,15 @@ pub fn assembled(text: &str, replicas: &[(u32, &[u32])], zero1: Zero1) -> Plan {
     let schedule = Schedule::Fixed(ScheduleKind::OneFOneB);
     let job = job(4096, global_batch, zero1);
     Plan::new(assemble(&cluster, &cost, &job, setting(1), schedule, 1, layouts)).unwrap()
+}
+
+/// `plan` with its model changed by `edit`.
+pub fn with_model(plan: Plan, edit: impl FnOnce(&mut ModelParts)) -> Plan {
+    let mut parts = plan.into_parts();
+    let mut model = ModelParts::from(parts.model);
+    edit(&mut model);
+    parts.model = ModelSpec::new(model, "test").unwrap();
+    Plan::try_from(parts).unwrap()
 }
 
 /// What a launch script started: torchrun's arguments and the environment it set.
