@@ -15,6 +15,11 @@ pub const SIMULATE_UP_TO_GPUS: u32 = 4096;
 /// by side, each within a quarter of what one simulation runs at once.
 pub const SIMULATE_UP_TO_PASSES: u64 = MAX_PASSES / 4;
 
+/// How many of the cost model's best plans one simulated step each re-ranks when medley chooses a
+/// plan: what `medley plan` shows by default and what `medley train` chooses among, so that both
+/// choose alike.
+pub const RANKED_CANDIDATES: usize = 3;
+
 /// The candidates ranked by simulated step time (analytical search first, simulation to
 /// confirm), and the cost model's rank of each.
 pub struct Ranked {

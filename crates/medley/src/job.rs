@@ -14,10 +14,11 @@ use medley_cost::Calibration;
 use medley_cost::long_context::KvExchange;
 use medley_launch::{Echo, JobEnd, LocalJob, RankCommand};
 use medley_model::AdamW;
-use medley_plan::Plan;
+use medley_plan::{Plan, SearchOptions, search};
 use medley_runtime::{
     DeviceChoice, RankLayout, StepMetrics, calibration_memory, emulation_calibration, measure_model_pass,
 };
+use medley_sim::rank::{RANKED_CANDIDATES, rank_by_simulation};
 use medley_spec::{Cluster, JobParts, JobSpec, ModelSpec, Schedule};
 
 use crate::progress::Progress;
@@ -132,6 +133,29 @@ pub const SMALLER_RUN: &str = "train a smaller model, shorter sequences (--seq-l
 /// The cores this process may run on.
 pub fn cores_here() -> usize {
     std::thread::available_parallelism().map_or(1, usize::from)
+}
+
+/// Sequences at least this long also get long-context plans in `medley train`, one sequence per
+/// micro-batch: on an emulated fleet the model is small, so attention dominates a pass from a few
+/// thousand tokens on.
+pub const RUNTIME_CONTEXT_TOKENS: u32 = 2048;
+
+/// The plan `medley train` trains, chosen as `medley plan` chooses: the cost model's best few,
+/// re-ranked by one simulated step each.
+pub fn choose_plan_to_train(
+    cluster: &Cluster,
+    model: &ModelSpec,
+    job: &JobSpec,
+    calibration: &Calibration,
+) -> Result<Plan> {
+    let options = SearchOptions {
+        top: RANKED_CANDIDATES,
+        context_from_tokens: RUNTIME_CONTEXT_TOKENS,
+        ..SearchOptions::default()
+    };
+    let outcome = search(cluster, model, job, calibration, &options)?;
+    let ranked = rank_by_simulation(outcome.candidates, calibration).context("simulating the candidates")?;
+    Ok(ranked.candidates.into_iter().next().expect("search returns at least one plan").plan)
 }
 
 /// The plan as the runtime trains it: long-context stages all-gather keys and values (it has no

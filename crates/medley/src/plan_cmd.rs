@@ -11,7 +11,7 @@ use clap::Args;
 use medley_export::expressible::{EXPRESSIBLE_POOL, Framework, restrict};
 use medley_plan::baselines::{self, Degrees, named_baselines};
 use medley_plan::{Candidate, PlanError, SearchOptions, evaluate, search};
-use medley_sim::rank::rank_by_simulation;
+use medley_sim::rank::{RANKED_CANDIDATES, rank_by_simulation};
 use serde_json::json;
 
 use crate::inputs::{SpecArgs, Specs, load_plan, specs_of_plan};
@@ -22,7 +22,7 @@ pub struct PlanArgs {
     #[command(flatten)]
     pub specs: SpecArgs,
     /// How many ranked plans to show (at least --pick).
-    #[arg(long, default_value_t = 3)]
+    #[arg(long, default_value_t = RANKED_CANDIDATES)]
     pub top: usize,
     /// Print one JSON object (plan, prediction, baselines) instead of tables.
     #[arg(long)]

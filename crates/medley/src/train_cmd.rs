@@ -10,8 +10,8 @@ use std::time::{Duration, Instant};
 use anyhow::{Context, Result};
 use clap::Args;
 use medley_cost::Calibration;
+use medley_plan::Plan;
 use medley_plan::max_k_within_memory;
-use medley_plan::{Plan, SearchOptions, search};
 use medley_runtime::run_dir::same_dir;
 use medley_runtime::{
     Emulation, RankLayout, RunDir, StepMetrics, check_resumable, read_latest, time_dilation,
@@ -23,7 +23,8 @@ use medley_spec::{Cluster, ModelSpec, Schedule, ScheduleKind};
 use crate::inputs::DEFAULT_FLEET;
 use crate::inputs::{JobFlags, load_model, read_emulation_profile};
 use crate::job::{
-    Outcome, RunFlags, SMALLER_RUN, WorkerArgs, as_trained, calibrate_here, cores_here, launch_and_watch, runtime_job,
+    Outcome, RUNTIME_CONTEXT_TOKENS, RunFlags, SMALLER_RUN, WorkerArgs, as_trained, calibrate_here,
+    choose_plan_to_train, cores_here, launch_and_watch, runtime_job,
 };
 use crate::progress::Progress;
 use crate::stop::{self};
@@ -126,11 +127,6 @@ fn dilation_here(workers: usize) -> f64 {
     dilation
 }
 
-/// Sequences at least this long also get long-context plans in `medley train`, one sequence per
-/// micro-batch: on an emulated fleet the model is small, so attention dominates a pass from a few
-/// thousand tokens on.
-const RUNTIME_CONTEXT_TOKENS: u32 = 2048;
-
 /// Waits on a peer legitimately last up to a step (a pipeline's fill, a slow replica before the
 /// all-reduce): the timeout is at least this many predicted steps.
 const TIMEOUT_STEPS: f64 = 10.0;
@@ -197,10 +193,8 @@ fn choose_plan(args: &TrainArgs) -> Result<(Plan, Calibration)> {
     };
     let job = runtime_job(seq_len, global_batch, micro_batch, args.worker.schedule)?;
     let calibration = calibration(&cluster, &model, seq_len, micro_batch)?;
-    let options = SearchOptions { top: 1, context_from_tokens: RUNTIME_CONTEXT_TOKENS, ..SearchOptions::default() };
-    let outcome = search(&cluster, &model, &job, &calibration, &options)
+    let plan = choose_plan_to_train(&cluster, &model, &job, &calibration)
         .with_context(|| format!("planning {} on {fleet}", model.name()))?;
-    let plan = outcome.candidates.into_iter().next().expect("search returns at least one plan").plan;
     Ok((as_trained(plan)?, calibration))
 }
 

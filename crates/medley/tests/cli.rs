@@ -467,6 +467,67 @@ fn training_resumes_bit_for_bit_and_under_another_plan() {
     assert_eq!(timeline_ranks(&resharded), 3, "the first segment's three workers stay in the timeline");
 }
 
+/// An emulation profile of the tiny model, fixed so that the plans it prices are the same on
+/// every machine.
+const TINY_PROFILE: &str = r#"kind = "emulation"
+model = "tiny"
+
+[device.A100-80GB]
+matmul = 3.58e-6
+attention = 2.63e-6
+memory = 1.82e-4
+
+[device.H100-SXM]
+matmul = 3.23e-6
+attention = 2.31e-6
+memory = 1.82e-4
+
+[device.MI300X]
+matmul = 2.37e-6
+attention = 1.66e-6
+memory = 1.82e-4
+
+[device.V100-32GB]
+matmul = 9.0e-6
+attention = 7.0e-6
+memory = 1.82e-4
+"#;
+
+/// Issue 33: `medley train` trained the cost model's first plan while `medley plan` recommends
+/// the simulator's first: the same inputs now choose the same plan, here one where the two differ.
+#[test]
+fn train_and_plan_choose_the_same_plan_for_the_same_inputs() {
+    let out = scratch("train-chooses-as-plan");
+    fs::create_dir_all(&out).unwrap();
+    let profile = out.join("profile.toml");
+    fs::write(&profile, TINY_PROFILE).unwrap();
+    let profile = profile.to_string_lossy().into_owned();
+    let run = out.join("run");
+    train(&run, &["--fleet", "1xh100,1xa100,1xv100,1xmi300x", "--steps", "1", "--calibration", &profile]);
+    let read = |path: &Path| -> serde_json::Value { serde_json::from_str(&fs::read_to_string(path).unwrap()).unwrap() };
+    // The fleet as a cluster file: nodes of one GPU.
+    let fleet = out.join("fleet.toml");
+    let groups = ["h100", "a100", "v100", "mi300x"]
+        .map(|device| format!("[[group]]\ndevice = \"{device}\"\nnodes = 1\ngpus_per_node = 1\n"));
+    fs::write(&fleet, groups.concat()).unwrap();
+    let planned = out.join("planned.json");
+    let (fleet, planned_text) = (fleet.to_string_lossy().into_owned(), planned.to_string_lossy().into_owned());
+    let job =
+        ["--seq-len", "32", "--global-batch", "4", "--micro-batch", "1", "--no-zero1", "--no-overlap-grad-reduce"];
+    let args: Vec<&str> = ["plan", "--cluster", &fleet, "--model", "tiny", "--calibration", &profile]
+        .into_iter()
+        .chain(job)
+        .chain(["-o", &planned_text])
+        .collect();
+    let output = medley(&args);
+    assert!(
+        stdout(&output).contains("the simulator disagrees"),
+        "inputs where the rankings differ:\n{}",
+        stdout(&output)
+    );
+    assert_eq!(read(&run.join("plan.json")), read(&planned));
+}
+
 #[test]
 fn corrupt_or_mixed_checkpoints_are_refused_naming_the_file() {
     let out = scratch("train-corrupt");

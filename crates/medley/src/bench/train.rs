@@ -7,7 +7,7 @@ use anyhow::{Context, Result, bail};
 use clap::Args;
 use medley_cost::Calibration;
 use medley_plan::long_context::even_fixed;
-use medley_plan::{Plan, SearchOptions, baselines, search};
+use medley_plan::{Plan, baselines};
 use medley_runtime::{DeviceChoice, RankLayout, RunDir};
 use medley_sim::{SimConfig, simulate_steps};
 use medley_spec::{Cluster, ModelSpec, Schedule, catalog_model};
@@ -15,7 +15,9 @@ use medley_spec::{Cluster, ModelSpec, Schedule, catalog_model};
 use crate::inputs::{JobFlags, load_model};
 use serde::Serialize;
 
-use crate::job::{RunFlags, WorkerArgs, as_trained, calibrate_here, launch_and_watch, runtime_job};
+use crate::job::{
+    RunFlags, WorkerArgs, as_trained, calibrate_here, choose_plan_to_train, launch_and_watch, runtime_job,
+};
 use crate::progress::Progress;
 use medley_bench::stats::median;
 use medley_report::text::{percent, right, table, times};
@@ -68,8 +70,7 @@ pub fn run(args: &TrainBenchArgs) -> Result<()> {
     let model = load_model(&shape.model)?;
     let job = runtime_job(shape.seq_len, shape.global_batch, shape.micro_batch, None)?;
     let calibration = calibrate_here(&cluster, &model, shape.seq_len, shape.micro_batch, DeviceChoice::Cpu)?;
-    let best = search(&cluster, &model, &job, &calibration, &SearchOptions { top: 1, ..SearchOptions::default() })?;
-    let aware = best.candidates.into_iter().next().expect("at least one plan").plan;
+    let aware = choose_plan_to_train(&cluster, &model, &job, &calibration)?;
     let Some(uniform) = baselines::uniform(&cluster, &model, &job, &calibration).map(|candidate| candidate.plan) else {
         bail!("no uniform plan fits {} for this job", args.fleet)
     };
