@@ -403,9 +403,10 @@ fn medley_gpu_name(device: ComputeDevice) -> Option<String> {
     medley_gpu::Gpu::open(vendor, index).ok().map(|gpu| gpu.name().to_string())
 }
 
-/// The catalog's dense bf16 and fp32 peaks for a driver's device name ("NVIDIA H200" is `h200`).
+/// The catalog's dense bf16 and fp32 peaks for a driver's device name ("NVIDIA H200" is `h200`);
+/// none for a device without bf16.
 fn datasheet_peaks(name: &str) -> Option<(f64, f64)> {
     let lower = name.to_lowercase();
     let spec = lower.split([' ', '-']).find_map(|word| medley_spec::catalog_device(word).ok())?;
-    Some((spec.half_precision_tflops(), spec.fp32_tflops))
+    Some((spec.tensor_tflops(medley_spec::Precision::Bf16Mixed)?, spec.fp32_tflops))
 }

@@ -8,7 +8,7 @@ use medley_cost::Calibration;
 use medley_plan::baselines::{Baselines, NamedBaseline, named_baselines};
 use medley_plan::{Candidate, SearchOptions, search};
 use medley_sim::rank::{Ranked, rank_by_simulation};
-use medley_spec::{Bridge, Cluster, Fabric, JobParts, JobSpec, ModelSpec, catalog_model};
+use medley_spec::{Bridge, Cluster, Fabric, JobParts, JobSpec, ModelSpec, Precision, catalog_model};
 use serde::Serialize;
 
 use crate::BenchError;
@@ -88,9 +88,15 @@ impl CaseSpecs {
     /// An inline cluster (default fabric and bridge), a catalog model, and a job of
     /// `global_batch` sequences of `seq_len` tokens that errors name `source`.
     pub fn resolve(cluster: &str, model: &str, seq_len: u32, global_batch: u32, source: &str) -> Result<Self, String> {
-        let parts = JobParts { seq_len, global_batch, ..JobParts::default() };
+        let cluster = Cluster::from_inline(cluster, Fabric::default(), Bridge::default()).map_err(|e| e.to_string())?;
+        // A fleet with devices that lack bf16 (the V100 case) trains in fp16, as its users must.
+        let precision = match cluster.check_precision(Precision::Bf16Mixed) {
+            Ok(()) => Precision::Bf16Mixed,
+            Err(_) => Precision::Fp16Mixed,
+        };
+        let parts = JobParts { seq_len, global_batch, precision, ..JobParts::default() };
         Ok(CaseSpecs {
-            cluster: Cluster::from_inline(cluster, Fabric::default(), Bridge::default()).map_err(|e| e.to_string())?,
+            cluster,
             model: catalog_model(model).map_err(|e| e.to_string())?,
             job: JobSpec::new(parts, source).map_err(|e| e.to_string())?,
         })

@@ -14,7 +14,7 @@ pub mod params;
 
 use gemm::{Gemm, GemmGeometry};
 use long_context::{ContextLayerTime, ContextPass, ContextWork, KvExchange};
-use medley_spec::{AttentionKernel, ModelSpec, NodeGroup, Recompute};
+use medley_spec::{AttentionKernel, ModelSpec, NodeGroup, Precision, Recompute};
 
 pub use efficiency::{Calibration, CalibrationError, Efficiency, ProfileKind};
 pub use memory::{GIB, MemoryBreakdown};
@@ -91,6 +91,7 @@ pub struct CostModel<'a> {
     seq_len: u32,
     calibration: &'a Calibration,
     attention: AttentionKernel,
+    precision: Precision,
 }
 
 /// FlashAttention's backward recomputes the scores and runs four more matmuls: 2.5 times the
@@ -110,7 +111,19 @@ const UNFUSED_SCORE_BYTES_BACKWARD: f64 = 19.0;
 impl<'a> CostModel<'a> {
     /// The cost model with a fused attention kernel (see [`CostModel::with_attention`]).
     pub fn new(model: &'a ModelSpec, seq_len: u32, calibration: &'a Calibration) -> Self {
-        CostModel { model, seq_len, calibration, attention: AttentionKernel::Fused }
+        CostModel { model, seq_len, calibration, attention: AttentionKernel::Fused, precision: Precision::Bf16Mixed }
+    }
+
+    /// The same model pricing tensor-core work at `precision`'s rate. Every device it prices
+    /// must have that format: where a job meets a cluster, [`medley_spec::Cluster::check_precision`]
+    /// refuses one that does not.
+    pub fn with_precision(self, precision: Precision) -> Self {
+        CostModel { precision, ..self }
+    }
+
+    /// A TP group of `group`'s devices, `tp` wide, at this model's precision.
+    fn rates(&self, group: &NodeGroup, tp: u32) -> Rates {
+        Rates::new(self.calibration, group, tp, self.precision)
     }
 
     /// The same model pricing the attention core as `attention` runs it.
@@ -128,7 +141,7 @@ impl<'a> CostModel<'a> {
 
     /// One transformer layer on one TP group of `group`'s devices: a roofline per kernel class.
     pub fn layer_time(&self, group: &NodeGroup, setting: Setting) -> PassTime {
-        let rates = Rates::new(self.calibration, group, setting.tp);
+        let rates = self.rates(group, setting.tp);
         let flops = flops::layer_forward(self.model, self.seq_len, setting.micro_batch);
         let tokens = f64::from(self.seq_len) * f64::from(setting.micro_batch);
         let matmuls = rates.matmuls(&gemm::layer_gemms(self.model, tokens, setting.tp));
@@ -174,7 +187,7 @@ impl<'a> CostModel<'a> {
 
     /// The output projection and loss on the last stage.
     pub fn head_time(&self, group: &NodeGroup, setting: Setting) -> PassTime {
-        let rates = Rates::new(self.calibration, group, setting.tp);
+        let rates = self.rates(group, setting.tp);
         head_pass(self.model, &rates, f64::from(self.seq_len) * f64::from(setting.micro_batch), setting.tp)
     }
 
@@ -182,7 +195,7 @@ impl<'a> CostModel<'a> {
     pub fn context_head_time(&self, group: &NodeGroup, tokens: f64) -> PassTime {
         // At the whole sequence's shapes, scaled: linear in tokens, as for the layers.
         let whole = f64::from(self.seq_len);
-        head_pass(self.model, &Rates::new(self.calibration, group, 1), whole, 1).scaled(tokens / whole)
+        head_pass(self.model, &self.rates(group, 1), whole, 1).scaled(tokens / whole)
     }
 
     /// A whole stage for one micro-batch.
@@ -232,7 +245,7 @@ impl<'a> CostModel<'a> {
     /// reduce-scatters the gradients (Megatron-LM's `allgather` CP). Selective recomputation
     /// runs attention and its exchange again; full recomputation the whole forward.
     pub fn context_layer_time(&self, group: &NodeGroup, work: ContextWork, recompute: Recompute) -> ContextLayerTime {
-        let rates = Rates::new(self.calibration, group, 1);
+        let rates = self.rates(group, 1);
         // Priced at the whole sequence's shapes and scaled to the shard, so that time stays
         // linear in tokens as the shard split's linear program needs; shards of thousands of
         // tokens quantise little.
@@ -296,7 +309,7 @@ impl<'a> CostModel<'a> {
     /// Seconds of the optimizer step on one device: Adam streams its 16 bytes of state per
     /// parameter in and most of it out.
     pub fn optimizer_step_s(&self, group: &NodeGroup, params_per_device: f64) -> f64 {
-        Rates::new(self.calibration, group, 1).memory_s(32.0 * params_per_device)
+        self.rates(group, 1).memory_s(32.0 * params_per_device)
     }
 
     /// Norms, residual adds, rotary embedding, activation functions: read-write traffic in bytes
@@ -381,10 +394,16 @@ struct Rates {
 }
 
 impl Rates {
-    fn new(calibration: &Calibration, group: &NodeGroup, tp: u32) -> Self {
+    fn new(calibration: &Calibration, group: &NodeGroup, tp: u32, precision: Precision) -> Self {
+        let tflops = group.device.tensor_tflops(precision).unwrap_or_else(|| {
+            panic!(
+                "{} has no {}: the job's precision is checked against its cluster first",
+                group.device.name, precision
+            )
+        });
         Rates {
             efficiency: calibration.efficiency(&group.device),
-            flops_per_s: group.device.half_precision_tflops() * 1e12,
+            flops_per_s: tflops * 1e12,
             bytes_per_s: group.device.hbm_tb_s * 1e12,
             tp: f64::from(tp),
             shape_aware: *calibration.kind() == ProfileKind::Gpu,

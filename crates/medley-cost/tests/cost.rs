@@ -5,7 +5,7 @@ use std::collections::BTreeSet;
 use medley_cost::long_context::{HeadSplit, HeadTailShards, KvExchange, Traffic, kv_traffic, ulysses_traffic};
 use medley_cost::params::{active_params, total_params};
 use medley_cost::{Calibration, CostModel, Setting, StageShape};
-use medley_spec::{MlpKind, ModelParts, ModelSpec, NodeGroup, Recompute, catalog_device, catalog_model};
+use medley_spec::{MlpKind, ModelParts, ModelSpec, NodeGroup, Precision, Recompute, catalog_device, catalog_model};
 use proptest::prelude::*;
 
 fn model(n_layers: u32, hidden_heads: u32, n_heads: u32, kv_divisor: u32, mlp: MlpKind) -> ModelSpec {
@@ -109,7 +109,8 @@ proptest! {
         let mlp = if gated { MlpKind::SwiGlu } else { MlpKind::Gelu };
         let model = model(32, head_dim, n_heads, kv_divisor, mlp);
         let calibration = Calibration::default();
-        let cost = CostModel::new(&model, seq_len, &calibration);
+        // fp16: every catalog device has it (the V100 has no bf16), at its bf16 rate where both.
+        let cost = CostModel::new(&model, seq_len, &calibration).with_precision(Precision::Fp16Mixed);
         let group = NodeGroup::with_defaults(catalog_device(device).unwrap(), 1, 8);
         for recompute in Recompute::ALL {
             let setting = Setting { micro_batch, tp, recompute };

@@ -52,7 +52,6 @@ pub(crate) fn command_line(args: &[Arg]) -> String {
 pub(crate) fn check_common(plan: &Plan, framework: &'static str) -> Result<(), ExportError> {
     check_replicas_alike(plan, framework)?;
     check_one_vendor(plan, framework)?;
-    check_bf16(plan, framework)?;
     let model = plan.model();
     if model.experts().is_some() {
         return Err(ExportError::refused(
@@ -113,30 +112,6 @@ fn check_one_vendor(plan: &Plan, framework: &'static str) -> Result<(), ExportEr
         ));
     }
     Ok(())
-}
-
-/// medley's plans train in bf16, as the exports ask (`--bf16`, torchtitan's bf16 parameters): a
-/// device without bf16 would fail at start or, under a framework that falls back, compute in
-/// another precision than the one planned.
-fn check_bf16(plan: &Plan, framework: &'static str) -> Result<(), ExportError> {
-    let devices = plan.replicas().iter().flat_map(|replica| &replica.stages).flat_map(|stage| &stage.devices);
-    let mut without: Vec<&str> = devices
-        .map(|&device| &plan.device_group(device).device)
-        .filter(|spec| spec.bf16_tflops.is_none())
-        .map(|spec| spec.name.as_str())
-        .collect();
-    without.sort_unstable();
-    without.dedup();
-    match without.is_empty() {
-        true => Ok(()),
-        false => Err(ExportError::refused(
-            framework,
-            format!(
-                "the plan trains in bf16 and its {} have no bf16: plan without them, or on devices that have it",
-                without.join(" and ")
-            ),
-        )),
-    }
 }
 
 /// A framework's context parallelism: `cp` groups of `hp` devices, every stage alike.

@@ -7,7 +7,7 @@
 
 use medley_cost::long_context::KvExchange;
 use medley_plan::{Plan, Stage};
-use medley_spec::{AttentionKernel, MlpKind, ModelSpec, Recompute, RopeScaling, Schedule, ScheduleKind};
+use medley_spec::{AttentionKernel, MlpKind, ModelSpec, Precision, Recompute, RopeScaling, Schedule, ScheduleKind};
 use serde::Serialize;
 
 use crate::common::{Arg, Args, ContextDegrees, RankOrder, check_common, command_line, context_degrees, rank_devices};
@@ -219,7 +219,11 @@ fn model_args(plan: &Plan, args: &mut Args) -> Result<(), ExportError> {
     if !model.tie_embeddings() {
         args.flag("--untie-embeddings-and-output-weights");
     }
-    args.flag("--bf16");
+    // fp16 runs with Megatron's dynamic loss scaling, its default under --fp16.
+    args.flag(match plan.precision() {
+        Precision::Bf16Mixed => "--bf16",
+        Precision::Fp16Mixed => "--fp16",
+    });
     Ok(())
 }
 

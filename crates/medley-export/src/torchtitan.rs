@@ -10,7 +10,7 @@
 //! shards, with no head parallelism. A plan outside that is refused naming what differs.
 
 use medley_plan::{Plan, Stage};
-use medley_spec::{AttentionKernel, MlpKind, ModelSpec, Recompute, RopeScaling, Schedule, ScheduleKind};
+use medley_spec::{AttentionKernel, MlpKind, ModelSpec, Precision, Recompute, RopeScaling, Schedule, ScheduleKind};
 use serde::Serialize;
 
 use crate::common::{Arg, Args, RankOrder, check_common, command_line, context_degrees, rank_devices};
@@ -51,6 +51,16 @@ pub fn torchtitan(plan: &Plan) -> Result<TorchtitanExport, ExportError> {
             "the plan shards only the optimizer state (ZeRO-1); torchtitan shards data-parallel state with FSDP, which \
              shards parameters and gradients too and moves more data a step: plan with --no-zero1 (or zero1 = false in \
              the job)",
+        ));
+    }
+    if plan.precision() != Precision::Bf16Mixed {
+        return Err(ExportError::refused(
+            TORCHTITAN,
+            format!(
+                "the plan trains in {}; torchtitan's mixed precision takes bfloat16 or float32 parameters \
+                 (training.mixed_precision_param)",
+                plan.precision()
+            ),
         ));
     }
     if plan.attention() == AttentionKernel::Unfused {

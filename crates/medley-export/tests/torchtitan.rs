@@ -9,7 +9,7 @@ use medley_export::torchtitan::{TorchtitanExport, check_overrides, torchtitan};
 use medley_plan::baselines::Degrees;
 use medley_plan::long_context::even_fixed;
 use medley_plan::{Plan, PlanParts};
-use medley_spec::{AttentionKernel, Schedule, ScheduleKind, catalog_model};
+use medley_spec::{AttentionKernel, Precision, Schedule, ScheduleKind, catalog_model};
 use plans::{Zero1, assembled, cluster, job, launch, uniform, uniform_of, with_model, words};
 
 fn value<'a>(export: &'a TorchtitanExport, flag: &str) -> Option<&'a str> {
@@ -120,6 +120,12 @@ fn even_rings_export_and_what_torchtitan_cannot_run_is_refused_naming_it() {
     let parts = uniform("8xh100", Degrees::new(2, 2, 2), Zero1::Off).into_parts();
     let unfused = Plan::try_from(PlanParts { attention: AttentionKernel::Unfused, ..parts }).unwrap();
     assert!(refusal(&unfused).contains("--attention fused"), "{}", refusal(&unfused));
+    let fp16 = PlanParts {
+        precision: Precision::Fp16Mixed,
+        ..uniform("8xh100", Degrees::new(2, 2, 2), Zero1::Off).into_parts()
+    };
+    let fp16 = refusal(&Plan::try_from(fp16).unwrap());
+    assert!(fp16.contains("fp16-mixed") && fp16.contains("mixed_precision_param"), "{fp16}");
     // Issue 33: a recipe's shape with other numerics (Llama 3.0's RoPE) is another model.
     let llama3_0 = with_model(uniform("8xh100", Degrees::new(2, 2, 2), Zero1::Off), |model| model.rope_scaling = None);
     let numerics = refusal(&llama3_0);

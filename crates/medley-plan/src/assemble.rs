@@ -85,6 +85,8 @@ pub fn assemble(
         attention: job.attention(),
         overlap_grad_reduce: job.overlap_grad_reduce(),
         zero1: job.zero1(),
+        precision: job.precision(),
+        memory_headroom: job.memory_headroom(),
         tp: setting.tp,
         virtual_stages,
         replicas,

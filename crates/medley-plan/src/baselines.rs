@@ -107,6 +107,7 @@ pub fn megatron_plan(
     setting: Setting,
     degrees: Degrees,
 ) -> Result<Plan, PlanError> {
+    crate::error::check_precision(cluster, job)?;
     check_degrees(cluster, cost.model(), degrees)?;
     let error = |message: String| PlanError::Layout { layout: degrees.to_string(), message };
     let n_layers = cost.model().n_layers();
@@ -214,6 +215,7 @@ pub fn fixed(
     calibration: &Calibration,
     degrees: Degrees,
 ) -> Result<Candidate, PlanError> {
+    crate::error::check_precision(cluster, job)?;
     if degrees.splits_sequences() {
         if degrees.tp != 1 || degrees.vpp != 1 {
             return Err(PlanError::Layout {
@@ -228,7 +230,9 @@ pub fn fixed(
         return Ok(outcome.candidates.into_iter().next().expect("a search returns a plan or an error"));
     }
     check_degrees(cluster, model, degrees)?;
-    let cost = CostModel::new(model, job.seq_len(), calibration).with_attention(job.attention());
+    let cost = CostModel::new(model, job.seq_len(), calibration)
+        .with_attention(job.attention())
+        .with_precision(job.precision());
     let mut layout_error = None;
     let (mut built, mut best) = (false, None::<Candidate>);
     for setting in settings_with_tp(job, degrees.tp) {
@@ -255,6 +259,7 @@ pub fn fixed(
 
 /// The best uniform (heterogeneity-blind) plan over every device, if any fits.
 pub fn uniform(cluster: &Cluster, model: &ModelSpec, job: &JobSpec, calibration: &Calibration) -> Option<Candidate> {
+    crate::error::check_precision(cluster, job).ok()?;
     let n_gpus = cluster.n_gpus();
     let all_groups: Vec<usize> = (0..cluster.groups().len()).collect();
     let settings = candidate_settings(cluster, model, job, &all_groups);
@@ -268,7 +273,9 @@ pub fn uniform(cluster: &Cluster, model: &ModelSpec, job: &JobSpec, calibration:
             layouts.push((setting, Degrees::new(setting.tp, pp, per_tp / pp)));
         }
     }
-    let cost = CostModel::new(model, job.seq_len(), calibration).with_attention(job.attention());
+    let cost = CostModel::new(model, job.seq_len(), calibration)
+        .with_attention(job.attention())
+        .with_precision(job.precision());
     layouts
         .par_iter()
         .filter_map(|&(setting, degrees)| {

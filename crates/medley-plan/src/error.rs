@@ -11,6 +11,10 @@ pub enum PlanError {
     /// problem, which is therefore not also its source: `{:#}` would print it twice.
     #[error("invalid plan: {0}")]
     Invalid(InvalidPlan),
+    /// The job cannot run on the cluster at all (a precision some devices lack); the message
+    /// says what to do.
+    #[error("{0}")]
+    Job(String),
     /// No layout of the cluster fits the model and job; the message says what would.
     #[error("nothing fits: {0}")]
     NothingFits(String),
@@ -29,6 +33,12 @@ pub enum PlanError {
     Layout { layout: String, message: String },
 }
 
+/// Refuses a job whose precision some of the cluster's devices lack: where a job meets a cluster,
+/// before anything is priced.
+pub(crate) fn check_precision(cluster: &medley_spec::Cluster, job: &medley_spec::JobSpec) -> Result<(), PlanError> {
+    cluster.check_precision(job.precision()).map_err(|err| PlanError::Job(err.to_string()))
+}
+
 impl From<InvalidPlan> for PlanError {
     fn from(problem: InvalidPlan) -> Self {
         PlanError::Invalid(problem)
@@ -44,6 +54,11 @@ pub enum InvalidPlan {
     ContextVersion { found: u32, needed: u32 },
     #[error("a plan needs at least one replica")]
     NoReplicas,
+    /// A device of the cluster lacks the plan's precision (the message says which and what to do).
+    #[error("{0}")]
+    Precision(String),
+    #[error("memory_headroom must be a share of device memory from 0 to 0.5, got {0}")]
+    MemoryHeadroom(f64),
     #[error("tp={tp} must be at least 1 and divide the model's {heads} heads and {kv_heads} kv heads")]
     Tp { tp: u32, heads: u32, kv_heads: u32 },
     #[error("{field} must be at least 1")]

@@ -5,6 +5,7 @@ use std::collections::BTreeMap;
 use std::num::NonZeroU32;
 
 use medley_cost::comm::{self, DomainPart, Link};
+use medley_cost::memory::usable_bytes;
 use medley_cost::{Calibration, CostModel, GIB, PassTime, Setting, StageShape, flops};
 use medley_spec::{BridgeMode, Cluster, DeviceId, DeviceSlot, DeviceSpec, Schedule, ScheduleKind, Vendor};
 use serde::Serialize;
@@ -55,7 +56,10 @@ impl Utilisation {
             .iter()
             .flat_map(|replica| &replica.stages[..plan.n_ranks(replica)])
             .flat_map(|stage| &stage.devices)
-            .map(|&id| plan.device_group(id).device.half_precision_tflops() * 1e12)
+            .map(|&id| {
+                let device = &plan.device_group(id).device;
+                device.tensor_tflops(plan.precision()).expect("a plan's devices have its precision") * 1e12
+            })
             .sum();
         let model_flops = flops::model_flops_per_step(plan.model(), plan.seq_len(), plan.global_batch());
         let hardware_flops =
@@ -77,7 +81,9 @@ fn plan_setting(plan: &Plan) -> Setting {
 
 /// Prices `plan` (valid by construction).
 pub fn evaluate(plan: &Plan, calibration: &Calibration) -> Prediction {
-    let cost = &CostModel::new(plan.model(), plan.seq_len(), calibration).with_attention(plan.attention());
+    let cost = &CostModel::new(plan.model(), plan.seq_len(), calibration)
+        .with_attention(plan.attention())
+        .with_precision(plan.precision());
     let slots = plan.cluster().devices();
     let mut layers = LayerTimes::default();
     let prices: Vec<ReplicaPrice> =
@@ -147,7 +153,7 @@ fn price_replica(
     layers: &mut LayerTimes,
 ) -> ReplicaPrice {
     let setting = plan_setting(plan);
-    let pricer = ContextPricer { cost, cluster: plan.cluster(), slots };
+    let pricer = ContextPricer { cost, cluster: plan.cluster(), slots, memory_headroom: plan.memory_headroom() };
     let passes: Vec<PassTime> = replica
         .stages
         .iter()
@@ -232,7 +238,7 @@ fn stage_memories<'a>(
         let bytes = cost.stage_memory(shape, plan_setting(plan), in_flight, shards).total();
         return vec![(&plan.stage_group(stage).device, bytes)];
     };
-    let pricer = ContextPricer { cost, cluster: plan.cluster(), slots };
+    let pricer = ContextPricer { cost, cluster: plan.cluster(), slots, memory_headroom: plan.memory_headroom() };
     pricer
         .device_works(context, &stage.devices)
         .iter()
@@ -243,15 +249,18 @@ fn stage_memories<'a>(
         .collect()
 }
 
-/// The highest predicted memory and the capacity of each device type, in GiB.
+/// The highest predicted memory and the capacity of each device type, in GiB, and the share of
+/// it the plan leaves free.
 struct MemoryPeaks {
     peak_gib: BTreeMap<String, f64>,
     capacity_gib: BTreeMap<String, f64>,
+    headroom: f64,
 }
 
 impl MemoryPeaks {
     fn of(plan: &Plan, cost: &CostModel, slots: &[DeviceSlot]) -> Self {
-        let mut peaks = MemoryPeaks { peak_gib: BTreeMap::new(), capacity_gib: BTreeMap::new() };
+        let mut peaks =
+            MemoryPeaks { peak_gib: BTreeMap::new(), capacity_gib: BTreeMap::new(), headroom: plan.memory_headroom() };
         for replica in plan.replicas() {
             let n_ranks = plan.n_ranks(replica);
             for (rank, (stage, shape)) in replica.stages.iter().zip(rank_shapes(plan, replica)).enumerate() {
@@ -267,7 +276,7 @@ impl MemoryPeaks {
     }
 
     fn fits(&self) -> bool {
-        self.peak_gib.iter().all(|(name, peak)| *peak <= self.capacity_gib[name])
+        self.peak_gib.iter().all(|(name, peak)| *peak * GIB <= usable_bytes(self.capacity_gib[name], self.headroom))
     }
 }
 
@@ -285,7 +294,9 @@ fn micro_batches_in_flight(plan: &Plan, replica: &Replica, rank: usize, n_ranks:
 /// most the largest micro-batch count, beyond which k changes nothing): how far an adaptive
 /// schedule may raise k. The simulator and the runtime both bound their `StepSchedules` by it.
 pub fn max_k_within_memory(plan: &Plan, calibration: &Calibration) -> u32 {
-    let cost = CostModel::new(plan.model(), plan.seq_len(), calibration).with_attention(plan.attention());
+    let cost = CostModel::new(plan.model(), plan.seq_len(), calibration)
+        .with_attention(plan.attention())
+        .with_precision(plan.precision());
     let slots = plan.cluster().devices();
     let memories = |stage, shape, in_flight| stage_memories(plan, &cost, &slots, stage, shape, in_flight);
     // Per device of each rank: (the rank's index and the pipeline's depth, micro-batches, bytes
@@ -306,7 +317,14 @@ pub fn max_k_within_memory(plan: &Plan, calibration: &Calibration) -> u32 {
                             - memories(chunk, chunk_shape, 0.0)[device_idx].1
                     })
                     .sum();
-                ranks.push((rank, n_ranks, replica.n_micro_batches, held, per_micro_batch, device.hbm_gib * GIB));
+                ranks.push((
+                    rank,
+                    n_ranks,
+                    replica.n_micro_batches,
+                    held,
+                    per_micro_batch,
+                    usable_bytes(device.hbm_gib, plan.memory_headroom()),
+                ));
             }
         }
     }
@@ -431,7 +449,7 @@ fn dp_sync_s(plan: &Plan, cost: &CostModel, slots: &[DeviceSlot], prices: &[Repl
         })
         .collect();
     // Each long-context rank reduces its whole stage's gradients over its devices.
-    let pricer = ContextPricer { cost, cluster: plan.cluster(), slots };
+    let pricer = ContextPricer { cost, cluster: plan.cluster(), slots, memory_headroom: plan.memory_headroom() };
     for (replica_idx, replica) in plan.replicas().iter().enumerate() {
         for (rank, (stage, shape)) in replica.stages.iter().zip(rank_shapes(plan, replica)).enumerate() {
             if stage.context.is_some() {
@@ -538,11 +556,6 @@ pub fn best_boundary_route(cluster: &Cluster, a: (DeviceSlot, Vendor), b: (Devic
         })
         .expect("a bridge offers at least one mode");
     Route::Bridge { mode }
-}
-
-/// Bytes of a device's `hbm_gib` (the workspace reserve is part of each stage's memory).
-pub fn capacity_bytes(hbm_gib: f64) -> f64 {
-    hbm_gib * GIB
 }
 
 #[cfg(test)]

@@ -7,11 +7,12 @@ use medley_cost::comm::{self, Link};
 use medley_cost::long_context::{
     self, ContextLayerTime, ContextWork, HeadShare, HeadSplit, KvExchange, kv_bytes_per_token,
 };
-use medley_cost::{CostModel, GIB, MemoryBreakdown, PassTime, StageShape};
+use medley_cost::{CostModel, MemoryBreakdown, PassTime, StageShape};
 use medley_spec::{BridgeMode, Cluster, DeviceId, DeviceSlot, NodeGroup, Recompute};
 
 use crate::long_context_stage::StageContext;
 use crate::shard_split::{GroupCost, Linear, NextLinear};
+use medley_cost::memory::usable_bytes;
 
 /// Bytes per element of activations, keys and values (bf16).
 const ACTIVATION_BYTES: u64 = 2;
@@ -32,6 +33,8 @@ pub struct ContextPricer<'a> {
     pub cost: &'a CostModel<'a>,
     pub cluster: &'a Cluster,
     pub slots: &'a [DeviceSlot],
+    /// The share of each device's memory left free.
+    pub memory_headroom: f64,
 }
 
 /// A head-parallel group as the pricer sees it: its node group, its shard, its devices' tokens
@@ -292,7 +295,8 @@ impl<'a> ContextPricer<'a> {
         }
         next_times_s.sort_by(|a, b| order(&a.own, &b.own).then(a.per_next_token.total_cmp(&b.per_next_token)));
         next_times_s.dedup();
-        GroupCost { times_s, next_times_s, memory_bytes, capacity_bytes: node_group.device.hbm_gib * GIB }
+        let capacity_bytes = usable_bytes(node_group.device.hbm_gib, self.memory_headroom);
+        GroupCost { times_s, next_times_s, memory_bytes, capacity_bytes }
     }
 }
 

@@ -10,7 +10,7 @@ use std::fmt;
 
 use medley_cost::long_context::KvExchange;
 use medley_spec::{
-    AttentionKernel, BridgeMode, Cluster, DeviceId, ModelSpec, Recompute, Schedule, ScheduleKind, Vendor,
+    AttentionKernel, BridgeMode, Cluster, DeviceId, ModelSpec, Precision, Recompute, Schedule, ScheduleKind, Vendor,
 };
 use serde::{Deserialize, Serialize};
 
@@ -75,6 +75,13 @@ pub struct PlanParts {
     pub overlap_grad_reduce: bool,
     /// Optimizer states sharded over the data-parallel replicas (ZeRO-1).
     pub zero1: bool,
+    /// Plans written before it was a setting read as bf16, as they were priced.
+    #[serde(default)]
+    pub precision: Precision,
+    /// The share of each device's memory the plan leaves free; plans written before it was a
+    /// setting read as none, as they were checked.
+    #[serde(default)]
+    pub memory_headroom: f64,
     /// Tensor-parallel degree of every stage; sequence parallelism is on when it exceeds 1.
     pub tp: u32,
     /// Model chunks per pipeline rank, v (Megatron's virtual pipeline size). With v > 1 each
@@ -241,6 +248,12 @@ impl Plan {
     pub fn attention(&self) -> AttentionKernel {
         self.parts.attention
     }
+    pub fn precision(&self) -> Precision {
+        self.parts.precision
+    }
+    pub fn memory_headroom(&self) -> f64 {
+        self.parts.memory_headroom
+    }
     pub fn overlap_grad_reduce(&self) -> bool {
         self.parts.overlap_grad_reduce
     }
@@ -321,6 +334,12 @@ impl Plan {
         }
         if parts.replicas.is_empty() {
             return Err(InvalidPlan::NoReplicas.into());
+        }
+        if !(0.0..0.5 + f64::EPSILON).contains(&parts.memory_headroom) {
+            return Err(InvalidPlan::MemoryHeadroom(parts.memory_headroom).into());
+        }
+        if let Err(err) = parts.cluster.check_precision(parts.precision) {
+            return Err(InvalidPlan::Precision(err.to_string()).into());
         }
         if parts.tp == 0 || !tp_splits_heads(&parts.model, parts.tp) {
             let (heads, kv_heads) = (parts.model.n_heads(), parts.model.n_kv_heads());

@@ -17,8 +17,8 @@ use medley_plan::{
     evaluate, search,
 };
 use medley_spec::{
-    Bridge, BridgeMode, Cluster, Fabric, JobParts, JobSpec, MlpKind, ModelParts, ModelSpec, Recompute, Schedule,
-    ScheduleKind, Vendor, catalog_model,
+    Bridge, BridgeMode, Cluster, Fabric, JobParts, JobSpec, MlpKind, ModelParts, ModelSpec, Precision, Recompute,
+    Schedule, ScheduleKind, Vendor, catalog_model,
 };
 use proptest::prelude::*;
 
@@ -51,14 +51,27 @@ fn small_model(n_layers: u32, hidden: u32) -> ModelSpec {
     ModelSpec::new(parts, "test").unwrap()
 }
 
+/// fp16 with loss scaling: every catalog device has it (the V100 has no bf16), at its bf16 rate
+/// wherever it has both, so these plans are the bf16 plans of fleets without V100s.
+const PRECISION: Precision = Precision::Fp16Mixed;
+
 fn job(seq_len: u32, global_batch: u32, micro_batch: Option<u32>, recompute: Option<Recompute>) -> JobSpec {
-    JobSpec::new(JobParts { seq_len, global_batch, micro_batch, recompute, ..JobParts::default() }, "test").unwrap()
+    JobSpec::new(
+        JobParts { seq_len, global_batch, micro_batch, recompute, precision: PRECISION, ..JobParts::default() },
+        "test",
+    )
+    .unwrap()
 }
 
 /// A GPipe job: its plans hold one chunk per rank, as hand edits of stage devices assume.
 fn gpipe_job(seq_len: u32, global_batch: u32) -> JobSpec {
-    let parts =
-        JobParts { seq_len, global_batch, schedule: Schedule::Fixed(ScheduleKind::Gpipe), ..JobParts::default() };
+    let parts = JobParts {
+        seq_len,
+        global_batch,
+        schedule: Schedule::Fixed(ScheduleKind::Gpipe),
+        precision: PRECISION,
+        ..JobParts::default()
+    };
     JobSpec::new(parts, "test").unwrap()
 }
 
@@ -217,8 +230,16 @@ fn job_strategy() -> impl Strategy<Value = JobSpec> {
         any::<bool>(),
     )
         .prop_map(|(seq_len, global_batch, micro_batch, recompute, schedule, zero1)| {
-            let parts =
-                JobParts { seq_len, global_batch, micro_batch, recompute, schedule, zero1, ..JobParts::default() };
+            let parts = JobParts {
+                seq_len,
+                global_batch,
+                micro_batch,
+                recompute,
+                schedule,
+                zero1,
+                precision: PRECISION,
+                ..JobParts::default()
+            };
             JobSpec::new(parts, "test").unwrap()
         })
 }
@@ -842,7 +863,10 @@ fn on_a_homogeneous_cluster_the_long_context_plan_is_the_even_one() {
         ("32xa100", "llama3-8b", 262_144, 8),
         ("64xh100", "llama3-70b", 131_072, 32),
     ] {
-        let (cluster, model, job) = (cluster(fleet), model(name), job(seq_len, global_batch, None, None));
+        // The 70B case fits within the last 5% of the H100s' memory: no headroom here.
+        let parts =
+            JobParts { seq_len, global_batch, precision: PRECISION, memory_headroom: 0.0, ..JobParts::default() };
+        let (cluster, model, job) = (cluster(fleet), model(name), JobSpec::new(parts, "test").unwrap());
         let best =
             search_long_context(&cluster, &model, &job, &calibration, None, None, 1).unwrap().candidates.remove(0);
         let splits = context_splits(&best.plan);
@@ -931,4 +955,48 @@ proptest! {
         let free = search_long_context(&cluster, &model, &job, &calibration, None, None, 1).unwrap();
         prop_assert!(free.candidates[0].prediction.step_time_s <= best * 1.02, "{fleet}: free search slower");
     }
+}
+
+/// Issue 33: the V100 was priced at its fp16 rate inside a bf16 job.
+#[test]
+fn a_precision_some_devices_lack_is_refused_and_fp16_prices_at_its_own_rate() {
+    let bf16 = JobSpec::new(JobParts { seq_len: 2048, global_batch: 64, ..JobParts::default() }, "test").unwrap();
+    let err = search_with(&cluster("8xh100,8xv100"), &model("llama3-8b"), &bf16, &SearchOptions::default())
+        .unwrap_err()
+        .to_string();
+    assert!(err.contains("V100-32GB has none") && err.contains("--precision fp16-mixed"), "{err}");
+    let plan = best(&cluster("8xh100,8xv100"), &model("llama3-8b"), &job(2048, 64, None, None)).plan;
+    assert_eq!(plan.precision(), Precision::Fp16Mixed);
+    // Plans written before the field read as bf16, and a bf16 plan with V100s is refused on load.
+    let mut text = serde_json::to_value(&plan).unwrap();
+    text.as_object_mut().unwrap().remove("precision");
+    let err = serde_json::from_value::<Plan>(text).unwrap_err().to_string();
+    assert!(err.contains("bf16-mixed needs bf16"), "{err}");
+}
+
+/// Issue 33: plans came out at 98–99% of device memory, with nothing left for what the cost
+/// model does not see. The headroom is left free, searched and evaluated alike.
+#[test]
+fn plans_leave_the_memory_headroom_free() {
+    let (cluster, model, calibration) = (cluster("64xh100"), model("llama3-70b"), Calibration::default());
+    let job = |memory_headroom| {
+        let parts = JobParts {
+            seq_len: 131_072,
+            global_batch: 32,
+            precision: PRECISION,
+            memory_headroom,
+            ..JobParts::default()
+        };
+        JobSpec::new(parts, "test").unwrap()
+    };
+    let tight =
+        search_long_context(&cluster, &model, &job(0.0), &calibration, None, None, 1).unwrap().candidates.remove(0);
+    let used = tight.prediction.peak_memory_by_device_gib["H100-SXM"] / tight.prediction.capacity_gib["H100-SXM"];
+    assert!(used > 0.95, "{used}: a plan within the last 5% of memory");
+    let err = search_long_context(&cluster, &model, &job(0.05), &calibration, None, None, 1).unwrap_err().to_string();
+    assert!(err.contains("fits"), "{err}");
+    let parts = PlanParts { memory_headroom: 0.05, ..tight.plan.into_parts() };
+    assert!(!evaluate(&Plan::new(parts).unwrap(), &calibration).fits);
+    let err = JobSpec::new(JobParts { memory_headroom: 0.7, ..JobParts::default() }, "job.toml").unwrap_err();
+    assert!(err.to_string().contains("memory_headroom"), "{err}");
 }

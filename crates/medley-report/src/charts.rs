@@ -7,7 +7,8 @@ use crate::{Compared, MemoryBar, seconds};
 const LABEL: f64 = 220.0;
 
 /// Peak memory per device type as bars against its capacity: the cost model's peak filled
-/// (red past capacity), the simulator's as a black mark.
+/// (amber in the headroom the plan leaves free, red past capacity), the simulator's as a black
+/// mark, what the plan may use as a dashed line.
 pub fn memory_svg(bars: &[MemoryBar], width: f64) -> String {
     const ROW: f64 = 30.0;
     let plot = width - LABEL - 180.0;
@@ -17,10 +18,17 @@ pub fn memory_svg(bars: &[MemoryBar], width: f64) -> String {
     for (idx, bar) in bars.iter().enumerate() {
         let top = ROW * idx as f64 + 6.0;
         svg.text((LABEL - 8.0, top + 14.0), &bar.device_type, r#"text-anchor="end""#);
-        let fill = if bar.predicted_gib > bar.capacity_gib { "#e15759" } else { "#59a14f" };
+        let fill = match bar.predicted_gib {
+            peak if peak > bar.capacity_gib => "#e15759",
+            peak if peak > bar.usable_gib => "#f28e2b",
+            _ => "#59a14f",
+        };
         let tip = format!("{}: peak {:.1} GiB of {:.0} GiB", bar.device_type, bar.predicted_gib, bar.capacity_gib);
         svg.rect((LABEL, top, x(bar.capacity_gib) - LABEL, 20.0), r##"fill="#f1f1f1" stroke="#999""##, None);
         svg.rect((LABEL, top, x(bar.predicted_gib) - LABEL, 20.0), &format!(r#"fill="{fill}""#), Some(&tip));
+        let usable = x(bar.usable_gib);
+        let tip = format!("usable: {:.1} GiB, the rest left free", bar.usable_gib);
+        svg.rect((usable - 0.5, top - 3.0, 1.0, 26.0), r##"fill="#555" stroke-dasharray="3 2""##, Some(&tip));
         if let Some(simulated) = bar.simulated_gib {
             let at = x(simulated);
             let tip = format!("simulated peak {simulated:.1} GiB");
@@ -33,7 +41,7 @@ pub fn memory_svg(bars: &[MemoryBar], width: f64) -> String {
     let legend = ROW * bars.len() as f64 + 20.0;
     svg.text(
         (LABEL, legend),
-        "bar: the cost model's peak · black mark: the simulator's · outline: capacity",
+        "bar: the cost model's peak (amber: in the headroom) · black mark: the simulator's · thin line: usable · outline: capacity",
         r##"fill="#555""##,
     );
     svg.finish()

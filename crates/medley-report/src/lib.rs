@@ -45,6 +45,8 @@ pub struct MemoryBar {
     pub predicted_gib: f64,
     pub simulated_gib: Option<f64>,
     pub capacity_gib: f64,
+    /// What the plan may use of it: the capacity less the headroom it leaves free.
+    pub usable_gib: f64,
 }
 
 /// A plan the report compares: the chosen one, another candidate, or a baseline.

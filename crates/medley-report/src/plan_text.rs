@@ -83,7 +83,10 @@ pub fn text(report: &PlanReport) -> String {
     out += &agreement(report.confirmed);
     out += "\n\nBaselines (same cost model)\n";
     out += &baselines_table(best, &which, report.baselines).to_string();
-    out += &format!("\n\nPeak memory of {which}\n");
+    out += &format!(
+        "\n\nPeak memory of {which}, {} of each device's memory left free (--memory-headroom)\n",
+        percent(best.plan.memory_headroom())
+    );
     out += &memory_table(best).to_string();
     out += &format!("\n\n{}{}\n", which[..1].to_uppercase(), &which[1..]);
     out += &explain(&best.plan);
@@ -111,13 +114,14 @@ pub fn cluster_summary(cluster: &Cluster) -> String {
     format!("{} ({})", count(cluster.n_gpus() as usize, "GPU"), groups.join(", "))
 }
 
-/// `4096 tokens × 1,024 sequences = 4.19M tokens per step, schedule 1f1b, ZeRO-1 on`.
+/// `4096 tokens × 1,024 sequences = 4.19M tokens per step, bf16-mixed, schedule 1f1b, ZeRO-1 on`.
 pub fn job_summary(job: &JobSpec) -> String {
     format!(
-        "{} tokens × {} = {} tokens per step, schedule {}, ZeRO-1 {}",
+        "{} tokens × {} = {} tokens per step, {}, schedule {}, ZeRO-1 {}",
         job.seq_len(),
         count(job.global_batch() as usize, "sequence"),
         quantity(job.tokens_per_step() as f64),
+        job.precision(),
         job.schedule(),
         if job.zero1() { "on" } else { "off" },
     )
@@ -293,12 +297,13 @@ fn baselines_table(best: &Candidate, which: &str, baselines: &[NamedBaseline]) -
 }
 
 fn memory_table(best: &Candidate) -> Table {
-    let mut table = table(&["device type", "peak GiB", "capacity GiB", "used"]);
+    let mut table = table(&["device type", "peak GiB", "usable GiB", "capacity GiB", "used"]);
     for (name, peak) in &best.prediction.peak_memory_by_device_gib {
         let capacity = best.prediction.capacity_gib[name];
         table.add_row(vec![
             Cell::new(name),
             right(format!("{peak:.1}")),
+            right(format!("{:.1}", capacity * (1.0 - best.plan.memory_headroom()))),
             right(format!("{capacity:.0}")),
             right(percent(peak / capacity)),
         ]);

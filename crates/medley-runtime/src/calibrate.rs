@@ -9,7 +9,7 @@ use std::time::Instant;
 use medley_cost::{Calibration, CostModel, Efficiency, Setting, StageShape};
 use medley_model::data::{Dataset, loss_scale};
 use medley_model::{AdamW, ComputeDevice, ModelConfig, StageState, stage_compute};
-use medley_spec::{Cluster, ModelSpec, NodeGroup, Recompute};
+use medley_spec::{Cluster, ModelSpec, NodeGroup, Precision, Recompute};
 use statrs::statistics::{Data, OrderStatistics};
 
 use crate::RuntimeError;
@@ -95,7 +95,13 @@ fn time_passes(
 /// the memory efficiency from the optimizer step (which only streams memory), then the matmul and
 /// attention efficiencies so that the whole-model pass takes `measured.pass_s`. Every device
 /// type gets its defaults times the same two factors, so the catalog's ratios stay.
-pub fn emulation_calibration(cluster: &Cluster, model: &ModelSpec, seq_len: u32, measured: Measured) -> Calibration {
+pub fn emulation_calibration(
+    cluster: &Cluster,
+    model: &ModelSpec,
+    seq_len: u32,
+    precision: Precision,
+    measured: Measured,
+) -> Calibration {
     let setting = Setting { micro_batch: measured.micro_batch, tp: 1, recompute: Recompute::None };
     let whole = StageShape { n_layers: model.n_layers(), embedding: true, head: true };
     let scaled = |memory: f64, compute: f64| {
@@ -112,7 +118,7 @@ pub fn emulation_calibration(cluster: &Cluster, model: &ModelSpec, seq_len: u32,
         calibration
     };
     let price = |calibration: &Calibration, group: &NodeGroup| {
-        let cost = CostModel::new(model, seq_len, calibration);
+        let cost = CostModel::new(model, seq_len, calibration).with_precision(precision);
         (cost.stage_time(group, whole, setting).total_s(), cost.optimizer_step_s(group, cost.stage_params(whole)))
     };
     let defaults = Calibration::default();
@@ -148,7 +154,7 @@ mod tests {
         let cluster = Cluster::from_fleet("1xh100,2xa100").unwrap();
         let model = catalog_model("tiny").unwrap();
         let measured = Measured { pass_s: 0.05, optimizer_s: 0.004, micro_batch: 2 };
-        let calibration = emulation_calibration(&cluster, &model, 128, measured);
+        let calibration = emulation_calibration(&cluster, &model, 128, Precision::Bf16Mixed, measured);
         let cost = CostModel::new(&model, 128, &calibration);
         let whole = StageShape { n_layers: 8, embedding: true, head: true };
         let setting = Setting { micro_batch: 2, tp: 1, recompute: Recompute::None };
@@ -162,7 +168,7 @@ mod tests {
         // Compute-bound here, the A100 keeps its default compute ratio to the H100: peak times
         // the default matmul efficiency.
         let rate =
-            |device: &medley_spec::DeviceSpec| device.half_precision_tflops() * Efficiency::default_for(device).matmul;
+            |device: &medley_spec::DeviceSpec| device.bf16_tflops.unwrap() * Efficiency::default_for(device).matmul;
         let ratio = rate(&h100.device) / rate(&a100.device);
         assert!((a100_pass / pass / ratio - 1.0).abs() < 0.1, "{a100_pass} vs {pass} × {ratio}");
     }

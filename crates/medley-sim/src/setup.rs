@@ -111,7 +111,7 @@ fn context_rank(
     let cluster = plan.cluster();
     let layer = simulate_context_layer(cost, cluster, stage, plan.recompute())?;
     let pass = chunk_pass(cost, cluster, stage, &layer, shape.n_layers, shape.head);
-    let pricer = ContextPricer { cost, cluster, slots };
+    let pricer = ContextPricer { cost, cluster, slots, memory_headroom: plan.memory_headroom() };
     let context = stage.context.as_ref().expect("a context stage");
     let n_devices = stage.devices.len() as u32;
     let shards = if plan.zero1() { plan.replicas().len() as u32 * n_devices } else { 1 };
@@ -150,7 +150,9 @@ impl<'p> Setup<'p> {
         calibration: &Calibration,
         network: &mut Network<P>,
     ) -> Result<Self, SimError> {
-        let cost = CostModel::new(plan.model(), plan.seq_len(), calibration).with_attention(plan.attention());
+        let cost = CostModel::new(plan.model(), plan.seq_len(), calibration)
+            .with_attention(plan.attention())
+            .with_precision(plan.precision());
         let setting = Setting { micro_batch: plan.micro_batch(), tp: plan.tp(), recompute: plan.recompute() };
         let slots = plan.cluster().devices();
         let shards = if plan.zero1() { plan.replicas().len() as u32 } else { 1 };

@@ -8,6 +8,7 @@ use std::fmt;
 use serde::{Deserialize, Serialize};
 
 use crate::error::{SpecError, check_name, close_names};
+use crate::job::Precision;
 
 /// Which vendor's native collective library a device speaks: its communication domain.
 #[derive(Clone, Copy, Debug, PartialEq, Eq, PartialOrd, Ord, Hash, Serialize, Deserialize)]
@@ -90,9 +91,13 @@ pub struct DeviceSpec {
 }
 
 impl DeviceSpec {
-    /// The 16-bit tensor rate mixed-precision training runs at: bf16 where the device has it.
-    pub fn half_precision_tflops(&self) -> f64 {
-        self.bf16_tflops.unwrap_or(self.fp16_tflops)
+    /// The dense tensor rate training in `precision` runs at; `None` where the device lacks the
+    /// format (bf16 on a V100).
+    pub fn tensor_tflops(&self, precision: Precision) -> Option<f64> {
+        match precision {
+            Precision::Bf16Mixed => self.bf16_tflops,
+            Precision::Fp16Mixed => Some(self.fp16_tflops),
+        }
     }
 
     /// Checks the invariant for a device declared by a user in `source`.

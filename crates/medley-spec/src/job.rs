@@ -8,14 +8,47 @@ use serde::{Deserialize, Serialize};
 use crate::error::{SpecError, echo};
 use crate::schedule::{Schedule, ScheduleKind};
 
-/// Numeric precision of training.
-#[derive(Clone, Copy, Debug, Default, PartialEq, Eq, Serialize, Deserialize)]
+/// Numeric precision of training: both keep fp32 master weights and Adam moments (16 bytes of
+/// model state per parameter) and 16-bit weights, activations and gradients; they differ in
+/// the tensor-core rate a device runs them at, and in which devices have them.
+#[derive(Clone, Copy, Debug, Default, PartialEq, Eq, Hash, Serialize, Deserialize)]
 #[serde(rename_all = "kebab-case")]
 pub enum Precision {
-    /// bf16 weights, activations and gradients; fp32 master weights and Adam moments
-    /// (16 bytes of model state per parameter).
+    /// bf16, the default: no loss scaling needed.
     #[default]
     Bf16Mixed,
+    /// fp16 with dynamic loss scaling: for devices without bf16 (V100, T4).
+    Fp16Mixed,
+}
+
+impl Precision {
+    pub const ALL: [Precision; 2] = [Precision::Bf16Mixed, Precision::Fp16Mixed];
+
+    /// The 16-bit number format the tensor cores run: `bf16` or `fp16`.
+    pub fn format(self) -> &'static str {
+        match self {
+            Precision::Bf16Mixed => "bf16",
+            Precision::Fp16Mixed => "fp16",
+        }
+    }
+}
+
+impl fmt::Display for Precision {
+    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
+        write!(f, "{}-mixed", self.format())
+    }
+}
+
+impl FromStr for Precision {
+    type Err = String;
+    /// `bf16-mixed` or `fp16-mixed`, or the format alone.
+    fn from_str(text: &str) -> Result<Self, String> {
+        let wanted = text.trim().to_ascii_lowercase();
+        Precision::ALL
+            .into_iter()
+            .find(|precision| precision.to_string() == wanted || precision.format() == wanted)
+            .ok_or_else(|| format!("unknown precision `{}`; expected bf16-mixed or fp16-mixed", echo(text)))
+    }
 }
 
 /// How the attention core (scores, softmax, score × V) runs; orthogonal to [`Recompute`].
@@ -105,6 +138,19 @@ pub struct JobSpec {
     attention: AttentionKernel,
     overlap_grad_reduce: bool,
     schedule: Schedule,
+    memory_headroom: f64,
+}
+
+/// The share of each device's memory a plan leaves free by default: beyond the fixed reserve for
+/// the runtime context and communicator buffers that every stage's memory counts, room for the
+/// caching allocator's fragmentation, which the cost model does not see.
+pub const DEFAULT_MEMORY_HEADROOM: f64 = 0.05;
+
+/// The most of a device's memory a job may keep free.
+const MAX_MEMORY_HEADROOM: f64 = 0.5;
+
+fn default_memory_headroom() -> f64 {
+    DEFAULT_MEMORY_HEADROOM
 }
 
 /// The unchecked parts of a job, as a TOML file or flags give them.
@@ -131,6 +177,9 @@ pub struct JobParts {
     pub overlap_grad_reduce: bool,
     #[serde(default)]
     pub schedule: Schedule,
+    /// The share of each device's memory that plans leave free ([`DEFAULT_MEMORY_HEADROOM`]).
+    #[serde(default = "default_memory_headroom")]
+    pub memory_headroom: f64,
 }
 
 impl JobParts {
@@ -157,6 +206,7 @@ impl Default for JobParts {
             attention: AttentionKernel::Fused,
             overlap_grad_reduce: true,
             schedule: Schedule::Fixed(ScheduleKind::OneFOneB),
+            memory_headroom: DEFAULT_MEMORY_HEADROOM,
         }
     }
 }
@@ -184,6 +234,16 @@ impl JobSpec {
                 format!("{micro_batch} must be positive and divide the global batch {}", parts.global_batch),
             ));
         }
+        if !(0.0..=MAX_MEMORY_HEADROOM).contains(&parts.memory_headroom) {
+            return Err(SpecError::field(
+                source,
+                "memory_headroom",
+                format!(
+                    "must be a share of device memory from 0 to {MAX_MEMORY_HEADROOM}, got {}",
+                    parts.memory_headroom
+                ),
+            ));
+        }
         Ok(JobSpec {
             seq_len: parts.seq_len,
             global_batch: parts.global_batch,
@@ -194,6 +254,7 @@ impl JobSpec {
             attention: parts.attention,
             overlap_grad_reduce: parts.overlap_grad_reduce,
             schedule: parts.schedule,
+            memory_headroom: parts.memory_headroom,
         })
     }
 
@@ -213,6 +274,10 @@ impl JobSpec {
     }
     pub fn precision(&self) -> Precision {
         self.precision
+    }
+    /// The share of each device's memory plans leave free.
+    pub fn memory_headroom(&self) -> f64 {
+        self.memory_headroom
     }
     pub fn zero1(&self) -> bool {
         self.zero1

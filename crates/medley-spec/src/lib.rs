@@ -16,7 +16,7 @@ pub use cluster::{
 };
 pub use device::{DeviceSpec, LinkKind, Vendor, catalog_device, catalog_devices};
 pub use error::{Echo, MAX_ECHO_CHARS, SpecError, echo};
-pub use job::{AttentionKernel, JobParts, JobSpec, Precision, Recompute};
+pub use job::{AttentionKernel, DEFAULT_MEMORY_HEADROOM, JobParts, JobSpec, Precision, Recompute};
 pub use model::{Experts, MlpKind, ModelParts, ModelSpec, RopeScaling, catalog_model, catalog_model_names};
 pub use schedule::{Schedule, ScheduleKind};
 

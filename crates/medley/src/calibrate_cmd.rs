@@ -37,7 +37,8 @@ pub fn run(args: &CalibrateArgs) -> Result<()> {
     let cluster = Cluster::from_fleet(&args.fleet)?;
     let shape = args.shape.shape()?;
     let model = load_model(&shape.model)?;
-    let calibration = calibrate_here(&cluster, &model, shape.seq_len, shape.micro_batch, DeviceChoice::Cpu)?;
+    let calibration =
+        calibrate_here(&cluster, &model, shape.seq_len, shape.micro_batch, shape.precision, DeviceChoice::Cpu)?;
     let text = format!(
         "# medley calibrate --fleet {} --model {} --seq-len {} --micro-batch {}\n# Efficiencies under which the cost model runs the fleet at this machine's emulated speeds.\n{}",
         args.fleet,

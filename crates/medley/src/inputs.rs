@@ -8,7 +8,8 @@ use clap::Args;
 use medley_cost::{Calibration, ProfileKind};
 use medley_plan::{Plan, PlanParts};
 use medley_spec::{
-    AttentionKernel, Bridge, Cluster, Fabric, JobParts, JobSpec, ModelSpec, Recompute, Schedule, catalog_model, echo,
+    AttentionKernel, Bridge, Cluster, DEFAULT_MEMORY_HEADROOM, Fabric, JobParts, JobSpec, ModelSpec, Precision,
+    Recompute, Schedule, catalog_model, echo,
 };
 
 /// The example mixed cluster `medley plan` uses when none is given.
@@ -56,15 +57,36 @@ pub struct JobFlags {
     /// Sequences per micro-batch.
     #[arg(long)]
     pub micro_batch: Option<u32>,
+    /// Number format: bf16-mixed (the default) or fp16-mixed (fp16 with dynamic loss scaling,
+    /// for devices without bf16 such as the V100).
+    #[arg(long)]
+    pub precision: Option<Precision>,
+    /// The share of each device's memory plans leave free for what the cost model does not see
+    /// (allocator fragmentation): 0.05 (the default) or 5%.
+    #[arg(long, value_parser = parse_share)]
+    pub memory_headroom: Option<f64>,
+}
+
+/// A share as a fraction (`0.05`) or a percentage (`5%`).
+fn parse_share(text: &str) -> Result<f64, String> {
+    let (number, scale) = match text.trim().strip_suffix('%') {
+        Some(percent) => (percent, 0.01),
+        None => (text.trim(), 1.0),
+    };
+    number.trim().parse::<f64>().map(|value| value * scale).map_err(|_| {
+        format!("`{}` is not a share: write a fraction such as 0.05 or a percentage such as 5%", echo(text))
+    })
 }
 
 /// A job's shape with every value known.
-#[derive(Clone, Debug, PartialEq, Eq)]
+#[derive(Clone, Debug, PartialEq)]
 pub struct JobShape {
     pub model: String,
     pub seq_len: u32,
     pub global_batch: u32,
     pub micro_batch: u32,
+    pub precision: Precision,
+    pub memory_headroom: f64,
 }
 
 impl JobFlags {
@@ -76,6 +98,8 @@ impl JobFlags {
             seq_len: given(self.seq_len, "--seq-len")?,
             global_batch: given(self.global_batch, "--global-batch")?,
             micro_batch: given(self.micro_batch, "--micro-batch")?,
+            precision: self.precision.unwrap_or_default(),
+            memory_headroom: self.memory_headroom.unwrap_or(DEFAULT_MEMORY_HEADROOM),
         })
     }
 }
@@ -153,7 +177,9 @@ impl SpecArgs {
         let model = load_model(self.shape.model.as_deref().unwrap_or(DEFAULT_MODEL))?;
         let calibration = self.resolve_calibration(&model)?;
         check_calibration_names(&calibration, &cluster)?;
-        Ok(Specs { cluster, model, job: self.job_spec()?, calibration })
+        let job = self.job_spec()?;
+        cluster.check_precision(job.precision())?;
+        Ok(Specs { cluster, model, job, calibration })
     }
 
     fn cluster(&self) -> Result<Cluster> {
@@ -184,6 +210,8 @@ impl SpecArgs {
         parts.seq_len = self.shape.seq_len.unwrap_or(parts.seq_len);
         parts.global_batch = self.shape.global_batch.unwrap_or(parts.global_batch);
         parts.micro_batch = self.shape.micro_batch.or(parts.micro_batch);
+        parts.precision = self.shape.precision.unwrap_or(parts.precision);
+        parts.memory_headroom = self.shape.memory_headroom.unwrap_or(parts.memory_headroom);
         parts.recompute = self.recompute.or(parts.recompute);
         parts.attention = self.attention.unwrap_or(parts.attention);
         parts.schedule = self.schedule.unwrap_or(parts.schedule);
@@ -308,12 +336,13 @@ pub fn specs_with_calibration(path: &str, plan: &Plan, calibration: Calibration)
         seq_len: plan.seq_len(),
         global_batch: plan.global_batch(),
         micro_batch: None,
-        precision: Default::default(),
+        precision: plan.precision(),
         zero1: plan.zero1(),
         recompute: None,
         attention: plan.attention(),
         overlap_grad_reduce: plan.overlap_grad_reduce(),
         schedule: plan.schedule(),
+        memory_headroom: plan.memory_headroom(),
     };
     Ok(Specs {
         job: JobSpec::new(parts, path)?,

@@ -19,8 +19,9 @@ use medley_runtime::{
     DeviceChoice, RankLayout, StepMetrics, calibration_memory, emulation_calibration, measure_model_pass,
 };
 use medley_sim::rank::{RANKED_CANDIDATES, rank_by_simulation};
-use medley_spec::{Cluster, JobParts, JobSpec, ModelSpec, Schedule};
+use medley_spec::{Cluster, JobParts, JobSpec, ModelSpec, Precision, Schedule};
 
+use crate::inputs::JobShape;
 use crate::progress::Progress;
 use crate::stop::StopSignals;
 use medley_runtime::check_memory;
@@ -172,11 +173,13 @@ pub fn as_trained(plan: Plan) -> Result<Plan> {
 }
 
 /// A job as the runtime trains it: whole optimizer states on every replica (no ZeRO-1 sharding).
-pub fn runtime_job(seq_len: u32, global_batch: u32, micro_batch: u32, schedule: Option<Schedule>) -> Result<JobSpec> {
+pub fn runtime_job(shape: &JobShape, schedule: Option<Schedule>) -> Result<JobSpec> {
     let parts = JobParts {
-        seq_len,
-        global_batch,
-        micro_batch: Some(micro_batch),
+        seq_len: shape.seq_len,
+        global_batch: shape.global_batch,
+        micro_batch: Some(shape.micro_batch),
+        precision: shape.precision,
+        memory_headroom: shape.memory_headroom,
         schedule: schedule.unwrap_or_default(),
         zero1: false,
         // The runtime reduces each chunk's gradients where the program says, but blocking: it
@@ -251,8 +254,10 @@ pub fn calibrate_here(
     model: &ModelSpec,
     seq_len: u32,
     micro_batch: u32,
+    precision: Precision,
     device: DeviceChoice,
 ) -> Result<Calibration> {
+    cluster.check_precision(precision)?;
     // As many passes at once as the workers will run on this machine's cores.
     let cores = cores_here();
     let concurrency = (cluster.n_gpus() as usize).min(cores);
@@ -266,5 +271,5 @@ pub fn calibrate_here(
         measured.pass_s * 1e3,
         measured.optimizer_s * 1e3
     );
-    Ok(emulation_calibration(cluster, model, seq_len, measured))
+    Ok(emulation_calibration(cluster, model, seq_len, precision, measured))
 }

@@ -135,6 +135,7 @@ mod tests {
 
     use super::*;
     use crate::inputs::{JobFlags, JobShape};
+    use medley_spec::Precision;
 
     fn job_flags(command: &[&str]) -> JobFlags {
         let cli = Cli::try_parse_from(std::iter::once("medley").chain(command.iter().copied())).unwrap();
@@ -148,7 +149,8 @@ mod tests {
     }
 
     fn shape(model: &str, seq_len: u32, global_batch: u32, micro_batch: u32) -> JobShape {
-        JobShape { model: model.into(), seq_len, global_batch, micro_batch }
+        let (precision, memory_headroom) = (Precision::Bf16Mixed, medley_spec::DEFAULT_MEMORY_HEADROOM);
+        JobShape { model: model.into(), seq_len, global_batch, micro_batch, precision, memory_headroom }
     }
 
     #[test]
@@ -158,6 +160,11 @@ mod tests {
         assert_eq!(job_flags(&["bench", "train"]).shape().unwrap(), shape("tiny", 128, 12, 1));
         let given = ["train", "--model", "llama3-8b", "--seq-len", "64", "--global-batch", "8", "--micro-batch", "4"];
         assert_eq!(job_flags(&given).shape().unwrap(), shape("llama3-8b", 64, 8, 4));
+        for (text, share) in [("10%", 0.1), ("0.02", 0.02)] {
+            assert_eq!(job_flags(&["train", "--memory-headroom", text]).shape().unwrap().memory_headroom, share);
+        }
+        let Err(err) = Cli::try_parse_from(["medley", "train", "--memory-headroom", "lots"]) else { panic!("parsed") };
+        assert!(err.to_string().contains("not a share"), "{err}");
         // The planning commands leave the shape to a job file, the job defaults or the planner.
         let plan = job_flags(&["plan"]);
         assert_eq!((plan.seq_len, plan.global_batch, plan.micro_batch), (None, None, None));

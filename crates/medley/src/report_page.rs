@@ -59,6 +59,8 @@ pub fn page(plan_path: &str, calibration: Option<&str>, run: Option<&Path>) -> R
             predicted_gib,
             simulated_gib: simulated.peak_memory_by_device_gib.get(device_type).copied(),
             capacity_gib: prediction.capacity_gib.get(device_type).copied().unwrap_or(f64::NAN),
+            usable_gib: prediction.capacity_gib.get(device_type).copied().unwrap_or(f64::NAN)
+                * (1.0 - plan.memory_headroom()),
         })
         .collect();
     let report = Report {

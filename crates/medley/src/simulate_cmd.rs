@@ -161,7 +161,8 @@ fn what_if(args: &SimulateArgs) -> Result<(Specs, Plan)> {
                 setting.recompute
             );
             let cost = CostModel::new(&specs.model, specs.job.seq_len(), &specs.calibration)
-                .with_attention(specs.job.attention());
+                .with_attention(specs.job.attention())
+                .with_precision(specs.job.precision());
             let plan = megatron_plan(&specs.cluster, &cost, &specs.job, setting, degrees)?;
             Ok((specs, plan))
         }

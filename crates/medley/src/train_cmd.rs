@@ -21,7 +21,7 @@ use medley_sim::{SimConfig, simulate_steps};
 use medley_spec::{Cluster, ModelSpec, Schedule, ScheduleKind};
 
 use crate::inputs::DEFAULT_FLEET;
-use crate::inputs::{JobFlags, load_model, read_emulation_profile};
+use crate::inputs::{JobFlags, JobShape, load_model, read_emulation_profile};
 use crate::job::{
     Outcome, RUNTIME_CONTEXT_TOKENS, RunFlags, SMALLER_RUN, WorkerArgs, as_trained, calibrate_here,
     choose_plan_to_train, cores_here, launch_and_watch, runtime_job,
@@ -154,14 +154,16 @@ fn timeout_for(predicted_step_s: f64, run: &RunFlags) -> u64 {
 
 /// The plan to train and the emulation profile that prices its fleet.
 fn choose_plan(args: &TrainArgs) -> Result<(Plan, Calibration)> {
-    let calibration = |cluster: &Cluster, model: &ModelSpec, seq_len: u32, micro_batch: u32| match &args.calibration {
-        Some(path) => read_emulation_profile(path, model),
-        None => calibrate_here(cluster, model, seq_len, micro_batch, args.worker.device),
-    };
+    let calibration =
+        |cluster: &Cluster, model: &ModelSpec, (seq_len, micro_batch): (u32, u32), precision| match &args.calibration {
+            Some(path) => read_emulation_profile(path, model),
+            None => calibrate_here(cluster, model, seq_len, micro_batch, precision, args.worker.device),
+        };
     let given = |plan: Plan| -> Result<(Plan, Calibration)> {
         let plan = as_trained(plan)?;
         medley_runtime::check_runnable(&plan)?;
-        let calibration = calibration(plan.cluster(), plan.model(), plan.seq_len(), plan.micro_batch())?;
+        let shape = (plan.seq_len(), plan.micro_batch());
+        let calibration = calibration(plan.cluster(), plan.model(), shape, plan.precision())?;
         Ok((plan, calibration))
     };
     if let Some(path) = &args.plan {
@@ -175,13 +177,24 @@ fn choose_plan(args: &TrainArgs) -> Result<(Plan, Calibration)> {
     let fleet = args.fleet.as_deref().unwrap_or(DEFAULT_FLEET);
     let cluster = Cluster::from_fleet(fleet)?;
     // Resuming on another fleet trains the checkpoint's model on its batches.
-    let (model, seq_len, global_batch, micro_batch) = match resumed {
-        Some(plan) => (plan.model().clone(), plan.seq_len(), plan.global_batch(), plan.micro_batch()),
+    let (model, shape) = match resumed {
+        Some(plan) => {
+            let shape = JobShape {
+                model: plan.model().name().to_string(),
+                seq_len: plan.seq_len(),
+                global_batch: plan.global_batch(),
+                micro_batch: plan.micro_batch(),
+                precision: plan.precision(),
+                memory_headroom: plan.memory_headroom(),
+            };
+            (plan.model().clone(), shape)
+        }
         None => {
             let shape = args.shape.shape()?;
-            (load_model(&shape.model)?, shape.seq_len, shape.global_batch, shape.micro_batch)
+            (load_model(&shape.model)?, shape)
         }
     };
+    let (seq_len, micro_batch) = (shape.seq_len, shape.micro_batch);
     let micro_batch = if seq_len >= RUNTIME_CONTEXT_TOKENS && micro_batch != 1 {
         tracing::info!(
             "sequences of {seq_len} tokens train one per micro-batch (not {micro_batch}), so that a plan may split \
@@ -191,8 +204,9 @@ fn choose_plan(args: &TrainArgs) -> Result<(Plan, Calibration)> {
     } else {
         micro_batch
     };
-    let job = runtime_job(seq_len, global_batch, micro_batch, args.worker.schedule)?;
-    let calibration = calibration(&cluster, &model, seq_len, micro_batch)?;
+    let shape = JobShape { micro_batch, ..shape };
+    let job = runtime_job(&shape, args.worker.schedule)?;
+    let calibration = calibration(&cluster, &model, (seq_len, micro_batch), shape.precision)?;
     let plan = choose_plan_to_train(&cluster, &model, &job, &calibration)
         .with_context(|| format!("planning {} on {fleet}", model.name()))?;
     Ok((as_trained(plan)?, calibration))

@@ -503,7 +503,11 @@ fn train_and_plan_choose_the_same_plan_for_the_same_inputs() {
     fs::write(&profile, TINY_PROFILE).unwrap();
     let profile = profile.to_string_lossy().into_owned();
     let run = out.join("run");
-    train(&run, &["--fleet", "1xh100,1xa100,1xv100,1xmi300x", "--steps", "1", "--calibration", &profile]);
+    // The V100 has no bf16: a bf16 job on it is refused, and fp16 with loss scaling is taken.
+    let fleet = ["--fleet", "1xh100,1xa100,1xv100,1xmi300x", "--steps", "1", "--calibration", &profile];
+    let refused = medley(&["train", "--out", &run.to_string_lossy()].into_iter().chain(fleet).collect::<Vec<_>>());
+    assert!(stderr(&refused).contains("V100-32GB has none"), "{}", stderr(&refused));
+    train(&run, &fleet.into_iter().chain(["--precision", "fp16-mixed"]).collect::<Vec<_>>());
     let read = |path: &Path| -> serde_json::Value { serde_json::from_str(&fs::read_to_string(path).unwrap()).unwrap() };
     // The fleet as a cluster file: nodes of one GPU.
     let fleet = out.join("fleet.toml");
@@ -514,16 +518,18 @@ fn train_and_plan_choose_the_same_plan_for_the_same_inputs() {
     let (fleet, planned_text) = (fleet.to_string_lossy().into_owned(), planned.to_string_lossy().into_owned());
     let job =
         ["--seq-len", "32", "--global-batch", "4", "--micro-batch", "1", "--no-zero1", "--no-overlap-grad-reduce"];
-    let args: Vec<&str> = ["plan", "--cluster", &fleet, "--model", "tiny", "--calibration", &profile]
-        .into_iter()
-        .chain(job)
-        .chain(["-o", &planned_text])
-        .collect();
+    let args: Vec<&str> =
+        ["plan", "--cluster", &fleet, "--model", "tiny", "--calibration", &profile, "--precision", "fp16"]
+            .into_iter()
+            .chain(job)
+            .chain(["-o", &planned_text])
+            .collect();
     let output = medley(&args);
     assert!(
         stdout(&output).contains("the simulator disagrees"),
-        "inputs where the rankings differ:\n{}",
-        stdout(&output)
+        "inputs where the rankings differ:\n{}{}",
+        stdout(&output),
+        stderr(&output)
     );
     assert_eq!(read(&run.join("plan.json")), read(&planned));
 }

@@ -87,7 +87,7 @@ pub fn even_plan(
     calibration: &Calibration,
     kind: EvenKind,
 ) -> Option<Candidate> {
-    if unsupported(job).is_some() {
+    if unsupported(job).is_some() || crate::error::check_precision(cluster, job).is_err() {
         return None;
     }
     let space = ContextSpace::new(cluster, model, job, calibration);
@@ -131,6 +131,7 @@ pub fn even_fixed(
     dp: u32,
 ) -> Result<Candidate, PlanError> {
     let layout = format!("cp={cp},hp={hp},pp={pp},dp={dp}");
+    crate::error::check_precision(cluster, job)?;
     let error = |message: String| PlanError::Layout { layout: layout.clone(), message };
     if let Some(reason) = unsupported(job) {
         return Err(error(reason));

@@ -142,7 +142,7 @@ impl<'a> ContextSpace<'a> {
         ContextSpace {
             cluster,
             job,
-            cost: CostModel::new(model, job.seq_len(), calibration),
+            cost: CostModel::new(model, job.seq_len(), calibration).with_precision(job.precision()),
             slots: cluster.devices(),
             first_ids: cluster.group_first_ids(),
             block: block_tokens(job.seq_len(), cluster.n_gpus() as usize),
@@ -150,7 +150,12 @@ impl<'a> ContextSpace<'a> {
     }
 
     fn pricer(&self) -> ContextPricer<'_> {
-        ContextPricer { cost: &self.cost, cluster: self.cluster, slots: &self.slots }
+        ContextPricer {
+            cost: &self.cost,
+            cluster: self.cluster,
+            slots: &self.slots,
+            memory_headroom: self.job.memory_headroom(),
+        }
     }
 
     fn model(&self) -> &ModelSpec {
@@ -540,6 +545,7 @@ pub fn search_long_context(
     fixed: Option<ContextDegrees>,
     top: usize,
 ) -> Result<SearchOutcome, PlanError> {
+    crate::error::check_precision(cluster, job)?;
     if let Some(reason) = unsupported(job) {
         return Err(PlanError::NothingFits(reason));
     }

@@ -80,6 +80,7 @@ pub fn search(
     calibration: &Calibration,
     options: &SearchOptions,
 ) -> Result<SearchOutcome, PlanError> {
+    crate::error::check_precision(cluster, job)?;
     let tensor = search_tensor_parallel(cluster, model, job, calibration, options);
     if job.seq_len() < options.context_from_tokens || long_context::unsupported(job).is_some() {
         return tensor;
@@ -108,7 +109,9 @@ fn search_tensor_parallel(
     calibration: &Calibration,
     options: &SearchOptions,
 ) -> Result<SearchOutcome, PlanError> {
-    let cost = CostModel::new(model, job.seq_len(), calibration).with_attention(job.attention());
+    let cost = CostModel::new(model, job.seq_len(), calibration)
+        .with_attention(job.attention())
+        .with_precision(job.precision());
     let allowed: Vec<usize> = options.groups.clone().unwrap_or_else(|| (0..cluster.groups().len()).collect());
     check_group_count(allowed.len())?;
     let settings = candidate_settings(cluster, model, job, &allowed);
@@ -412,8 +415,11 @@ fn nothing_fits_hint(
     let states_gib = 16.0 * medley_cost::params::total_params(model) as f64 / medley_cost::GIB;
     let hbm_gib: f64 = groups.iter().map(|group| f64::from(group.n_gpus()) * group.device.hbm_gib).sum();
     let largest = groups.iter().map(|group| group.device.hbm_gib).fold(0.0, f64::max);
-    // Model states alone, on devices less their workspace, with a quarter more for activations.
-    let usable_gib = (largest - medley_cost::memory::WORKSPACE_BYTES / medley_cost::GIB).max(1.0);
+    // Model states alone, on devices less their headroom and workspace, with a quarter more for
+    // activations.
+    let usable =
+        medley_cost::memory::usable_bytes(largest, job.memory_headroom()) - medley_cost::memory::WORKSPACE_BYTES;
+    let usable_gib = (usable / medley_cost::GIB).max(1.0);
     let needed = (states_gib / usable_gib * 1.25).ceil();
     let more_devices = format!(
         "more devices (the model's weights, gradients and Adam states alone need {states_gib:.0} GiB, \
@@ -434,6 +440,12 @@ fn nothing_fits_hint(
         }
         if seq_len > 1024 {
             hints.push(format!("a shorter --seq-len than {seq_len}"));
+        }
+        if job.memory_headroom() > 0.0 {
+            hints.push(format!(
+                "a smaller --memory-headroom than {:.0}% (the share of each device's memory left free)",
+                job.memory_headroom() * 100.0
+            ));
         }
     }
     hints.push(more_devices);

@@ -7,8 +7,9 @@ use medley_spec::DeviceSlot;
 
 use super::Space;
 use super::enumerate::compositions_within;
-use crate::evaluate::{PipelineTiming, capacity_bytes};
+use crate::evaluate::PipelineTiming;
 use crate::partition::{StageLoad, fill_within, least_bound_s, next_bound_s};
+use medley_cost::memory::usable_bytes;
 
 /// How a block's replicas are laid onto its node groups' tensor-parallel units (TP groups).
 #[derive(Clone, Copy, Debug, PartialEq, Eq)]
@@ -226,7 +227,7 @@ impl<'s, 'a> Template<'s, 'a> {
                     fixed_s: head.total_s() + transfers,
                     max_layers: max_layers_within(
                         memory,
-                        capacity_bytes(group.device.hbm_gib),
+                        usable_bytes(group.device.hbm_gib, self.space.job.memory_headroom()),
                         cost.model().n_layers(),
                     ),
                     extra_layers: cost.stage_params(self.shape(idx, 0)) / layer_params,

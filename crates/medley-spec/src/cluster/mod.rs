@@ -5,6 +5,7 @@ use serde::{Deserialize, Serialize};
 
 use crate::device::{DeviceSpec, LinkKind, Vendor, catalog_device};
 use crate::error::{SpecError, echo};
+use crate::job::Precision;
 
 /// The largest cluster medley plans: beyond today's largest training runs (Llama 3 405B trained
 /// on 16,384 H100s), and what the search finishes in about 30 s and 2 GB on two cores (it prices
@@ -293,6 +294,33 @@ impl Cluster {
             .map(|(idx, group)| group.resolve(source, idx, &custom))
             .collect::<Result<Vec<_>, _>>()?;
         Cluster::new(groups, file.fabric, file.bridge, source)
+    }
+
+    /// Refuses a job in `precision` on devices without its number format, naming them and what
+    /// to do instead: never priced or trained in another precision than the one asked.
+    pub fn check_precision(&self, precision: Precision) -> Result<(), SpecError> {
+        let mut without: Vec<&str> = self
+            .groups
+            .iter()
+            .filter(|group| group.device.tensor_tflops(precision).is_none())
+            .map(|group| group.device.name.as_str())
+            .collect();
+        without.sort_unstable();
+        without.dedup();
+        if without.is_empty() {
+            return Ok(());
+        }
+        Err(SpecError::field(
+            "job",
+            "precision",
+            format!(
+                "{precision} needs {} on every device, and {} {} none: train in fp16 with dynamic loss scaling \
+                 (--precision fp16-mixed), or without them",
+                precision.format(),
+                without.join(", "),
+                if without.len() == 1 { "has" } else { "have" }
+            ),
+        ))
     }
 
     pub fn groups(&self) -> &[NodeGroup] {

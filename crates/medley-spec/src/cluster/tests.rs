@@ -152,3 +152,38 @@ mod json_round_trip {
         assert!(err.contains("device.H100-SXM.hbm_tb_s") && err.contains("positive"), "{err}");
     }
 }
+
+/// Issue 33: a device without bf16 was priced at its fp16 rate inside a bf16 job.
+#[test]
+fn a_custom_device_without_bf16_is_refused_in_a_bf16_job_and_taken_in_fp16() {
+    let text = r#"
+[[device]]
+name = "old-gpu"
+vendor = "nvidia"
+fp16_tflops = 100
+fp32_tflops = 14
+hbm_gib = 32
+hbm_tb_s = 0.9
+intra_link = "nvlink"
+intra_link_gb_s = 150
+nics_per_node = 4
+nic_gbit_s = 100
+
+[[group]]
+device = "old-gpu"
+nodes = 2
+
+[[group]]
+device = "h100"
+nodes = 1
+"#;
+    let cluster = Cluster::from_toml(text, "c.toml").unwrap();
+    let err = cluster.check_precision(Precision::Bf16Mixed).unwrap_err().to_string();
+    assert!(err.contains("old-gpu has none") && err.contains("--precision fp16-mixed"), "{err}");
+    cluster.check_precision(Precision::Fp16Mixed).unwrap();
+    let old = &cluster.groups()[0].device;
+    assert_eq!((old.tensor_tflops(Precision::Bf16Mixed), old.tensor_tflops(Precision::Fp16Mixed)), (None, Some(100.0)));
+    assert_eq!("fp16".parse::<Precision>().unwrap(), Precision::Fp16Mixed);
+    assert_eq!("BF16-mixed".parse::<Precision>().unwrap(), Precision::Bf16Mixed);
+    assert!("fp8".parse::<Precision>().unwrap_err().contains("bf16-mixed or fp16-mixed"));
+}

@@ -10,9 +10,9 @@ use medley_plan::long_context::even_fixed;
 use medley_plan::{Plan, baselines};
 use medley_runtime::{DeviceChoice, RankLayout, RunDir};
 use medley_sim::{SimConfig, simulate_steps};
-use medley_spec::{Cluster, ModelSpec, Schedule, catalog_model};
+use medley_spec::{Cluster, DEFAULT_MEMORY_HEADROOM, ModelSpec, Precision, Schedule, catalog_model};
 
-use crate::inputs::{JobFlags, load_model};
+use crate::inputs::{JobFlags, JobShape, load_model};
 use serde::Serialize;
 
 use crate::job::{
@@ -68,8 +68,9 @@ pub fn run(args: &TrainBenchArgs) -> Result<()> {
     let cluster = Cluster::from_fleet(&args.fleet)?;
     let shape = args.shape.shape()?;
     let model = load_model(&shape.model)?;
-    let job = runtime_job(shape.seq_len, shape.global_batch, shape.micro_batch, None)?;
-    let calibration = calibrate_here(&cluster, &model, shape.seq_len, shape.micro_batch, DeviceChoice::Cpu)?;
+    let job = runtime_job(&shape, None)?;
+    let calibration =
+        calibrate_here(&cluster, &model, shape.seq_len, shape.micro_batch, shape.precision, DeviceChoice::Cpu)?;
     let aware = choose_plan_to_train(&cluster, &model, &job, &calibration)?;
     let Some(uniform) = baselines::uniform(&cluster, &model, &job, &calibration).map(|candidate| candidate.plan) else {
         bail!("no uniform plan fits {} for this job", args.fleet)
@@ -116,8 +117,9 @@ pub fn run_context(args: &ContextTrainBenchArgs) -> Result<()> {
     let cluster = Cluster::from_fleet(&args.fleet)?;
     let shape = args.shape.shape()?;
     let model = load_model(&shape.model)?;
-    let job = runtime_job(shape.seq_len, shape.global_batch, shape.micro_batch, None)?;
-    let calibration = calibrate_here(&cluster, &model, shape.seq_len, shape.micro_batch, DeviceChoice::Cpu)?;
+    let job = runtime_job(&shape, None)?;
+    let calibration =
+        calibrate_here(&cluster, &model, shape.seq_len, shape.micro_batch, shape.precision, DeviceChoice::Cpu)?;
     let cp = cluster.n_gpus();
     let degrees = baselines::Degrees { cp, ..baselines::Degrees::new(1, 1, 1) };
     let asymmetric = as_trained(baselines::fixed(&cluster, &model, &job, &calibration, degrees)?.plan)?;
@@ -146,8 +148,9 @@ impl Rounds<'_> {
         let mut runs = vec![Vec::new(); plans.len()];
         for _ in 0..self.rounds.max(1) {
             for ((name, plan), runs) in plans.iter().zip(&mut runs) {
+                let (seq_len, micro_batch, precision) = (plan.seq_len(), plan.micro_batch(), plan.precision());
                 let calibration =
-                    calibrate_here(self.cluster, self.model, plan.seq_len(), plan.micro_batch(), DeviceChoice::Cpu)?;
+                    calibrate_here(self.cluster, self.model, seq_len, micro_batch, precision, DeviceChoice::Cpu)?;
                 let predicted = simulate_steps(plan, &calibration, &SimConfig::default(), plan.schedule(), 1, None)
                     .with_context(|| format!("simulating the {name} plan"))?
                     .mean_step_time_s;
@@ -301,7 +304,15 @@ struct KfkbRow {
 pub fn run_kfkb(args: &KfkbBenchArgs) -> Result<()> {
     let cluster = Cluster::from_fleet("2xh100")?;
     let model = catalog_model("tiny")?;
-    let job = runtime_job(128, 16, 1, None)?;
+    let shape = JobShape {
+        model: "tiny".into(),
+        seq_len: 128,
+        global_batch: 16,
+        micro_batch: 1,
+        precision: Precision::Bf16Mixed,
+        memory_headroom: DEFAULT_MEMORY_HEADROOM,
+    };
+    let job = runtime_job(&shape, None)?;
     let calibration = Calibration::default();
     let plan = baselines::fixed(&cluster, &model, &job, &calibration, baselines::Degrees::new(1, 2, 1))?.plan;
     let link = (args.link_gb_s, args.link_trace.clone());
