@@ -20,7 +20,7 @@
 use std::collections::BTreeMap;
 use std::fmt;
 
-use medley_spec::{DeviceSpec, Vendor, catalog_device, echo};
+use medley_spec::{Architecture, DeviceSpec, Vendor, catalog_device, echo};
 use serde::Deserialize;
 use thiserror::Error;
 
@@ -39,19 +39,67 @@ pub struct Efficiency {
 impl Efficiency {
     /// The stated default for a device type (see the module comment).
     pub fn default_for(device: &DeviceSpec) -> Efficiency {
-        let family =
-            |prefix: &str| device.name.get(..prefix.len()).is_some_and(|head| head.eq_ignore_ascii_case(prefix));
-        let (matmul, attention) = match device.vendor {
-            Vendor::Amd if family("mi250") => (0.45, 0.30),
-            Vendor::Amd => (0.50, 0.35),
+        if let Some(stated) = device.efficiency {
+            return Efficiency { matmul: stated.matmul, attention: stated.attention, memory: stated.memory };
+        }
+        let (matmul, attention) = match architecture(device).0 {
+            Architecture::Cdna2 => (0.45, 0.30),
+            Architecture::Cdna3 => (0.50, 0.35),
             // Fitted: 1.008 × (0.75, 0.55).
-            Vendor::Nvidia if family("a100") || family("v100") => (0.756, 0.554),
-            Vendor::Nvidia if family("l40") || family("rtx-4090") => (0.65, 0.45),
+            Architecture::Volta | Architecture::Ampere => (0.756, 0.554),
+            Architecture::Ada => (0.65, 0.45),
             // Fitted on H100: 0.973 × (0.70, 0.50).
-            Vendor::Nvidia => (0.681, 0.487),
+            Architecture::Hopper => (0.681, 0.487),
         };
         Efficiency { matmul, attention, memory: 0.8 }
     }
+}
+
+/// The device's architecture, and whether it was assumed: stated by a custom device, known for
+/// the catalog's families, else the vendor's current datacenter generation.
+fn architecture(device: &DeviceSpec) -> (Architecture, bool) {
+    if let Some(architecture) = device.architecture {
+        return (architecture, false);
+    }
+    let family = |prefix: &str| device.name.get(..prefix.len()).is_some_and(|head| head.eq_ignore_ascii_case(prefix));
+    let known = [
+        ("mi250", Architecture::Cdna2),
+        ("mi300", Architecture::Cdna3),
+        ("mi325", Architecture::Cdna3),
+        ("v100", Architecture::Volta),
+        ("a100", Architecture::Ampere),
+        ("l40", Architecture::Ada),
+        ("rtx-4090", Architecture::Ada),
+        ("h100", Architecture::Hopper),
+        ("h200", Architecture::Hopper),
+    ];
+    match known.into_iter().find(|(prefix, _)| family(prefix)) {
+        Some((_, architecture)) => (architecture, false),
+        None => match device.vendor {
+            Vendor::Nvidia => (Architecture::Hopper, true),
+            Vendor::Amd => (Architecture::Cdna3, true),
+        },
+    }
+}
+
+/// What the cost model assumes about a custom device for want of its own numbers, one line each:
+/// its efficiencies (when it states neither them nor an architecture) and its compute units.
+pub fn assumptions(device: &DeviceSpec) -> Vec<String> {
+    let mut lines = Vec::new();
+    if device.efficiency.is_none() && architecture(device).1 {
+        let efficiency = Efficiency::default_for(device);
+        lines.push(format!(
+            "no `efficiency` or `architecture` given: priced at the {} defaults (matmul {}, attention {}, memory {})",
+            format!("{:?}", architecture(device).0).to_lowercase(),
+            efficiency.matmul,
+            efficiency.attention,
+            efficiency.memory
+        ));
+    }
+    if crate::gemm::GemmGeometry::of(device).is_none() {
+        lines.push("no `compute_units` given: its GEMMs are priced without tile quantisation".to_string());
+    }
+    lines
 }
 
 #[derive(Debug, Error, PartialEq)]
@@ -295,5 +343,24 @@ mod tests {
         let err = Calibration::from_toml("[device.x]\nmatmul = 1.5\nattention = 0.4\nmemory = 0.9\n", "c.toml");
         assert!(err.unwrap_err().to_string().contains("(0, 1]"));
         assert!(Calibration::from_toml("[device.x]\nspeed = 1\n", "c.toml").is_err());
+    }
+
+    /// Issue 33: a device outside the catalog silently took H100's fitted efficiency and no tile
+    /// quantisation. It now states its own, or its architecture's, and what is assumed is said.
+    #[test]
+    fn custom_devices_state_their_efficiency_or_architecture_and_assumptions_are_said() {
+        let mut custom = catalog_device("h100").unwrap();
+        custom.name = "lab-gpu".into();
+        let lines = assumptions(&custom);
+        assert!(lines.len() == 2 && lines[0].contains("the hopper defaults"), "{lines:?}");
+        custom.architecture = Some(Architecture::Ada);
+        assert_eq!(Efficiency::default_for(&custom).matmul, 0.65);
+        custom.compute_units = Some(84);
+        assert!(assumptions(&custom).is_empty());
+        assert_eq!(crate::gemm::GemmGeometry::of(&custom).map(|geometry| geometry.units), Some(84));
+        let stated = medley_spec::StatedEfficiency { matmul: 0.61, attention: 0.42, memory: 0.7 };
+        custom.efficiency = Some(stated);
+        assert_eq!(Efficiency::default_for(&custom), Efficiency { matmul: 0.61, attention: 0.42, memory: 0.7 });
+        assert!(assumptions(&catalog_device("mi250x").unwrap()).is_empty());
     }
 }

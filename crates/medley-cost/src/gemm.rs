@@ -117,21 +117,24 @@ impl GemmGeometry {
     /// devices declared elsewhere, which are then priced without quantisation.
     pub fn of(device: &DeviceSpec) -> Option<GemmGeometry> {
         let name = device.name.to_ascii_lowercase();
-        let units = [
-            ("v100", 80),
-            ("a100", 108),
-            ("h100-sxm", 132),
-            ("h100-pcie", 114),
-            ("h200", 132),
-            ("l40s", 142),
-            ("rtx-4090", 128),
-            ("mi250x", 220),
-            ("mi300x", 304),
-            ("mi325x", 304),
-        ]
-        .into_iter()
-        .find(|(family, _)| name.starts_with(family))?
-        .1;
+        let catalog_units = || {
+            [
+                ("v100", 80),
+                ("a100", 108),
+                ("h100-sxm", 132),
+                ("h100-pcie", 114),
+                ("h200", 132),
+                ("l40s", 142),
+                ("rtx-4090", 128),
+                ("mi250x", 220),
+                ("mi300x", 304),
+                ("mi325x", 304),
+            ]
+            .into_iter()
+            .find(|(family, _)| name.starts_with(family))
+            .map(|(_, units)| units)
+        };
+        let units = device.compute_units.or_else(catalog_units)?;
         let tile = match device.vendor {
             Vendor::Nvidia => (128, 256),
             Vendor::Amd => (256, 256),

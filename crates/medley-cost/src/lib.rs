@@ -16,7 +16,7 @@ use gemm::{Gemm, GemmGeometry};
 use long_context::{ContextLayerTime, ContextPass, ContextWork, KvExchange};
 use medley_spec::{AttentionKernel, ModelSpec, NodeGroup, Precision, Recompute};
 
-pub use efficiency::{Calibration, CalibrationError, Efficiency, ProfileKind};
+pub use efficiency::{Calibration, CalibrationError, Efficiency, ProfileKind, assumptions};
 pub use memory::{GIB, MemoryBreakdown};
 
 /// How a stage is run: the knobs shared by every stage of a plan.

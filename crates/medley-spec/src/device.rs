@@ -68,6 +68,34 @@ impl fmt::Display for LinkKind {
     }
 }
 
+/// A GPU architecture: where a custom device states one, the cost model takes that generation's
+/// default efficiencies.
+#[derive(Clone, Copy, Debug, PartialEq, Eq, Hash, Serialize, Deserialize)]
+#[serde(rename_all = "lowercase")]
+pub enum Architecture {
+    Volta,
+    Ampere,
+    Ada,
+    Hopper,
+    Cdna2,
+    Cdna3,
+}
+
+/// Achievable fractions of a device's peaks, each in (0, 1], as measured for it.
+#[derive(Clone, Copy, Debug, PartialEq, Serialize, Deserialize)]
+#[serde(deny_unknown_fields)]
+pub struct StatedEfficiency {
+    /// Dense matrix multiplies, of the tensor peak.
+    pub matmul: f64,
+    /// The fused attention core, of the tensor peak.
+    pub attention: f64,
+    /// Memory-bound kernels, of HBM bandwidth.
+    pub memory: f64,
+}
+
+/// The most streaming multiprocessors or compute units a device may state.
+const MAX_COMPUTE_UNITS: u32 = 1 << 16;
+
 /// One device type. Invariant: every rate and size is finite and positive.
 #[derive(Clone, Debug, PartialEq, Serialize, Deserialize)]
 #[serde(deny_unknown_fields)]
@@ -88,6 +116,16 @@ pub struct DeviceSpec {
     /// NICs in a typical node of this device; the node's GPUs share them.
     pub nics_per_node: u32,
     pub nic_gbit_s: f64,
+    /// A custom device's generation, whose default efficiencies it takes when it states none.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub architecture: Option<Architecture>,
+    /// Streaming multiprocessors (NVIDIA) or compute units (AMD), over which GEMM tiles are
+    /// quantised; a custom device without them is priced without tile quantisation.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub compute_units: Option<u32>,
+    /// What this device achieves, when measured; else its architecture's defaults.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub efficiency: Option<StatedEfficiency>,
 }
 
 impl DeviceSpec {
@@ -128,6 +166,24 @@ impl DeviceSpec {
                 return Err(SpecError::field(source, field(name), format!("must be a positive number, got {value}")));
             }
         }
+        if let Some(units) = self.compute_units
+            && !(1..=MAX_COMPUTE_UNITS).contains(&units)
+        {
+            return Err(SpecError::field(
+                source,
+                field("compute_units"),
+                format!("must be from 1 to {MAX_COMPUTE_UNITS}, got {units}"),
+            ));
+        }
+        if let Some(StatedEfficiency { matmul, attention, memory }) = self.efficiency {
+            for (name, value) in
+                [("efficiency.matmul", matmul), ("efficiency.attention", attention), ("efficiency.memory", memory)]
+            {
+                if !(value > 0.0 && value <= 1.0) {
+                    return Err(SpecError::field(source, field(name), format!("must be in (0, 1], got {value}")));
+                }
+            }
+        }
         Ok(())
     }
 }
@@ -162,6 +218,9 @@ fn device(
         intra_link_gb_s: intra_link_bidir_gb_s / 2.0,
         nics_per_node,
         nic_gbit_s,
+        architecture: None,
+        compute_units: None,
+        efficiency: None,
     }
 }
 

@@ -14,7 +14,7 @@ mod schedule;
 pub use cluster::{
     Bridge, BridgeMode, Cluster, DEFAULT_GPUS_PER_NODE, DeviceId, DeviceSlot, Fabric, MAX_GPUS, NodeGroup,
 };
-pub use device::{DeviceSpec, LinkKind, Vendor, catalog_device, catalog_devices};
+pub use device::{Architecture, DeviceSpec, LinkKind, StatedEfficiency, Vendor, catalog_device, catalog_devices};
 pub use error::{Echo, MAX_ECHO_CHARS, SpecError, echo};
 pub use job::{AttentionKernel, DEFAULT_MEMORY_HEADROOM, JobParts, JobSpec, Precision, Recompute};
 pub use model::{Experts, MlpKind, ModelParts, ModelSpec, RopeScaling, catalog_model, catalog_model_names};

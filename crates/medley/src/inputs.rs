@@ -1,5 +1,6 @@
 //! Turns command-line arguments into validated specs: the only place that reads input files.
 
+use std::collections::BTreeSet;
 use std::fs;
 use std::path::Path;
 
@@ -179,6 +180,7 @@ impl SpecArgs {
         check_calibration_names(&calibration, &cluster)?;
         let job = self.job_spec()?;
         cluster.check_precision(job.precision())?;
+        say_assumptions(&cluster);
         Ok(Specs { cluster, model, job, calibration })
     }
 
@@ -226,6 +228,18 @@ impl SpecArgs {
         let calibration = Calibration::from_toml(&read(path)?, path)?;
         check_gpu_pricing(&calibration, model, path)?;
         Ok(calibration)
+    }
+}
+
+/// Says, once per custom device type, what the cost model assumes for want of its numbers.
+fn say_assumptions(cluster: &Cluster) {
+    let mut said = BTreeSet::new();
+    for device in cluster.groups().iter().map(|group| &group.device) {
+        if said.insert(device.name.as_str()) {
+            for line in medley_cost::assumptions(device) {
+                tracing::warn!("device {}: {line}", echo(&device.name));
+            }
+        }
     }
 }
 

@@ -187,3 +187,24 @@ nodes = 1
     assert_eq!("BF16-mixed".parse::<Precision>().unwrap(), Precision::Bf16Mixed);
     assert!("fp8".parse::<Precision>().unwrap_err().contains("bf16-mixed or fp16-mixed"));
 }
+
+#[test]
+fn a_custom_devices_compute_units_and_efficiency_are_checked() {
+    let device = |extra: &str| {
+        let text = format!(
+            "[[device]]\nname = \"x\"\nvendor = \"nvidia\"\nbf16_tflops = 100\nfp16_tflops = 100\nfp32_tflops = 10\n\
+             hbm_gib = 24\nhbm_tb_s = 1\nintra_link = \"pcie\"\nintra_link_gb_s = 32\nnics_per_node = 1\n\
+             nic_gbit_s = 100\n{extra}\n[[group]]\ndevice = \"x\"\nnodes = 1\n"
+        );
+        Cluster::from_toml(&text, "c.toml")
+    };
+    let cluster = device(
+        "architecture = \"ada\"\ncompute_units = 58\nefficiency = { matmul = 0.6, attention = 0.4, memory = 0.8 }",
+    )
+    .unwrap();
+    assert_eq!(cluster.groups()[0].device.compute_units, Some(58));
+    let err = device("compute_units = 0").unwrap_err().to_string();
+    assert!(err.contains("compute_units"), "{err}");
+    let err = device("efficiency = { matmul = 1.5, attention = 0.4, memory = 0.8 }").unwrap_err().to_string();
+    assert!(err.contains("efficiency.matmul") && err.contains("(0, 1]"), "{err}");
+}
