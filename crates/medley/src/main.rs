@@ -93,9 +93,16 @@ fn main() -> ExitCode {
         Command::BenchCommWorker(args) => medley_bench::comm_harness::worker(&args).map(|()| ExitCode::SUCCESS),
     };
     result.unwrap_or_else(|err| {
-        eprintln!("error: {err:#}");
+        say_error(&format!("{err:#}"));
         ExitCode::from(2)
     })
+}
+
+/// Every error medley ends on, in one format: `error: ` and the message, on standard error, once.
+/// A command whose result is a failure (a plan that does not fit, workers that stopped) ends with
+/// exit code 1, bad input with 2.
+pub(crate) fn say_error(message: &str) {
+    eprintln!("error: {message}");
 }
 
 /// Prints clap's error for bad arguments with the arguments it quotes escaped and cut (a

@@ -86,7 +86,7 @@ pub fn run(args: &PlanArgs) -> Result<ExitCode> {
                     &(serde_json::to_string_pretty(&json!({"fits": false, "error": err.to_string()}))? + "\n"),
                 )?;
             }
-            tracing::error!("{err}");
+            crate::say_error(&err.to_string());
             return Ok(ExitCode::from(1));
         }
         Err(err) => return Err(err.into()),
@@ -133,7 +133,7 @@ pub fn run(args: &PlanArgs) -> Result<ExitCode> {
     // Only a given plan can fail to fit here: the search and --fix return fitting plans.
     if !candidates[picked].prediction.fits {
         std::io::stdout().flush()?;
-        tracing::error!("this plan does not fit in memory (see the peak memory per device type)");
+        crate::say_error("this plan does not fit in memory (see the peak memory per device type)");
         return Ok(ExitCode::from(1));
     }
     Ok(ExitCode::SUCCESS)

@@ -103,7 +103,7 @@ pub fn run(args: &SimulateArgs) -> Result<ExitCode> {
     }
     if !report.fits {
         std::io::stdout().flush()?;
-        tracing::error!("the plan does not fit in memory (see peak memory per device type)");
+        crate::say_error("the plan does not fit in memory (see the peak memory per device type)");
         return Ok(ExitCode::from(1));
     }
     Ok(ExitCode::SUCCESS)

@@ -269,7 +269,7 @@ fn report(out: &RunDir, outcome: &Outcome, layouts: &[RankLayout], timing: Timin
         lines.extend(outcome.end.stderr[rank].last().map(|last| format!("    {last}")));
     }
     lines.push(last_checkpoint(out));
-    tracing::error!("{}", lines.join("\n"));
+    crate::say_error(&lines.join("\n"));
     Ok(ExitCode::from(1))
 }
 

@@ -355,6 +355,13 @@ fn plan_json_reports_nothing_fits_as_an_object() {
     let value: serde_json::Value = serde_json::from_str(&stdout(&output)).unwrap();
     assert_eq!(value["fits"], false);
     assert!(value["error"].as_str().unwrap().contains("the one GPU"), "{value}");
+    // Issue 33: one error format whatever ends the command, said once.
+    let bad_input = check(&["plan", "--cluster", "1xv100", "--model", "llama3-8b"], 2, "V100-32GB has none");
+    for output in [&output, &bad_input] {
+        let text = stderr(output);
+        let errors: Vec<&str> = text.lines().filter(|line| line.contains("error")).collect();
+        assert!(errors.len() == 1 && errors[0].starts_with("error: "), "{errors:?}");
+    }
 }
 
 #[test]
