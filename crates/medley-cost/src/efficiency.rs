@@ -86,11 +86,12 @@ fn architecture(device: &DeviceSpec) -> (Architecture, bool) {
 /// its efficiencies (when it states neither them nor an architecture) and its compute units.
 pub fn assumptions(device: &DeviceSpec) -> Vec<String> {
     let mut lines = Vec::new();
-    if device.efficiency.is_none() && architecture(device).1 {
+    let (generation, assumed) = architecture(device);
+    if device.efficiency.is_none() && assumed {
         let efficiency = Efficiency::default_for(device);
         lines.push(format!(
             "no `efficiency` or `architecture` given: priced at the {} defaults (matmul {}, attention {}, memory {})",
-            format!("{:?}", architecture(device).0).to_lowercase(),
+            format!("{generation:?}").to_lowercase(),
             efficiency.matmul,
             efficiency.attention,
             efficiency.memory

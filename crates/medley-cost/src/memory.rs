@@ -21,10 +21,10 @@ pub const WORKSPACE_BYTES: f64 = 2.0 * GIB;
 
 pub const GIB: f64 = (1u64 << 30) as f64;
 
-/// The bytes of a device's `hbm_gib` a plan may use, `headroom` of them left free (the
-/// [`WORKSPACE_BYTES`] reserve is part of each stage's memory, not of this).
-pub fn usable_bytes(hbm_gib: f64, headroom: f64) -> f64 {
-    hbm_gib * GIB * (1.0 - headroom)
+/// The part of a device's memory `capacity` (in any unit) a plan may use, the share `headroom`
+/// of it left free (the [`WORKSPACE_BYTES`] reserve is part of each stage's memory, not of this).
+pub fn usable(capacity: f64, headroom: f64) -> f64 {
+    capacity * (1.0 - headroom)
 }
 
 /// Bytes of one device's memory by purpose.

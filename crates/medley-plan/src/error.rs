@@ -57,8 +57,9 @@ pub enum InvalidPlan {
     /// A device of the cluster lacks the plan's precision (the message says which and what to do).
     #[error("{0}")]
     Precision(String),
-    #[error("memory_headroom must be a share of device memory from 0 to 0.5, got {0}")]
-    MemoryHeadroom(f64),
+    /// The plan's headroom is out of range (the message says the range).
+    #[error("{0}")]
+    MemoryHeadroom(String),
     #[error("tp={tp} must be at least 1 and divide the model's {heads} heads and {kv_heads} kv heads")]
     Tp { tp: u32, heads: u32, kv_heads: u32 },
     #[error("{field} must be at least 1")]

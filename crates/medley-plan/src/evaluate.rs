@@ -5,7 +5,7 @@ use std::collections::BTreeMap;
 use std::num::NonZeroU32;
 
 use medley_cost::comm::{self, DomainPart, Link};
-use medley_cost::memory::usable_bytes;
+use medley_cost::memory::usable;
 use medley_cost::{Calibration, CostModel, GIB, PassTime, Setting, StageShape, flops};
 use medley_spec::{BridgeMode, Cluster, DeviceId, DeviceSlot, DeviceSpec, Schedule, ScheduleKind, Vendor};
 use serde::Serialize;
@@ -276,7 +276,7 @@ impl MemoryPeaks {
     }
 
     fn fits(&self) -> bool {
-        self.peak_gib.iter().all(|(name, peak)| *peak * GIB <= usable_bytes(self.capacity_gib[name], self.headroom))
+        self.peak_gib.iter().all(|(name, peak)| *peak <= usable(self.capacity_gib[name], self.headroom))
     }
 }
 
@@ -323,7 +323,7 @@ pub fn max_k_within_memory(plan: &Plan, calibration: &Calibration) -> u32 {
                     replica.n_micro_batches,
                     held,
                     per_micro_batch,
-                    usable_bytes(device.hbm_gib, plan.memory_headroom()),
+                    usable(device.hbm_gib * GIB, plan.memory_headroom()),
                 ));
             }
         }

@@ -7,12 +7,12 @@ use medley_cost::comm::{self, Link};
 use medley_cost::long_context::{
     self, ContextLayerTime, ContextWork, HeadShare, HeadSplit, KvExchange, kv_bytes_per_token,
 };
-use medley_cost::{CostModel, MemoryBreakdown, PassTime, StageShape};
+use medley_cost::{CostModel, GIB, MemoryBreakdown, PassTime, StageShape};
 use medley_spec::{BridgeMode, Cluster, DeviceId, DeviceSlot, NodeGroup, Recompute};
 
 use crate::long_context_stage::StageContext;
 use crate::shard_split::{GroupCost, Linear, NextLinear};
-use medley_cost::memory::usable_bytes;
+use medley_cost::memory::usable;
 
 /// Bytes per element of activations, keys and values (bf16).
 const ACTIVATION_BYTES: u64 = 2;
@@ -295,7 +295,7 @@ impl<'a> ContextPricer<'a> {
         }
         next_times_s.sort_by(|a, b| order(&a.own, &b.own).then(a.per_next_token.total_cmp(&b.per_next_token)));
         next_times_s.dedup();
-        let capacity_bytes = usable_bytes(node_group.device.hbm_gib, self.memory_headroom);
+        let capacity_bytes = usable(node_group.device.hbm_gib * GIB, self.memory_headroom);
         GroupCost { times_s, next_times_s, memory_bytes, capacity_bytes }
     }
 }

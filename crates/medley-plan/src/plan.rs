@@ -335,8 +335,8 @@ impl Plan {
         if parts.replicas.is_empty() {
             return Err(InvalidPlan::NoReplicas.into());
         }
-        if !(0.0..0.5 + f64::EPSILON).contains(&parts.memory_headroom) {
-            return Err(InvalidPlan::MemoryHeadroom(parts.memory_headroom).into());
+        if let Err(err) = medley_spec::check_memory_headroom(parts.memory_headroom, "plan") {
+            return Err(InvalidPlan::MemoryHeadroom(err.to_string()).into());
         }
         if let Err(err) = parts.cluster.check_precision(parts.precision) {
             return Err(InvalidPlan::Precision(err.to_string()).into());

@@ -4,6 +4,7 @@
 use std::fmt::Write;
 
 use comfy_table::{Cell, Table};
+use medley_cost::memory::usable;
 use medley_cost::params::total_params;
 use medley_plan::baselines::NamedBaseline;
 use medley_plan::{Candidate, GradientAlgorithm, Plan, Route};
@@ -303,7 +304,7 @@ fn memory_table(best: &Candidate) -> Table {
         table.add_row(vec![
             Cell::new(name),
             right(format!("{peak:.1}")),
-            right(format!("{:.1}", capacity * (1.0 - best.plan.memory_headroom()))),
+            right(format!("{:.1}", usable(capacity, best.plan.memory_headroom()))),
             right(format!("{capacity:.0}")),
             right(percent(peak / capacity)),
         ]);

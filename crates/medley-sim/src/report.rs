@@ -4,6 +4,7 @@
 use std::collections::BTreeMap;
 
 use medley_cost::GIB;
+use medley_cost::memory::usable;
 use medley_plan::Utilisation;
 use medley_schedule::RankTimes;
 use serde::Serialize;
@@ -82,7 +83,7 @@ impl StepReport {
             let peak = peak_memory_by_device_gib.entry(setup.device_name.clone()).or_insert(0.0);
             *peak = peak.max(state.peak_memory_bytes / GIB);
             capacity_gib.insert(setup.device_name.clone(), setup.capacity_bytes / GIB);
-            fits &= state.peak_memory_bytes <= setup.capacity_bytes * (1.0 - sim.setup.plan.memory_headroom());
+            fits &= state.peak_memory_bytes <= usable(setup.capacity_bytes, sim.setup.plan.memory_headroom());
         }
         let rank_steps_ns = step_ns as f64 * run.ranks.len() as f64;
         let share =

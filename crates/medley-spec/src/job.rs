@@ -149,6 +149,18 @@ pub const DEFAULT_MEMORY_HEADROOM: f64 = 0.05;
 /// The most of a device's memory a job may keep free.
 const MAX_MEMORY_HEADROOM: f64 = 0.5;
 
+/// Refuses a headroom outside 0 to [`MAX_MEMORY_HEADROOM`]: a job's, or a plan's (`source`).
+pub fn check_memory_headroom(headroom: f64, source: &str) -> Result<(), SpecError> {
+    match (0.0..=MAX_MEMORY_HEADROOM).contains(&headroom) {
+        true => Ok(()),
+        false => Err(SpecError::field(
+            source,
+            "memory_headroom",
+            format!("must be a share of device memory from 0 to {MAX_MEMORY_HEADROOM}, got {headroom}"),
+        )),
+    }
+}
+
 fn default_memory_headroom() -> f64 {
     DEFAULT_MEMORY_HEADROOM
 }
@@ -234,16 +246,7 @@ impl JobSpec {
                 format!("{micro_batch} must be positive and divide the global batch {}", parts.global_batch),
             ));
         }
-        if !(0.0..=MAX_MEMORY_HEADROOM).contains(&parts.memory_headroom) {
-            return Err(SpecError::field(
-                source,
-                "memory_headroom",
-                format!(
-                    "must be a share of device memory from 0 to {MAX_MEMORY_HEADROOM}, got {}",
-                    parts.memory_headroom
-                ),
-            ));
-        }
+        check_memory_headroom(parts.memory_headroom, source)?;
         Ok(JobSpec {
             seq_len: parts.seq_len,
             global_batch: parts.global_batch,

@@ -16,7 +16,9 @@ pub use cluster::{
 };
 pub use device::{Architecture, DeviceSpec, LinkKind, StatedEfficiency, Vendor, catalog_device, catalog_devices};
 pub use error::{Echo, MAX_ECHO_CHARS, SpecError, echo};
-pub use job::{AttentionKernel, DEFAULT_MEMORY_HEADROOM, JobParts, JobSpec, Precision, Recompute};
+pub use job::{
+    AttentionKernel, DEFAULT_MEMORY_HEADROOM, JobParts, JobSpec, Precision, Recompute, check_memory_headroom,
+};
 pub use model::{Experts, MlpKind, ModelParts, ModelSpec, RopeScaling, catalog_model, catalog_model_names};
 pub use schedule::{Schedule, ScheduleKind};
 

@@ -8,6 +8,7 @@ use std::path::Path;
 
 use anyhow::{Context, Result};
 use medley_cost::Calibration;
+use medley_cost::memory::usable;
 use medley_plan::{Candidate, Plan, SearchOptions, Utilisation, evaluate, search};
 use medley_report::timeline::Lanes;
 use medley_report::{Compared, MemoryBar, Report, RunRecord, RunStep};
@@ -59,8 +60,10 @@ pub fn page(plan_path: &str, calibration: Option<&str>, run: Option<&Path>) -> R
             predicted_gib,
             simulated_gib: simulated.peak_memory_by_device_gib.get(device_type).copied(),
             capacity_gib: prediction.capacity_gib.get(device_type).copied().unwrap_or(f64::NAN),
-            usable_gib: prediction.capacity_gib.get(device_type).copied().unwrap_or(f64::NAN)
-                * (1.0 - plan.memory_headroom()),
+            usable_gib: usable(
+                prediction.capacity_gib.get(device_type).copied().unwrap_or(f64::NAN),
+                plan.memory_headroom(),
+            ),
         })
         .collect();
     let report = Report {

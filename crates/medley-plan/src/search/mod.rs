@@ -417,8 +417,8 @@ fn nothing_fits_hint(
     let largest = groups.iter().map(|group| group.device.hbm_gib).fold(0.0, f64::max);
     // Model states alone, on devices less their headroom and workspace, with a quarter more for
     // activations.
-    let usable =
-        medley_cost::memory::usable_bytes(largest, job.memory_headroom()) - medley_cost::memory::WORKSPACE_BYTES;
+    let usable = medley_cost::memory::usable(largest * medley_cost::GIB, job.memory_headroom())
+        - medley_cost::memory::WORKSPACE_BYTES;
     let usable_gib = (usable / medley_cost::GIB).max(1.0);
     let needed = (states_gib / usable_gib * 1.25).ceil();
     let more_devices = format!(

@@ -9,7 +9,8 @@ use super::Space;
 use super::enumerate::compositions_within;
 use crate::evaluate::PipelineTiming;
 use crate::partition::{StageLoad, fill_within, least_bound_s, next_bound_s};
-use medley_cost::memory::usable_bytes;
+use medley_cost::GIB;
+use medley_cost::memory::usable;
 
 /// How a block's replicas are laid onto its node groups' tensor-parallel units (TP groups).
 #[derive(Clone, Copy, Debug, PartialEq, Eq)]
@@ -227,7 +228,7 @@ impl<'s, 'a> Template<'s, 'a> {
                     fixed_s: head.total_s() + transfers,
                     max_layers: max_layers_within(
                         memory,
-                        usable_bytes(group.device.hbm_gib, self.space.job.memory_headroom()),
+                        usable(group.device.hbm_gib * GIB, self.space.job.memory_headroom()),
                         cost.model().n_layers(),
                     ),
                     extra_layers: cost.stage_params(self.shape(idx, 0)) / layer_params,
