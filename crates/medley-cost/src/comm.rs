@@ -103,13 +103,41 @@ pub fn intra_node_peer_link(group: &NodeGroup) -> Link {
     }
 }
 
-/// The link between two GPUs, with `mode` for the bridge when they belong to different vendors.
+/// The link between two GPUs, with `mode` for the bridge when they belong to different vendors,
+/// as the analytic model prices it: every GPU of their nodes busy at once, each with its share of
+/// its node's NICs and of any link between their groups.
 pub fn link_between(cluster: &Cluster, a: DeviceSlot, b: DeviceSlot, mode: BridgeMode) -> Link {
+    let nic = nic_link(cluster, &[a.group_idx, b.group_idx]);
+    across_nodes_or_not(cluster, a, b, mode, nic)
+}
+
+/// What one GPU's transfer to another can reach alone, with `mode` for the bridge: its NIC
+/// port's whole rate between nodes. The simulator caps each transfer at this and lets the
+/// transfers crossing one NIC port or group link share it.
+pub fn lane_link(cluster: &Cluster, a: DeviceSlot, b: DeviceSlot, mode: BridgeMode) -> Link {
+    let groups = cluster.groups();
+    let port_gb_s = groups[a.group_idx].nic_port_gb_s().min(groups[b.group_idx].nic_port_gb_s());
+    let fabric = cluster.fabric();
+    let latency_us = cluster
+        .link_between_groups(a.group_idx, b.group_idx)
+        .and_then(|link| link.latency_us)
+        .unwrap_or(fabric.latency_us);
+    let nic = Link { gb_s: port_gb_s / fabric.oversubscription, latency_us };
+    across_nodes_or_not(cluster, a, b, mode, nic)
+}
+
+/// Inside one package its dies' link; inside one node the intra-node peer link; between nodes
+/// `nic`, through the bridge across vendors.
+fn across_nodes_or_not(cluster: &Cluster, a: DeviceSlot, b: DeviceSlot, mode: BridgeMode, nic: Link) -> Link {
     let (group_a, group_b) = (&cluster.groups()[a.group_idx], &cluster.groups()[b.group_idx]);
     if a.node_idx == b.node_idx {
-        return intra_node_peer_link(group_a);
+        return match group_a.device.package {
+            Some(package) if group_a.same_package(a.local_idx, b.local_idx) => {
+                Link { gb_s: package.die_link_gb_s, ..intra_node_link(group_a) }
+            }
+            _ => intra_node_peer_link(group_a),
+        };
     }
-    let nic = nic_link(cluster, &[group_a, group_b]);
     if group_a.device.vendor == group_b.device.vendor {
         nic
     } else {
@@ -118,17 +146,50 @@ pub fn link_between(cluster: &Cluster, a: DeviceSlot, b: DeviceSlot, mode: Bridg
     }
 }
 
-/// The inter-node link GPUs of `groups` share: the smallest NIC share per GPU, through the
-/// fabric's oversubscription, at the fabric's latency.
-pub fn nic_link(cluster: &Cluster, groups: &[&NodeGroup]) -> Link {
+/// The inter-node link that GPUs of the node groups `group_idxs` get when all of them send at
+/// once: the smallest NIC share through the fabric's oversubscription, and where the cluster
+/// names a link between two of the groups, that link split over the smaller group's GPUs, at
+/// its latency.
+pub fn nic_link(cluster: &Cluster, group_idxs: &[usize]) -> Link {
     let fabric = cluster.fabric();
-    let gb_s = groups.iter().map(|group| group.nic_gb_s_per_gpu()).fold(f64::INFINITY, f64::min);
-    Link { gb_s: gb_s / fabric.oversubscription, latency_us: fabric.latency_us }
+    let groups = cluster.groups();
+    let nic_gb_s = group_idxs.iter().map(|&g| groups[g].nic_gb_s_per_gpu()).fold(f64::INFINITY, f64::min);
+    let mut link = Link { gb_s: nic_gb_s / fabric.oversubscription, latency_us: fabric.latency_us };
+    for (idx, &a) in group_idxs.iter().enumerate() {
+        for &b in &group_idxs[idx + 1..] {
+            if let Some(joining) = cluster.link_between_groups(a, b) {
+                let sharers = groups[a].n_gpus().min(groups[b].n_gpus());
+                link = link.slowest(Link {
+                    gb_s: joining.gb_s() / f64::from(sharers),
+                    latency_us: joining.latency_us.unwrap_or(fabric.latency_us),
+                });
+            }
+        }
+    }
+    link
 }
 
 #[cfg(test)]
 mod tests {
     use super::*;
+
+    #[test]
+    fn a_link_between_groups_bounds_their_share_and_a_lane_reaches_a_whole_nic_port() {
+        let text = "[[group]]\ndevice = \"a100\"\nnodes = 2\ngpus_per_node = 4\nnics_per_node = 1\nnic_gbit_s = 100\n\
+                    [[group]]\ndevice = \"a100\"\nnodes = 1\ngpus_per_node = 2\nnics_per_node = 1\nnic_gbit_s = 100\n\
+                    [[link]]\ngroups = [0, 1]\ngbit_s = 8\nlatency_us = 30\n";
+        let cluster = Cluster::from_toml(text, "c.toml").unwrap();
+        let slots = cluster.devices();
+        // Inside group 0 every GPU has a quarter of its node's NIC; across, the link's 1 GB/s
+        // is split over the smaller group's 2 GPUs.
+        assert_eq!(nic_link(&cluster, &[0]), Link { gb_s: 12.5 / 4.0, latency_us: 5.0 });
+        assert_eq!(nic_link(&cluster, &[0, 1]), Link { gb_s: 0.5, latency_us: 30.0 });
+        let (a, b, c) = (slots[0], slots[4], slots[8]);
+        assert_eq!(link_between(&cluster, a, c, BridgeMode::DeviceDirect), nic_link(&cluster, &[0, 1]));
+        // One GPU alone reaches its node's whole NIC; the link itself is a shared resource.
+        assert_eq!(lane_link(&cluster, a, b, BridgeMode::DeviceDirect), Link { gb_s: 12.5, latency_us: 5.0 });
+        assert_eq!(lane_link(&cluster, a, c, BridgeMode::DeviceDirect), Link { gb_s: 12.5, latency_us: 30.0 });
+    }
 
     const LINK: Link = Link { gb_s: 100.0, latency_us: 2.0 };
 

@@ -1000,3 +1000,36 @@ fn plans_leave_the_memory_headroom_free() {
     let err = JobSpec::new(JobParts { memory_headroom: 0.7, ..JobParts::default() }, "job.toml").unwrap_err();
     assert!(err.to_string().contains("memory_headroom"), "{err}");
 }
+
+/// Issue 33: an MI250X was one 128 GiB device, where ROCm, PyTorch and every launcher see two
+/// GCDs of 64 GiB; a 70B plan put 66.7 GiB on one "MI250X".
+#[test]
+fn an_mi250x_fleet_is_planned_as_its_gcds() {
+    let fleet = cluster("8xh100,8xmi250x");
+    assert_eq!(fleet.n_gpus(), 8 + 16, "eight packages are sixteen GCDs");
+    let gcds = &fleet.groups()[1];
+    assert_eq!(
+        (gcds.device.name.as_str(), gcds.device.hbm_gib, gcds.n_nodes, gcds.gpus_per_node),
+        ("MI250X-GCD", 64.0, 2, 8)
+    );
+    let outcome = search(
+        &fleet,
+        &model("llama3-70b"),
+        &job(4096, 64, None, None),
+        &Calibration::default(),
+        &SearchOptions::default(),
+    )
+    .unwrap();
+    let plan = &outcome.candidates[0].plan;
+    let prediction = evaluate(plan, &Calibration::default());
+    let gcd_peak = prediction.peak_memory_by_device_gib["MI250X-GCD"];
+    assert!(gcd_peak <= 64.0 * (1.0 - plan.memory_headroom()), "{gcd_peak} GiB on a 64 GiB GCD");
+    assert_eq!(prediction.capacity_gib["MI250X-GCD"], 64.0);
+    // The two GCDs of a package talk over their own link, faster than to the next package's.
+    let slots = fleet.devices();
+    let (first, sibling, next_package) = (slots[8], slots[9], slots[10]);
+    let sibling_link = medley_cost::comm::link_between(&fleet, first, sibling, BridgeMode::DeviceDirect);
+    let next_link = medley_cost::comm::link_between(&fleet, first, next_package, BridgeMode::DeviceDirect);
+    assert_eq!(sibling_link.gb_s, 200.0);
+    assert!(next_link.gb_s < sibling_link.gb_s, "{next_link:?}");
+}

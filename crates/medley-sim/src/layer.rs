@@ -3,15 +3,15 @@
 //! transfers are flows over the layer's own ports, max-min fair where they share one, and a pass
 //! ends when its device's streams have both run to their ends.
 
-use medley_cost::comm::{self, Link};
+use medley_cost::comm;
 use medley_schedule::long_context_layer::{DeviceStreams, LayerOp, Tag, Waiting, Work};
 use medley_spec::{BridgeMode, Cluster, DeviceSlot};
 
 use crate::ELEMENT_BYTES;
 use crate::events::{Channels, EventQueue};
-use smallvec::smallvec;
 
-use crate::network::{DrainAt, Network, Path, ResourceId};
+use crate::links::{Endpoint, SharedLinks};
+use crate::network::{DrainAt, Network};
 use crate::ns;
 
 /// One pass of one layer on one device, simulated.
@@ -34,14 +34,6 @@ pub struct PhaseSpan {
     pub start_ns: u64,
     pub end_ns: u64,
     pub name: &'static str,
-}
-
-/// A device's four port directions in the layer's own network.
-struct Ports {
-    nic_out: ResourceId,
-    nic_in: ResourceId,
-    intra_out: ResourceId,
-    intra_in: ResourceId,
 }
 
 #[derive(Clone, Copy, Debug)]
@@ -87,19 +79,8 @@ pub(crate) fn run_layer(
     work_ns: impl Fn(usize, Work) -> u64,
 ) -> (Vec<DevicePass>, Vec<Vec<PhaseSpan>>) {
     let mut network: Network<(usize, usize, u64)> = Network::new();
-    let ports: Vec<Ports> = slots
-        .iter()
-        .map(|slot| {
-            let group = &cluster.groups()[slot.group_idx];
-            let (nic, intra) = (comm::nic_link(cluster, &[group]).gb_s, comm::intra_node_link(group).gb_s);
-            Ports {
-                nic_out: network.add_resource(nic),
-                nic_in: network.add_resource(nic),
-                intra_out: network.add_resource(intra),
-                intra_in: network.add_resource(intra),
-            }
-        })
-        .collect();
+    let links = SharedLinks::new(cluster, &mut network);
+    let endpoints: Vec<Endpoint> = slots.iter().map(|&slot| links.endpoint(cluster, &[slot])).collect();
     let streams = |device: usize| [&programs[device].compute, &programs[device].comm];
     let bytes_of = |elems: usize| elems as f64 * ELEMENT_BYTES;
     let mut passes = vec![DevicePass::default(); programs.len()];
@@ -109,7 +90,8 @@ pub(crate) fn run_layer(
     let mut counted = vec![[0u32; 2]; programs.len()];
     let mut channels: Channels<f64> = Channels::default();
     let start = |network: &mut Network<(usize, usize, u64)>, drains: &mut Vec<DrainAt>, now, from, to, bytes| {
-        let (link, path) = route(cluster, slots, &ports, from, to);
+        let link = comm::lane_link(cluster, slots[from], slots[to], BridgeMode::DeviceDirect);
+        let path = links.path(cluster, &endpoints[from], &endpoints[to]);
         let latency_ns = ns(link.latency_us * 1e-6);
         network.start(now, path, link.gb_s, bytes, (from, to, latency_ns), drains);
     };
@@ -230,15 +212,4 @@ fn add_phase(phases: &mut Vec<PhaseSpan>, span: PhaseSpan) {
         Some(last) if last.name == span.name && last.end_ns == span.start_ns => last.end_ns = span.end_ns,
         _ => phases.push(span),
     }
-}
-
-/// The link between two of the stage's devices and the ports a transfer crosses.
-fn route(cluster: &Cluster, slots: &[DeviceSlot], ports: &[Ports], from: usize, to: usize) -> (Link, Path) {
-    let (a, b) = (slots[from], slots[to]);
-    let link = comm::link_between(cluster, a, b, BridgeMode::DeviceDirect);
-    let path = match a.node_idx == b.node_idx {
-        true => smallvec![ports[from].intra_out, ports[to].intra_in],
-        false => smallvec![ports[from].nic_out, ports[to].nic_in],
-    };
-    (link, path)
 }

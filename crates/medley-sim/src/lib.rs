@@ -22,6 +22,7 @@ mod adaptive;
 mod engine;
 mod events;
 mod layer;
+mod links;
 mod long_context;
 mod network;
 pub mod rank;
@@ -173,8 +174,7 @@ pub struct Simulation<'p, 'w> {
     network: Network<Transfer>,
     timeline: Option<Timeline<'w>>,
     now_ns: u64,
-    /// Per traced rank: its cursor and its next change.
-    traced_ranks: Vec<usize>,
+    /// Per NIC port, while a trace is followed: its cursor and its next change.
     trace_cursors: Vec<TraceCursor>,
     trace_changes: Vec<Option<(u64, f64)>>,
     /// Transfer lanes each rank's timeline has named so far.
@@ -201,7 +201,6 @@ impl<'p, 'w> Simulation<'p, 'w> {
             network,
             timeline: timeline.map(Timeline::new),
             now_ns: 0,
-            traced_ranks: Vec::new(),
             trace_cursors: Vec::new(),
             trace_changes: Vec::new(),
             named_lanes: vec![0; n_ranks],
@@ -213,15 +212,14 @@ impl<'p, 'w> Simulation<'p, 'w> {
         Ok(simulation)
     }
 
-    /// Every rank's NIC ports follow `trace`, each rank's link with its own random stream.
+    /// Every NIC port follows `trace`, each with its own random stream.
     fn follow_trace(&mut self, trace: &BandwidthTrace) {
         let mut drains = Vec::new();
-        for (rank_idx, rank) in self.setup.ranks.iter().enumerate() {
-            let (fraction, mut cursor) = TraceCursor::new(trace, rank_idx as u64);
-            for resource in [rank.ports.nic_out, rank.ports.nic_in] {
+        for (port_idx, port) in self.setup.links.ports().iter().enumerate() {
+            let (fraction, mut cursor) = TraceCursor::new(trace, port_idx as u64);
+            for &resource in port {
                 self.network.set_fraction(0, resource, fraction, &mut drains);
             }
-            self.traced_ranks.push(rank_idx);
             self.trace_changes.push(cursor.next_change());
             self.trace_cursors.push(cursor);
         }

@@ -1,8 +1,11 @@
 //! Flows over shared resources with max-min fair bandwidth sharing.
 //!
-//! A resource is one direction of a port (a GPU's NIC egress, its intra-node ingress, ...) with a
-//! capacity that a bandwidth trace may scale. A flow crosses a path of resources and may have its
-//! own rate cap (the bridge's bandwidth, an Infinity Fabric peer link). Whenever a flow starts or
+//! A resource is one direction of a port (a node's NIC port egress, a GPU's intra-node ingress, a
+//! link between two node groups, ...) with a capacity that a bandwidth trace may scale. A flow
+//! crosses a path of resources and may have its own rate cap (one NIC port, the bridge's
+//! bandwidth, an Infinity Fabric peer link). A flow is a bundle of equal lanes (the GPUs of a
+//! tensor-parallel group each sending their part): its rate is one lane's, and it takes as many
+//! shares of each resource as it has lanes there, so that max-min fairness holds lane by lane. Whenever a flow starts or
 //! ends, or a capacity changes, the flows of the affected connected component get new max-min
 //! fair rates by progressive filling (Bertsekas & Gallager, "Data Networks", §6.5.2); each
 //! re-rated flow gets a new version, so drain events computed from its old rate are recognised as
@@ -17,12 +20,26 @@ use smallvec::SmallVec;
 struct Resource {
     capacity: f64,
     fraction: f64,
-    flows: Vec<FlowId>,
+    /// The flows on it and their lanes here.
+    flows: Vec<(FlowId, f64)>,
 }
 
-/// The resources a flow crosses: a sender's port and a receiver's, so two fit without a heap
-/// allocation per transfer.
-pub(crate) type Path = SmallVec<[ResourceId; 2]>;
+/// One resource on a flow's path and how many of the flow's lanes cross it.
+#[derive(Clone, Copy, Debug, PartialEq)]
+pub(crate) struct Hop {
+    pub resource: ResourceId,
+    pub lanes: f64,
+}
+
+impl Hop {
+    pub(crate) fn one_lane(resource: ResourceId) -> Self {
+        Hop { resource, lanes: 1.0 }
+    }
+}
+
+/// The resources a flow crosses: a sender's port, a group link, a receiver's port, so that most
+/// fit without a heap allocation per transfer.
+pub(crate) type Path = SmallVec<[Hop; 3]>;
 
 struct Flow<P> {
     path: Path,
@@ -91,7 +108,7 @@ impl<P> Network<P> {
         self.resources.len() - 1
     }
 
-    /// Starts a flow of `bytes` over `path`, at most `cap` bytes per ns.
+    /// Starts a flow of `bytes` a lane over `path`, each lane at most `cap` bytes per ns.
     pub(crate) fn start(
         &mut self,
         now_ns: u64,
@@ -106,10 +123,10 @@ impl<P> Network<P> {
             self.flows.push(None);
             self.flows.len() - 1
         });
-        for &resource in &path {
-            self.resources[resource].flows.push(id);
+        for hop in &path {
+            self.resources[hop.resource].flows.push((id, hop.lanes));
         }
-        let seeds = path.clone();
+        let seeds: SmallVec<[ResourceId; 3]> = path.iter().map(|hop| hop.resource).collect();
         let unshared = path.is_empty();
         self.flows[id] = Some(Flow { path, cap, remaining: bytes, rate: 0.0, updated_ns: now_ns, version, payload });
         self.rerate(now_ns, &seeds, drains);
@@ -139,10 +156,11 @@ impl<P> Network<P> {
     pub(crate) fn finish(&mut self, now_ns: u64, id: FlowId, drains: &mut Vec<DrainAt>) -> P {
         let flow = self.flows[id].take().expect("a drained flow is live");
         self.free_slots.push(id);
-        for &resource in &flow.path {
-            self.resources[resource].flows.retain(|&f| f != id);
+        for hop in &flow.path {
+            self.resources[hop.resource].flows.retain(|&(f, _)| f != id);
         }
-        self.rerate(now_ns, &flow.path, drains);
+        let seeds: SmallVec<[ResourceId; 3]> = flow.path.iter().map(|hop| hop.resource).collect();
+        self.rerate(now_ns, &seeds, drains);
         flow.payload
     }
 
@@ -204,12 +222,12 @@ impl<P> Network<P> {
             }
             self.resource_marks[resource] = search;
             resources.push(resource);
-            for &id in &self.resources[resource].flows {
+            for &(id, _) in &self.resources[resource].flows {
                 if self.flow_marks[id] != search {
                     self.flow_marks[id] = search;
                     flows.push(id);
                     let path = &self.flows[id].as_ref().expect("live flow").path;
-                    frontier.extend(path.iter().copied().filter(|&r| self.resource_marks[r] != search));
+                    frontier.extend(path.iter().map(|hop| hop.resource).filter(|&r| self.resource_marks[r] != search));
                 }
             }
         }
@@ -226,8 +244,8 @@ impl<P> Network<P> {
     }
 
     /// Progressive filling over the component in `scratch`, into `scratch.rates`: raise every
-    /// unfrozen flow's rate together until a resource is full or a flow reaches its cap, freeze
-    /// those flows, repeat.
+    /// unfrozen flow's lane rate together until a resource is full or a flow reaches its cap,
+    /// freeze those flows, repeat.
     fn max_min_rates(&self, scratch: &mut Scratch) {
         let Scratch { flows, resources, rates, frozen, left, saturated, flow_slot, resource_slot, .. } = scratch;
         rates.clear();
@@ -236,8 +254,8 @@ impl<P> Network<P> {
         frozen.resize(flows.len(), false);
         left.clear();
         left.extend(resources.iter().map(|&r| self.resources[r].capacity * self.resources[r].fraction));
-        let active_on = |r: ResourceId, frozen: &[bool]| {
-            self.resources[r].flows.iter().filter(|&&id| !frozen[flow_slot[id]]).count()
+        let active_on = |r: ResourceId, frozen: &[bool]| -> f64 {
+            self.resources[r].flows.iter().filter(|&&(id, _)| !frozen[flow_slot[id]]).map(|&(_, lanes)| lanes).sum()
         };
         loop {
             let mut level = f64::INFINITY;
@@ -248,8 +266,8 @@ impl<P> Network<P> {
             }
             for (slot, &r) in resources.iter().enumerate() {
                 let active = active_on(r, frozen);
-                if active > 0 {
-                    level = level.min(left[slot] / active as f64);
+                if active > 0.0 {
+                    level = level.min(left[slot] / active);
                 }
             }
             // Every flow frozen, or none limited by anything (no resources, no cap).
@@ -263,7 +281,7 @@ impl<P> Network<P> {
                 }
             }
             for (slot, &r) in resources.iter().enumerate() {
-                left[slot] -= level * active_on(r, frozen) as f64;
+                left[slot] -= level * active_on(r, frozen);
             }
             // Freeze flows at their cap or on a saturated resource.
             saturated.clear();
@@ -273,7 +291,7 @@ impl<P> Network<P> {
                     continue;
                 }
                 let flow = self.flow(id);
-                let on_full = flow.path.iter().any(|&r| saturated[resource_slot[r]]);
+                let on_full = flow.path.iter().any(|hop| saturated[resource_slot[hop.resource]]);
                 if on_full || flow.cap - rates[idx] <= 1e-12 {
                     frozen[idx] = true;
                 }
@@ -284,9 +302,11 @@ impl<P> Network<P> {
 
 #[cfg(test)]
 mod tests {
-    use smallvec::smallvec;
-
     use super::*;
+
+    fn one_lane(resources: &[ResourceId]) -> Path {
+        resources.iter().copied().map(Hop::one_lane).collect()
+    }
 
     fn rates(network: &Network<()>) -> Vec<f64> {
         network.flows.iter().flatten().map(|f| f.rate).collect()
@@ -298,13 +318,25 @@ mod tests {
         let mut drains = Vec::new();
         let (a, b, c) = (network.add_resource(10.0), network.add_resource(4.0), network.add_resource(10.0));
         // Two flows through b share its 4; the third, through a and c only, gets the rest of a.
-        network.start(0, smallvec![a, b], f64::INFINITY, 100.0, (), &mut drains);
-        network.start(0, smallvec![b, c], f64::INFINITY, 100.0, (), &mut drains);
-        network.start(0, smallvec![a, c], f64::INFINITY, 100.0, (), &mut drains);
+        network.start(0, one_lane(&[a, b]), f64::INFINITY, 100.0, (), &mut drains);
+        network.start(0, one_lane(&[b, c]), f64::INFINITY, 100.0, (), &mut drains);
+        network.start(0, one_lane(&[a, c]), f64::INFINITY, 100.0, (), &mut drains);
         assert_eq!(rates(&network), [2.0, 2.0, 8.0]);
         // A cap below the fair share frees bandwidth for the others.
-        network.start(0, smallvec![a], 1.0, 100.0, (), &mut drains);
+        network.start(0, one_lane(&[a]), 1.0, 100.0, (), &mut drains);
         assert_eq!(rates(&network), [2.0, 2.0, 7.0, 1.0]);
+    }
+
+    #[test]
+    fn a_flow_of_several_lanes_takes_a_share_for_each() {
+        let mut network = Network::new();
+        let mut drains = Vec::new();
+        let (nic, uplink) = (network.add_resource(6.0), network.add_resource(100.0));
+        // Two lanes of one flow and one lane of another through the NIC: 2 bytes/ns a lane.
+        let two_lanes = smallvec::smallvec![Hop { resource: nic, lanes: 2.0 }, Hop { resource: uplink, lanes: 2.0 }];
+        network.start(0, two_lanes, f64::INFINITY, 100.0, (), &mut drains);
+        network.start(0, one_lane(&[nic]), f64::INFINITY, 100.0, (), &mut drains);
+        assert_eq!(rates(&network), [2.0, 2.0]);
     }
 
     /// The drain time of `flow` in `drains`, if it got a current one.
@@ -317,12 +349,12 @@ mod tests {
         let mut network = Network::new();
         let link = network.add_resource(2.0);
         let mut drains = Vec::new();
-        let first = network.start(0, smallvec![link], f64::INFINITY, 100.0, (), &mut drains);
+        let first = network.start(0, one_lane(&[link]), f64::INFINITY, 100.0, (), &mut drains);
         assert_eq!(drain_of(&network, &drains, first), Some(50));
         let stale = drains.clone();
         // At 10 ns a second flow halves the first's rate: 80 bytes left at 1 byte/ns.
         drains.clear();
-        let second = network.start(10, smallvec![link], f64::INFINITY, 10.0, (), &mut drains);
+        let second = network.start(10, one_lane(&[link]), f64::INFINITY, 10.0, (), &mut drains);
         assert!(stale.iter().all(|d| !network.is_current(d.flow, d.version)));
         assert_eq!(drain_of(&network, &drains, first), Some(90));
         assert_eq!(drain_of(&network, &drains, second), Some(20));
@@ -344,15 +376,15 @@ mod tests {
         let mut network = Network::new();
         let link = network.add_resource(2.0);
         let mut drains = Vec::new();
-        let slow = network.start(0, smallvec![link], f64::INFINITY, 100.0, (), &mut drains);
-        let quick = network.start(0, smallvec![link], f64::INFINITY, 10.0, (), &mut drains);
+        let slow = network.start(0, one_lane(&[link]), f64::INFINITY, 100.0, (), &mut drains);
+        let quick = network.start(0, one_lane(&[link]), f64::INFINITY, 10.0, (), &mut drains);
         // Both at 1 byte/ns: the slow flow's drain at 100 ns goes stale when the quick one ends.
         let stale: Vec<DrainAt> = drains.iter().copied().filter(|d| d.flow == slow).collect();
         drains.clear();
         network.finish(10, quick, &mut drains);
         network.finish(55, slow, &mut drains);
         // A new flow takes the slow one's slot; the stale drain must not be current for it.
-        let next = network.start(60, smallvec![link], f64::INFINITY, 1000.0, (), &mut drains);
+        let next = network.start(60, one_lane(&[link]), f64::INFINITY, 1000.0, (), &mut drains);
         assert_eq!(next, slow, "the slot is reused");
         assert!(stale.iter().all(|d| !network.is_current(d.flow, d.version)), "{stale:?}");
         assert_eq!(drain_of(&network, &drains, next), Some(560));

@@ -10,10 +10,9 @@ use medley_plan::{Plan, Route, Stage};
 use medley_schedule::RankId;
 use medley_spec::{BridgeMode, DeviceSlot, Vendor};
 
+use crate::links::{Endpoint, SharedLinks};
 use crate::long_context::{DevicePass, PhaseSpan, chunk_pass, simulate_context_layer};
-use smallvec::smallvec;
-
-use crate::network::{Network, Path, ResourceId};
+use crate::network::{Network, Path};
 use crate::{ELEMENT_BYTES, SimError, ns};
 
 /// One micro-batch's passes on one model chunk, in nanoseconds, and the activation memory the
@@ -42,16 +41,6 @@ impl ChunkCost {
     }
 }
 
-/// The four port directions of a rank's representative GPU. Every GPU of a TP group has its
-/// own ports and moves its own shard, so one GPU's ports stand for the group's.
-#[derive(Clone, Copy, Debug, PartialEq, Eq)]
-pub(crate) struct Ports {
-    pub nic_out: ResourceId,
-    pub nic_in: ResourceId,
-    pub intra_out: ResourceId,
-    pub intra_in: ResourceId,
-}
-
 /// One pipeline rank: a TP group running one program.
 #[derive(Clone, Debug)]
 pub(crate) struct RankSetup {
@@ -72,7 +61,8 @@ pub(crate) struct RankSetup {
     /// Weights, gradients, optimizer states and workspace: held all step.
     pub static_bytes: f64,
     pub capacity_bytes: f64,
-    pub ports: Ports,
+    /// Where its GPUs meet the links.
+    pub endpoint: Endpoint,
 }
 
 pub(crate) struct Setup<'p> {
@@ -84,6 +74,7 @@ pub(crate) struct Setup<'p> {
     /// Bytes per TP rank (per device of a long-context stage, which reduced them over the
     /// stage's devices first) of each DP group's gradients.
     pub dp_bytes: Vec<f64>,
+    pub links: SharedLinks,
 }
 
 /// What a rank's setup holds beside its identity and ports.
@@ -155,6 +146,7 @@ impl<'p> Setup<'p> {
             .with_precision(plan.precision());
         let setting = Setting { micro_batch: plan.micro_batch(), tp: plan.tp(), recompute: plan.recompute() };
         let slots = plan.cluster().devices();
+        let links = SharedLinks::new(plan.cluster(), network);
         let shards = if plan.zero1() { plan.replicas().len() as u32 } else { 1 };
         let mut ranks = Vec::new();
         for (replica_idx, replica) in plan.replicas().iter().enumerate() {
@@ -173,8 +165,7 @@ impl<'p> Setup<'p> {
                 let n_layers = chunk_shapes.iter().map(|shape| shape.n_layers).sum();
                 let rank_shape = StageShape::in_pipeline(rank_idx, n_ranks, n_layers);
                 let slot = slots[stage.devices[0] as usize];
-                let nic_gb_s = comm::nic_link(plan.cluster(), &[group]).gb_s;
-                let intra_gb_s = comm::intra_node_link(group).gb_s;
+                let stage_slots: Vec<DeviceSlot> = stage.devices.iter().map(|&id| slots[id as usize]).collect();
                 let rank = match &stage.context {
                     Some(_) => {
                         let m = replica.n_micro_batches;
@@ -216,12 +207,7 @@ impl<'p> Setup<'p> {
                     layer_phases: rank.layer_phases,
                     static_bytes: rank.static_bytes,
                     capacity_bytes: rank.capacity_bytes,
-                    ports: Ports {
-                        nic_out: network.add_resource(nic_gb_s),
-                        nic_in: network.add_resource(nic_gb_s),
-                        intra_out: network.add_resource(intra_gb_s),
-                        intra_in: network.add_resource(intra_gb_s),
-                    },
+                    endpoint: links.endpoint(plan.cluster(), &stage_slots),
                 });
             }
         }
@@ -261,7 +247,7 @@ impl<'p> Setup<'p> {
                 ELEMENT_BYTES * cost.stage_params(shape) / f64::from(plan.tp()) / holder_devices as f64
             })
             .collect();
-        Ok(Setup { plan, ranks, dp_members, dp_bytes })
+        Ok(Setup { plan, ranks, dp_members, dp_bytes, links })
     }
 
     /// The rank index of `id`, if the plan has that rank.
@@ -269,21 +255,16 @@ impl<'p> Setup<'p> {
         self.ranks.binary_search_by_key(&id, |rank| rank.id).ok()
     }
 
-    /// The link a transfer from rank `from` to rank `to` crosses, and the port resources on its
-    /// way: inside a node the GPUs' intra-node ports, between nodes their NICs.
+    /// What one lane of a transfer from rank `from` to rank `to` reaches alone, and the
+    /// resources on its way ([`SharedLinks::path`]).
     pub(crate) fn path(&self, from: usize, to: usize, route: Route) -> (Link, Path) {
         let (a, b) = (&self.ranks[from], &self.ranks[to]);
         let mode = match route {
             Route::Bridge { mode } => mode,
             Route::Native { .. } => BridgeMode::DeviceDirect,
         };
-        let link = comm::link_between(self.plan.cluster(), a.slot, b.slot, mode);
-        let resources = if a.slot.node_idx == b.slot.node_idx {
-            smallvec![a.ports.intra_out, b.ports.intra_in]
-        } else {
-            smallvec![a.ports.nic_out, b.ports.nic_in]
-        };
-        (link, resources)
+        let cluster = self.plan.cluster();
+        (comm::lane_link(cluster, a.slot, b.slot, mode), self.links.path(cluster, &a.endpoint, &b.endpoint))
     }
 
     /// The route of a pipeline transfer that `sender` makes from its chunk `chunk`: forward to

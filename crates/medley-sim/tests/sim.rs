@@ -64,7 +64,11 @@ nic_gbit_s = 400
 
 fn megatron(layout: Layout) -> Plan {
     let Layout { cluster: text, model, seq_len, global_batch, degrees, recompute } = layout;
-    let cluster = if text == IDEAL_NODE { Cluster::from_toml(text, "ideal.toml").unwrap() } else { cluster(text) };
+    let cluster = if text.trim_start().starts_with("[[") {
+        Cluster::from_toml(text, "test.toml").unwrap()
+    } else {
+        cluster(text)
+    };
     let calibration = Calibration::default();
     let cost = CostModel::new(&model, seq_len, &calibration);
     let parts = JobParts { seq_len, global_batch, micro_batch: Some(1), ..JobParts::default() };
@@ -148,7 +152,7 @@ fn an_idle_ring_all_reduce_takes_the_alpha_beta_time_and_overlap_hides_it_behind
     let setting = Setting { micro_batch: 1, tp: 8, recompute: Recompute::None };
     let group = &overlapped.cluster().groups()[0];
     let pass = cost.stage_time(group, medley_cost::StageShape::in_pipeline(0, 1, 16), setting);
-    let link: Link = comm::nic_link(overlapped.cluster(), &[group]);
+    let link: Link = comm::nic_link(overlapped.cluster(), &[0]);
     let bytes = 2.0 * cost.stage_params(medley_cost::StageShape::in_pipeline(0, 1, 16)) / 8.0;
     let all_reduce_s = comm::ring_all_reduce_s(bytes, 8, link);
     let rank = &blocking.ranks[0];
@@ -205,6 +209,76 @@ fn a_slower_network_slows_a_cross_node_pipeline_and_larger_k_recovers_some() {
     let slow = step(Some("constant:0.02"), ScheduleKind::OneFOneB);
     assert!(slow > 1.2 * full, "{slow} vs {full}");
     assert!(step(Some("constant:0.02"), kfkb(4)) < slow, "k = 4 on the slow network");
+}
+
+/// Two nodes of `gpus_per_node` A100s with `nics_per_node` 100 Gb/s NICs, and `more` after.
+fn a100_nodes(gpus_per_node: u32, nics_per_node: u32, more: &str) -> String {
+    format!(
+        "[[group]]\ndevice = \"a100\"\nnodes = 2\ngpus_per_node = {gpus_per_node}\nnics_per_node = {nics_per_node}\n\
+         nic_gbit_s = 100\n{more}"
+    )
+}
+
+/// The first micro-batch's activation transfers of `degrees` on `cluster_toml`: each one's
+/// time in µs less the fabric's latency, and its bytes.
+fn first_activation_transfers(cluster_toml: &str, degrees: Degrees) -> Vec<(f64, f64)> {
+    let plan = megatron(Layout {
+        cluster: cluster_toml,
+        model: uniform_model(4),
+        seq_len: 2048,
+        global_batch: 8,
+        degrees,
+        recompute: Recompute::None,
+    });
+    let (_, bytes) = timeline_bytes(&plan, ScheduleKind::OneFOneB, None);
+    let document: Value = serde_json::from_slice(&bytes).unwrap();
+    let latency_us = Fabric::default().latency_us;
+    document["traceEvents"]
+        .as_array()
+        .unwrap()
+        .iter()
+        .filter(|event| {
+            event["ph"] == "X"
+                && event["cat"] == "transfer"
+                && event["name"].as_str().unwrap().starts_with("activation mb0 ")
+        })
+        .map(|event| (event["dur"].as_f64().unwrap() - latency_us, event["args"]["bytes"].as_f64().unwrap()))
+        .collect()
+}
+
+#[test]
+fn two_stages_sending_through_one_nic_each_get_half_of_it() {
+    let nic_bytes_per_us = 100e9 / 8.0 / 1e6;
+    // Two replicas of a two-stage pipeline, a stage a node: both replicas' first activations
+    // leave node 0 at the same instant. With a NIC for each GPU each has a whole NIC ...
+    let two_replicas = Degrees::new(1, 2, 2);
+    let own_nics = first_activation_transfers(&a100_nodes(2, 2, ""), two_replicas);
+    // ... and with one NIC for both GPUs of a node, each gets half of it.
+    let one_nic = first_activation_transfers(&a100_nodes(2, 1, ""), two_replicas);
+    assert_eq!((own_nics.len(), one_nic.len()), (2, 2));
+    for ((own_us, bytes), (shared_us, _)) in own_nics.into_iter().zip(one_nic) {
+        assert!((own_us - bytes / nic_bytes_per_us).abs() < 0.01 * own_us, "{own_us} µs for {bytes} B");
+        assert!((shared_us - 2.0 * own_us).abs() < 0.01 * own_us, "{shared_us} µs shared, {own_us} µs alone");
+    }
+    // One replica of four stages, two a node: the one transfer between the nodes has the shared
+    // NIC to itself, where a fixed per-GPU share would have given it half.
+    let alone = first_activation_transfers(&a100_nodes(2, 1, ""), Degrees::new(1, 4, 1));
+    let (us, bytes) = alone.into_iter().max_by(|a, b| a.0.total_cmp(&b.0)).unwrap();
+    assert!((us - bytes / nic_bytes_per_us).abs() < 0.01 * us, "{us} µs for {bytes} B");
+}
+
+#[test]
+fn a_link_between_two_groups_is_shared_by_every_transfer_across_it() {
+    // The same nodes as two groups joined by one 20 Gb/s link: both replicas' transfers cross it.
+    let [a, b] = [0, 1]
+        .map(|_| "[[group]]\ndevice = \"a100\"\nnodes = 1\ngpus_per_node = 2\nnics_per_node = 2\nnic_gbit_s = 100\n");
+    let linked = format!("{a}{b}[[link]]\ngroups = [0, 1]\ngbit_s = 20\n");
+    let transfers = first_activation_transfers(&linked, Degrees::new(1, 2, 2));
+    assert_eq!(transfers.len(), 2);
+    for (us, bytes) in transfers {
+        let half_link_bytes_per_us = 20e9 / 8.0 / 2.0 / 1e6;
+        assert!((us - bytes / half_link_bytes_per_us).abs() < 0.01 * us, "{us} µs for {bytes} B");
+    }
 }
 
 /// The Ada-Grouper setting: a pipeline across nodes, one A100 per node behind one 100 Gb/s NIC,

@@ -126,7 +126,25 @@ pub struct DeviceSpec {
     /// What this device achieves, when measured; else its architecture's defaults.
     #[serde(default, skip_serializing_if = "Option::is_none")]
     pub efficiency: Option<StatedEfficiency>,
+    /// The package this device is one die of, where software sees each die as a device.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub package: Option<Package>,
 }
+
+/// Several dies in one package that the driver, PyTorch and every launcher see as separate
+/// devices (an MI250X is two GCDs of 64 GiB), joined by a link of their own. A node's devices
+/// fill its packages in order: devices 0 and 1 share the first package, and so on.
+#[derive(Clone, Copy, Debug, PartialEq, Serialize, Deserialize)]
+#[serde(deny_unknown_fields)]
+pub struct Package {
+    /// Devices per package.
+    pub dies: u32,
+    /// Between two dies of one package, per direction.
+    pub die_link_gb_s: f64,
+}
+
+/// The most dies medley takes in one package.
+const MAX_DIES: u32 = 8;
 
 impl DeviceSpec {
     /// The dense tensor rate training in `precision` runs at; `None` where the device lacks the
@@ -175,6 +193,22 @@ impl DeviceSpec {
                 format!("must be from 1 to {MAX_COMPUTE_UNITS}, got {units}"),
             ));
         }
+        if let Some(Package { dies, die_link_gb_s }) = self.package {
+            if !(2..=MAX_DIES).contains(&dies) {
+                return Err(SpecError::field(
+                    source,
+                    field("package.dies"),
+                    format!("must be from 2 to {MAX_DIES}, got {dies}"),
+                ));
+            }
+            if !(die_link_gb_s.is_finite() && die_link_gb_s > 0.0) {
+                return Err(SpecError::field(
+                    source,
+                    field("package.die_link_gb_s"),
+                    format!("must be a positive number, got {die_link_gb_s}"),
+                ));
+            }
+        }
         if let Some(StatedEfficiency { matmul, attention, memory }) = self.efficiency {
             for (name, value) in
                 [("efficiency.matmul", matmul), ("efficiency.attention", attention), ("efficiency.memory", memory)]
@@ -221,6 +255,7 @@ fn device(
         architecture: None,
         compute_units: None,
         efficiency: None,
+        package: None,
     }
 }
 
@@ -277,11 +312,17 @@ const CATALOG: &[CatalogEntry] = &[
         spec: || device("RTX-4090", Nvidia, Some(165.15), 165.15, 82.6, 24.0, 1.008, (Pcie, 64.0), (1, 100.0)),
     },
     CatalogEntry {
-        aliases: &["mi250x"],
-        // AMD Instinct MI250X datasheet (one package, two GCDs): 383 bf16/fp16, 47.9 fp32, 128 GB
-        // HBM2e at 3.2 TB/s; Infinity Fabric 8 links x 50 GB/s per direction (ROCm docs).
-        // Frontier nodes: 4 packages with 4x 200 Gb/s Slingshot NICs.
-        spec: || device("MI250X", Amd, Some(383.0), 383.0, 47.9, 128.0, 3.2, (InfinityFabric, 800.0), (4, 200.0)),
+        aliases: &["mi250x-gcd"],
+        // AMD Instinct MI250X datasheet: one package of two GCDs with 383 bf16/fp16, 47.9 fp32
+        // and 128 GB HBM2e at 3.2 TB/s in all, 220 CUs; ROCm and PyTorch see each GCD as a
+        // device with half of each. Its 8 Infinity Fabric links of 50 GB/s each way (ROCm docs):
+        // 4 join the two GCDs, 2 per GCD reach other packages. Frontier nodes: 4 packages, 8 GCDs,
+        // 4x 200 Gb/s Slingshot NICs.
+        spec: || DeviceSpec {
+            compute_units: Some(110),
+            package: Some(Package { dies: 2, die_link_gb_s: 200.0 }),
+            ..device("MI250X-GCD", Amd, Some(191.5), 191.5, 23.95, 64.0, 1.6, (InfinityFabric, 200.0), (4, 200.0))
+        },
     },
     CatalogEntry {
         aliases: &["mi300x"],
@@ -296,6 +337,19 @@ const CATALOG: &[CatalogEntry] = &[
     },
 ];
 
+/// Names that count packages of several devices, and the alias of one of their devices.
+const PACKAGE_ALIASES: &[(&str, &str)] = &[("mi250x", "mi250x-gcd")];
+
+/// How many devices one counted `name` is: a package's dies where `name` names the package
+/// (`mi250x`), else 1 (`mi250x-gcd`, `h100`).
+pub fn devices_per_counted(name: &str) -> u32 {
+    let wanted = normalize(name);
+    match PACKAGE_ALIASES.iter().find(|(package, _)| *package == wanted) {
+        Some(_) => catalog_device(name).ok().and_then(|device| device.package).map_or(1, |package| package.dies),
+        None => 1,
+    }
+}
+
 fn normalize(name: &str) -> String {
     name.trim().to_ascii_lowercase().replace(['_', ' '], "-")
 }
@@ -303,6 +357,8 @@ fn normalize(name: &str) -> String {
 /// Looks a device up by any alias, case-insensitively; an unknown name lists the close ones.
 pub fn catalog_device(name: &str) -> Result<DeviceSpec, SpecError> {
     let wanted = normalize(name);
+    let wanted =
+        PACKAGE_ALIASES.iter().find(|(package, _)| *package == wanted).map_or(wanted, |(_, die)| die.to_string());
     CATALOG.iter().find(|entry| entry.aliases.contains(&wanted.as_str())).map(|entry| (entry.spec)()).ok_or_else(|| {
         SpecError::Unknown {
             kind: "device",

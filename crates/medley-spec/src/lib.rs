@@ -12,9 +12,12 @@ mod model;
 mod schedule;
 
 pub use cluster::{
-    Bridge, BridgeMode, Cluster, DEFAULT_GPUS_PER_NODE, DeviceId, DeviceSlot, Fabric, MAX_GPUS, NodeGroup,
+    Bridge, BridgeMode, Cluster, DEFAULT_GPUS_PER_NODE, DeviceId, DeviceSlot, Fabric, GroupLink, MAX_GPUS, NodeGroup,
 };
-pub use device::{Architecture, DeviceSpec, LinkKind, StatedEfficiency, Vendor, catalog_device, catalog_devices};
+pub use device::{
+    Architecture, DeviceSpec, LinkKind, Package, StatedEfficiency, Vendor, catalog_device, catalog_devices,
+    devices_per_counted,
+};
 pub use error::{Echo, MAX_ECHO_CHARS, SpecError, echo};
 pub use job::{
     AttentionKernel, DEFAULT_MEMORY_HEADROOM, JobParts, JobSpec, Precision, Recompute, check_memory_headroom,

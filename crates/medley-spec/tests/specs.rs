@@ -36,7 +36,9 @@ proptest! {
         let text = text.join(",");
         match Cluster::from_inline(&text, Fabric::default(), Bridge::default()) {
             Ok(cluster) => {
-                prop_assert_eq!(cluster.n_gpus(), counts.iter().map(|&(_, count)| count).sum::<u32>());
+                // An MI250X is a package of two devices, its GCDs.
+                let devices_of = |device: usize, count: u32| if names[device] == "mi250x" { 2 * count } else { count };
+                prop_assert_eq!(cluster.n_gpus(), counts.iter().map(|&(device, count)| devices_of(device, count)).sum::<u32>());
                 let devices = cluster.devices();
                 prop_assert!(devices.iter().enumerate().all(|(idx, slot)| slot.id as usize == idx));
                 prop_assert!(devices.windows(2).all(|pair| pair[0].node_idx <= pair[1].node_idx));

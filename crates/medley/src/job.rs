@@ -141,6 +141,12 @@ pub fn cores_here() -> usize {
 /// thousand tokens on.
 pub const RUNTIME_CONTEXT_TOKENS: u32 = 2048;
 
+/// What the search may choose for the runtime: no tensor parallelism, which it does not run yet
+/// (a fleet's multi-die packages put two GPUs in a node), and long context from fewer tokens.
+pub fn runtime_search_options() -> SearchOptions {
+    SearchOptions { max_tp: 1, context_from_tokens: RUNTIME_CONTEXT_TOKENS, ..SearchOptions::default() }
+}
+
 /// The plan `medley train` trains, chosen as `medley plan` chooses: the cost model's best few,
 /// re-ranked by one simulated step each.
 pub fn choose_plan_to_train(
@@ -149,11 +155,7 @@ pub fn choose_plan_to_train(
     job: &JobSpec,
     calibration: &Calibration,
 ) -> Result<Plan> {
-    let options = SearchOptions {
-        top: RANKED_CANDIDATES,
-        context_from_tokens: RUNTIME_CONTEXT_TOKENS,
-        ..SearchOptions::default()
-    };
+    let options = SearchOptions { top: RANKED_CANDIDATES, ..runtime_search_options() };
     let outcome = search(cluster, model, job, calibration, &options)?;
     let ranked = rank_by_simulation(outcome.candidates, calibration).context("simulating the candidates")?;
     Ok(ranked.candidates.into_iter().next().expect("search returns at least one plan").plan)

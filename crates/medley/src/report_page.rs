@@ -73,7 +73,7 @@ pub fn page(plan_path: &str, calibration: Option<&str>, run: Option<&Path>) -> R
         explanation: plan_text::explain(&plan),
         simulated: lanes,
         memory,
-        compared: compared(&plan, &simulated, &specs)?,
+        compared: compared(&plan, &simulated, &specs, run.is_some())?,
         run,
     };
     Ok(medley_report::html(&report))
@@ -136,9 +136,10 @@ fn facts(
 }
 
 /// The plan against the search's best others and the baselines, each simulated (up to the size
-/// `medley plan` simulates).
-fn compared(plan: &Plan, simulated: &StepReport, specs: &Specs) -> Result<Vec<Compared>> {
-    let options = SearchOptions { top: CANDIDATES + 1, ..SearchOptions::default() };
+/// `medley plan` simulates); a trained plan against what the runtime could have trained.
+fn compared(plan: &Plan, simulated: &StepReport, specs: &Specs, trained: bool) -> Result<Vec<Compared>> {
+    let searchable = if trained { crate::job::runtime_search_options() } else { SearchOptions::default() };
+    let options = SearchOptions { top: CANDIDATES + 1, ..searchable };
     let searched = search(&specs.cluster, &specs.model, &specs.job, &specs.calibration, &options)
         .map(|outcome| outcome.candidates)
         .unwrap_or_default();

@@ -42,8 +42,8 @@ pub struct TrainArgs {
     /// A plan file to train (as `medley plan -o` writes it) instead of planning the fleet.
     #[arg(long, conflicts_with = "fleet")]
     pub plan: Option<String>,
-    /// The emulated fleet, one worker process per GPU: COUNTxDEVICE,... [default: 2xh100,2xmi250x,
-    /// or the checkpoint's plan with --resume].
+    /// The emulated fleet, one worker process per GPU (an MI250X is two, its GCDs):
+    /// COUNTxDEVICE,... [default: 2xh100,2xmi300x, or the checkpoint's plan with --resume].
     #[arg(long)]
     pub fleet: Option<String>,
     /// The model (Llama-style decoders only) and the job's shape.

@@ -100,7 +100,7 @@ fn check_in_browser(browser: &Path, page: &Path, pictures: &[&str], name: &str) 
 fn the_report_of_a_plan_and_of_a_run_renders_in_a_real_browser() {
     let Some(browser) = chromium() else { return };
     let dir = tempfile::tempdir().unwrap();
-    let fleet = ["--cluster", "2xh100,2xmi250x", "--model", "tiny", "--seq-len", "128", "--global-batch", "16"];
+    let fleet = ["--cluster", "2xh100,2xmi300x", "--model", "tiny", "--seq-len", "128", "--global-batch", "16"];
     medley(&[&["plan", "-q"], &fleet[..], &["-o", "plan.json"]].concat(), dir.path());
     medley(&["report", "-q", "--plan", "plan.json", "-o", "plan.html"], dir.path());
     check_in_browser(

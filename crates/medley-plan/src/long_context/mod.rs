@@ -318,7 +318,7 @@ impl<'a> ContextSpace<'a> {
 
     /// The network between `kinds`' nodes.
     fn nic(&self, kinds: &[Kind]) -> Link {
-        let groups: Vec<&NodeGroup> = kinds.iter().map(|kind| self.node_group(kind.group)).collect();
+        let groups: Vec<usize> = kinds.iter().map(|kind| kind.group).collect();
         comm::nic_link(self.cluster, &groups)
     }
 

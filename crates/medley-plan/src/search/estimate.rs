@@ -74,8 +74,10 @@ impl Space<'_> {
                     .reduce(Link::slowest)
                     .expect("a vendor present has a member");
                 let link = if members.len() > 1 {
-                    inner
-                        .slowest(self.nic_link(&members.iter().map(|&b| &groups[holder_groups[b]]).collect::<Vec<_>>()))
+                    inner.slowest(comm::nic_link(
+                        self.cluster,
+                        &members.iter().map(|&b| holder_groups[b]).collect::<Vec<_>>(),
+                    ))
                 } else {
                     inner
                 };
@@ -85,8 +87,7 @@ impl Space<'_> {
         if let [domain] = domains.as_slice() {
             return comm::ring_all_reduce_s(bytes, n_replicas, domain.link);
         }
-        let all_groups: Vec<_> = holder_groups.iter().map(|&g| &groups[g]).collect();
-        let bridge = self.best_bridge_link(self.nic_link(&all_groups));
+        let bridge = self.best_bridge_link(comm::nic_link(self.cluster, &holder_groups));
         let flat_link = domains.iter().map(|domain| domain.link).fold(bridge, Link::slowest);
         comm::hierarchical_all_reduce_s(bytes, &domains, bridge)
             .min(comm::ring_all_reduce_s(bytes, n_replicas, flat_link))

@@ -50,11 +50,19 @@ pub struct SearchOptions {
     /// [`LONG_CONTEXT_TOKENS`]; lower for a small model trained on an emulated fleet, whose
     /// attention dominates much sooner.
     pub context_from_tokens: u32,
+    /// The largest tensor-parallel degree to try.
+    pub max_tp: u32,
 }
 
 impl Default for SearchOptions {
     fn default() -> Self {
-        SearchOptions { top: 5, groups: None, exhaustive: false, context_from_tokens: LONG_CONTEXT_TOKENS }
+        SearchOptions {
+            top: 5,
+            groups: None,
+            exhaustive: false,
+            context_from_tokens: LONG_CONTEXT_TOKENS,
+            max_tp: TP_DEGREES[TP_DEGREES.len() - 1],
+        }
     }
 }
 
@@ -114,7 +122,8 @@ fn search_tensor_parallel(
         .with_precision(job.precision());
     let allowed: Vec<usize> = options.groups.clone().unwrap_or_else(|| (0..cluster.groups().len()).collect());
     check_group_count(allowed.len())?;
-    let settings = candidate_settings(cluster, model, job, &allowed);
+    let mut settings = candidate_settings(cluster, model, job, &allowed);
+    settings.retain(|setting| setting.tp <= options.max_tp);
     let passes = settings
         .iter()
         .flat_map(|&setting| allowed.iter().map(move |&g| (g, setting)))
@@ -317,11 +326,6 @@ impl Space<'_> {
         let estimate_s =
             pipeline_s + self.dp_sync_estimate_s(setting, blocks) + self.optimizer_estimate_s(setting, blocks);
         Some(Layout { setting, blocks: blocks.iter().map(|&block| block.clone()).collect(), shares, estimate_s })
-    }
-
-    /// Inter-node link shared by `groups`: the smallest NIC share.
-    fn nic_link(&self, groups: &[&NodeGroup]) -> Link {
-        comm::nic_link(self.cluster, groups)
     }
 
     fn best_bridge_link(&self, nic: Link) -> Link {

@@ -106,8 +106,8 @@ impl StepRun<'_, '_, '_> {
             return;
         }
         let now = self.now();
-        let ports = self.sim.setup.ranks[self.sim.traced_ranks[endpoint]].ports;
-        for resource in [ports.nic_out, ports.nic_in] {
+        let port = self.sim.setup.links.ports()[endpoint];
+        for resource in port {
             self.sim.network.set_fraction(now, resource, fraction, &mut self.drains);
         }
         self.schedule_drains();

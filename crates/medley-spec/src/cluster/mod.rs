@@ -3,7 +3,7 @@
 
 use serde::{Deserialize, Serialize};
 
-use crate::device::{DeviceSpec, LinkKind, Vendor, catalog_device};
+use crate::device::{DeviceSpec, LinkKind, Vendor, catalog_device, devices_per_counted};
 use crate::error::{SpecError, echo};
 use crate::job::Precision;
 
@@ -55,6 +55,27 @@ impl NodeGroup {
     pub fn nic_gb_s_per_gpu(&self) -> f64 {
         f64::from(self.nics_per_node) * self.nic_gbit_s / 8.0 / f64::from(self.gpus_per_node)
     }
+
+    /// The NIC ports a node's GPUs send through: each GPU its own NICs where the node has a NIC
+    /// for every GPU, else each NIC shared by the GPUs nearest it.
+    pub fn nic_ports(&self) -> u32 {
+        self.nics_per_node.min(self.gpus_per_node)
+    }
+
+    /// One NIC port's rate: all of a node's NICs split over its ports.
+    pub fn nic_port_gb_s(&self) -> f64 {
+        f64::from(self.nics_per_node) * self.nic_gbit_s / 8.0 / f64::from(self.nic_ports())
+    }
+
+    /// Whether GPUs `a` and `b` of one node are dies of one package.
+    pub fn same_package(&self, a: u32, b: u32) -> bool {
+        self.device.package.is_some_and(|package| a / package.dies == b / package.dies)
+    }
+
+    /// The NIC port that GPU `local_idx` of a node sends through.
+    pub fn nic_port_of(&self, local_idx: u32) -> u32 {
+        local_idx * self.nic_ports() / self.gpus_per_node
+    }
 }
 
 /// The network between nodes of one vendor domain.
@@ -70,6 +91,31 @@ impl Default for Fabric {
     /// A rail-optimised InfiniBand/RoCE fat tree: a few µs per message through two switch tiers.
     fn default() -> Self {
         Fabric { latency_us: 5.0, oversubscription: 1.0 }
+    }
+}
+
+/// A link between two node groups that every transfer between their nodes crosses, shared by
+/// those transfers in each direction: two sites or racks joined by one uplink. Groups without one
+/// reach each other through the fabric at their NICs' rates.
+#[derive(Clone, Debug, PartialEq, Serialize, Deserialize)]
+#[serde(deny_unknown_fields)]
+pub struct GroupLink {
+    /// The two groups' places in the cluster's group list, from 0.
+    pub groups: [usize; 2],
+    /// The link's whole rate in each direction.
+    pub gbit_s: f64,
+    /// Replaces the fabric's latency for messages across this link.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub latency_us: Option<f64>,
+}
+
+impl GroupLink {
+    pub fn gb_s(&self) -> f64 {
+        self.gbit_s / 8.0
+    }
+
+    pub fn joins(&self, a: usize, b: usize) -> bool {
+        self.groups == [a, b] || self.groups == [b, a]
     }
 }
 
@@ -154,6 +200,8 @@ pub struct Cluster {
     groups: Vec<NodeGroup>,
     fabric: Fabric,
     bridge: Bridge,
+    #[serde(skip_serializing_if = "Vec::is_empty")]
+    links: Vec<GroupLink>,
 }
 
 /// A cluster as stored inside a plan file: already resolved groups, checked again on load.
@@ -163,6 +211,8 @@ struct ClusterParts {
     groups: Vec<NodeGroup>,
     fabric: Fabric,
     bridge: Bridge,
+    #[serde(default)]
+    links: Vec<GroupLink>,
 }
 
 impl TryFrom<ClusterParts> for Cluster {
@@ -176,7 +226,7 @@ impl TryFrom<ClusterParts> for Cluster {
                 Ok(group)
             })
             .collect::<Result<Vec<_>, SpecError>>()?;
-        Cluster::new(groups, parts.fabric, parts.bridge, "cluster")
+        Cluster::new(groups, parts.fabric, parts.bridge, "cluster")?.with_links(parts.links, "cluster")
     }
 }
 
@@ -206,6 +256,19 @@ impl Cluster {
                 if value == 0 {
                     return Err(SpecError::field(source, format!("group[{idx}].{name}"), "must be at least 1"));
                 }
+            }
+            if let Some(package) = group.device.package
+                && !group.gpus_per_node.is_multiple_of(package.dies)
+            {
+                return Err(SpecError::field(
+                    source,
+                    format!("group[{idx}].gpus_per_node"),
+                    format!(
+                        "{} come {} to a package and a node holds whole packages: count devices as the driver \
+                         lists them, a multiple of {}",
+                        group.device.name, package.dies, package.dies
+                    ),
+                ));
             }
             positive(source, &format!("group[{idx}].intra_link_gb_s"), group.intra_link_gb_s)?;
             positive(source, &format!("group[{idx}].nic_gbit_s"), group.nic_gbit_s)?;
@@ -244,7 +307,49 @@ impl Cluster {
         positive(source, "bridge.device_direct_gb_s", bridge.device_direct_gb_s.unwrap_or(1.0))?;
         non_negative(source, "bridge.cpu_forward_latency_us", bridge.cpu_forward_latency_us)?;
         non_negative(source, "bridge.device_direct_latency_us", bridge.device_direct_latency_us)?;
-        Ok(Cluster { groups, fabric, bridge })
+        Ok(Cluster { groups, fabric, bridge, links: Vec::new() })
+    }
+
+    /// The cluster with `links` between its node groups, checked: groups that exist, two different
+    /// ones, each pair once, positive rates.
+    pub fn with_links(mut self, links: Vec<GroupLink>, source: &str) -> Result<Self, SpecError> {
+        for (idx, link) in links.iter().enumerate() {
+            let field = format!("link[{idx}].groups");
+            let n_groups = self.groups.len();
+            if let Some(&missing) = link.groups.iter().find(|&&group| group >= n_groups) {
+                return Err(SpecError::field(
+                    source,
+                    field,
+                    format!(
+                        "there is no group {missing}: groups are numbered from 0 in file order, and there are {n_groups}"
+                    ),
+                ));
+            }
+            let [a, b] = link.groups;
+            if a == b {
+                return Err(SpecError::field(
+                    source,
+                    field,
+                    "a link joins two different groups; a group's own nodes talk over the fabric",
+                ));
+            }
+            if links[..idx].iter().any(|earlier| earlier.joins(a, b)) {
+                return Err(SpecError::field(source, field, format!("groups {a} and {b} are linked twice")));
+            }
+            positive(source, &format!("link[{idx}].gbit_s"), link.gbit_s)?;
+            non_negative(source, &format!("link[{idx}].latency_us"), link.latency_us.unwrap_or(0.0))?;
+        }
+        self.links = links;
+        Ok(self)
+    }
+
+    /// The link between node groups `a` and `b`, if the cluster names one.
+    pub fn link_between_groups(&self, a: usize, b: usize) -> Option<&GroupLink> {
+        self.links.iter().find(|link| link.joins(a, b))
+    }
+
+    pub fn links(&self) -> &[GroupLink] {
+        &self.links
     }
 
     /// Parses the inline form `64xh100,128xa100,32xmi300x`: 8 GPUs per node unless the count is
@@ -261,7 +366,8 @@ impl Cluster {
     }
 
     /// Parses a fleet of single-GPU nodes, `2xh100,2xmi300x`: what `medley train` emulates with
-    /// one worker process per GPU (so no tensor-parallel group spans two processes).
+    /// one worker process per GPU. A package of several devices (`2xmi250x`: two MI250X, four
+    /// GCDs) is one node of its devices, joined by its die link.
     pub fn from_fleet(text: &str) -> Result<Self, SpecError> {
         let source = "--fleet";
         let groups = text
@@ -270,7 +376,15 @@ impl Cluster {
             .filter(|entry| !entry.is_empty())
             .map(|entry| {
                 let (count, device) = count_and_device(source, entry)?;
-                Ok(NodeGroup::with_defaults(device, count, 1))
+                let per_node = device.package.map_or(1, |package| package.dies);
+                if !count.is_multiple_of(per_node) {
+                    return Err(SpecError::field(
+                        source,
+                        entry,
+                        format!("{} come {per_node} to a package: give a multiple of {per_node}", device.name),
+                    ));
+                }
+                Ok(NodeGroup::with_defaults(device, count / per_node, per_node))
             })
             .collect::<Result<Vec<_>, SpecError>>()?;
         Cluster::new(groups, Fabric::default(), Bridge::default(), source)
@@ -293,7 +407,7 @@ impl Cluster {
             .enumerate()
             .map(|(idx, group)| group.resolve(source, idx, &custom))
             .collect::<Result<Vec<_>, _>>()?;
-        Cluster::new(groups, file.fabric, file.bridge, source)
+        Cluster::new(groups, file.fabric, file.bridge, source)?.with_links(file.link, source)
     }
 
     /// Refuses a job in `precision` on devices without its number format, naming them and what
@@ -407,7 +521,7 @@ fn inline_group(source: &str, entry: &str) -> Result<NodeGroup, SpecError> {
     Ok(NodeGroup::with_defaults(device, count / gpus_per_node, gpus_per_node))
 }
 
-/// One `COUNTxDEVICE` entry.
+/// One `COUNTxDEVICE` entry: the count of devices, packages counted as their dies.
 fn count_and_device(source: &str, entry: &str) -> Result<(u32, DeviceSpec), SpecError> {
     let bad = |message: String| SpecError::field(source, entry, message);
     let (count, name) =
@@ -419,7 +533,8 @@ fn count_and_device(source: &str, entry: &str) -> Result<(u32, DeviceSpec), Spec
     if count == 0 {
         return Err(bad("the GPU count must be at least 1".to_string()));
     }
-    Ok((count, catalog_device(name)?))
+    let devices = count.checked_mul(devices_per_counted(name)).ok_or_else(|| bad("too many GPUs".to_string()))?;
+    Ok((devices, catalog_device(name)?))
 }
 
 #[derive(Deserialize)]
@@ -433,6 +548,8 @@ struct ClusterFile {
     fabric: Fabric,
     #[serde(default)]
     bridge: Bridge,
+    #[serde(default)]
+    link: Vec<GroupLink>,
 }
 
 #[derive(Deserialize)]

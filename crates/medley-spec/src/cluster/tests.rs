@@ -208,3 +208,58 @@ fn a_custom_devices_compute_units_and_efficiency_are_checked() {
     let err = device("efficiency = { matmul = 1.5, attention = 0.4, memory = 0.8 }").unwrap_err().to_string();
     assert!(err.contains("efficiency.matmul") && err.contains("(0, 1]"), "{err}");
 }
+
+/// Issue 33: a cluster file could not say that one group reaches another over a slower link.
+#[test]
+fn links_between_groups_are_read_checked_and_kept_in_plans() {
+    let groups = "[[group]]\ndevice = \"a100\"\nnodes = 2\n[[group]]\ndevice = \"v100\"\nnodes = 1\n[[group]]\ndevice = \"h100\"\nnodes = 1\n";
+    let text = format!(
+        "{groups}[[link]]\ngroups = [0, 1]\ngbit_s = 10\n[[link]]\ngroups = [2, 0]\ngbit_s = 1\nlatency_us = 40\n"
+    );
+    let cluster = Cluster::from_toml(&text, "c.toml").unwrap();
+    assert_eq!(cluster.link_between_groups(1, 0).map(GroupLink::gb_s), Some(1.25));
+    assert_eq!(cluster.link_between_groups(0, 2).and_then(|link| link.latency_us), Some(40.0));
+    assert!(cluster.link_between_groups(1, 2).is_none(), "groups without a link meet over the fabric");
+    let json = serde_json::to_string(&cluster).unwrap();
+    assert_eq!(serde_json::from_str::<Cluster>(&json).unwrap(), cluster);
+    for (link, wanted) in [
+        ("groups = [0, 3]\ngbit_s = 10", "field `link[0].groups`: there is no group 3"),
+        ("groups = [1, 1]\ngbit_s = 10", "two different groups"),
+        ("groups = [0, 1]\ngbit_s = 0", "`link[0].gbit_s`: must be a positive number"),
+        ("groups = [0, 1]\ngbit_s = 10\n[[link]]\ngroups = [1, 0]\ngbit_s = 5", "groups 1 and 0 are linked twice"),
+        ("groups = [0, 1]\ngbit_s = 10\nlatency_us = -1", "link[0].latency_us"),
+    ] {
+        let err = Cluster::from_toml(&format!("{groups}[[link]]\n{link}\n"), "c.toml").unwrap_err().to_string();
+        assert!(err.contains("c.toml") && err.contains(wanted), "{wanted}: {err}");
+    }
+}
+
+#[test]
+fn nic_ports_are_shared_where_a_node_has_fewer_nics_than_gpus() {
+    let mut group = NodeGroup::with_defaults(catalog_device("a100").unwrap(), 1, 8);
+    (group.nics_per_node, group.nic_gbit_s) = (2, 100.0);
+    assert_eq!((group.nic_ports(), group.nic_port_gb_s()), (2, 12.5));
+    assert_eq!((0..8).map(|gpu| group.nic_port_of(gpu)).collect::<Vec<_>>(), [0, 0, 0, 0, 1, 1, 1, 1]);
+    // More NICs than GPUs: each GPU's port is all of its NICs.
+    (group.gpus_per_node, group.nics_per_node) = (1, 4);
+    assert_eq!((group.nic_ports(), group.nic_port_gb_s(), group.nic_port_of(0)), (1, 50.0, 0));
+}
+
+#[test]
+fn packages_count_as_their_dies_and_fill_whole_nodes() {
+    let inline = Cluster::from_inline("2xmi250x,2xmi250x-gcd", Fabric::default(), Bridge::default()).unwrap();
+    let shapes: Vec<_> = inline.groups().iter().map(|group| (group.n_nodes, group.gpus_per_node)).collect();
+    assert_eq!(shapes, [(1, 4), (1, 2)]);
+    // A fleet puts each package in a node of its own, its GCDs side by side.
+    let fleet = Cluster::from_fleet("2xh100,1xmi250x").unwrap();
+    let shapes: Vec<_> = fleet.groups().iter().map(|group| (group.n_nodes, group.gpus_per_node)).collect();
+    assert_eq!(shapes, [(2, 1), (1, 2)]);
+    let gcds = &fleet.groups()[1];
+    assert!(gcds.same_package(0, 1) && !NodeGroup { gpus_per_node: 4, ..gcds.clone() }.same_package(1, 2));
+    let err = Cluster::from_fleet("3xmi250x-gcd").unwrap_err().to_string();
+    assert!(err.contains("come 2 to a package"), "{err}");
+    let err = Cluster::from_toml("[[group]]\ndevice = \"mi250x\"\nnodes = 1\ngpus_per_node = 3\n", "c.toml")
+        .unwrap_err()
+        .to_string();
+    assert!(err.contains("group[0].gpus_per_node") && err.contains("multiple of 2"), "{err}");
+}
