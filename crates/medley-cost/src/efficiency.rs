@@ -8,10 +8,17 @@
 //!   out from it): A100 to Korthikanti et al. 2022 (arXiv 2205.05198) Table 4's 175B and 530B
 //!   runs, H100 to NVIDIA's dgxc-benchmarking GPT-3 175B BF16 run on 128 GPUs. One factor scales
 //!   the stated pair (A100 0.75/0.55, H100 0.70/0.50), which keeps their ratio.
-//! - V100 takes A100's fit and H200 H100's (same architectures; no cited runs of their own).
+//! - V100 takes A100's fit and H200 H100's (same architectures; no cited runs of their own), as
+//!   do the other Ampere parts (A10, A40, RTX A6000: GA102 cards, likely below an A100's fit)
+//!   and Hopper parts (H800, H20).
 //! - The rest are stated assumptions, not measurements: Ada cards' large GEMMs at about 65% of
 //!   peak, AMD's MI300-series at roughly half in public hipBLASLt measurements (MI250X less),
 //!   fused attention at 35-55%. Streaming kernels reach ~80% of HBM bandwidth everywhere.
+//! - The newest and oldest generations are assumptions too, with no run or measurement behind
+//!   them: Blackwell (B200, GB200) takes Hopper's fitted pair and CDNA 4 (MI355X) CDNA 3's,
+//!   until someone calibrates them; Turing (T4) is put lower, at 0.50/0.30, as a 70 W card held
+//!   below its boost clock under sustained tensor load whose attention runs without
+//!   FlashAttention-2 (which needs Ampere or newer); CDNA 1 (MI100) below CDNA 2, at 0.40/0.25.
 //!
 //! A calibration profile (`medley plan --calibration FILE`) replaces them with what a user
 //! measured on their machines: of well-shaped kernels for a GPU profile, of the one model it was
@@ -43,13 +50,17 @@ impl Efficiency {
             return Efficiency { matmul: stated.matmul, attention: stated.attention, memory: stated.memory };
         }
         let (matmul, attention) = match architecture(device).0 {
+            // Assumed, not measured (see the module comment).
+            Architecture::Cdna1 => (0.40, 0.25),
             Architecture::Cdna2 => (0.45, 0.30),
-            Architecture::Cdna3 => (0.50, 0.35),
+            Architecture::Cdna3 | Architecture::Cdna4 => (0.50, 0.35),
+            // Assumed, not measured (see the module comment).
+            Architecture::Turing => (0.50, 0.30),
             // Fitted: 1.008 × (0.75, 0.55).
             Architecture::Volta | Architecture::Ampere => (0.756, 0.554),
             Architecture::Ada => (0.65, 0.45),
-            // Fitted on H100: 0.973 × (0.70, 0.50).
-            Architecture::Hopper => (0.681, 0.487),
+            // Fitted on H100: 0.973 × (0.70, 0.50); Blackwell assumed to match.
+            Architecture::Hopper | Architecture::Blackwell => (0.681, 0.487),
         };
         Efficiency { matmul, attention, memory: 0.8 }
     }
@@ -63,15 +74,27 @@ fn architecture(device: &DeviceSpec) -> (Architecture, bool) {
     }
     let family = |prefix: &str| device.name.get(..prefix.len()).is_some_and(|head| head.eq_ignore_ascii_case(prefix));
     let known = [
+        ("mi100", Architecture::Cdna1),
+        ("mi210", Architecture::Cdna2),
         ("mi250", Architecture::Cdna2),
         ("mi300", Architecture::Cdna3),
         ("mi325", Architecture::Cdna3),
+        ("mi355", Architecture::Cdna4),
         ("v100", Architecture::Volta),
+        ("t4", Architecture::Turing),
+        ("a10", Architecture::Ampere),
         ("a100", Architecture::Ampere),
+        ("a40", Architecture::Ampere),
+        ("rtx-a6000", Architecture::Ampere),
+        ("l4", Architecture::Ada),
         ("l40", Architecture::Ada),
         ("rtx-4090", Architecture::Ada),
         ("h100", Architecture::Hopper),
+        ("h20", Architecture::Hopper),
         ("h200", Architecture::Hopper),
+        ("h800", Architecture::Hopper),
+        ("b200", Architecture::Blackwell),
+        ("gb200", Architecture::Blackwell),
     ];
     match known.into_iter().find(|(prefix, _)| family(prefix)) {
         Some((_, architecture)) => (architecture, false),
@@ -363,5 +386,46 @@ mod tests {
         custom.efficiency = Some(stated);
         assert_eq!(Efficiency::default_for(&custom), Efficiency { matmul: 0.61, attention: 0.42, memory: 0.7 });
         assert!(assumptions(&catalog_device("mi250x").unwrap()).is_empty());
+    }
+
+    /// Issue 33: every catalog device knows its generation and compute units, so none is priced
+    /// at another vendor generation's defaults or without tile quantisation.
+    #[test]
+    fn every_catalog_device_has_its_architecture_and_compute_units() {
+        for device in medley_spec::catalog_devices() {
+            assert!(assumptions(&device).is_empty(), "{}: {:?}", device.name, assumptions(&device));
+        }
+        let generation = |name: &str| architecture(&catalog_device(name).unwrap()).0;
+        let expected = [
+            ("t4", Architecture::Turing),
+            ("a10", Architecture::Ampere),
+            ("a40", Architecture::Ampere),
+            ("rtx-a6000", Architecture::Ampere),
+            ("l4", Architecture::Ada),
+            ("h800", Architecture::Hopper),
+            ("h20", Architecture::Hopper),
+            ("b200", Architecture::Blackwell),
+            ("gb200", Architecture::Blackwell),
+            ("mi100", Architecture::Cdna1),
+            ("mi210", Architecture::Cdna2),
+            ("mi355x", Architecture::Cdna4),
+        ];
+        for (name, architecture) in expected {
+            assert_eq!(generation(name), architecture, "{name}");
+        }
+        // Architectures are named in cluster files in lowercase.
+        for (text, architecture) in [
+            ("turing", Architecture::Turing),
+            ("blackwell", Architecture::Blackwell),
+            ("cdna1", Architecture::Cdna1),
+            ("cdna4", Architecture::Cdna4),
+        ] {
+            assert_eq!(toml::Value::from(text).try_into::<Architecture>().unwrap(), architecture);
+        }
+        // The assumed generations sit where the module comment puts them.
+        let matmul = |name: &str| Efficiency::default_for(&catalog_device(name).unwrap()).matmul;
+        assert_eq!(matmul("b200"), matmul("h100"));
+        assert_eq!(matmul("mi355x"), matmul("mi300x"));
+        assert!(matmul("t4") < matmul("v100") && matmul("mi100") < matmul("mi250x"));
     }
 }

@@ -114,24 +114,43 @@ pub struct GemmGeometry {
 impl GemmGeometry {
     /// The catalog devices' compute units (datasheets: SMs, CUs) and usual tiles (cuBLAS's
     /// 128 × 256 on Ampere and Hopper, hipBLASLt's 256 × 256 macro tiles on CDNA); `None` for
-    /// devices declared elsewhere, which are then priced without quantisation.
+    /// devices declared elsewhere, which are then priced without quantisation. Where one family
+    /// prefixes another (`h20`, `h200`) the longest wins.
     pub fn of(device: &DeviceSpec) -> Option<GemmGeometry> {
         let name = device.name.to_ascii_lowercase();
         let catalog_units = || {
             [
                 ("v100", 80),
+                // Third-party spec tables (TechPowerUp-style): T4 40, A10 72, A40 84, RTX A6000
+                // 84, L4 58 (7,424 CUDA cores; some tables say 60).
+                ("t4", 40),
+                ("a10", 72),
                 ("a100", 108),
+                ("a40", 84),
+                ("rtx-a6000", 84),
                 ("h100-sxm", 132),
                 ("h100-pcie", 114),
                 ("h200", 132),
+                // H800 is H100 SXM5 silicon (secondary); H20's 78 SMs are from Geekbench listings.
+                ("h800", 132),
+                ("h20", 78),
+                // B200 enables 148 SMs (Chips and Cheese); GB200's GPU is assumed the same.
+                ("b200", 148),
+                ("gb200", 148),
+                ("l4", 58),
                 ("l40s", 142),
                 ("rtx-4090", 128),
+                // AMD tables: MI100 120, MI210 104; MI355X 8 XCDs of 32 CUs (ROCm GPU specs).
+                ("mi100", 120),
+                ("mi210", 104),
                 ("mi250x", 220),
                 ("mi300x", 304),
                 ("mi325x", 304),
+                ("mi355x", 256),
             ]
             .into_iter()
-            .find(|(family, _)| name.starts_with(family))
+            .filter(|(family, _)| name.starts_with(family))
+            .max_by_key(|(family, _)| family.len())
             .map(|(_, units)| units)
         };
         let units = device.compute_units.or_else(catalog_units)?;
@@ -226,6 +245,30 @@ mod tests {
         assert!((small_factor / full - HALF_TILE_RATE * 0.5).abs() < 0.01, "{small_factor}");
         // Devices medley knows nothing of are priced without quantisation.
         assert_eq!(gemm_shape_factor(None, &spilled), gemm_shape_factor(None, &one_wave));
+    }
+
+    /// Issue 33: a family that prefixes another (`h20` of `h200`, `a10` of `a100`, `l4` of
+    /// `l40s`) must not take its SM count.
+    #[test]
+    fn catalog_devices_take_their_own_compute_units() {
+        let units = |name: &str| GemmGeometry::of(&catalog_device(name).unwrap()).map(|geometry| geometry.units);
+        let expected = [
+            ("h20", 78),
+            ("h200", 132),
+            ("a10", 72),
+            ("a100", 108),
+            ("l4", 58),
+            ("l40s", 142),
+            ("b200", 148),
+            ("gb200", 148),
+            ("t4", 40),
+            ("mi100", 120),
+            ("mi210", 104),
+            ("mi355x", 256),
+        ];
+        for (name, count) in expected {
+            assert_eq!(units(name), Some(count), "{name}");
+        }
     }
 
     #[test]

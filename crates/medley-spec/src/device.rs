@@ -69,16 +69,24 @@ impl fmt::Display for LinkKind {
 }
 
 /// A GPU architecture: where a custom device states one, the cost model takes that generation's
-/// default efficiencies.
+/// default efficiencies. Cluster files name them in lowercase (`turing`, `cdna4`).
 #[derive(Clone, Copy, Debug, PartialEq, Eq, Hash, Serialize, Deserialize)]
 #[serde(rename_all = "lowercase")]
 pub enum Architecture {
     Volta,
+    /// T4.
+    Turing,
     Ampere,
     Ada,
     Hopper,
+    /// B200, GB200.
+    Blackwell,
+    /// MI100.
+    Cdna1,
     Cdna2,
     Cdna3,
+    /// MI350X, MI355X.
+    Cdna4,
 }
 
 /// Achievable fractions of a device's peaks, each in (0, 1], as measured for it.
@@ -300,6 +308,38 @@ const CATALOG: &[CatalogEntry] = &[
         spec: || device("H200", Nvidia, Some(989.4), 989.4, 67.0, 141.0, 4.8, (Nvlink, 900.0), (8, 400.0)),
     },
     CatalogEntry {
+        aliases: &["h800", "h800-sxm", "h800-sxm5"],
+        // H100 SXM5 silicon with NVLink cut for export (secondary: third-party comparisons of the
+        // NVIDIA H800 datasheet): 989.4 dense bf16 (1,979 sparse), 67 fp32, 80 GB HBM3 at
+        // 3.35 TB/s, NVLink 400 GB/s. DeepSeek-V3 report (arXiv 2412.19437, §3.2.2): 8-GPU
+        // nodes, each GPU on its own InfiniBand rail at 50 GB/s (400 Gb/s).
+        spec: || device("H800", Nvidia, Some(989.4), 989.4, 67.0, 80.0, 3.35, (Nvlink, 400.0), (8, 400.0)),
+    },
+    CatalogEntry {
+        aliases: &["h20"],
+        // Secondary (third-party reproductions of NVIDIA's H20 sheet): 148 dense fp16/bf16,
+        // 44 fp32, 96 GB HBM3 at 4.0 TB/s, NVLink4 900 GB/s. NICs are an assumption: HGX H100's
+        // 8x 400 Gb/s.
+        spec: || device("H20", Nvidia, Some(148.0), 148.0, 44.0, 96.0, 4.0, (Nvlink, 900.0), (8, 400.0)),
+    },
+    CatalogEntry {
+        aliases: &["b200", "b200-sxm", "hgx-b200"],
+        // NVIDIA HGX B200 spec table (per GPU): 4.5 PFLOP/s fp16/bf16 with sparsity, so 2,250
+        // dense; 75 fp32; 180 GB HBM3e at 7.7 TB/s; NVLink5 1.8 TB/s. DGX B200 user guide: 8x
+        // ConnectX-7 at 400 Gb/s for the compute fabric.
+        spec: || device("B200", Nvidia, Some(2250.0), 2250.0, 75.0, 180.0, 7.7, (Nvlink, 1800.0), (8, 400.0)),
+    },
+    CatalogEntry {
+        aliases: &["gb200", "gb200-nvl72"],
+        // The B200-class GPU of a GB200 NVL72 rack. NVIDIA GB200 NVL72 spec table (per GPU): 5
+        // PFLOP/s fp16/bf16 with sparsity, so 2,500 dense; 80 fp32; 186 GB HBM3e at 8 TB/s;
+        // NVLink5 1.8 TB/s reaching all 72 GPUs of the rack. DGX GB200 user guide: 4x
+        // ConnectX-7 at 400 Gb/s per 4-GPU compute tray, one per GPU. The NVLink domain is the
+        // node: inline fleets (`72xgb200`) build 8-GPU nodes, so a `--cluster` file should set
+        // `gpus_per_node = 72` and, keeping one NIC per GPU, `nics_per_node = 72`.
+        spec: || device("GB200", Nvidia, Some(2500.0), 2500.0, 80.0, 186.0, 8.0, (Nvlink, 1800.0), (8, 400.0)),
+    },
+    CatalogEntry {
         aliases: &["l40s"],
         // NVIDIA L40S datasheet: 362.05 dense bf16, 91.6 fp32, 48 GB GDDR6 at 864 GB/s, PCIe Gen4
         // x16 64 GB/s, no NVLink. Typical servers: 2x 200 Gb/s NICs.
@@ -310,6 +350,43 @@ const CATALOG: &[CatalogEntry] = &[
         // Third-party spec tables (fp32-accumulate tensor rate 165.15), 82.6 fp32, 24 GB GDDR6X at
         // 1,008 GB/s, PCIe Gen4 x16, no NVLink. Workstations: one 100 Gb/s NIC.
         spec: || device("RTX-4090", Nvidia, Some(165.15), 165.15, 82.6, 24.0, 1.008, (Pcie, 64.0), (1, 100.0)),
+    },
+    CatalogEntry {
+        aliases: &["l4"],
+        // NVIDIA L4 datasheet (third-party reproduction): 242 fp16/bf16 with sparsity, so 121
+        // dense; 30.3 fp32; 24 GB GDDR6 at 300 GB/s; PCIe Gen4 x16, no NVLink. Google Cloud G2
+        // machines (8x L4): up to 100 Gb/s.
+        spec: || device("L4", Nvidia, Some(121.0), 121.0, 30.3, 24.0, 0.3, (Pcie, 64.0), (1, 100.0)),
+    },
+    CatalogEntry {
+        aliases: &["a10", "a10-pcie"],
+        // Secondary: 125 dense bf16/fp16 (NVIDIA A10 datasheet, 250 with sparsity; not retrieved,
+        // but 72 SMs x 4 tensor cores x 256 FLOP at 1,695 MHz give 125), 31.2 fp32, 24 GB
+        // GDDR6 at 600 GB/s (third-party spec tables), PCIe Gen4 x16, no NVLink. One 100 Gb/s
+        // NIC per server is an assumption (cloud A10/A10G servers reach 100 Gb/s).
+        spec: || device("A10", Nvidia, Some(125.0), 125.0, 31.2, 24.0, 0.6, (Pcie, 64.0), (1, 100.0)),
+    },
+    CatalogEntry {
+        aliases: &["a40"],
+        // NVIDIA A40 datasheet (third-party reproduction): 149.7 dense bf16/fp16 (299.4 sparse),
+        // 37.4 fp32, 48 GB GDDR6 at 696 GB/s, PCIe Gen4 64 GB/s; its NVLink bridge (112.5 GB/s)
+        // joins pairs only, so a node's collectives cross PCIe. NICs as the L40S's (assumption).
+        spec: || device("A40", Nvidia, Some(149.7), 149.7, 37.4, 48.0, 0.696, (Pcie, 64.0), (2, 200.0)),
+    },
+    CatalogEntry {
+        aliases: &["rtx-a6000", "a6000", "rtxa6000"],
+        // Secondary (Microway, via third-party tables): 154.8 dense fp16/bf16 (309.7 sparse);
+        // NVIDIA RTX A6000 spec sheet (ServeTheHome): 48 GB GDDR6 at 768 GB/s, PCIe Gen4 x16,
+        // NVLink bridge of 112.5 GB/s joining pairs only; 38.7 fp32 (third-party tables).
+        // Workstations: one 100 Gb/s NIC (assumption, as the RTX-4090's).
+        spec: || device("RTX-A6000", Nvidia, Some(154.8), 154.8, 38.7, 48.0, 0.768, (Pcie, 64.0), (1, 100.0)),
+    },
+    CatalogEntry {
+        aliases: &["t4", "tesla-t4"],
+        // NVIDIA T4 launch specs (third-party reproductions): 65 fp16 tensor (mixed precision),
+        // 8.1 fp32, 16 GB GDDR6 at 320 GB/s, PCIe Gen3 x16 (32 GB/s both ways); Turing has no
+        // bf16. Google Cloud N1 machines with T4s: up to 100 Gb/s.
+        spec: || device("T4", Nvidia, None, 65.0, 8.1, 16.0, 0.32, (Pcie, 32.0), (1, 100.0)),
     },
     CatalogEntry {
         aliases: &["mi250x-gcd"],
@@ -325,6 +402,24 @@ const CATALOG: &[CatalogEntry] = &[
         },
     },
     CatalogEntry {
+        aliases: &["mi210"],
+        // AMD Instinct MI210 (AnandTech's reproduction of AMD's table): one CDNA 2 GCD on a PCIe
+        // card, not a package; 181 fp16 matrix (bf16 at the same rate, as on the MI250X), 22.6
+        // fp32 vector, 64 GB HBM2e at 1.6 TB/s, 104 CUs, 3 Infinity Fabric links of 50 GB/s each
+        // way (ROCm docs' MI200 link rate). The bridge joins a hive of 4 cards, so an 8-GPU
+        // node's collectives cross PCIe Gen4; a `--cluster` file may state 4-GPU nodes at
+        // `intra_link = "infinity-fabric"`, `intra_link_gb_s = 150`. NICs: assumption.
+        spec: || device("MI210", Amd, Some(181.0), 181.0, 22.6, 64.0, 1.6, (Pcie, 64.0), (2, 200.0)),
+    },
+    CatalogEntry {
+        aliases: &["mi100"],
+        // AMD Instinct MI100 spec table (Notebookcheck's reproduction): 184.6 fp16 matrix but
+        // bf16 at half that, 92.3; 23.1 fp32; 32 GB HBM2 at 1.23 TB/s; 120 CUs; 3 Infinity
+        // Fabric links, 276 GB/s in all, joining a hive of 4 cards (ROCm docs), so 8-GPU nodes
+        // cross PCIe Gen4 as the MI210's. NICs: assumption.
+        spec: || device("MI100", Amd, Some(92.3), 184.6, 23.1, 32.0, 1.23, (Pcie, 64.0), (2, 200.0)),
+    },
+    CatalogEntry {
         aliases: &["mi300x"],
         // AMD Instinct MI300X datasheet: 1,307.4 dense bf16, 163.4 fp32, 192 GB HBM3 at 5.3 TB/s,
         // 7 Infinity Fabric links per GPU in an 8-GPU mesh (896 GB/s); 8x 400 Gb/s NICs per node.
@@ -334,6 +429,14 @@ const CATALOG: &[CatalogEntry] = &[
         aliases: &["mi325x"],
         // AMD Instinct MI325X datasheet: MI300X compute with 256 GB HBM3E at 6.0 TB/s.
         spec: || device("MI325X", Amd, Some(1307.4), 1307.4, 163.4, 256.0, 6.0, (InfinityFabric, 896.0), (8, 400.0)),
+    },
+    CatalogEntry {
+        aliases: &["mi355x"],
+        // Secondary (third-party reproductions of AMD's MI355X table): 2,516.6 dense fp16/bf16
+        // (2.5 PFLOP/s; 256 CUs x 4,096 FLOP per clock at 2.4 GHz), 157.3 fp32, 288 GB HBM3E
+        // at 8 TB/s; 7 Infinity Fabric links of 153.6 GB/s (1,075 GB/s) in an 8-GPU mesh. NICs
+        // assumed as the MI300X's.
+        spec: || device("MI355X", Amd, Some(2516.6), 2516.6, 157.3, 288.0, 8.0, (InfinityFabric, 1075.2), (8, 400.0)),
     },
 ];
 
@@ -385,6 +488,44 @@ mod tests {
         assert_eq!(catalog_device("A100_40GB").unwrap().hbm_gib, 40.0);
     }
 
+    /// Issue 33: devices labs and clouds run were missing from the catalog.
+    #[test]
+    fn issue_33_devices_resolve_by_every_alias() {
+        let check = |aliases: &[&str], name: &str| {
+            for alias in aliases {
+                assert_eq!(catalog_device(alias).unwrap().name, name, "{alias}");
+            }
+        };
+        check(&["b200", "B200-SXM", "hgx-b200"], "B200");
+        check(&["gb200", "GB200-NVL72"], "GB200");
+        check(&["h800", "h800-sxm", "H800_SXM5"], "H800");
+        check(&["h20", "H20"], "H20");
+        check(&["a10", "a10-pcie"], "A10");
+        check(&["a40"], "A40");
+        check(&["l4"], "L4");
+        check(&["rtx-a6000", "a6000", "RTX A6000", "rtxa6000"], "RTX-A6000");
+        check(&["t4", "Tesla-T4"], "T4");
+        check(&["mi210"], "MI210");
+        check(&["mi100"], "MI100");
+        check(&["mi355x", "MI355X"], "MI355X");
+        // Short aliases that prefix longer ones still name their own device.
+        assert_eq!(catalog_device("h200").unwrap().name, "H200");
+        assert_eq!(catalog_device("a100").unwrap().name, "A100-80GB");
+        assert_eq!(catalog_device("l40s").unwrap().name, "L40S");
+        // Turing has no bf16; the MI100 runs bf16 at half its fp16 rate; the MI210 is one die.
+        let t4 = catalog_device("t4").unwrap();
+        assert_eq!(
+            (t4.tensor_tflops(Precision::Bf16Mixed), t4.tensor_tflops(Precision::Fp16Mixed)),
+            (None, Some(65.0))
+        );
+        let mi100 = catalog_device("mi100").unwrap();
+        assert_eq!((mi100.bf16_tflops, mi100.fp16_tflops), (Some(92.3), 184.6));
+        assert_eq!((catalog_device("mi210").unwrap().package, devices_per_counted("mi210")), (None, 1));
+        // Datasheets quote links both ways summed; the catalog keeps one direction.
+        assert_eq!(catalog_device("gb200").unwrap().intra_link_gb_s, 900.0);
+        assert_eq!(catalog_device("h800").unwrap().intra_link_gb_s, 200.0);
+    }
+
     #[test]
     fn unknown_device_lists_close_names() {
         let err = catalog_device("h1000").unwrap_err();
@@ -395,9 +536,10 @@ mod tests {
     #[test]
     fn catalog_entries_are_valid_and_uniquely_named() {
         let devices = catalog_devices();
-        assert!(devices.len() >= 11);
-        for device in &devices {
+        assert!(devices.len() >= 22);
+        for (entry, device) in CATALOG.iter().zip(&devices) {
             device.clone().validated("catalog").unwrap();
+            assert_eq!(entry.aliases[0], normalize(&device.name), "the first alias is the canonical name");
         }
         let mut aliases: Vec<_> = CATALOG.iter().flat_map(|entry| entry.aliases.iter()).collect();
         let total = aliases.len();

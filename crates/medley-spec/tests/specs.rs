@@ -1,7 +1,7 @@
 //! The spec formats as users write them: the shipped examples stay valid, and any inline
 //! cluster either parses into the GPUs it names or is refused with a message.
 
-use medley_spec::{Bridge, Cluster, Fabric, JobSpec, Vendor, catalog_devices};
+use medley_spec::{Bridge, Cluster, Fabric, JobSpec, Precision, Vendor, catalog_devices};
 use proptest::prelude::*;
 
 fn example(name: &str) -> String {
@@ -19,13 +19,27 @@ fn shipped_examples_parse() {
     assert_eq!((job.seq_len(), job.global_batch()), (8192, 512));
 }
 
+/// Every catalog device makes a fleet, which trains in fp16 and in bf16 where the device has it
+/// (issue 33: the V100 and T4 have none, and a bf16 job on them is refused naming them).
 #[test]
 fn every_catalog_device_is_a_valid_inline_cluster() {
     for device in catalog_devices() {
         let cluster =
             Cluster::from_inline(&format!("16x{}", device.name), Fabric::default(), Bridge::default()).unwrap();
         assert_eq!(cluster.groups()[0].device, device);
+        cluster.check_precision(Precision::Fp16Mixed).unwrap();
+        match (device.bf16_tflops, cluster.check_precision(Precision::Bf16Mixed)) {
+            (Some(_), result) => result.unwrap(),
+            (None, result) => {
+                let err = result.unwrap_err().to_string();
+                assert!(err.contains(&format!("{} has none", device.name)), "{err}");
+            }
+        }
     }
+    let mixed = Cluster::from_inline("8xh100,8xt4", Fabric::default(), Bridge::default()).unwrap();
+    let err = mixed.check_precision(Precision::Bf16Mixed).unwrap_err().to_string();
+    assert!(err.contains("T4 has none") && err.contains("--precision fp16-mixed"), "{err}");
+    mixed.check_precision(Precision::Fp16Mixed).unwrap();
 }
 
 proptest! {
