@@ -2,33 +2,19 @@
 //! factor that fits each device type's tuning runs.
 //!
 //! Each device type's runs are split in two: the tuning runs are the only data the default
-//! efficiencies (`medley_cost::Efficiency::default_for`) were fitted on; the check runs were held
-//! out and show how far the fitted model is from measurements it never saw. The fit scales the
-//! matmul and attention efficiencies together by one factor (their ratio stays as stated), so that
-//! the geometric mean of predicted over measured step time on the tuning runs is 1.
+//! efficiencies (`medley_cost::Efficiency::default_for`) were fitted on, by `medley_fit::fit`;
+//! the check runs were held out and show how far the fitted model is from measurements it never
+//! saw.
 
-use medley_cost::{Calibration, CostModel, Efficiency, Setting};
+use medley_cost::Calibration;
+use medley_fit::{FittedFactor, Measured, MeasuredRun};
 use medley_plan::Plan;
-use medley_plan::baselines::{Degrees, fixed, megatron_plan};
-use medley_sim::{SimConfig, StepReport, simulate_steps};
-use medley_spec::{
-    AttentionKernel, Bridge, Cluster, Fabric, JobParts, JobSpec, ModelSpec, Recompute, catalog_device, catalog_model,
-};
+use medley_plan::baselines::{Degrees, as_measured};
+use medley_spec::{AttentionKernel, Bridge, Cluster, Fabric, JobParts, JobSpec, ModelSpec, Recompute, catalog_model};
 use rayon::prelude::*;
 use serde::Serialize;
 
 use crate::BenchError;
-
-/// What a source reports.
-#[derive(Clone, Copy, Debug, Serialize)]
-#[serde(rename_all = "snake_case")]
-pub enum Reported {
-    StepS(f64),
-    /// Counting recomputation, as Megatron's papers do.
-    HardwareTflopsPerGpu(f64),
-    /// Model FLOPs only.
-    ModelTflopsPerGpu(f64),
-}
 
 #[derive(Clone, Copy, Debug, PartialEq, Eq, Serialize)]
 #[serde(rename_all = "lowercase")]
@@ -53,7 +39,7 @@ pub struct CitedRun {
     /// Megatron-LM's `--overlap-grad-reduce` (which it did not have before 2023).
     pub overlap_grad_reduce: bool,
     pub zero1: bool,
-    pub measured: Reported,
+    pub measured: Measured,
     pub role: Role,
 }
 
@@ -101,7 +87,7 @@ const fn korthikanti(
         attention: AttentionKernel::Unfused,
         overlap_grad_reduce: false,
         zero1: false,
-        measured: Reported::StepS(step_s),
+        measured: Measured::StepS(step_s),
         role,
     }
 }
@@ -120,7 +106,7 @@ const fn narayanan(cluster: &'static str, dp: u32, tflops: f64) -> CitedRun {
         attention: AttentionKernel::Unfused,
         overlap_grad_reduce: false,
         zero1: false,
-        measured: Reported::HardwareTflopsPerGpu(tflops),
+        measured: Measured::HardwareTflopsPerGpu(tflops),
         role: Role::Check,
     }
 }
@@ -143,7 +129,7 @@ const fn llama3(cluster: &'static str, dp: u32, tflops: f64) -> CitedRun {
         attention: AttentionKernel::Fused,
         overlap_grad_reduce: true,
         zero1: true,
-        measured: Reported::ModelTflopsPerGpu(tflops),
+        measured: Measured::ModelTflopsPerGpu(tflops),
         role: Role::Check,
     }
 }
@@ -165,7 +151,7 @@ const fn dgxc_gpt3(cluster: &'static str, dp: u32, step_s: f64, role: Role) -> C
         attention: AttentionKernel::Fused,
         overlap_grad_reduce: true,
         zero1: true,
-        measured: Reported::StepS(step_s),
+        measured: Measured::StepS(step_s),
         role,
     }
 }
@@ -187,7 +173,7 @@ const fn dgxc_llama31_8b(cluster: &'static str, dp: u32, step_s: f64) -> CitedRu
         attention: AttentionKernel::Fused,
         overlap_grad_reduce: true,
         zero1: true,
-        measured: Reported::StepS(step_s),
+        measured: Measured::StepS(step_s),
         role: Role::Check,
     }
 }
@@ -277,7 +263,7 @@ pub struct CitedPrediction {
     pub cluster: &'static str,
     pub layout: String,
     pub role: Role,
-    pub measured: Reported,
+    pub measured: Measured,
     pub predicted_step_s: f64,
     /// Predicted over measured step time: above 1, the model is pessimistic.
     pub time_ratio: f64,
@@ -324,16 +310,6 @@ pub fn error_summaries(rows: &[CitedPrediction]) -> Vec<ErrorSummary> {
         .collect()
 }
 
-/// The efficiency factor that fits one device type's tuning runs.
-#[derive(Clone, Debug, Serialize)]
-pub struct Fit {
-    pub device: String,
-    /// The factor on the stated efficiencies that fits the tuning runs.
-    pub factor: f64,
-    pub matmul: f64,
-    pub attention: f64,
-}
-
 impl CitedRun {
     /// The Megatron-style plan the run was measured on, priced with the default efficiencies.
     pub fn plan(&self) -> Result<Plan, BenchError> {
@@ -356,24 +332,13 @@ impl CitedRun {
             ..JobParts::default()
         };
         let job = JobSpec::new(parts, self.source).map_err(|err| failed(err.to_string()))?;
-        let calibration = Calibration::default();
-        if self.degrees.splits_sequences() {
-            let job = job.with_recompute(self.recompute);
-            let candidate = fixed(&cluster, &model, &job, &calibration, self.degrees);
-            return candidate.map(|candidate| candidate.plan).map_err(|err| failed(err.to_string()));
-        }
-        let cost = CostModel::new(&model, self.seq_len, &calibration).with_attention(self.attention);
-        let setting = Setting { micro_batch: self.micro_batch, tp: self.degrees.tp, recompute: self.recompute };
-        megatron_plan(&cluster, &cost, &job, setting, self.degrees).map_err(|err| failed(err.to_string()))
+        as_measured(&cluster, &model, &job, &Calibration::default(), self.degrees, self.recompute)
+            .map_err(|err| failed(err.to_string()))
     }
 
-    /// Predicted over measured step time.
-    pub fn time_ratio(&self, report: &StepReport) -> f64 {
-        match self.measured {
-            Reported::StepS(step_s) => report.step_time_s / step_s,
-            Reported::HardwareTflopsPerGpu(tflops) => tflops / report.utilisation.hardware_tflops_per_gpu,
-            Reported::ModelTflopsPerGpu(tflops) => tflops / report.utilisation.model_tflops_per_gpu,
-        }
+    /// The run as the fit takes it.
+    pub fn measured_run(&self, plan: &Plan) -> Result<MeasuredRun, BenchError> {
+        Ok(MeasuredRun::new(self.label.to_string(), self.cluster.to_string(), plan.clone(), self.measured)?)
     }
 
     /// The run's device type (every cited run is on one).
@@ -394,7 +359,7 @@ pub fn predict(
 ) -> Result<Vec<CitedPrediction>, BenchError> {
     runs.par_iter()
         .map(|(run, plan)| {
-            let report = simulate_one(plan, calibration)?;
+            let prediction = run.measured_run(plan)?.predict(calibration)?;
             Ok(CitedPrediction {
                 source: run.source,
                 run: run.label,
@@ -402,96 +367,26 @@ pub fn predict(
                 layout: format!("{}, {}", run.degrees, plan.recompute()),
                 role: run.role,
                 measured: run.measured,
-                predicted_step_s: report.step_time_s,
-                time_ratio: run.time_ratio(&report),
+                predicted_step_s: prediction.predicted_step_s,
+                time_ratio: prediction.time_ratio,
             })
         })
         .collect()
 }
 
-/// The fit of every device type's tuning runs, in the order the runs list the types.
-pub fn fit_devices(runs: &[(&'static CitedRun, Plan)]) -> Result<Vec<Fit>, BenchError> {
-    let mut devices: Vec<String> = runs.iter().map(|(run, plan)| run.device(plan)).collect();
-    devices.dedup();
-    devices
+/// The factors that fit the tuning runs, one per device type (each run is on one type).
+pub fn fit_devices(runs: &[(&'static CitedRun, Plan)]) -> Result<Vec<FittedFactor>, BenchError> {
+    let tuning: Vec<MeasuredRun> = runs
         .iter()
-        .map(|device| {
-            let tuning: Vec<(&CitedRun, Plan)> = runs
-                .iter()
-                .filter(|(run, plan)| run.role == Role::Tune && &run.device(plan) == device)
-                .map(|(run, plan)| (*run, plan.clone()))
-                .collect();
-            fit(device, &tuning)
-        })
-        .collect()
-}
-
-fn simulate_one(plan: &Plan, calibration: &Calibration) -> Result<StepReport, BenchError> {
-    let report = simulate_steps(plan, calibration, &SimConfig::default(), plan.schedule(), 1, None)?;
-    Ok(report.last_step)
-}
-
-/// A calibration that scales `device`'s stated matmul and attention efficiencies by `factor`.
-fn scaled(device: &str, factor: f64) -> Result<(Calibration, Efficiency), BenchError> {
-    let failed = |message: String| BenchError::Fit { device: device.to_string(), message };
-    let stated = Efficiency::default_for(&catalog_device(device).map_err(|err| failed(err.to_string()))?);
-    let efficiency = Efficiency {
-        matmul: (stated.matmul * factor).min(1.0),
-        attention: (stated.attention * factor).min(1.0),
-        memory: stated.memory,
-    };
-    let text = format!(
-        "[device.\"{device}\"]\nmatmul = {}\nattention = {}\nmemory = {}\n",
-        efficiency.matmul, efficiency.attention, efficiency.memory
-    );
-    let calibration = Calibration::from_toml(&text, "fit").map_err(|err| failed(err.to_string()))?;
-    Ok((calibration, efficiency))
-}
-
-/// The factor on `device`'s stated efficiencies under which its tuning runs' geometric-mean
-/// time ratio is 1.
-fn fit(device: &str, runs: &[(&CitedRun, Plan)]) -> Result<Fit, BenchError> {
-    let log_ratio = |factor: f64| -> Result<f64, BenchError> {
-        let (calibration, _) = scaled(device, factor)?;
-        let log_ratios: Vec<f64> = runs
-            .par_iter()
-            .map(|(run, plan)| Ok(run.time_ratio(&simulate_one(plan, &calibration)?).ln()))
-            .collect::<Result<_, BenchError>>()?;
-        Ok(log_ratios.iter().sum::<f64>() / runs.len() as f64)
-    };
-    let factor = falling_root(log_ratio, FACTOR_RANGE)?;
-    let (_, efficiency) = scaled(device, factor)?;
-    Ok(Fit { device: device.to_string(), factor, matmul: efficiency.matmul, attention: efficiency.attention })
-}
-
-/// Where the fit looks for its factor.
-const FACTOR_RANGE: (f64, f64) = (0.3, 1.5);
-
-/// Bisection steps: the range shrinks by 2²⁰ to about 1e-6, below the three digits the defaults
-/// keep.
-const BISECTION_STEPS: usize = 20;
-
-/// The root of `f`, which falls as its argument grows (a faster device predicts shorter
-/// steps), within `(low, high)`; the nearer end when the root lies outside.
-fn falling_root<E>(f: impl Fn(f64) -> Result<f64, E>, (mut low, mut high): (f64, f64)) -> Result<f64, E> {
-    for _ in 0..BISECTION_STEPS {
-        let middle = 0.5 * (low + high);
-        if f(middle)? > 0.0 { low = middle } else { high = middle }
-    }
-    Ok(0.5 * (low + high))
+        .filter(|(run, _)| run.role == Role::Tune)
+        .map(|(run, plan)| run.measured_run(plan))
+        .collect::<Result<_, _>>()?;
+    Ok(medley_fit::fit(&tuning, &Calibration::default())?.factors)
 }
 
 #[cfg(test)]
 mod tests {
     use super::*;
-
-    #[test]
-    fn the_root_of_a_falling_function_is_found_or_clamped_to_the_range() {
-        let at = |root: f64| move |x: f64| Ok::<_, ()>((root / x).ln());
-        assert!((falling_root(at(0.8), FACTOR_RANGE).unwrap() - 0.8).abs() < 1e-6);
-        assert!((falling_root(at(5.0), FACTOR_RANGE).unwrap() - FACTOR_RANGE.1).abs() < 1e-6);
-        assert!((falling_root(at(0.01), FACTOR_RANGE).unwrap() - FACTOR_RANGE.0).abs() < 1e-6);
-    }
 
     #[test]
     fn every_device_type_has_tuning_and_check_runs() {

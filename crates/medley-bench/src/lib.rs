@@ -6,6 +6,7 @@ pub mod cited;
 pub mod comm;
 pub mod comm_harness;
 pub mod compute;
+pub mod heterogeneous;
 pub mod long_context;
 pub mod planner;
 pub mod schedules;
@@ -18,8 +19,10 @@ use thiserror::Error;
 pub enum BenchError {
     #[error("cited run {run}: {message}")]
     CitedRun { run: &'static str, message: String },
-    #[error("fitting {device}'s efficiencies: {message}")]
-    Fit { device: String, message: String },
+    #[error(transparent)]
+    Fit(#[from] medley_fit::FitError),
+    #[error(transparent)]
+    Measurements(#[from] medley_fit::measurements::ReadError),
     #[error("bench case {case}: {message}")]
     Case { case: String, message: String },
     #[error("simulating: {0}")]

@@ -11,7 +11,7 @@ use std::fmt;
 use std::str::FromStr;
 
 use medley_cost::{Calibration, CostModel, Setting};
-use medley_spec::{Cluster, JobSpec, ModelSpec, Schedule, ScheduleKind, echo};
+use medley_spec::{Cluster, JobSpec, ModelSpec, Recompute, Schedule, ScheduleKind, echo};
 use rayon::prelude::*;
 
 use crate::assemble::{ReplicaLayout, assemble, stages_from_counts};
@@ -255,6 +255,32 @@ pub fn fixed(
             model.name()
         )),
     })
+}
+
+/// The Megatron-style plan a run was measured on: `degrees` with the job's micro-batch and
+/// `recompute`, built whether or not the cost model thinks it fits (it ran).
+pub fn as_measured(
+    cluster: &Cluster,
+    model: &ModelSpec,
+    job: &JobSpec,
+    calibration: &Calibration,
+    degrees: Degrees,
+    recompute: Recompute,
+) -> Result<Plan, PlanError> {
+    let Some(micro_batch) = job.micro_batch() else {
+        return Err(PlanError::Layout {
+            layout: degrees.to_string(),
+            message: "a measured run states its micro-batch".into(),
+        });
+    };
+    if degrees.splits_sequences() {
+        let job = job.clone().with_recompute(recompute);
+        return fixed(cluster, model, &job, calibration, degrees).map(|candidate| candidate.plan);
+    }
+    let cost = CostModel::new(model, job.seq_len(), calibration)
+        .with_attention(job.attention())
+        .with_precision(job.precision());
+    megatron_plan(cluster, &cost, job, Setting { micro_batch, tp: degrees.tp, recompute }, degrees)
 }
 
 /// The best uniform (heterogeneity-blind) plan over every device, if any fits.

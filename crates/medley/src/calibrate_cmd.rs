@@ -1,16 +1,24 @@
 //! `medley calibrate`: measures this machine's pass time for a model and writes the emulation
-//! profile that `medley train --calibration` takes; `medley plan` and `medley simulate` take it
-//! only to price that model's emulated runs.
+//! profile that `medley train --calibration` takes (`medley plan` and `medley simulate` take it
+//! only to price that model's emulated runs); with `--measured`, fits the GPU profile that
+//! `plan`, `simulate` and `train` take to step times measured on real devices.
 
-use std::path::PathBuf;
+use std::path::{Path, PathBuf};
 
 use anyhow::{Context, Result};
 use clap::Args;
+use comfy_table::Cell;
+use medley_cost::Calibration;
+use medley_fit::measurements::{read_csv, read_run};
+use medley_fit::{
+    Accuracy, FittedFactor, MeasuredRun, Prediction, by_cluster, cross_validate, fit, mean_abs_error, predict,
+};
+use medley_report::text::{count, right, table};
 use medley_runtime::DeviceChoice;
 use medley_spec::Cluster;
 
 use crate::inputs::DEFAULT_FLEET;
-use crate::inputs::{JobFlags, load_model};
+use crate::inputs::{JobFlags, load_model, read};
 use crate::job::calibrate_here;
 
 /// Takes train's job flags and defaults, so that train's command line makes its profile.
@@ -31,9 +39,25 @@ pub struct CalibrateArgs {
     /// Write the profile here instead of printing it.
     #[arg(short = 'o', long)]
     pub output: Option<PathBuf>,
+    /// Fit the device efficiencies to measured steps instead: a CSV of layouts and step times
+    /// (label,cluster,model,seq_len,global_batch,micro_batch,tp,pp,dp,step_s and optionally
+    /// vpp,cp,recompute,attention,precision,zero1,overlap_grad_reduce), or a medley run directory
+    /// from real devices (its plan.json and metrics.jsonl). Repeat for several.
+    #[arg(long, value_name = "FILE")]
+    pub measured: Vec<PathBuf>,
+    /// With --measured: the GPU profile the fit starts from [default: the built-in efficiencies].
+    #[arg(long, requires = "measured")]
+    pub calibration: Option<String>,
+    /// With --measured: held-out predictions come from this many folds, each run predicted by a
+    /// fit of the others.
+    #[arg(long, default_value_t = 5, requires = "measured", value_parser = clap::value_parser!(u32).range(2..))]
+    pub folds: u32,
 }
 
 pub fn run(args: &CalibrateArgs) -> Result<()> {
+    if !args.measured.is_empty() {
+        return fit_measured(args);
+    }
     let cluster = Cluster::from_fleet(&args.fleet)?;
     let shape = args.shape.shape()?;
     let model = load_model(&shape.model)?;
@@ -47,11 +71,96 @@ pub fn run(args: &CalibrateArgs) -> Result<()> {
         shape.micro_batch,
         calibration.to_toml()
     );
-    match &args.output {
+    write_profile(args.output.as_deref(), &text)
+}
+
+fn write_profile(output: Option<&Path>, text: &str) -> Result<()> {
+    match output {
         Some(path) => std::fs::write(path, text).with_context(|| format!("cannot write {}", path.display())),
-        None => {
-            print!("{text}");
-            Ok(())
+        None => crate::emit(text),
+    }
+}
+
+/// `--measured`: the fit, what it changes in-sample and held out, and its profile.
+fn fit_measured(args: &CalibrateArgs) -> Result<()> {
+    let mut runs = Vec::new();
+    for path in &args.measured {
+        match path.is_dir() || path.file_name().is_some_and(|name| name == "metrics.jsonl") {
+            true => runs.push(read_run(path)?),
+            false => runs.extend(read_csv(path)?),
         }
     }
+    let base = match &args.calibration {
+        Some(path) => Calibration::from_toml(&read(path)?, path)?,
+        None => Calibration::default(),
+    };
+    let defaults = predict(&runs, &base)?;
+    let fitted = fit(&runs, &base)?;
+    let in_sample = predict(&runs, &fitted.calibration)?;
+    let held_out = cross_validate(&runs, &base, args.folds as usize)?;
+    crate::emit(&fit_text(&runs, [&defaults, &in_sample, &held_out], &fitted.factors, args.folds))?;
+    let sources: Vec<String> = args.measured.iter().map(|path| path.display().to_string()).collect();
+    let text = format!(
+        "# medley calibrate --measured {}\n# Efficiencies fitted to {}; held-out mean error {:.1}%.\n{}",
+        sources.join(" --measured "),
+        count(runs.len(), "measured run"),
+        100.0 * mean_abs_error(&held_out),
+        fitted.calibration.to_toml()
+    );
+    write_profile(args.output.as_deref(), &text)?;
+    if let Some(path) = &args.output {
+        tracing::info!(
+            "wrote {}: give it to plan, simulate and train as --calibration {}",
+            path.display(),
+            path.display()
+        );
+    }
+    Ok(())
+}
+
+/// Per run, then per cluster: the predictions under the defaults, the fit and held out.
+fn fit_text(
+    runs: &[MeasuredRun],
+    [defaults, fitted, held_out]: [&[Prediction]; 3],
+    factors: &[FittedFactor],
+    folds: u32,
+) -> String {
+    let error = |prediction: &Prediction| format!("{:+.1}%", 100.0 * (prediction.time_ratio - 1.0));
+    let mut per_run = table(&["run", "cluster", "measured", "defaults", "fitted", "held out"]);
+    for (idx, run) in runs.iter().enumerate() {
+        per_run.add_row(vec![
+            Cell::new(&run.label),
+            Cell::new(&run.cluster),
+            right(format!("{:.3} s", defaults[idx].measured_step_s())),
+            right(error(&defaults[idx])),
+            right(error(&fitted[idx])),
+            right(error(&held_out[idx])),
+        ]);
+    }
+    let mut per_cluster = table(&["cluster", "runs", "predictions", "mean error", "time ratio", "Spearman"]);
+    for (cluster, members) in by_cluster(runs) {
+        for (name, predictions) in [("defaults", defaults), ("fitted", fitted), ("held out", held_out)] {
+            let picked: Vec<Prediction> = members.iter().map(|&idx| predictions[idx]).collect();
+            let Accuracy { mean_abs_error, mean_time_ratio, spearman } = Accuracy::of(&picked);
+            per_cluster.add_row(vec![
+                Cell::new(cluster),
+                right(members.len().to_string()),
+                Cell::new(name),
+                right(format!("{:.1}%", 100.0 * mean_abs_error)),
+                right(format!("{mean_time_ratio:.3}")),
+                right(spearman.map_or("-".to_string(), |rho| format!("{rho:.2}"))),
+            ]);
+        }
+    }
+    let mut fitted_factors = table(&["device types", "factor", "runs"]);
+    for factor in factors {
+        fitted_factors.add_row(vec![
+            Cell::new(factor.devices.join(" + ")),
+            right(format!("{:.3}", factor.factor)),
+            right(factor.n_runs.to_string()),
+        ]);
+    }
+    format!(
+        "Step time errors (predicted / measured - 1) under the default efficiencies, the fit, and held out ({folds} folds: each run predicted by a fit of the others)\n{per_run}\n{per_cluster}\nFactors on the matmul and attention efficiencies (device types that only ran together share one)\n{fitted_factors}\n"
+    )
 }

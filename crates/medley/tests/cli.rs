@@ -1593,3 +1593,45 @@ fn bad_arguments_are_quoted_escaped_and_cut() {
         assert!(text.contains("invalid value"), "{text}");
     }
 }
+
+/// A measurements CSV of `rows` (layout and step time) for llama3-8b on eight H100s.
+fn measurements(name: &str, rows: &[&str]) -> PathBuf {
+    let path = scratch(name);
+    let header = "label,cluster,model,seq_len,global_batch,micro_batch,tp,pp,dp,step_s\n";
+    fs::write(&path, header.to_string() + &rows.join("\n") + "\n").unwrap();
+    path
+}
+
+#[test]
+fn calibrate_fits_measured_steps_into_a_profile_that_plan_takes() {
+    let csv = measurements(
+        "measured.csv",
+        &[
+            "wide,8xh100,llama3-8b,2048,64,1,1,1,8,3.0",
+            "deep,8xh100,llama3-8b,2048,64,1,2,2,2,2.5",
+            "tp,8xh100,llama3-8b,2048,64,1,8,1,1,4.0",
+        ],
+    );
+    let profile = scratch("fitted.toml");
+    let (csv, profile) = (csv.to_str().unwrap(), profile.to_str().unwrap());
+    let output = check(&["calibrate", "--measured", csv, "-o", profile], 0, "held out");
+    assert!(stdout(&output).contains("H100-SXM"), "{}", stdout(&output));
+    let written = fs::read_to_string(profile).unwrap();
+    assert!(written.contains("kind = \"gpu\"") && written.contains("[device.H100-SXM]"), "{written}");
+    let plan =
+        ["plan", "-q", "--cluster", "8xh100", "--model", "llama3-8b", "--seq-len", "2048", "--global-batch", "64"];
+    check(&[&plan[..], &["--calibration", profile]].concat(), 0, "");
+}
+
+#[test]
+fn calibrate_names_the_row_of_a_bad_measurement_and_refuses_an_emulated_run() {
+    let csv =
+        measurements("bad.csv", &["a,8xh100,llama3-8b,2048,64,1,1,1,8,3.0", "b,8xh100,llama3-8b,2048,64,1,1,1,8,-1"]);
+    check(&["calibrate", "--measured", csv.to_str().unwrap()], 2, "row 3");
+    let unknown = measurements("unknown.csv", &["a,8xh100,llama3-8b,2048,64,1,1,1,8,3.0,extra"]);
+    check(&["calibrate", "--measured", unknown.to_str().unwrap()], 2, "row 2");
+    let run = scratch("emulated-run");
+    fs::create_dir_all(&run).unwrap();
+    fs::write(run.join("emulation.json"), "{}").unwrap();
+    check(&["calibrate", "--measured", run.to_str().unwrap()], 2, "emulated run");
+}

@@ -6,11 +6,11 @@
 use std::fmt::Write as _;
 
 use crate::BenchError;
-use crate::cited::{
-    CitedPrediction, ErrorSummary, Fit, Reported, Role, SOURCES, error_summaries, fit_devices, planned_runs, predict,
-};
+use crate::cited::{CitedPrediction, ErrorSummary, Role, SOURCES, error_summaries, fit_devices, planned_runs, predict};
+use crate::heterogeneous::{self, ClusterSummary};
 use comfy_table::Cell;
 use medley_cost::Calibration;
+use medley_fit::{Accuracy, FittedFactor, Measured};
 use serde::Serialize;
 
 use medley_report::text::{right, table};
@@ -26,21 +26,21 @@ pub fn report(json: bool) -> Result<String, BenchError> {
     let rows = predict(&runs, &Calibration::default())?;
     let errors = error_summaries(&rows);
     let fits = fit_devices(&runs)?;
+    let mixed = heterogeneous::summaries()?;
     if json {
         #[derive(Serialize)]
         struct Out<'a> {
             runs: &'a [CitedPrediction],
             errors: &'a [ErrorSummary],
-            fits: &'a [Fit],
+            fits: &'a [FittedFactor],
+            heterogeneous: &'a [ClusterSummary],
         }
-        let _ = writeln!(
-            out,
-            "{}",
-            serde_json::to_string_pretty(&Out { runs: &rows, errors: &errors, fits: &fits }).expect("rows serialise")
-        );
+        let all = Out { runs: &rows, errors: &errors, fits: &fits, heterogeneous: &mixed };
+        let _ = writeln!(out, "{}", serde_json::to_string_pretty(&all).expect("rows serialise"));
         return Ok(out);
     }
     let _ = writeln!(out, "{}", text(&rows, &errors, &fits));
+    let _ = writeln!(out, "{}", heterogeneous_text(&mixed));
     Ok(out)
 }
 
@@ -56,7 +56,7 @@ fn role_name(role: Role) -> &'static str {
     }
 }
 
-fn text(rows: &[CitedPrediction], errors: &[ErrorSummary], fits: &[Fit]) -> String {
+fn text(rows: &[CitedPrediction], errors: &[ErrorSummary], fits: &[FittedFactor]) -> String {
     let mut out = String::from(
         "Simulated steps against published measurements, with the default efficiencies\n\
          (time ratio = predicted / measured step time; above 1 the model is pessimistic)\n",
@@ -64,9 +64,9 @@ fn text(rows: &[CitedPrediction], errors: &[ErrorSummary], fits: &[Fit]) -> Stri
     let mut runs = table(&["source", "run", "cluster", "layout", "role", "measured", "predicted step", "time ratio"]);
     for row in rows {
         let measured = match row.measured {
-            Reported::StepS(step_s) => format!("{step_s:.2} s"),
-            Reported::HardwareTflopsPerGpu(tflops) => format!("{tflops:.0} TFLOP/s (hw)"),
-            Reported::ModelTflopsPerGpu(tflops) => format!("{tflops:.0} TFLOP/s (model)"),
+            Measured::StepS(step_s) => format!("{step_s:.2} s"),
+            Measured::HardwareTflopsPerGpu(tflops) => format!("{tflops:.0} TFLOP/s (hw)"),
+            Measured::ModelTflopsPerGpu(tflops) => format!("{tflops:.0} TFLOP/s (model)"),
         };
         runs.add_row(vec![
             right(format!("[{}]", source_number(row.source))),
@@ -108,12 +108,14 @@ fn text(rows: &[CitedPrediction], errors: &[ErrorSummary], fits: &[Fit]) -> Stri
     out += "\nFits on the tuning runs (one factor on the default matmul and attention efficiencies;\n1.000 means the defaults are the fit)\n";
     let mut fitted = table(&["device", "factor", "matmul", "attention"]);
     for fit in fits {
-        fitted.add_row(vec![
-            Cell::new(&fit.device),
-            right(format!("{:.3}", fit.factor)),
-            right(format!("{:.3}", fit.matmul)),
-            right(format!("{:.3}", fit.attention)),
-        ]);
+        for (device, matmul, attention) in &fit.efficiencies {
+            fitted.add_row(vec![
+                Cell::new(device),
+                right(format!("{:.3}", fit.factor)),
+                right(format!("{matmul:.3}")),
+                right(format!("{attention:.3}")),
+            ]);
+        }
     }
     out += &fitted.to_string();
     out += "\nSources:\n";
@@ -121,4 +123,44 @@ fn text(rows: &[CitedPrediction], errors: &[ErrorSummary], fits: &[Fit]) -> Stri
         let _ = writeln!(out, "  [{}] {source}", idx + 1);
     }
     out
+}
+
+/// The mixed clusters' section: per source and cluster, the defaults, the fit on all its runs and
+/// the fit's held-out predictions.
+fn heterogeneous_text(summaries: &[ClusterSummary]) -> String {
+    let mut out = String::from(
+        "Heterogeneous clusters: published layouts of one mixed cluster, predicted with the default\n\
+         efficiencies, fitted to all of the source's runs (`medley calibrate --measured`'s fit), and\n\
+         held out (each run predicted by a fit of the others, 5 folds). Spearman: predicted against\n\
+         measured order of the cluster's layouts (1 is the measured order).\n",
+    );
+    let mut rows = table(&["source", "cluster", "runs", "predictions", "mean error", "time ratio", "Spearman"]);
+    for summary in summaries {
+        let accuracies = [("defaults", summary.defaults), ("fitted", summary.fitted), ("held out", summary.held_out)];
+        for (name, Accuracy { mean_abs_error, mean_time_ratio, spearman }) in accuracies {
+            rows.add_row(vec![
+                Cell::new(summary.source),
+                Cell::new(&summary.cluster),
+                right(summary.n_runs.to_string()),
+                Cell::new(name),
+                right(format!("{:.1}%", 100.0 * mean_abs_error)),
+                right(format!("{mean_time_ratio:.3}")),
+                right(spearman.map_or("-".to_string(), |rho| format!("{rho:.2}"))),
+            ]);
+        }
+    }
+    out += &rows.to_string();
+    out += "\nFitted factors (on the default matmul and attention efficiencies; device types that only ran\ntogether share one)\n";
+    let mut factors = table(&["source", "device types", "factor", "runs"]);
+    for summary in summaries {
+        for factor in &summary.factors {
+            factors.add_row(vec![
+                Cell::new(summary.source),
+                Cell::new(factor.devices.join(" + ")),
+                right(format!("{:.3}", factor.factor)),
+                right(factor.n_runs.to_string()),
+            ]);
+        }
+    }
+    out + &factors.to_string()
 }
