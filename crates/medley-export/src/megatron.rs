@@ -7,7 +7,9 @@
 
 use medley_cost::long_context::KvExchange;
 use medley_plan::{Plan, Stage};
-use medley_spec::{AttentionKernel, MlpKind, ModelSpec, Precision, Recompute, RopeScaling, Schedule, ScheduleKind};
+use medley_spec::{
+    AttentionKernel, GradReduce, MlpKind, ModelSpec, Precision, Recompute, RopeScaling, Schedule, ScheduleKind,
+};
 use serde::Serialize;
 
 use crate::common::{Arg, Args, ContextDegrees, RankOrder, check_common, command_line, context_degrees, rank_devices};
@@ -224,6 +226,12 @@ fn model_args(plan: &Plan, args: &mut Args) -> Result<(), ExportError> {
         Precision::Bf16Mixed => "--bf16",
         Precision::Fp16Mixed => "--fp16",
     });
+    // Said either way: Megatron's default follows the precision (fp32 under bf16, fp16 under fp16).
+    match (plan.grad_reduce(), plan.precision()) {
+        (GradReduce::Fp32, _) => args.flag("--accumulate-allreduce-grads-in-fp32"),
+        (GradReduce::SixteenBit, Precision::Bf16Mixed) => args.flag("--grad-reduce-in-bf16"),
+        (GradReduce::SixteenBit, Precision::Fp16Mixed) => {}
+    }
     Ok(())
 }
 

@@ -10,7 +10,9 @@
 //! shards, with no head parallelism. A plan outside that is refused naming what differs.
 
 use medley_plan::{Plan, Stage};
-use medley_spec::{AttentionKernel, MlpKind, ModelSpec, Precision, Recompute, RopeScaling, Schedule, ScheduleKind};
+use medley_spec::{
+    AttentionKernel, GradReduce, MlpKind, ModelSpec, Precision, Recompute, RopeScaling, Schedule, ScheduleKind,
+};
 use serde::Serialize;
 
 use crate::common::{Arg, Args, RankOrder, check_common, command_line, context_degrees, rank_devices};
@@ -60,6 +62,16 @@ pub fn torchtitan(plan: &Plan) -> Result<TorchtitanExport, ExportError> {
                 "the plan trains in {}; torchtitan's mixed precision takes bfloat16 or float32 parameters \
                  (training.mixed_precision_param)",
                 plan.precision()
+            ),
+        ));
+    }
+    if plan.grad_reduce() != GradReduce::Fp32 {
+        return Err(ExportError::refused(
+            TORCHTITAN,
+            format!(
+                "the plan reduces gradients in {}; torchtitan's FSDP reduces them in float32 only \
+                 (training.mixed_precision_reduce): plan with --grad-reduce fp32",
+                plan.grad_reduce()
             ),
         ));
     }
@@ -219,6 +231,7 @@ fn batch_overrides(plan: &Plan, args: &mut Args) {
     args.value("--training.max_context_length", seq_len);
     args.value("--training.num_tokens_per_microbatch_per_dp_rank", u64::from(plan.micro_batch()) * seq_len);
     args.value("--training.num_tokens_per_train_step", u64::from(plan.global_batch()) * seq_len);
+    args.value("--training.mixed_precision_reduce", "float32");
 }
 
 /// torchtitan's own checks of these overrides, read back from them: the degrees multiply to the

@@ -9,7 +9,7 @@ use medley_export::megatron::{MegatronExport, check_layout, megatron};
 use medley_plan::baselines::Degrees;
 use medley_plan::long_context::even_fixed;
 use medley_plan::{Plan, PlanParts};
-use medley_spec::{AttentionKernel, Precision, RopeScaling, Schedule, ScheduleKind, catalog_model};
+use medley_spec::{AttentionKernel, GradReduce, Precision, RopeScaling, Schedule, ScheduleKind, catalog_model};
 use plans::{Zero1, assembled, cluster, job, launch, uniform, with_model, words};
 
 fn value<'a>(export: &'a MegatronExport, flag: &str) -> Option<&'a str> {
@@ -220,4 +220,22 @@ fn numerics_megatron_cannot_carry_are_refused_naming_them() {
     let fp16 = megatron(&fp16).unwrap();
     assert_eq!((value(&fp16, "--fp16"), value(&fp16, "--bf16")), (Some(""), None));
     assert!(odd_vocab.contains("50257 tokens does not split over tensor parallelism 2"), "{odd_vocab}");
+}
+
+/// Issue 33: the format gradients are reduced in changes the numerics and the bytes a step moves;
+/// the export says it whatever Megatron's default for the precision is.
+#[test]
+fn the_gradient_reduction_format_is_exported_as_planned() {
+    let plan = || uniform("8xh100", Degrees::new(2, 2, 2), Zero1::On);
+    let reduce = |grad_reduce, precision| {
+        let parts = PlanParts { grad_reduce, precision, ..plan().into_parts() };
+        let export = megatron(&Plan::try_from(parts).unwrap()).unwrap();
+        let given = |flag| value(&export, flag).is_some();
+        (given("--accumulate-allreduce-grads-in-fp32"), given("--grad-reduce-in-bf16"))
+    };
+    assert_eq!(plan().grad_reduce(), GradReduce::Fp32, "a bf16 job reduces in fp32 as Megatron does");
+    assert_eq!(reduce(GradReduce::Fp32, Precision::Bf16Mixed), (true, false));
+    assert_eq!(reduce(GradReduce::SixteenBit, Precision::Bf16Mixed), (false, true));
+    assert_eq!(reduce(GradReduce::Fp32, Precision::Fp16Mixed), (true, false));
+    assert_eq!(reduce(GradReduce::SixteenBit, Precision::Fp16Mixed), (false, false));
 }

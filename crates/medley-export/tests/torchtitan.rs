@@ -9,7 +9,7 @@ use medley_export::torchtitan::{TorchtitanExport, check_overrides, torchtitan};
 use medley_plan::baselines::Degrees;
 use medley_plan::long_context::even_fixed;
 use medley_plan::{Plan, PlanParts};
-use medley_spec::{AttentionKernel, Precision, Schedule, ScheduleKind, catalog_model};
+use medley_spec::{AttentionKernel, GradReduce, Precision, Schedule, ScheduleKind, catalog_model};
 use plans::{Zero1, assembled, cluster, job, launch, uniform, uniform_of, with_model, words};
 
 fn value<'a>(export: &'a TorchtitanExport, flag: &str) -> Option<&'a str> {
@@ -48,6 +48,7 @@ fn a_uniform_plan_exports_torchtitans_degrees_and_token_counts() {
         ("training.max_context_length", "4096"),
         ("training.num_tokens_per_microbatch_per_dp_rank", "4096"),
         ("training.num_tokens_per_train_step", "131072"),
+        ("training.mixed_precision_reduce", "float32"),
     ] {
         assert_eq!(value(&export, flag), Some(expected), "{flag} in {}", export.command_line());
     }
@@ -126,6 +127,12 @@ fn even_rings_export_and_what_torchtitan_cannot_run_is_refused_naming_it() {
     };
     let fp16 = refusal(&Plan::try_from(fp16).unwrap());
     assert!(fp16.contains("fp16-mixed") && fp16.contains("mixed_precision_param"), "{fp16}");
+    let sixteen_bit = PlanParts {
+        grad_reduce: GradReduce::SixteenBit,
+        ..uniform("8xh100", Degrees::new(2, 2, 2), Zero1::Off).into_parts()
+    };
+    let sixteen_bit = refusal(&Plan::try_from(sixteen_bit).unwrap());
+    assert!(sixteen_bit.contains("16-bit") && sixteen_bit.contains("--grad-reduce fp32"), "{sixteen_bit}");
     // Issue 33: a recipe's shape with other numerics (Llama 3.0's RoPE) is another model.
     let llama3_0 = with_model(uniform("8xh100", Degrees::new(2, 2, 2), Zero1::Off), |model| model.rope_scaling = None);
     let numerics = refusal(&llama3_0);

@@ -12,6 +12,7 @@ use std::sync::atomic::{AtomicUsize, Ordering};
 use std::time::Duration;
 
 use medley_cost::Calibration;
+use medley_fit::measurements::parse_csv;
 use medley_fuzz::fuzz;
 use medley_plan::{Plan, SearchOptions, evaluate, search};
 use medley_spec::{Cluster, JobSpec, ModelSpec, catalog_model};
@@ -88,6 +89,16 @@ fn calibration_profiles() {
     let emulation = "kind = \"emulation\"\nmodel = \"tiny\"\n\n[device.H100-SXM]\nmatmul = 0.001\n";
     fuzz("calibration TOML", seeds(&[include_str!("../../../examples/calibration.toml"), emulation]), |bytes| {
         let _ = Calibration::from_toml(&text(bytes), "calibration.toml");
+    });
+}
+
+#[test]
+fn measured_runs_csv() {
+    let seed = "label,cluster,model,seq_len,global_batch,micro_batch,tp,pp,dp,step_s\n\
+                wide,8xh100,llama3-8b,2048,64,1,1,1,8,3.0\n# a comment\ndeep,8xh100,llama3-8b,2048,64,2,2,2,2,2.5\n";
+    let no_files = |name: &str| Err(format!("no file {name} here"));
+    fuzz("measured runs CSV", seeds(&[seed]), |bytes| {
+        let _ = parse_csv(&text(bytes), Path::new("measured.csv"), &no_files);
     });
 }
 

@@ -68,7 +68,7 @@ pub fn assemble(
                     vendor_of(stage)
                 })
                 .collect();
-            let bytes = dp_group_bytes(cost, setting.tp, layers);
+            let bytes = dp_group_bytes(cost, setting.tp, layers, job.grad_reduce());
             let (route, algorithm) = best_dp_route(cluster, &members, bytes);
             DpGroup { layers, route, algorithm }
         })
@@ -86,6 +86,7 @@ pub fn assemble(
         overlap_grad_reduce: job.overlap_grad_reduce(),
         zero1: job.zero1(),
         precision: job.precision(),
+        grad_reduce: job.grad_reduce(),
         memory_headroom: job.memory_headroom(),
         tp: setting.tp,
         virtual_stages,

@@ -171,6 +171,10 @@ fn chunked_schedule(schedule: Schedule, vpp: u32) -> Result<Schedule, PlanError>
 /// Checks that `degrees` can be laid out on `cluster` for `model` at all.
 fn check_degrees(cluster: &Cluster, model: &ModelSpec, degrees: Degrees) -> Result<(), PlanError> {
     let error = |message: String| Err(PlanError::Layout { layout: degrees.to_string(), message });
+    let named = [("tp", degrees.tp), ("pp", degrees.pp), ("dp", degrees.dp), ("vpp", degrees.vpp), ("cp", degrees.cp)];
+    if let Some((name, _)) = named.iter().find(|(_, degree)| *degree == 0) {
+        return error(format!("{name} must be at least 1"));
+    }
     let n_used = u64::from(degrees.tp) * u64::from(degrees.pp) * u64::from(degrees.dp);
     if n_used > u64::from(cluster.n_gpus()) {
         return error(format!("needs {n_used} devices, the cluster has {}", cluster.n_gpus()));

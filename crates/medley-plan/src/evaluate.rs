@@ -7,7 +7,7 @@ use std::num::NonZeroU32;
 use medley_cost::comm::{self, DomainPart, Link};
 use medley_cost::memory::usable;
 use medley_cost::{Calibration, CostModel, GIB, PassTime, Setting, StageShape, flops};
-use medley_spec::{BridgeMode, Cluster, DeviceId, DeviceSlot, DeviceSpec, Schedule, ScheduleKind, Vendor};
+use medley_spec::{BridgeMode, Cluster, DeviceId, DeviceSlot, DeviceSpec, GradReduce, Schedule, ScheduleKind, Vendor};
 use serde::Serialize;
 
 use crate::layers::LayerRange;
@@ -430,7 +430,7 @@ fn dp_sync_s(plan: &Plan, cost: &CostModel, slots: &[DeviceSlot], prices: &[Repl
             holder_stages.iter().map(|stage| (slots[stage.devices[0] as usize], plan.stage_vendor(stage))).collect();
         // A long-context holder reduced over its own devices first: each shares its share.
         let shares = holder_stages.iter().map(|stage| sequence_holders(stage)).min().unwrap_or(1);
-        let bytes = dp_group_bytes(cost, plan.tp(), group.layers) / f64::from(shares);
+        let bytes = dp_group_bytes(cost, plan.tp(), group.layers, plan.grad_reduce()) / f64::from(shares);
         let time_s = dp_group_time_s(plan.cluster(), &members, bytes, group.route, group.algorithm);
         let buckets = comm::gradient_buckets(bytes, members.len());
         for ((replica_idx, &stage_idx), replica) in holders.iter().enumerate().zip(plan.replicas()) {
@@ -453,7 +453,7 @@ fn dp_sync_s(plan: &Plan, cost: &CostModel, slots: &[DeviceSlot], prices: &[Repl
     for (replica_idx, replica) in plan.replicas().iter().enumerate() {
         for (rank, (stage, shape)) in replica.stages.iter().zip(rank_shapes(plan, replica)).enumerate() {
             if stage.context.is_some() {
-                let bytes = 2.0 * cost.stage_params(shape);
+                let bytes = plan.grad_reduce().bytes() * cost.stage_params(shape);
                 *per_rank.entry((replica_idx, rank)).or_insert(0.0) +=
                     pricer.stage_gradient_sync_s(&stage.devices, bytes);
             }
@@ -469,14 +469,14 @@ fn sequence_holders(stage: &Stage) -> u32 {
 }
 
 /// Gradient bytes each TP rank contributes for a DP group's layers (plus the embedding or head
-/// when the range touches the model's ends).
-pub(crate) fn dp_group_bytes(cost: &CostModel, tp: u32, layers: LayerRange) -> f64 {
+/// when the range touches the model's ends), reduced in `grad_reduce`.
+pub(crate) fn dp_group_bytes(cost: &CostModel, tp: u32, layers: LayerRange, grad_reduce: GradReduce) -> f64 {
     let shape = StageShape {
         n_layers: layers.len(),
         embedding: layers.start == 0,
         head: layers.end == cost.model().n_layers(),
     };
-    2.0 * cost.stage_params(shape) / f64::from(tp)
+    grad_reduce.bytes() * cost.stage_params(shape) / f64::from(tp)
 }
 
 /// All-reduce (or ZeRO-1's reduce-scatter plus all-gather, the same volume) of `bytes` over

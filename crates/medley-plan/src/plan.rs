@@ -10,7 +10,8 @@ use std::fmt;
 
 use medley_cost::long_context::KvExchange;
 use medley_spec::{
-    AttentionKernel, BridgeMode, Cluster, DeviceId, ModelSpec, Precision, Recompute, Schedule, ScheduleKind, Vendor,
+    AttentionKernel, BridgeMode, Cluster, DeviceId, GradReduce, ModelSpec, Precision, Recompute, Schedule,
+    ScheduleKind, Vendor,
 };
 use serde::{Deserialize, Serialize};
 
@@ -78,6 +79,9 @@ pub struct PlanParts {
     /// Plans written before it was a setting read as bf16, as they were priced.
     #[serde(default)]
     pub precision: Precision,
+    /// Plans written before it was a setting read as 16-bit, as they were priced.
+    #[serde(default = "GradReduce::unstated")]
+    pub grad_reduce: GradReduce,
     /// The share of each device's memory the plan leaves free; plans written before it was a
     /// setting read as none, as they were checked.
     #[serde(default)]
@@ -250,6 +254,10 @@ impl Plan {
     }
     pub fn precision(&self) -> Precision {
         self.parts.precision
+    }
+    /// The format gradients are reduced in over data-parallel replicas.
+    pub fn grad_reduce(&self) -> GradReduce {
+        self.parts.grad_reduce
     }
     pub fn memory_headroom(&self) -> f64 {
         self.parts.memory_headroom

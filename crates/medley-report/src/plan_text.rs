@@ -115,14 +115,16 @@ pub fn cluster_summary(cluster: &Cluster) -> String {
     format!("{} ({})", count(cluster.n_gpus() as usize, "GPU"), groups.join(", "))
 }
 
-/// `4096 tokens × 1,024 sequences = 4.19M tokens per step, bf16-mixed, schedule 1f1b, ZeRO-1 on`.
+/// `4096 tokens × 1,024 sequences = 4.19M tokens per step, bf16-mixed (gradients reduced in fp32),
+/// schedule 1f1b, ZeRO-1 on`.
 pub fn job_summary(job: &JobSpec) -> String {
     format!(
-        "{} tokens × {} = {} tokens per step, {}, schedule {}, ZeRO-1 {}",
+        "{} tokens × {} = {} tokens per step, {} (gradients reduced in {}), schedule {}, ZeRO-1 {}",
         job.seq_len(),
         count(job.global_batch() as usize, "sequence"),
         quantity(job.tokens_per_step() as f64),
         job.precision(),
+        job.grad_reduce(),
         job.schedule(),
         if job.zero1() { "on" } else { "off" },
     )

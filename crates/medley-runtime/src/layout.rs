@@ -9,7 +9,7 @@ use medley_model::ModelConfig;
 use medley_model::long_context::{ContextGroup, ContextPlacement};
 use medley_plan::{Plan, Stage, StageContext};
 use medley_schedule::RankId;
-use medley_spec::{Recompute, Vendor};
+use medley_spec::{GradReduce, Recompute, Vendor};
 
 use crate::RuntimeError;
 
@@ -116,6 +116,14 @@ pub fn check_runnable(plan: &Plan) -> Result<(), RuntimeError> {
                 plan.stage_label(stage)
             )));
         }
+    }
+    let reduces_gradients = plan.replicas().len() > 1 || plan.has_context();
+    if reduces_gradients && plan.grad_reduce() != GradReduce::Fp32 {
+        return Err(RuntimeError::Unsupported(format!(
+            "gradients reduced in {} (`grad_reduce`): the runtime's communicator sums them in fp32; plan with \
+             `--grad-reduce fp32`",
+            plan.grad_reduce()
+        )));
     }
     if plan.tp() != 1 {
         return Err(RuntimeError::Unsupported(format!(

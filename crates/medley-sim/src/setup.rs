@@ -127,7 +127,7 @@ fn context_rank(
         layer_phases: Some(layer.phases.clone()),
         chunks: vec![ChunkCost::of(pass, tightest.2, context_layer)],
         optimizer_ns: ns(optimizer_s),
-        stage_sync_ns: ns(pricer.stage_gradient_sync_s(&stage.devices, ELEMENT_BYTES * params)),
+        stage_sync_ns: ns(pricer.stage_gradient_sync_s(&stage.devices, plan.grad_reduce().bytes() * params)),
         static_bytes: tightest.1,
         capacity_bytes: tightest.3,
         boundary_bytes: ELEMENT_BYTES * f64::from(most_tokens) * f64::from(plan.model().hidden()),
@@ -244,7 +244,7 @@ impl<'p> Setup<'p> {
                     })
                     .min()
                     .unwrap_or(1);
-                ELEMENT_BYTES * cost.stage_params(shape) / f64::from(plan.tp()) / holder_devices as f64
+                plan.grad_reduce().bytes() * cost.stage_params(shape) / f64::from(plan.tp()) / holder_devices as f64
             })
             .collect();
         Ok(Setup { plan, ranks, dp_members, dp_bytes, links })

@@ -12,7 +12,7 @@ use medley_plan::long_context::{even_fixed, search_long_context};
 use medley_plan::{Plan, PlanParts};
 use medley_schedule::{Instruction, Schedule, ScheduleKind, generate};
 use medley_sim::{BandwidthTrace, SimConfig, SimError, Simulation, simulate, simulate_context_layer, simulate_steps};
-use medley_spec::{Bridge, Cluster, Fabric, JobParts, JobSpec, ModelSpec, Recompute, catalog_model};
+use medley_spec::{Bridge, Cluster, Fabric, GradReduce, JobParts, JobSpec, ModelSpec, Recompute, catalog_model};
 use serde_json::Value;
 
 // ---------------------------------------------------------------------------------------------
@@ -153,15 +153,19 @@ fn an_idle_ring_all_reduce_takes_the_alpha_beta_time_and_overlap_hides_it_behind
     let group = &overlapped.cluster().groups()[0];
     let pass = cost.stage_time(group, medley_cost::StageShape::in_pipeline(0, 1, 16), setting);
     let link: Link = comm::nic_link(overlapped.cluster(), &[0]);
-    let bytes = 2.0 * cost.stage_params(medley_cost::StageShape::in_pipeline(0, 1, 16)) / 8.0;
-    let all_reduce_s = comm::ring_all_reduce_s(bytes, 8, link);
+    // A bf16 job reduces its gradients in fp32, as Megatron-LM does: 4 bytes a parameter.
+    assert_eq!(overlapped.grad_reduce(), GradReduce::Fp32);
+    let params = cost.stage_params(medley_cost::StageShape::in_pipeline(0, 1, 16)) / 8.0;
+    let all_reduce_s = |format: GradReduce| comm::ring_all_reduce_s(format.bytes() * params, 8, link);
     let rank = &blocking.ranks[0];
     // Every rank computes the same and waits only for the all-reduce.
-    assert!(
-        (rank.times.comm_wait_s - all_reduce_s).abs() < 0.01 * all_reduce_s,
-        "{} vs {all_reduce_s}",
-        rank.times.comm_wait_s
-    );
+    let fp32_s = all_reduce_s(GradReduce::Fp32);
+    assert!((rank.times.comm_wait_s - fp32_s).abs() < 0.01 * fp32_s, "{} vs {fp32_s}", rank.times.comm_wait_s);
+    let sixteen_bit =
+        PlanParts { grad_reduce: GradReduce::SixteenBit, ..without_overlap(overlapped.clone()).into_parts() };
+    let sixteen_bit = run(&Plan::try_from(sixteen_bit).unwrap(), ScheduleKind::OneFOneB).ranks[0].times.comm_wait_s;
+    let half_s = all_reduce_s(GradReduce::SixteenBit);
+    assert!((sixteen_bit - half_s).abs() < 0.01 * half_s, "{sixteen_bit} vs {half_s}");
     assert!((rank.times.compute_s - pass.total_s()).abs() < 0.05 * pass.total_s() + 1e-3, "{rank:?}");
     // Overlapped, buckets reduce while the one backward pass runs: what is hidden is at most
     // that pass, and most of it.

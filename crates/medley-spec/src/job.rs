@@ -51,6 +51,64 @@ impl FromStr for Precision {
     }
 }
 
+/// The number format data-parallel replicas accumulate and reduce gradients in: what crosses the
+/// network is 4 or 2 bytes a parameter.
+#[derive(Clone, Copy, Debug, PartialEq, Eq, Hash, Serialize, Deserialize)]
+pub enum GradReduce {
+    /// Megatron-LM's default under bf16 (`accumulate_allreduce_grads_in_fp32`) and torchtitan's
+    /// (`mixed_precision_reduce = "float32"`).
+    #[serde(rename = "fp32")]
+    Fp32,
+    /// The job's 16-bit format: Megatron-LM's default under fp16, `--grad-reduce-in-bf16` under
+    /// bf16.
+    #[serde(rename = "16-bit")]
+    SixteenBit,
+}
+
+impl GradReduce {
+    pub const ALL: [GradReduce; 2] = [GradReduce::Fp32, GradReduce::SixteenBit];
+
+    /// Bytes a gradient element takes on the wire.
+    pub fn bytes(self) -> f64 {
+        match self {
+            GradReduce::Fp32 => 4.0,
+            GradReduce::SixteenBit => 2.0,
+        }
+    }
+
+    /// Megatron-LM's default for a job in `precision`.
+    pub fn default_for(precision: Precision) -> Self {
+        match precision {
+            Precision::Bf16Mixed => GradReduce::Fp32,
+            Precision::Fp16Mixed => GradReduce::SixteenBit,
+        }
+    }
+
+    /// What plans written before it was a setting were priced with.
+    pub fn unstated() -> Self {
+        GradReduce::SixteenBit
+    }
+}
+
+impl fmt::Display for GradReduce {
+    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
+        f.write_str(match self {
+            GradReduce::Fp32 => "fp32",
+            GradReduce::SixteenBit => "16-bit",
+        })
+    }
+}
+
+impl FromStr for GradReduce {
+    type Err = String;
+    fn from_str(text: &str) -> Result<Self, String> {
+        GradReduce::ALL
+            .into_iter()
+            .find(|format| format.to_string() == text.trim().to_ascii_lowercase())
+            .ok_or_else(|| format!("unknown gradient reduction `{}`; expected fp32 or 16-bit", echo(text)))
+    }
+}
+
 /// How the attention core (scores, softmax, score × V) runs; orthogonal to [`Recompute`].
 #[derive(Clone, Copy, Debug, Default, PartialEq, Eq, Hash, Serialize, Deserialize)]
 #[serde(rename_all = "lowercase")]
@@ -133,6 +191,7 @@ pub struct JobSpec {
     global_batch: u32,
     micro_batch: Option<u32>,
     precision: Precision,
+    grad_reduce: GradReduce,
     zero1: bool,
     recompute: Option<Recompute>,
     attention: AttentionKernel,
@@ -176,6 +235,9 @@ pub struct JobParts {
     pub micro_batch: Option<u32>,
     #[serde(default)]
     pub precision: Precision,
+    /// [default: Megatron-LM's for the precision, [`GradReduce::default_for`]]
+    #[serde(default)]
+    pub grad_reduce: Option<GradReduce>,
     #[serde(default = "yes")]
     pub zero1: bool,
     #[serde(default)]
@@ -213,6 +275,7 @@ impl Default for JobParts {
             global_batch: 1024,
             micro_batch: None,
             precision: Precision::Bf16Mixed,
+            grad_reduce: None,
             zero1: true,
             recompute: None,
             attention: AttentionKernel::Fused,
@@ -252,6 +315,7 @@ impl JobSpec {
             global_batch: parts.global_batch,
             micro_batch: parts.micro_batch,
             precision: parts.precision,
+            grad_reduce: parts.grad_reduce.unwrap_or(GradReduce::default_for(parts.precision)),
             zero1: parts.zero1,
             recompute: parts.recompute,
             attention: parts.attention,
@@ -277,6 +341,9 @@ impl JobSpec {
     }
     pub fn precision(&self) -> Precision {
         self.precision
+    }
+    pub fn grad_reduce(&self) -> GradReduce {
+        self.grad_reduce
     }
     /// The share of each device's memory plans leave free.
     pub fn memory_headroom(&self) -> f64 {
@@ -336,5 +403,17 @@ mod tests {
             JobSpec::from_toml("seq_len = 2048\nglobal_batch = 512\nrecompute = \"selective\"\n", "job.toml").unwrap();
         assert_eq!((job.seq_len(), job.zero1(), job.recompute()), (2048, true, Some(Recompute::Selective)));
         assert!(JobSpec::from_toml("seq_len = 1\nglobal_batch = 1\nbatch = 2\n", "job.toml").is_err());
+    }
+
+    #[test]
+    fn gradients_reduce_as_megatron_does_unless_the_job_says() {
+        let job = |text: &str| JobSpec::from_toml(&format!("seq_len = 8\nglobal_batch = 8\n{text}"), "job.toml");
+        assert_eq!(job("").unwrap().grad_reduce(), GradReduce::Fp32);
+        assert_eq!(job("precision = \"fp16-mixed\"").unwrap().grad_reduce(), GradReduce::SixteenBit);
+        assert_eq!(job("grad_reduce = \"16-bit\"").unwrap().grad_reduce(), GradReduce::SixteenBit);
+        assert!(job("grad_reduce = \"fp8\"").is_err());
+        assert_eq!("FP32".parse::<GradReduce>(), Ok(GradReduce::Fp32));
+        assert!("bf16".parse::<GradReduce>().unwrap_err().contains("fp32 or 16-bit"));
+        assert_eq!((GradReduce::Fp32.bytes(), GradReduce::SixteenBit.bytes()), (4.0, 2.0));
     }
 }

@@ -9,8 +9,8 @@ use clap::Args;
 use medley_cost::{Calibration, ProfileKind};
 use medley_plan::{Plan, PlanParts};
 use medley_spec::{
-    AttentionKernel, Bridge, Cluster, DEFAULT_MEMORY_HEADROOM, Fabric, JobParts, JobSpec, ModelSpec, Precision,
-    Recompute, Schedule, catalog_model, echo,
+    AttentionKernel, Bridge, Cluster, DEFAULT_MEMORY_HEADROOM, Fabric, GradReduce, JobParts, JobSpec, ModelSpec,
+    Precision, Recompute, Schedule, catalog_model, echo,
 };
 
 /// The example mixed cluster `medley plan` uses when none is given.
@@ -131,6 +131,10 @@ pub struct SpecArgs {
     /// adaptive [default: 1f1b].
     #[arg(long)]
     pub schedule: Option<Schedule>,
+    /// The format gradients are accumulated and reduced in over data-parallel replicas: fp32 or
+    /// 16-bit [default: Megatron-LM's, fp32 under bf16-mixed and 16-bit under fp16-mixed].
+    #[arg(long)]
+    pub grad_reduce: Option<GradReduce>,
     /// Keep optimizer states whole on every replica instead of ZeRO-1 sharding.
     #[arg(long)]
     pub no_zero1: bool,
@@ -214,6 +218,7 @@ impl SpecArgs {
         parts.global_batch = self.shape.global_batch.unwrap_or(parts.global_batch);
         parts.micro_batch = self.shape.micro_batch.or(parts.micro_batch);
         parts.precision = self.shape.precision.unwrap_or(parts.precision);
+        parts.grad_reduce = self.grad_reduce.or(parts.grad_reduce);
         parts.memory_headroom = self.shape.memory_headroom.unwrap_or(parts.memory_headroom);
         parts.recompute = self.recompute.or(parts.recompute);
         parts.attention = self.attention.unwrap_or(parts.attention);
@@ -352,6 +357,7 @@ pub fn specs_with_calibration(path: &str, plan: &Plan, calibration: Calibration)
         global_batch: plan.global_batch(),
         micro_batch: None,
         precision: plan.precision(),
+        grad_reduce: Some(plan.grad_reduce()),
         zero1: plan.zero1(),
         recompute: None,
         attention: plan.attention(),

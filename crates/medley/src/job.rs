@@ -19,7 +19,7 @@ use medley_runtime::{
     DeviceChoice, RankLayout, StepMetrics, calibration_memory, emulation_calibration, measure_model_pass,
 };
 use medley_sim::rank::{RANKED_CANDIDATES, rank_by_simulation};
-use medley_spec::{Cluster, JobParts, JobSpec, ModelSpec, Precision, Schedule};
+use medley_spec::{Cluster, GradReduce, JobParts, JobSpec, ModelSpec, Precision, Schedule};
 
 use crate::inputs::JobShape;
 use crate::progress::Progress;
@@ -187,6 +187,8 @@ pub fn runtime_job(shape: &JobShape, schedule: Option<Schedule>) -> Result<JobSp
         // The runtime reduces each chunk's gradients where the program says, but blocking: it
         // does not overlap them with backward, so its plans are priced without overlap.
         overlap_grad_reduce: false,
+        // Its communicator sums fp32 gradients, whatever the job's precision.
+        grad_reduce: Some(GradReduce::Fp32),
         ..JobParts::default()
     };
     Ok(JobSpec::new(parts, "command line")?)

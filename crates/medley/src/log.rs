@@ -20,13 +20,14 @@ pub const LOG_VAR: &str = "MEDLEY_LOG";
 
 /// medley's own crates, whose events `-v` and `-q` govern; every other crate's show only when they
 /// warn.
-const CRATES: [&str; 17] = [
+const CRATES: [&str; 18] = [
     "medley",
     "medley_bench",
     "medley_collective",
     "medley_comm",
     "medley_cost",
     "medley_export",
+    "medley_fit",
     "medley_fuzz",
     "medley_gpu",
     "medley_launch",

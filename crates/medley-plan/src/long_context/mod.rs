@@ -301,8 +301,9 @@ impl<'a> ContextSpace<'a> {
         let params = self.cost.stage_params(first);
         // Gradients reduce over each cell's devices, then across the replicas by shares, which
         // an overlapping job hides behind the last backward pass as far as it goes.
-        let in_cell_s = comm::ring_all_reduce_s(2.0 * params, cell_devices, kv_link);
-        let across_bytes = 2.0 * params / f64::from(cell_devices);
+        let grad_bytes = self.job.grad_reduce().bytes();
+        let in_cell_s = comm::ring_all_reduce_s(grad_bytes * params, cell_devices, kv_link);
+        let across_bytes = grad_bytes * params / f64::from(cell_devices);
         let mut across_s = comm::ring_all_reduce_s(across_bytes, dp, self.nic(&kinds));
         if self.job.overlap_grad_reduce() {
             let buckets = comm::gradient_buckets(across_bytes, dp as usize);

@@ -32,7 +32,7 @@ impl Space<'_> {
                 .iter()
                 .map(|block_starts| block_starts.partition_point(|&start| start <= range.start) - 1)
                 .collect();
-            let bytes = dp_group_bytes(&self.cost, setting.tp, range);
+            let bytes = dp_group_bytes(&self.cost, setting.tp, range, self.job.grad_reduce());
             let time_s = self.range_sync_s(blocks, &holders, bytes, n_replicas);
             for (stages, &holder) in per_stage.iter_mut().zip(&holders) {
                 stages[holder] = (stages[holder].0 + time_s, stages[holder].1 + bytes);

@@ -317,7 +317,7 @@ impl<'s, 'a> Template<'s, 'a> {
         for (idx, (&count, g)) in counts.iter().zip(self.stage_groups()).enumerate() {
             let shape = self.shape(idx, count);
             let params = cost.stage_params(shape);
-            let bytes = 2.0 * params / tp;
+            let bytes = self.space.job.grad_reduce().bytes() * params / tp;
             let ring_s = comm::ring_all_reduce_s(bytes, self.n_replicas, self.stage_dp_links[idx]);
             sync_s = sync_s.max(self.space.exposed_sync_s(ring_s, bytes, self.n_replicas, backward_s[idx]));
             update_s = update_s.max(cost.optimizer_step_s(&groups[g], params / tp / f64::from(shards)));

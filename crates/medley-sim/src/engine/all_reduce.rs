@@ -154,7 +154,8 @@ impl StepRun<'_, '_, '_> {
                     let key = MessageKey::Collective { group, bucket, from: member as u32, to: to as u32, seq };
                     let (from_rank, to_rank) = (collective.members[member], collective.members[to]);
                     let route = self.sim.setup.plan.dp_groups()[group_idx].route;
-                    self.send(from_rank, to_rank, key, range.len() as f64 * ELEMENT_BYTES, route);
+                    let grad_bytes = self.sim.setup.plan.grad_reduce().bytes();
+                    self.send(from_rank, to_rank, key, range.len() as f64 * grad_bytes, route);
                 }
                 Step::Recv { from, .. } => {
                     let seq = *collective.received.get(&(from as u32, member as u32)).unwrap_or(&0);
@@ -208,18 +209,18 @@ impl StepRun<'_, '_, '_> {
         let domains = collective.members.iter().map(|&m| DomainId(setup.ranks[m].vendor as u32)).collect();
         let domains = Group::new(domains)?;
         let op = Op::AllReduce { op: ReduceOp::Sum };
-        let elem_bytes = ELEMENT_BYTES as usize;
-        let whole = Counts::Same((setup.dp_bytes[group as usize] / ELEMENT_BYTES).round() as usize);
+        let grad_bytes = setup.plan.grad_reduce().bytes();
+        let whole = Counts::Same((setup.dp_bytes[group as usize] / grad_bytes).round() as usize);
         let Choice { algorithm, chunking } = collective::choose_call(
             op,
             &domains,
             &whole,
             Some(dp_group.algorithm.into()),
-            elem_bytes,
+            grad_bytes as usize,
             false,
             collective::CHUNK_BYTES,
         );
-        let counts = Counts::Same((collective.bytes / ELEMENT_BYTES).round() as usize);
+        let counts = Counts::Same((collective.bytes / grad_bytes).round() as usize);
         let plans = collective::plan_steps(op, &domains, &counts, algorithm, chunking)?;
         // Reads of a peer's window are transfers from that peer.
         let steps = Rc::new(collective::as_messages(&plans)?);

@@ -19,7 +19,7 @@ use medley_trace::timeline::{COLLECTIVE_TID, COMPUTE_TID, LAYER_TID, lane_tid};
 use serde_json::json;
 
 use crate::network::{DrainAt, FlowId};
-use crate::{ELEMENT_BYTES, HORIZON_NS, ns};
+use crate::{HORIZON_NS, ns};
 use crate::{SimError, Simulation};
 
 // The event core, shared with the long-context layer's executor.
