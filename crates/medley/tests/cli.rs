@@ -910,6 +910,17 @@ fn inputs_that_once_panicked_are_refused_or_handled() {
         assert!(!text.contains("panicked"), "{text}");
         text
     };
+    // A zero degree divided the layers by zero (found by fuzzing the measurements CSV).
+    check(
+        &["simulate", "--cluster", "8xh100", "--model", "llama3-8b", "--pp", "0", "--dp", "8"],
+        2,
+        "pp must be at least 1",
+    );
+    check(
+        &["simulate", "--cluster", "8xh100", "--model", "llama3-8b", "--pp", "2", "--vpp", "0"],
+        2,
+        "vpp must be at least 1",
+    );
     // Device rates so low a step overflows the simulator's clock.
     let slow = cluster_with("slow-cluster.toml", "bf16_tflops", "1e-12");
     check(&["simulate", "--cluster", &slow, "--model", "llama3-8b"], 2, "beyond what the simulator's clock holds");
