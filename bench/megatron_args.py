@@ -43,5 +43,6 @@ validate_args(args)
 print(
     f"validated by Megatron: rotary_base {args.rotary_base}, use_rope_scaling {args.use_rope_scaling} "
     f"(factor {args.rope_scaling_factor}), layernorm_epsilon {args.layernorm_epsilon}, "
-    f"padded_vocab_size {args.padded_vocab_size}, params_dtype {args.params_dtype}"
+    f"padded_vocab_size {args.padded_vocab_size}, params_dtype {args.params_dtype}, "
+    f"accumulate_allreduce_grads_in_fp32 {args.accumulate_allreduce_grads_in_fp32}"
 )
