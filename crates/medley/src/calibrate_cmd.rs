@@ -15,10 +15,9 @@ use medley_fit::{
 };
 use medley_report::text::{count, right, table};
 use medley_runtime::DeviceChoice;
-use medley_spec::Cluster;
 
 use crate::inputs::DEFAULT_FLEET;
-use crate::inputs::{JobFlags, load_model, read};
+use crate::inputs::{JobFlags, emulated_cluster, load_model, read};
 use crate::job::calibrate_here;
 
 /// Takes train's job flags and defaults, so that train's command line makes its profile.
@@ -30,8 +29,9 @@ use crate::job::calibrate_here;
     mut_arg("micro_batch", |arg| arg.default_value("2"))
 )]
 pub struct CalibrateArgs {
-    /// The emulated fleet the profile is for: COUNTxDEVICE,...
-    #[arg(long, default_value = DEFAULT_FLEET)]
+    /// The emulated cluster the profile is for: a cluster TOML file, or COUNTxDEVICE,... as train
+    /// takes it.
+    #[arg(long = "cluster", visible_alias = "fleet", value_name = "CLUSTER", default_value = DEFAULT_FLEET)]
     pub fleet: String,
     /// The model and the job's shape.
     #[command(flatten)]
@@ -58,13 +58,13 @@ pub fn run(args: &CalibrateArgs) -> Result<()> {
     if !args.measured.is_empty() {
         return fit_measured(args);
     }
-    let cluster = Cluster::from_fleet(&args.fleet)?;
+    let cluster = emulated_cluster(&args.fleet)?;
     let shape = args.shape.shape()?;
     let model = load_model(&shape.model)?;
     let calibration =
         calibrate_here(&cluster, &model, shape.seq_len, shape.micro_batch, shape.precision, DeviceChoice::Cpu)?;
     let text = format!(
-        "# medley calibrate --fleet {} --model {} --seq-len {} --micro-batch {}\n# Efficiencies under which the cost model runs the fleet at this machine's emulated speeds.\n{}",
+        "# medley calibrate --cluster {} --model {} --seq-len {} --micro-batch {}\n# Efficiencies under which the cost model runs the fleet at this machine's emulated speeds.\n{}",
         args.fleet,
         shape.model,
         shape.seq_len,

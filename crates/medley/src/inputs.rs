@@ -305,6 +305,15 @@ pub fn check_calibration_names(calibration: &Calibration, cluster: &Cluster) -> 
     Ok(())
 }
 
+/// The cluster `train` and `calibrate` emulate: a cluster TOML file, or an inline fleet whose
+/// GPUs are each a node of their own (a package's dies share one).
+pub fn emulated_cluster(text: &str) -> Result<Cluster> {
+    match looks_like_file(text) {
+        true => Ok(Cluster::from_toml(&read(text)?, text)?),
+        false => Ok(Cluster::from_fleet(text)?),
+    }
+}
+
 /// A catalog name, or a HuggingFace config.json (or the folder holding one).
 pub fn load_model(name_or_path: &str) -> Result<ModelSpec> {
     let path = Path::new(name_or_path);

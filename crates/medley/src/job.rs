@@ -129,7 +129,7 @@ impl RunFlags {
 }
 
 /// What a run that would not fit this machine's memory is told to change.
-pub const SMALLER_RUN: &str = "train a smaller model, shorter sequences (--seq-len) or smaller micro-batches (--micro-batch), on fewer workers (--fleet), or on a machine with more memory";
+pub const SMALLER_RUN: &str = "train a smaller model, shorter sequences (--seq-len) or smaller micro-batches (--micro-batch), on fewer workers (--cluster), or on a machine with more memory";
 
 /// The cores this process may run on.
 pub fn cores_here() -> usize {

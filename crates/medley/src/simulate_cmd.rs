@@ -19,7 +19,7 @@ use crate::inputs::{load_plan, specs_of_plan};
 use medley_report::sim_text;
 use medley_report::text::count;
 
-#[derive(Args, Debug)]
+#[derive(Args, Debug, Clone)]
 pub struct SimulateArgs {
     /// A plan file (from `medley plan -o`); without one, a homogeneous Megatron-style layout is
     /// built from --cluster, --model, the job flags and the degrees below.
@@ -27,6 +27,10 @@ pub struct SimulateArgs {
     pub plan: Option<String>,
     #[command(flatten)]
     pub specs: SpecArgs,
+    /// The what-if layout's degrees as `medley plan --fix` takes them (`tp=8,pp=4,dp=2`, with
+    /// `vpp=V` or `cp=C`), instead of --tp, --pp, --dp, --vpp and --cp.
+    #[arg(long, conflicts_with_all = ["plan", "tp", "pp", "dp", "vpp", "cp"])]
+    pub fix: Option<Degrees>,
     /// Tensor-parallel degree of the what-if layout [default: 1; with none of --tp, --pp and
     /// --dp, the best uniform layout's].
     #[arg(long, conflicts_with = "plan")]
@@ -78,7 +82,7 @@ pub fn run(args: &SimulateArgs) -> Result<ExitCode> {
             }
             (specs_of_plan(&args.specs, path, &plan)?, plan)
         }
-        None => what_if(args)?,
+        None => what_if(&with_fixed_degrees(args)?)?,
     };
     let config = SimConfig { network_trace: args.network_trace.as_deref().map(network_trace).transpose()? };
     let schedule = plan.schedule();
@@ -107,6 +111,23 @@ pub fn run(args: &SimulateArgs) -> Result<ExitCode> {
         return Ok(ExitCode::from(1));
     }
     Ok(ExitCode::SUCCESS)
+}
+
+/// `args` with the degrees of `--fix` as the flags that give them one by one.
+fn with_fixed_degrees(args: &SimulateArgs) -> Result<SimulateArgs> {
+    let Some(degrees) = args.fix else { return Ok(args.clone()) };
+    if degrees.hp != 1 {
+        bail!("--fix {degrees}: simulate's what-if layouts split sequences by context parallelism only; leave out hp");
+    }
+    Ok(SimulateArgs {
+        tp: Some(degrees.tp),
+        pp: Some(degrees.pp),
+        dp: Some(degrees.dp),
+        vpp: degrees.vpp,
+        cp: degrees.cp,
+        fix: None,
+        ..args.clone()
+    })
 }
 
 /// The homogeneous Megatron-style plan the flags describe. Micro-batch size and recompute, where

@@ -21,7 +21,7 @@ use medley_sim::{SimConfig, simulate_steps};
 use medley_spec::{Cluster, ModelSpec, Schedule, ScheduleKind};
 
 use crate::inputs::DEFAULT_FLEET;
-use crate::inputs::{JobFlags, JobShape, load_model, read_emulation_profile};
+use crate::inputs::{JobFlags, JobShape, emulated_cluster, load_model, read_emulation_profile};
 use crate::job::{
     Outcome, RUNTIME_CONTEXT_TOKENS, RunFlags, SMALLER_RUN, WorkerArgs, as_trained, calibrate_here,
     choose_plan_to_train, cores_here, launch_and_watch, runtime_job,
@@ -42,9 +42,10 @@ pub struct TrainArgs {
     /// A plan file to train (as `medley plan -o` writes it) instead of planning the fleet.
     #[arg(long, conflicts_with = "fleet")]
     pub plan: Option<String>,
-    /// The emulated fleet, one worker process per GPU (an MI250X is two, its GCDs):
-    /// COUNTxDEVICE,... [default: 2xh100,2xmi300x, or the checkpoint's plan with --resume].
-    #[arg(long)]
+    /// The emulated cluster, one worker process per GPU (an MI250X is two, its GCDs): a cluster
+    /// TOML file, or COUNTxDEVICE,... with each GPU its own node [default: 2xh100,2xmi300x, or
+    /// the checkpoint's plan with --resume].
+    #[arg(long = "cluster", visible_alias = "fleet", value_name = "CLUSTER")]
     pub fleet: Option<String>,
     /// The model (Llama-style decoders only) and the job's shape.
     #[command(flatten)]
@@ -175,7 +176,7 @@ fn choose_plan(args: &TrainArgs) -> Result<(Plan, Calibration)> {
         (resumed, _) => resumed.map(|(_, manifest)| manifest.plan),
     };
     let fleet = args.fleet.as_deref().unwrap_or(DEFAULT_FLEET);
-    let cluster = Cluster::from_fleet(fleet)?;
+    let cluster = emulated_cluster(fleet)?;
     // Resuming on another fleet trains the checkpoint's model on its batches.
     let (model, shape) = match resumed {
         Some(plan) => {

@@ -1651,3 +1651,36 @@ fn calibrate_names_the_row_of_a_bad_measurement_and_refuses_an_emulated_run() {
     fs::write(run.join("emulation.json"), "{}").unwrap();
     check(&["calibrate", "--measured", run.to_str().unwrap()], 2, "emulated run");
 }
+
+#[test]
+fn one_vocabulary_of_flags_with_the_old_names_kept() {
+    // simulate takes plan's --fix as well as its one-by-one degrees, and the two agree.
+    let job = [
+        "simulate",
+        "--cluster",
+        "8xh100",
+        "--model",
+        "llama3-8b",
+        "--global-batch",
+        "64",
+        "--seq-len",
+        "2048",
+        "--json",
+    ];
+    let fixed = check(&[&job[..], &["--fix", "tp=2,pp=2,dp=2,vpp=2"]].concat(), 0, "step_time_s");
+    let flags = check(&[&job[..], &["--tp", "2", "--pp", "2", "--dp", "2", "--vpp", "2"]].concat(), 0, "step_time_s");
+    assert_eq!(stdout(&fixed), stdout(&flags));
+    check(&["simulate", "--fix", "tp=2", "--tp", "2"], 2, "cannot be used with");
+    // train and calibrate take --cluster as plan and simulate do, a cluster file included;
+    // --fleet still works.
+    for command in ["train", "calibrate"] {
+        check(&[command, "--help"], 0, "[alias: --fleet]");
+    }
+    let file = scratch("two-h100.toml");
+    fs::write(&file, "[[group]]\ndevice = \"h100\"\nnodes = 2\ngpus_per_node = 1\n").unwrap();
+    let out = scratch("train-cluster-file");
+    train(&out, &["--cluster", file.to_str().unwrap(), "--steps", "1"]);
+    let plan: serde_json::Value = serde_json::from_str(&fs::read_to_string(out.join("plan.json")).unwrap()).unwrap();
+    assert_eq!(plan["cluster"]["groups"][0]["n_nodes"], 2, "{plan}");
+    train(&scratch("train-fleet-alias"), &["--fleet", "2xh100", "--steps", "1"]);
+}
