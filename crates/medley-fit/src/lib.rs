@@ -223,6 +223,11 @@ const MAX_STEP: f64 = 0.5;
 /// steps on its own runs' log errors, the others held, halved until the loss falls; sweeps repeat
 /// until no factor moves.
 pub fn fit(runs: &[MeasuredRun], base: &Calibration) -> Result<Fit, FitError> {
+    fit_runs(&runs.iter().collect::<Vec<_>>(), base)
+}
+
+/// [`fit`] of some runs, borrowed (a fold's, in [`cross_validate`]).
+fn fit_runs(runs: &[&MeasuredRun], base: &Calibration) -> Result<Fit, FitError> {
     if *base.kind() != ProfileKind::Gpu {
         return Err(FitError::NotGpuProfile(base.kind().to_string()));
     }
@@ -303,7 +308,7 @@ pub fn cross_validate(runs: &[MeasuredRun], base: &Calibration, folds: usize) ->
         }
         let calibration = match train.is_empty() {
             true => base.clone(),
-            false => fit(&train.iter().map(|&idx| runs[idx].clone()).collect::<Vec<_>>(), base)?.calibration,
+            false => fit_runs(&train.iter().map(|&idx| &runs[idx]).collect::<Vec<_>>(), base)?.calibration,
         };
         for idx in test {
             held_out[idx] = Some(runs[idx].predict(&calibration)?);
@@ -319,7 +324,7 @@ struct Coordinate {
 }
 
 /// One coordinate per set of device types that ran in exactly the same runs.
-fn coordinates(runs: &[MeasuredRun]) -> Vec<Coordinate> {
+fn coordinates(runs: &[&MeasuredRun]) -> Vec<Coordinate> {
     let mut by_device: Vec<(DeviceSpec, Vec<usize>)> = Vec::new();
     for (idx, run) in runs.iter().enumerate() {
         for device in run.device_types() {

@@ -18,7 +18,7 @@ use crate::assemble::{ReplicaLayout, assemble, stages_from_counts};
 use crate::candidates::Candidate;
 use crate::error::PlanError;
 use crate::evaluate::evaluate;
-use crate::long_context::{ContextDegrees, EvenBaselines, LONG_CONTEXT_TOKENS, search_long_context};
+use crate::long_context::{ContextDegrees, EvenBaselines, LONG_CONTEXT_TOKENS, even_fixed, search_long_context};
 use crate::plan::{Plan, tp_splits_heads};
 use crate::search::{SearchOptions, candidate_settings, search, settings_with_tp};
 
@@ -277,9 +277,16 @@ pub fn as_measured(
             message: "a measured run states its micro-batch".into(),
         });
     };
+    // Megatron-LM's context parallelism splits sequences evenly: the measured layout, not the
+    // uneven one medley would choose for the same degrees.
     if degrees.splits_sequences() {
+        if degrees.tp != 1 || degrees.vpp != 1 {
+            let message = "a measured context-parallel run is priced with tp=1 and no vpp".to_string();
+            return Err(PlanError::Layout { layout: degrees.to_string(), message });
+        }
         let job = job.clone().with_recompute(recompute);
-        return fixed(cluster, model, &job, calibration, degrees).map(|candidate| candidate.plan);
+        let Degrees { cp, hp, pp, dp, .. } = degrees;
+        return even_fixed(cluster, model, &job, calibration, cp, hp, pp, dp).map(|candidate| candidate.plan);
     }
     let cost = CostModel::new(model, job.seq_len(), calibration)
         .with_attention(job.attention())
