@@ -9,6 +9,7 @@ use std::fs;
 use std::io::Read;
 use std::path::{Path, PathBuf};
 use std::process::{Child, Command, Output, Stdio};
+use std::sync::LazyLock;
 use std::time::{Duration, Instant};
 
 /// Runs the binary, killing it (and failing) if it takes longer than two minutes.
@@ -46,10 +47,19 @@ fn stderr(output: &Output) -> String {
     String::from_utf8_lossy(&output.stderr).into_owned()
 }
 
+/// This binary's scratch folder, emptied once per run: inside the target directory, so the runs
+/// and checkpoints the tests write (hundreds of MiB) are replaced by the next run, not left in /tmp.
+static SCRATCH: LazyLock<PathBuf> = LazyLock::new(|| {
+    let dir = Path::new(env!("CARGO_TARGET_TMPDIR")).join("medley-cli");
+    if dir.exists() {
+        fs::remove_dir_all(&dir).expect("the last run's scratch folder can be removed");
+    }
+    fs::create_dir_all(&dir).expect("the scratch folder can be made");
+    dir
+});
+
 fn scratch(name: &str) -> PathBuf {
-    let dir = std::env::temp_dir().join(format!("medley-cli-{}", std::process::id()));
-    std::fs::create_dir_all(&dir).unwrap();
-    dir.join(name)
+    SCRATCH.join(name)
 }
 
 /// Runs `args` and checks the exit code and that `wanted` appears in stdout or stderr.
