@@ -5,7 +5,7 @@
 //! and all-gather half of that, hierarchical all-reduce a reduce-scatter inside each domain, an
 //! all-reduce of each border rank's 1/n share across domains, and an all-gather inside each domain.
 
-use medley_spec::{BridgeMode, Cluster, DeviceSlot, LinkKind, NodeGroup};
+use medley_spec::{BridgeMode, Cluster, DeviceSlot, LinkKind, NodeGroup, Package};
 
 /// One link class: bandwidth per direction and per-message latency.
 #[derive(Clone, Copy, Debug, PartialEq)]
@@ -90,6 +90,21 @@ pub fn intra_node_link(group: &NodeGroup) -> Link {
     Link { gb_s: group.intra_link_gb_s, latency_us: group.intra_link.latency_us() }
 }
 
+/// The link a tensor-parallel group of `tp` consecutive devices of `group` talks over: its dies'
+/// link where the group lies inside one package (the package's dies split evenly into such
+/// groups: an MI250X's two GCDs at tp = 2), else the node's.
+pub fn tensor_parallel_link(group: &NodeGroup, tp: u32) -> Link {
+    match group.device.package {
+        Some(package) if tp > 1 && package.dies.is_multiple_of(tp) => die_link(group, package),
+        _ => intra_node_link(group),
+    }
+}
+
+/// Between two dies of one package.
+fn die_link(group: &NodeGroup, package: Package) -> Link {
+    Link { gb_s: package.die_link_gb_s, ..intra_node_link(group) }
+}
+
 /// What one GPU gets to one peer in its node: a switched fabric (NVSwitch, a PCIe switch) gives
 /// any peer the GPU's whole bandwidth; an Infinity Fabric mesh has one direct link per peer
 /// (MI300X: 7 links of 64 GB/s each way).
@@ -132,9 +147,7 @@ fn across_nodes_or_not(cluster: &Cluster, a: DeviceSlot, b: DeviceSlot, mode: Br
     let (group_a, group_b) = (&cluster.groups()[a.group_idx], &cluster.groups()[b.group_idx]);
     if a.node_idx == b.node_idx {
         return match group_a.device.package {
-            Some(package) if group_a.same_package(a.local_idx, b.local_idx) => {
-                Link { gb_s: package.die_link_gb_s, ..intra_node_link(group_a) }
-            }
+            Some(package) if group_a.same_package(a.local_idx, b.local_idx) => die_link(group_a, package),
             _ => intra_node_peer_link(group_a),
         };
     }
@@ -189,6 +202,20 @@ mod tests {
         // One GPU alone reaches its node's whole NIC; the link itself is a shared resource.
         assert_eq!(lane_link(&cluster, a, b, BridgeMode::DeviceDirect), Link { gb_s: 12.5, latency_us: 5.0 });
         assert_eq!(lane_link(&cluster, a, c, BridgeMode::DeviceDirect), Link { gb_s: 12.5, latency_us: 30.0 });
+    }
+
+    /// Issue 33: tensor parallelism over an MI250X's two GCDs talked over the node's Infinity
+    /// Fabric instead of the 200 GB/s link between the dies.
+    #[test]
+    fn tensor_parallelism_inside_a_package_talks_over_its_dies_link() {
+        let cluster = Cluster::from_inline("8xmi250x", Default::default(), Default::default()).unwrap();
+        let group = &cluster.groups()[0];
+        let package = group.device.package.expect("an MI250X is a package");
+        assert_eq!(tensor_parallel_link(group, 2).gb_s, package.die_link_gb_s);
+        assert_eq!(tensor_parallel_link(group, 4), intra_node_link(group));
+        assert_eq!(tensor_parallel_link(group, 1), intra_node_link(group));
+        let h100s = Cluster::from_inline("8xh100", Default::default(), Default::default()).unwrap();
+        assert_eq!(tensor_parallel_link(&h100s.groups()[0], 2), intra_node_link(&h100s.groups()[0]));
     }
 
     const LINK: Link = Link { gb_s: 100.0, latency_us: 2.0 };

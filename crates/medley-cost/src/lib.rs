@@ -326,7 +326,7 @@ impl<'a> CostModel<'a> {
     /// reduce-scatter of the b·s·h activation around attention and again around the MLP.
     fn tp_comm_per_pass_s(&self, group: &NodeGroup, setting: Setting) -> f64 {
         let bytes = 2.0 * f64::from(self.seq_len) * f64::from(setting.micro_batch) * f64::from(self.model.hidden());
-        4.0 * comm::reduce_scatter_s(bytes, setting.tp, comm::intra_node_link(group))
+        4.0 * comm::reduce_scatter_s(bytes, setting.tp, comm::tensor_parallel_link(group, setting.tp))
     }
 }
 
