@@ -381,7 +381,7 @@ pub fn fit_devices(runs: &[(&'static CitedRun, Plan)]) -> Result<Vec<FittedFacto
         .filter(|(run, _)| run.role == Role::Tune)
         .map(|(run, plan)| run.measured_run(plan))
         .collect::<Result<_, _>>()?;
-    Ok(medley_fit::fit(&tuning, &Calibration::default())?.factors)
+    Ok(medley_fit::fit(&tuning, &Calibration::default(), medley_fit::Fitted::Efficiencies)?.factors)
 }
 
 #[cfg(test)]

@@ -3,9 +3,9 @@
 
 use std::path::Path;
 
-use medley_cost::Calibration;
+use medley_cost::{Calibration, Overheads};
 use medley_fit::measurements::parse_csv;
-use medley_fit::{Accuracy, FittedFactor, MeasuredRun, Prediction, by_cluster, cross_validate, fit, predict};
+use medley_fit::{Accuracy, Fitted, FittedFactor, MeasuredRun, Prediction, by_cluster, cross_validate, fit, predict};
 use serde::Serialize;
 
 use crate::BenchError;
@@ -32,18 +32,32 @@ const SOURCES: [Source; 1] = [AMP];
 /// Held-out predictions come from this many folds: each run predicted by a fit of the others.
 const FOLDS: usize = 5;
 
-/// One source's runs of one cluster, under the defaults, fitted, and held out.
+/// What one fit of a source's runs gives on one cluster of it.
+#[derive(Clone, Debug, Serialize)]
+pub struct FitSummary {
+    /// What the fit moved.
+    pub knobs: &'static str,
+    pub fitted: Accuracy,
+    pub held_out: Accuracy,
+    /// The fit on all of the source's runs.
+    pub factors: Vec<FittedFactor>,
+    pub overheads: Option<Overheads>,
+}
+
+/// One source's runs of one cluster, under the defaults, then under each fit, in-sample and
+/// held out.
 #[derive(Clone, Debug, Serialize)]
 pub struct ClusterSummary {
     pub source: &'static str,
     pub cluster: String,
     pub n_runs: usize,
     pub defaults: Accuracy,
-    pub fitted: Accuracy,
-    pub held_out: Accuracy,
-    /// The fit on all of the source's runs.
-    pub factors: Vec<FittedFactor>,
+    pub fits: Vec<FitSummary>,
 }
+
+/// The fits compared: the efficiencies alone, then with the framework's overheads.
+const FITS: [(Fitted, &str); 2] =
+    [(Fitted::Efficiencies, "efficiencies"), (Fitted::EfficienciesAndOverheads, "efficiencies + overheads")];
 
 /// Every source's clusters, summarised.
 pub fn summaries() -> Result<Vec<ClusterSummary>, BenchError> {
@@ -52,9 +66,13 @@ pub fn summaries() -> Result<Vec<ClusterSummary>, BenchError> {
         let runs = source.runs()?;
         let base = Calibration::default();
         let defaults = predict(&runs, &base)?;
-        let fitted = fit(&runs, &base)?;
-        let in_sample = predict(&runs, &fitted.calibration)?;
-        let held_out = cross_validate(&runs, &base, FOLDS)?;
+        let mut fits = Vec::new();
+        for (knobs, name) in FITS {
+            let fitted = fit(&runs, &base, knobs)?;
+            let in_sample = predict(&runs, &fitted.calibration)?;
+            let held_out = cross_validate(&runs, &base, knobs, FOLDS)?;
+            fits.push((name, fitted, in_sample, held_out));
+        }
         for (cluster, members) in by_cluster(&runs) {
             let of = |predictions: &[Prediction]| {
                 let picked: Vec<Prediction> = members.iter().map(|&idx| predictions[idx]).collect();
@@ -65,9 +83,16 @@ pub fn summaries() -> Result<Vec<ClusterSummary>, BenchError> {
                 cluster: cluster.to_string(),
                 n_runs: members.len(),
                 defaults: of(&defaults),
-                fitted: of(&in_sample),
-                held_out: of(&held_out),
-                factors: fitted.factors.clone(),
+                fits: fits
+                    .iter()
+                    .map(|(knobs, fitted, in_sample, held_out)| FitSummary {
+                        knobs,
+                        fitted: of(in_sample),
+                        held_out: of(held_out),
+                        factors: fitted.factors.clone(),
+                        overheads: fitted.overheads,
+                    })
+                    .collect(),
             });
         }
     }

@@ -22,13 +22,15 @@
 //!
 //! A calibration profile (`medley plan --calibration FILE`) replaces them with what a user
 //! measured on their machines: of well-shaped kernels for a GPU profile, of the one model it was
-//! measured on for an emulation profile (which the cost model applies as they are).
+//! measured on for an emulation profile (which the cost model applies as they are). A profile
+//! may also state the training framework's fixed costs ([`Overheads`]), which the defaults put
+//! at zero: `medley calibrate --measured` fits them to a framework's measured runs.
 
 use std::collections::BTreeMap;
 use std::fmt;
 
 use medley_spec::{Architecture, DeviceSpec, Vendor, catalog_device, echo};
-use serde::Deserialize;
+use serde::{Deserialize, Serialize};
 use thiserror::Error;
 
 /// Fractions of peak, each in (0, 1].
@@ -133,6 +135,35 @@ pub enum CalibrationError {
     Syntax { source_name: String, message: String },
     #[error("{}: device `{}`: efficiency `{field}` must be in (0, 1], got {value}", echo(.source_name), echo(.device))]
     OutOfRange { source_name: String, device: String, field: &'static str, value: f64 },
+    #[error(
+        "{}: overhead `{field}` must be between 0 and {} seconds, got {value}",
+        echo(.source_name),
+        Overheads::MAX_S
+    )]
+    OverheadOutOfRange { source_name: String, field: &'static str, value: f64 },
+}
+
+/// A training framework's fixed costs, in seconds added to each forward and to each backward
+/// pass: per micro-batch on a pipeline stage (or model chunk) and per layer it holds. They are
+/// the host's share of a step that no FLOP or byte count sees: kernel launches, the schedule's
+/// bookkeeping, point-to-point set-up. Megatron-LM's large runs hide them behind their kernels;
+/// small models, small micro-batches and Python pipeline engines do not.
+#[derive(Clone, Copy, Debug, Default, PartialEq, Deserialize, Serialize)]
+#[serde(deny_unknown_fields)]
+pub struct Overheads {
+    #[serde(default)]
+    pub per_micro_batch_s: f64,
+    #[serde(default)]
+    pub per_layer_s: f64,
+}
+
+impl Overheads {
+    /// No framework spends a second of host time per pass: a larger value is a typo.
+    pub const MAX_S: f64 = 1.0;
+
+    fn fields(self) -> [(&'static str, f64); 2] {
+        [("per_micro_batch_s", self.per_micro_batch_s), ("per_layer_s", self.per_layer_s)]
+    }
 }
 
 #[derive(Deserialize)]
@@ -142,6 +173,8 @@ struct CalibrationFile {
     model: Option<String>,
     #[serde(default)]
     device: BTreeMap<String, Efficiency>,
+    #[serde(default)]
+    overhead: Overheads,
 }
 
 /// What a profile's efficiencies describe, which decides what it may price.
@@ -175,11 +208,13 @@ impl fmt::Display for ProfileKind {
 /// written by `medley calibrate` before profiles said their kind.
 const LEGACY_EMULATION_BELOW: f64 = 0.01;
 
-/// Per-device-type efficiencies measured by a user; device types not listed keep the defaults.
+/// Per-device-type efficiencies measured by a user (device types not listed keep the defaults),
+/// and the framework's overheads.
 #[derive(Clone, Debug, Default, PartialEq)]
 pub struct Calibration {
     kind: ProfileKind,
     by_device: BTreeMap<String, Efficiency>,
+    overheads: Overheads,
 }
 
 impl Calibration {
@@ -189,6 +224,10 @@ impl Calibration {
     /// matmul = 0.62
     /// attention = 0.45
     /// memory = 0.85
+    ///
+    /// [overhead]
+    /// per_micro_batch_s = 0.002
+    /// per_layer_s = 0.0001
     /// ```
     pub fn from_toml(text: &str, source: &str) -> Result<Self, CalibrationError> {
         // The parser's own message quotes the offending line whole: its message and line only.
@@ -213,6 +252,11 @@ impl Calibration {
                 }
             }
         }
+        for (field, value) in file.overhead.fields() {
+            if !(0.0..=Overheads::MAX_S).contains(&value) {
+                return Err(CalibrationError::OverheadOutOfRange { source_name: source.to_string(), field, value });
+            }
+        }
         let syntax = |message: String| CalibrationError::Syntax { source_name: source.to_string(), message };
         let kind = match (file.kind.as_deref(), file.model) {
             (Some("gpu"), None) => ProfileKind::Gpu,
@@ -233,12 +277,16 @@ impl Calibration {
             .into_iter()
             .map(|(name, efficiency)| (catalog_device(&name).map_or(name, |device| device.name), efficiency))
             .collect();
-        Ok(Calibration { kind, by_device })
+        Ok(Calibration { kind, by_device, overheads: file.overhead })
     }
 
     /// An empty emulation profile for `model`, for [`Calibration::set`] to fill.
     pub fn emulation(model: &str) -> Self {
-        Calibration { kind: ProfileKind::Emulation { model: Some(model.to_string()) }, by_device: BTreeMap::new() }
+        Calibration {
+            kind: ProfileKind::Emulation { model: Some(model.to_string()) },
+            by_device: BTreeMap::new(),
+            overheads: Overheads::default(),
+        }
     }
 
     pub fn kind(&self) -> &ProfileKind {
@@ -257,6 +305,15 @@ impl Calibration {
     /// The device types the profile names (catalog names where an alias was given).
     pub fn device_names(&self) -> impl Iterator<Item = &str> {
         self.by_device.keys().map(String::as_str)
+    }
+
+    pub fn overheads(&self) -> Overheads {
+        self.overheads
+    }
+
+    /// Sets the framework's overheads, as a fit found them.
+    pub fn set_overheads(&mut self, overheads: Overheads) {
+        self.overheads = overheads;
     }
 
     /// Sets a device type's efficiencies, as a measurement found them.
@@ -296,7 +353,11 @@ impl Calibration {
                 e.memory
             )
         });
-        std::iter::once(head).chain(devices).collect()
+        let overheads = (self.overheads != Overheads::default()).then(|| {
+            let fields = self.overheads.fields().map(|(field, value)| format!("{field} = {value:e}\n"));
+            format!("\n[overhead]\n{}", fields.concat())
+        });
+        std::iter::once(head).chain(devices).chain(overheads).collect()
     }
 
     pub fn efficiency(&self, device: &DeviceSpec) -> Efficiency {
@@ -329,6 +390,19 @@ mod tests {
         let mut gpu = Calibration::default();
         gpu.set(&h100, Efficiency { matmul: 0.6, attention: 0.4, memory: 0.9 });
         assert_eq!(Calibration::from_toml(&gpu.to_toml(), "g.toml").unwrap(), gpu);
+        gpu.set_overheads(Overheads { per_micro_batch_s: 0.0125, per_layer_s: 3e-4 });
+        assert_eq!(Calibration::from_toml(&gpu.to_toml(), "g.toml").unwrap(), gpu);
+    }
+
+    #[test]
+    fn overheads_default_to_zero_and_are_refused_out_of_range_by_name() {
+        let only_one = Calibration::from_toml("[overhead]\nper_layer_s = 2e-4\n", "o.toml").unwrap();
+        assert_eq!(only_one.overheads(), Overheads { per_micro_batch_s: 0.0, per_layer_s: 2e-4 });
+        for (text, field) in [("per_micro_batch_s = -0.1", "per_micro_batch_s"), ("per_layer_s = 5", "per_layer_s")] {
+            let err = Calibration::from_toml(&format!("[overhead]\n{text}\n"), "o.toml").unwrap_err().to_string();
+            assert!(err.contains("o.toml") && err.contains(field), "{err}");
+        }
+        assert!(Calibration::from_toml("[overhead]\nper_step_s = 1\n", "o.toml").is_err());
     }
 
     /// Issue 31: a profile's `kind` reached the terminal raw, escapes and all.

@@ -16,7 +16,7 @@ use gemm::{Gemm, GemmGeometry};
 use long_context::{ContextLayerTime, ContextPass, ContextWork, KvExchange};
 use medley_spec::{AttentionKernel, ModelSpec, NodeGroup, Precision, Recompute};
 
-pub use efficiency::{Calibration, CalibrationError, Efficiency, ProfileKind, assumptions};
+pub use efficiency::{Calibration, CalibrationError, Efficiency, Overheads, ProfileKind, assumptions};
 pub use memory::{GIB, MemoryBreakdown};
 
 /// How a stage is run: the knobs shared by every stage of a plan.
@@ -41,12 +41,6 @@ impl StageShape {
     /// head.
     pub fn in_pipeline(stage_idx: usize, n_stages: usize, n_layers: u32) -> Self {
         StageShape { n_layers, embedding: stage_idx == 0, head: stage_idx + 1 == n_stages }
-    }
-
-    /// The stage's pass from one layer's and the head's: its layers, and the head if it has it.
-    pub fn pass(self, layer: PassTime, head: PassTime) -> PassTime {
-        let layers = layer.scaled(f64::from(self.n_layers));
-        if self.head { layers.plus(head) } else { layers }
     }
 }
 
@@ -201,7 +195,22 @@ impl<'a> CostModel<'a> {
     /// A whole stage for one micro-batch.
     pub fn stage_time(&self, group: &NodeGroup, shape: StageShape, setting: Setting) -> PassTime {
         let head = if shape.head { self.head_time(group, setting) } else { PassTime::default() };
-        shape.pass(self.layer_time(group, setting), head)
+        self.stage_pass(shape, self.layer_time(group, setting), head)
+    }
+
+    /// A stage's pass from one layer's and the head's: its layers, the head if it has it, and
+    /// the framework's overheads.
+    pub fn stage_pass(&self, shape: StageShape, layer: PassTime, head: PassTime) -> PassTime {
+        let layers = layer.scaled(f64::from(shape.n_layers)).plus(self.pass_overhead(shape));
+        if shape.head { layers.plus(head) } else { layers }
+    }
+
+    /// The framework's overheads on one micro-batch's forward and backward through a stage of
+    /// `shape` (see [`Overheads`]); none of it computes weight gradients.
+    pub fn pass_overhead(&self, shape: StageShape) -> PassTime {
+        let overheads = self.calibration.overheads();
+        let per_pass_s = overheads.per_micro_batch_s + f64::from(shape.n_layers) * overheads.per_layer_s;
+        PassTime { forward_s: per_pass_s, backward_s: per_pass_s, weight_grad_s: 0.0 }
     }
 
     /// Parameters a stage holds before tensor parallelism splits them.

@@ -31,6 +31,25 @@ fn example_calibration_parses() {
     let path = format!("{}/../../examples/calibration.toml", env!("CARGO_MANIFEST_DIR"));
     let calibration = Calibration::from_toml(&std::fs::read_to_string(&path).unwrap(), &path).unwrap();
     assert_eq!(calibration.efficiency(&catalog_device("h100").unwrap()).matmul, 0.62);
+    assert_eq!(calibration.overheads(), medley_cost::Overheads { per_micro_batch_s: 5e-4, per_layer_s: 2e-5 });
+}
+
+/// Issue 33: a framework's overheads lengthen each pass of a stage by its per-micro-batch cost
+/// and its per-layer cost for every layer it holds, in the forward and the backward alike.
+#[test]
+fn overheads_lengthen_each_pass_by_the_micro_batch_and_its_layers() {
+    let model = catalog_model("llama3-8b").unwrap();
+    let mut calibration = Calibration::default();
+    let bare = CostModel::new(&model, 2048, &calibration);
+    let group = NodeGroup::with_defaults(catalog_device("h100").unwrap(), 1, 8);
+    let setting = Setting { micro_batch: 1, tp: 1, recompute: Recompute::None };
+    let shape = StageShape { n_layers: 4, embedding: false, head: true };
+    let before = bare.stage_time(&group, shape, setting);
+    calibration.set_overheads(medley_cost::Overheads { per_micro_batch_s: 0.01, per_layer_s: 0.001 });
+    let after = CostModel::new(&model, 2048, &calibration).stage_time(&group, shape, setting);
+    assert!((after.forward_s - before.forward_s - 0.014).abs() < 1e-12, "{before:?} {after:?}");
+    assert!((after.backward_s - before.backward_s - 0.014).abs() < 1e-12, "{before:?} {after:?}");
+    assert_eq!(after.weight_grad_s, before.weight_grad_s);
 }
 
 /// A model from one of the HuggingFace configs under `tests/hf` (see its SOURCE.md).

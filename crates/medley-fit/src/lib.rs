@@ -6,10 +6,12 @@
 //! sum over runs of log(predicted / measured)², one device type at a time until none moves. A
 //! factor only moves the runs its device type computes in, so types measured apart are fitted
 //! apart; types that only ever ran together cannot be told apart by their runs and share one
-//! factor, which the fit says. `medley calibrate --measured` fits a user's runs and
+//! factor, which the fit says. It may also fit the framework's overheads per micro-batch and per
+//! layer (seconds added to each pass, which every run moves), for frameworks whose host-side costs
+//! no FLOP count sees. `medley calibrate --measured` fits a user's runs and
 //! `medley bench calibration` published ones; the cost model's default efficiencies are its fits.
 
-use medley_cost::{Calibration, Efficiency, ProfileKind};
+use medley_cost::{Calibration, Efficiency, Overheads, ProfileKind};
 use medley_plan::Plan;
 use medley_sim::{SimConfig, SimError, StepReport, simulate_steps};
 use medley_spec::DeviceSpec;
@@ -192,11 +194,23 @@ pub struct FittedFactor {
     pub n_runs: usize,
 }
 
+/// What a fit may move.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub enum Fitted {
+    /// One factor per device type on its efficiencies; the base profile's overheads kept.
+    Efficiencies,
+    /// Those factors and the framework's overheads per micro-batch and per layer
+    /// ([`Overheads`]), which every run moves.
+    EfficienciesAndOverheads,
+}
+
 /// The factors and the profile they make.
 #[derive(Clone, Debug)]
 pub struct Fit {
     pub factors: Vec<FittedFactor>,
-    /// The base profile with the fitted device types' efficiencies replaced.
+    /// The fitted overheads, when the fit moved them.
+    pub overheads: Option<Overheads>,
+    /// The base profile with the fitted device types' efficiencies (and the overheads) replaced.
     pub calibration: Calibration,
 }
 
@@ -204,101 +218,180 @@ pub struct Fit {
 /// to half again more (an efficiency is still capped at 1).
 pub const FACTOR_RANGE: (f64, f64) = (0.3, 1.5);
 
-/// The fit has settled when no factor moves by more than this fraction in a sweep: below the three
-/// digits profiles and reports keep.
+/// The fit has settled when no log factor moves by more than this in an iteration (nor an
+/// overhead by this many seconds): below the three digits profiles and reports keep.
 const SETTLED: f64 = 1e-5;
 
-/// Sweeps over the device types before the fit stops waiting for the factors to settle; a type
-/// whose runs are compute-bound settles in two or three.
-const MAX_SWEEPS: usize = 30;
+/// Iterations before the fit stops waiting for the knobs to settle; compute-bound runs settle in
+/// a handful.
+const MAX_ITERATIONS: usize = 50;
 
-/// The step on a log factor that its derivative is taken over.
-const DERIVATIVE_STEP: f64 = 1e-3;
+/// Levenberg-Marquardt's damping, relative to each knob's curvature: where it starts, and the
+/// most it grows to before an iteration gives up looking for a step that lowers the loss.
+const INITIAL_DAMPING: f64 = 1e-3;
+const MAX_DAMPING: f64 = 1e6;
 
-/// The most a log factor moves in one Newton step, so that a kink in the step time (another stage
-/// becoming the slowest) cannot throw it far.
-const MAX_STEP: f64 = 0.5;
-
-/// Fits `runs` from `base` (see the module comment). Each device type's factor takes Gauss-Newton
-/// steps on its own runs' log errors, the others held, halved until the loss falls; sweeps repeat
-/// until no factor moves.
-pub fn fit(runs: &[MeasuredRun], base: &Calibration) -> Result<Fit, FitError> {
-    fit_runs(&runs.iter().collect::<Vec<_>>(), base)
+/// Fits `runs` from `base` (see the module comment) by Levenberg-Marquardt on every knob at once:
+/// knobs that move the same runs (a device's speed and a per-layer overhead both lengthen its
+/// layers) are stepped together instead of one after the other, which would crawl between them.
+pub fn fit(runs: &[MeasuredRun], base: &Calibration, fitted: Fitted) -> Result<Fit, FitError> {
+    fit_runs(&runs.iter().collect::<Vec<_>>(), base, fitted)
 }
 
 /// [`fit`] of some runs, borrowed (a fold's, in [`cross_validate`]).
-fn fit_runs(runs: &[&MeasuredRun], base: &Calibration) -> Result<Fit, FitError> {
+fn fit_runs(runs: &[&MeasuredRun], base: &Calibration, fitted: Fitted) -> Result<Fit, FitError> {
     if *base.kind() != ProfileKind::Gpu {
         return Err(FitError::NotGpuProfile(base.kind().to_string()));
     }
     if runs.is_empty() {
         return Err(FitError::NoRuns);
     }
-    let coordinates = coordinates(runs);
-    let mut log_factors = vec![0.0; coordinates.len()];
-    let range = (FACTOR_RANGE.0.ln(), FACTOR_RANGE.1.ln());
-    for _ in 0..MAX_SWEEPS {
-        let mut moved: f64 = 0.0;
-        for (idx, coordinate) in coordinates.iter().enumerate() {
-            let log_errors = |log_factor: f64| -> Result<Vec<f64>, FitError> {
-                let mut trial = log_factors.clone();
-                trial[idx] = log_factor;
-                let calibration = scaled(base, &coordinates, &trial);
-                coordinate.runs.par_iter().map(|&run| Ok(runs[run].predict(&calibration)?.time_ratio.ln())).collect()
-            };
-            let loss = |errors: &[f64]| errors.iter().map(|error| error * error).sum::<f64>();
-            let at = log_factors[idx];
-            let errors = log_errors(at)?;
-            let nudged = log_errors(at + DERIVATIVE_STEP)?;
-            let slopes: Vec<f64> = errors.iter().zip(&nudged).map(|(e, n)| (n - e) / DERIVATIVE_STEP).collect();
-            let curvature: f64 = slopes.iter().map(|slope| slope * slope).sum();
-            // Runs that do not move with this factor (another device bounds them, or the
-            // efficiency is at its cap) say nothing about it.
-            if curvature < 1e-12 {
-                continue;
+    let knobs = knobs(runs, fitted);
+    let every_run: Vec<usize> = (0..runs.len()).collect();
+    let log_errors = |values: &[f64], which: &[usize]| -> Result<Vec<f64>, FitError> {
+        let calibration = apply(base, &knobs, values);
+        which.par_iter().map(|&run| Ok(runs[run].predict(&calibration)?.time_ratio.ln())).collect()
+    };
+    let loss = |errors: &[f64]| errors.iter().map(|error| error * error).sum::<f64>();
+    let mut values: Vec<f64> = knobs.iter().map(|knob| knob.start(base)).collect();
+    let mut errors = log_errors(&values, &every_run)?;
+    let mut damping = INITIAL_DAMPING;
+    for _ in 0..MAX_ITERATIONS {
+        let columns = jacobian(&knobs, &values, &errors, log_errors)?;
+        // Knobs no run moves (another device bounds them, or the efficiency is at its cap) say
+        // nothing and stay.
+        let active: Vec<usize> =
+            (0..knobs.len()).filter(|&k| columns[k].iter().map(|slope| slope * slope).sum::<f64>() > 1e-12).collect();
+        if active.is_empty() {
+            break;
+        }
+        let mut moved = None;
+        while moved.is_none() && damping <= MAX_DAMPING {
+            let step = damped_step(&columns, &errors, &active, damping);
+            let mut trial = values.clone();
+            for (&k, delta) in active.iter().zip(step) {
+                let limits = knobs[k].kind.limits();
+                trial[k] =
+                    (values[k] + delta.clamp(-limits.max_step, limits.max_step)).clamp(limits.range.0, limits.range.1);
             }
-            let gradient: f64 = errors.iter().zip(&slopes).map(|(error, slope)| error * slope).sum();
-            let mut step = (-gradient / curvature).clamp(-MAX_STEP, MAX_STEP);
-            let current = loss(&errors);
-            loop {
-                let next = (at + step).clamp(range.0, range.1);
-                if loss(&log_errors(next)?) <= current || step.abs() < SETTLED {
-                    moved = moved.max((next - at).abs());
-                    log_factors[idx] = next;
-                    break;
-                }
-                step /= 2.0;
+            let trial_errors = log_errors(&trial, &every_run)?;
+            if loss(&trial_errors) < loss(&errors) {
+                moved = Some(trial.iter().zip(&values).map(|(a, b)| (a - b).abs()).fold(0.0, f64::max));
+                (values, errors) = (trial, trial_errors);
+                damping = (damping / 3.0).max(1e-9);
+            } else {
+                damping *= 4.0;
             }
         }
-        if moved < SETTLED {
+        if moved.is_none_or(|moved| moved < SETTLED) {
             break;
         }
     }
-    let calibration = scaled(base, &coordinates, &log_factors);
-    let factors = coordinates
+    let calibration = apply(base, &knobs, &values);
+    let factors = knobs
         .iter()
-        .zip(&log_factors)
-        .map(|(coordinate, log_factor)| FittedFactor {
-            devices: coordinate.devices.iter().map(|device| device.name.clone()).collect(),
-            factor: log_factor.exp(),
-            efficiencies: coordinate
-                .devices
-                .iter()
-                .map(|device| {
-                    let efficiency = calibration.efficiency(device);
-                    (device.name.clone(), efficiency.matmul, efficiency.attention)
-                })
-                .collect(),
-            n_runs: coordinate.runs.len(),
+        .zip(&values)
+        .filter_map(|(knob, &value)| match &knob.kind {
+            KnobKind::Speed(devices) => Some(FittedFactor {
+                devices: devices.iter().map(|device| device.name.clone()).collect(),
+                factor: value.exp(),
+                efficiencies: devices
+                    .iter()
+                    .map(|device| {
+                        let efficiency = calibration.efficiency(device);
+                        (device.name.clone(), efficiency.matmul, efficiency.attention)
+                    })
+                    .collect(),
+                n_runs: knob.runs.len(),
+            }),
+            KnobKind::Overhead(_) => None,
         })
         .collect();
-    Ok(Fit { factors, calibration })
+    let overheads = (fitted == Fitted::EfficienciesAndOverheads).then(|| calibration.overheads());
+    Ok(Fit { factors, overheads, calibration })
+}
+
+/// Where a knob's value may go, and how it is stepped.
+#[derive(Clone, Copy)]
+struct Limits {
+    range: (f64, f64),
+    /// The step its derivative is taken over.
+    derivative_step: f64,
+    /// The most it moves in one step, so that a kink in the step time (another stage becoming
+    /// the slowest) cannot throw it far.
+    max_step: f64,
+}
+
+/// Each knob's column of the log errors' Jacobian at `values` (`errors` there), by a forward
+/// difference (backward at the top of its range) over the runs the knob moves; zero elsewhere.
+fn jacobian(
+    knobs: &[Knob],
+    values: &[f64],
+    errors: &[f64],
+    log_errors: impl Fn(&[f64], &[usize]) -> Result<Vec<f64>, FitError>,
+) -> Result<Vec<Vec<f64>>, FitError> {
+    let mut columns = Vec::with_capacity(knobs.len());
+    for (k, knob) in knobs.iter().enumerate() {
+        let limits = knob.kind.limits();
+        let h = match values[k] + limits.derivative_step <= limits.range.1 {
+            true => limits.derivative_step,
+            false => -limits.derivative_step,
+        };
+        let mut nudged = values.to_vec();
+        nudged[k] += h;
+        let mut column = vec![0.0; errors.len()];
+        for (&run, moved) in knob.runs.iter().zip(log_errors(&nudged, &knob.runs)?) {
+            column[run] = (moved - errors[run]) / h;
+        }
+        columns.push(column);
+    }
+    Ok(columns)
+}
+
+/// Levenberg-Marquardt's step for the `active` knobs: (JᵀJ + λ·diag(JᵀJ)) δ = −Jᵀr, which the
+/// damping λ turns from Gauss-Newton's step towards steepest descent scaled per knob (so that
+/// seconds and log factors mix).
+fn damped_step(columns: &[Vec<f64>], errors: &[f64], active: &[usize], damping: f64) -> Vec<f64> {
+    let dot = |a: &[f64], b: &[f64]| a.iter().zip(b).map(|(x, y)| x * y).sum::<f64>();
+    let n = active.len();
+    let mut matrix: Vec<Vec<f64>> =
+        active.iter().map(|&i| active.iter().map(|&j| dot(&columns[i], &columns[j])).collect()).collect();
+    for (i, row) in matrix.iter_mut().enumerate() {
+        row[i] *= 1.0 + damping;
+    }
+    let rhs: Vec<f64> = active.iter().map(|&i| -dot(&columns[i], errors)).collect();
+    // Cholesky: the damped normal matrix is symmetric and, every active column being nonzero,
+    // positive definite.
+    let mut lower = vec![vec![0.0; n]; n];
+    for i in 0..n {
+        for j in 0..=i {
+            let sum: f64 = (0..j).map(|k| lower[i][k] * lower[j][k]).sum();
+            lower[i][j] = match i == j {
+                true => (matrix[i][i] - sum).max(f64::MIN_POSITIVE).sqrt(),
+                false => (matrix[i][j] - sum) / lower[j][j],
+            };
+        }
+    }
+    let mut forward = vec![0.0; n];
+    for i in 0..n {
+        forward[i] = (rhs[i] - (0..i).map(|k| lower[i][k] * forward[k]).sum::<f64>()) / lower[i][i];
+    }
+    let mut step = vec![0.0; n];
+    for i in (0..n).rev() {
+        step[i] = (forward[i] - (i + 1..n).map(|k| lower[k][i] * step[k]).sum::<f64>()) / lower[i][i];
+    }
+    step
 }
 
 /// Held-out predictions: the runs split into `folds` by position (run i in fold i mod folds),
 /// each fold predicted under the fit of the others; a fold whose device types the others never
 /// ran on is predicted with the base profile for them.
-pub fn cross_validate(runs: &[MeasuredRun], base: &Calibration, folds: usize) -> Result<Vec<Prediction>, FitError> {
+pub fn cross_validate(
+    runs: &[MeasuredRun],
+    base: &Calibration,
+    fitted: Fitted,
+    folds: usize,
+) -> Result<Vec<Prediction>, FitError> {
     let folds = folds.clamp(2, runs.len().max(2));
     let mut held_out: Vec<Option<Prediction>> = vec![None; runs.len()];
     for fold in 0..folds {
@@ -308,7 +401,7 @@ pub fn cross_validate(runs: &[MeasuredRun], base: &Calibration, folds: usize) ->
         }
         let calibration = match train.is_empty() {
             true => base.clone(),
-            false => fit_runs(&train.iter().map(|&idx| &runs[idx]).collect::<Vec<_>>(), base)?.calibration,
+            false => fit_runs(&train.iter().map(|&idx| &runs[idx]).collect::<Vec<_>>(), base, fitted)?.calibration,
         };
         for idx in test {
             held_out[idx] = Some(runs[idx].predict(&calibration)?);
@@ -317,14 +410,67 @@ pub fn cross_validate(runs: &[MeasuredRun], base: &Calibration, folds: usize) ->
     Ok(held_out.into_iter().map(|prediction| prediction.expect("every run is in one fold")).collect())
 }
 
-/// Device types that share a factor, and the runs that move it.
-struct Coordinate {
-    devices: Vec<DeviceSpec>,
+/// What a fit moves, and the runs that move it.
+struct Knob {
+    kind: KnobKind,
     runs: Vec<usize>,
 }
 
-/// One coordinate per set of device types that ran in exactly the same runs.
-fn coordinates(runs: &[&MeasuredRun]) -> Vec<Coordinate> {
+enum KnobKind {
+    /// The log of one factor on these device types' efficiencies.
+    Speed(Vec<DeviceSpec>),
+    /// One of the framework's overheads, in seconds.
+    Overhead(OverheadField),
+}
+
+#[derive(Clone, Copy)]
+enum OverheadField {
+    PerMicroBatch,
+    PerLayer,
+}
+
+impl OverheadField {
+    fn get(self, overheads: &Overheads) -> f64 {
+        match self {
+            OverheadField::PerMicroBatch => overheads.per_micro_batch_s,
+            OverheadField::PerLayer => overheads.per_layer_s,
+        }
+    }
+
+    fn set(self, overheads: &mut Overheads, value: f64) {
+        match self {
+            OverheadField::PerMicroBatch => overheads.per_micro_batch_s = value,
+            OverheadField::PerLayer => overheads.per_layer_s = value,
+        }
+    }
+}
+
+impl KnobKind {
+    fn limits(&self) -> Limits {
+        match self {
+            KnobKind::Speed(_) => {
+                Limits { range: (FACTOR_RANGE.0.ln(), FACTOR_RANGE.1.ln()), derivative_step: 1e-3, max_step: 0.5 }
+            }
+            // Tens of microseconds move a step of a second by a part in ten thousand or more,
+            // well above the simulator's nanosecond clock.
+            KnobKind::Overhead(_) => Limits { range: (0.0, Overheads::MAX_S), derivative_step: 2e-5, max_step: 0.02 },
+        }
+    }
+}
+
+impl Knob {
+    /// The knob's value in `base`.
+    fn start(&self, base: &Calibration) -> f64 {
+        match self.kind {
+            KnobKind::Speed(_) => 0.0,
+            KnobKind::Overhead(field) => field.get(&base.overheads()),
+        }
+    }
+}
+
+/// One speed knob per set of device types that ran in exactly the same runs, then the overheads
+/// where they are fitted, each moved by every run.
+fn knobs(runs: &[&MeasuredRun], fitted: Fitted) -> Vec<Knob> {
     let mut by_device: Vec<(DeviceSpec, Vec<usize>)> = Vec::new();
     for (idx, run) in runs.iter().enumerate() {
         for device in run.device_types() {
@@ -334,30 +480,44 @@ fn coordinates(runs: &[&MeasuredRun]) -> Vec<Coordinate> {
             }
         }
     }
-    let mut coordinates: Vec<Coordinate> = Vec::new();
+    let mut knobs: Vec<Knob> = Vec::new();
     for (device, members) in by_device {
-        match coordinates.iter_mut().find(|coordinate| coordinate.runs == members) {
-            Some(coordinate) => coordinate.devices.push(device),
-            None => coordinates.push(Coordinate { devices: vec![device], runs: members }),
+        match knobs.iter_mut().find(|knob| knob.runs == members) {
+            Some(Knob { kind: KnobKind::Speed(devices), .. }) => devices.push(device),
+            _ => knobs.push(Knob { kind: KnobKind::Speed(vec![device]), runs: members }),
         }
     }
-    coordinates
+    if fitted == Fitted::EfficienciesAndOverheads {
+        let every_run: Vec<usize> = (0..runs.len()).collect();
+        for field in [OverheadField::PerMicroBatch, OverheadField::PerLayer] {
+            knobs.push(Knob { kind: KnobKind::Overhead(field), runs: every_run.clone() });
+        }
+    }
+    knobs
 }
 
-/// `base` with every coordinate's device types' matmul and attention efficiencies scaled.
-fn scaled(base: &Calibration, coordinates: &[Coordinate], log_factors: &[f64]) -> Calibration {
+/// `base` with every knob at its value: speed knobs scale their device types' matmul and
+/// attention efficiencies, overhead knobs replace the overhead.
+fn apply(base: &Calibration, knobs: &[Knob], values: &[f64]) -> Calibration {
     let mut calibration = base.clone();
-    for (coordinate, log_factor) in coordinates.iter().zip(log_factors) {
-        let factor = log_factor.exp();
-        for device in &coordinate.devices {
-            let stated = base.efficiency(device);
-            let efficiency = Efficiency {
-                matmul: (stated.matmul * factor).min(1.0),
-                attention: (stated.attention * factor).min(1.0),
-                memory: stated.memory,
-            };
-            calibration.set(device, efficiency);
+    let mut overheads = base.overheads();
+    for (knob, &value) in knobs.iter().zip(values) {
+        match &knob.kind {
+            KnobKind::Speed(devices) => {
+                let factor = value.exp();
+                for device in devices {
+                    let stated = base.efficiency(device);
+                    let efficiency = Efficiency {
+                        matmul: (stated.matmul * factor).min(1.0),
+                        attention: (stated.attention * factor).min(1.0),
+                        memory: stated.memory,
+                    };
+                    calibration.set(device, efficiency);
+                }
+            }
+            KnobKind::Overhead(field) => field.set(&mut overheads, value),
         }
     }
+    calibration.set_overheads(overheads);
     calibration
 }

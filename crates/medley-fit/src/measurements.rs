@@ -7,7 +7,8 @@ use medley_cost::Calibration;
 use medley_plan::baselines::{Degrees, as_measured};
 use medley_plan::{Plan, PlanParts};
 use medley_spec::{
-    AttentionKernel, Bridge, Cluster, Fabric, JobParts, JobSpec, ModelSpec, Precision, Recompute, catalog_model,
+    AttentionKernel, Bridge, Cluster, Fabric, GradReduce, JobParts, JobSpec, ModelSpec, Precision, Recompute,
+    catalog_model,
 };
 use serde::Deserialize;
 
@@ -50,6 +51,9 @@ struct Row {
     attention: Option<AttentionKernel>,
     /// bf16-mixed or fp16-mixed [default: bf16-mixed].
     precision: Option<Precision>,
+    /// The gradient reduction's format: fp32 or 16-bit [default: Megatron-LM's for the
+    /// precision, fp32 under bf16 and 16-bit under fp16].
+    grad_reduce: Option<GradReduce>,
     /// Megatron's `--use-distributed-optimizer` [default: false].
     zero1: Option<bool>,
     /// Megatron's `--overlap-grad-reduce` [default: false].
@@ -105,6 +109,7 @@ impl Row {
             global_batch: self.global_batch,
             micro_batch: Some(self.micro_batch),
             precision: self.precision.unwrap_or_default(),
+            grad_reduce: self.grad_reduce,
             zero1: self.zero1.unwrap_or(false),
             attention: self.attention.unwrap_or_default(),
             overlap_grad_reduce: self.overlap_grad_reduce.unwrap_or(false),

@@ -141,7 +141,7 @@ impl LayerTimes {
             let group = plan.stage_group(stage);
             (cost.layer_time(group, setting), cost.head_time(group, setting))
         });
-        shape.pass(layer, head)
+        cost.stage_pass(shape, layer, head)
     }
 }
 

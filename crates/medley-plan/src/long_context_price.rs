@@ -147,16 +147,16 @@ impl<'a> ContextPricer<'a> {
     /// A stage of `shape` for one micro-batch on `work`'s device.
     pub fn device_pass(&self, work: &DeviceWork, shape: StageShape, recompute: Recompute) -> PassTime {
         let layer = self.layer_time(work, recompute);
-        let layers = f64::from(shape.n_layers);
-        let pass = PassTime {
-            forward_s: layers * layer.pass_s(layer.forward),
-            backward_s: layers * layer.pass_s(layer.backward),
-            weight_grad_s: layers * layer.weight_grad_s,
+        let layer = PassTime {
+            forward_s: layer.pass_s(layer.forward),
+            backward_s: layer.pass_s(layer.backward),
+            weight_grad_s: layer.weight_grad_s,
         };
-        match shape.head {
-            true => pass.plus(self.cost.context_head_time(self.node_group(work.device), work.work.tokens)),
-            false => pass,
-        }
+        let head = match shape.head {
+            true => self.cost.context_head_time(self.node_group(work.device), work.work.tokens),
+            false => PassTime::default(),
+        };
+        self.cost.stage_pass(shape, layer, head)
     }
 
     /// The stage's pass: its slowest device's, as every device waits for the others each layer.

@@ -10,7 +10,7 @@
 //! event core ([`crate::engine::layer`]) runs them.
 
 use medley_cost::long_context::{ContextWork, HeadTailShards, KvExchange};
-use medley_cost::{CostModel, PassTime};
+use medley_cost::{CostModel, PassTime, StageShape};
 use medley_plan::{Stage, StageContext};
 use medley_schedule::long_context_layer::{
     AttentionWork, Keys, LayerError, LayerPass, LayerShape, Work, device_programs,
@@ -186,35 +186,36 @@ fn device_rates(cost: &CostModel, group: &NodeGroup, tokens: f64) -> DeviceRates
     }
 }
 
-/// The pass of a whole long-context chunk: `n_layers` simulated layers, the head's on the last.
+/// The pass of a whole long-context chunk of `shape`: its simulated layers, the head's on the
+/// last, and the framework's overheads.
 pub(crate) fn chunk_pass(
     cost: &CostModel,
     cluster: &Cluster,
     stage: &Stage,
     layer: &ContextLayerReport,
-    n_layers: u32,
-    head: bool,
+    shape: StageShape,
 ) -> PassTime {
-    let layers = f64::from(n_layers);
-    let mut pass = PassTime {
-        forward_s: layers * layer.forward_ns() as f64 * 1e-9,
-        backward_s: layers * layer.backward_ns() as f64 * 1e-9,
-        weight_grad_s: layers * layer.weight_grad_ns as f64 * 1e-9,
+    let per_layer = PassTime {
+        forward_s: layer.forward_ns() as f64 * 1e-9,
+        backward_s: layer.backward_ns() as f64 * 1e-9,
+        weight_grad_s: layer.weight_grad_ns as f64 * 1e-9,
     };
-    if head {
-        let slots = cluster.devices();
-        let context = stage.context.as_ref().expect("a context stage");
-        let tokens = context.groups.iter().flat_map(|group| &group.device_tokens);
-        let head_pass = stage
-            .devices
-            .iter()
-            .zip(tokens)
-            .map(|(&id, &tokens)| {
-                cost.context_head_time(&cluster.groups()[slots[id as usize].group_idx], f64::from(tokens))
-            })
-            .max_by(|a, b| a.total_s().total_cmp(&b.total_s()))
-            .unwrap_or_default();
-        pass = pass.plus(head_pass);
-    }
-    pass
+    let head = match shape.head {
+        false => PassTime::default(),
+        true => {
+            let slots = cluster.devices();
+            let context = stage.context.as_ref().expect("a context stage");
+            let tokens = context.groups.iter().flat_map(|group| &group.device_tokens);
+            stage
+                .devices
+                .iter()
+                .zip(tokens)
+                .map(|(&id, &tokens)| {
+                    cost.context_head_time(&cluster.groups()[slots[id as usize].group_idx], f64::from(tokens))
+                })
+                .max_by(|a, b| a.total_s().total_cmp(&b.total_s()))
+                .unwrap_or_default()
+        }
+    };
+    cost.stage_pass(shape, per_layer, head)
 }

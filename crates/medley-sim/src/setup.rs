@@ -101,7 +101,7 @@ fn context_rank(
 ) -> Result<RankParts, SimError> {
     let cluster = plan.cluster();
     let layer = simulate_context_layer(cost, cluster, stage, plan.recompute())?;
-    let pass = chunk_pass(cost, cluster, stage, &layer, shape.n_layers, shape.head);
+    let pass = chunk_pass(cost, cluster, stage, &layer, shape);
     let pricer = ContextPricer { cost, cluster, slots, memory_headroom: plan.memory_headroom() };
     let context = stage.context.as_ref().expect("a context stage");
     let n_devices = stage.devices.len() as u32;

@@ -11,7 +11,7 @@ use comfy_table::Cell;
 use medley_cost::Calibration;
 use medley_fit::measurements::{read_csv, read_run};
 use medley_fit::{
-    Accuracy, FittedFactor, MeasuredRun, Prediction, by_cluster, cross_validate, fit, mean_abs_error, predict,
+    Accuracy, Fit, Fitted, MeasuredRun, Prediction, by_cluster, cross_validate, fit, mean_abs_error, predict,
 };
 use medley_report::text::{count, right, table};
 use medley_runtime::DeviceChoice;
@@ -48,6 +48,10 @@ pub struct CalibrateArgs {
     /// With --measured: the GPU profile the fit starts from [default: the built-in efficiencies].
     #[arg(long, requires = "measured")]
     pub calibration: Option<String>,
+    /// With --measured: fit the device efficiencies only, keeping the base profile's framework
+    /// overheads (per micro-batch and per layer pass) instead of fitting them too.
+    #[arg(long, requires = "measured")]
+    pub no_overheads: bool,
     /// With --measured: held-out predictions come from this many folds, each run predicted by a
     /// fit of the others.
     #[arg(long, default_value_t = 5, requires = "measured", value_parser = clap::value_parser!(u32).range(2..))]
@@ -94,14 +98,18 @@ fn fit_measured(args: &CalibrateArgs) -> Result<()> {
         Some(path) => Calibration::from_toml(&read(path)?, path)?,
         None => Calibration::default(),
     };
+    let knobs = match args.no_overheads {
+        true => Fitted::Efficiencies,
+        false => Fitted::EfficienciesAndOverheads,
+    };
     let defaults = predict(&runs, &base)?;
-    let fitted = fit(&runs, &base)?;
+    let fitted = fit(&runs, &base, knobs)?;
     let in_sample = predict(&runs, &fitted.calibration)?;
-    let held_out = cross_validate(&runs, &base, args.folds as usize)?;
-    crate::emit(&fit_text(&runs, [&defaults, &in_sample, &held_out], &fitted.factors, args.folds))?;
+    let held_out = cross_validate(&runs, &base, knobs, args.folds as usize)?;
+    crate::emit(&fit_text(&runs, [&defaults, &in_sample, &held_out], &fitted, args.folds))?;
     let sources: Vec<String> = args.measured.iter().map(|path| path.display().to_string()).collect();
     let text = format!(
-        "# medley calibrate --measured {}\n# Efficiencies fitted to {}; held-out mean error {:.1}%.\n{}",
+        "# medley calibrate --measured {}\n# Fitted to {}; held-out mean error {:.1}%.\n{}",
         sources.join(" --measured "),
         count(runs.len(), "measured run"),
         100.0 * mean_abs_error(&held_out),
@@ -119,12 +127,7 @@ fn fit_measured(args: &CalibrateArgs) -> Result<()> {
 }
 
 /// Per run, then per cluster: the predictions under the defaults, the fit and held out.
-fn fit_text(
-    runs: &[MeasuredRun],
-    [defaults, fitted, held_out]: [&[Prediction]; 3],
-    factors: &[FittedFactor],
-    folds: u32,
-) -> String {
+fn fit_text(runs: &[MeasuredRun], [defaults, fitted, held_out]: [&[Prediction]; 3], fit: &Fit, folds: u32) -> String {
     let error = |prediction: &Prediction| format!("{:+.1}%", 100.0 * (prediction.time_ratio - 1.0));
     let mut per_run = table(&["run", "cluster", "measured", "defaults", "fitted", "held out"]);
     for (idx, run) in runs.iter().enumerate() {
@@ -153,14 +156,21 @@ fn fit_text(
         }
     }
     let mut fitted_factors = table(&["device types", "factor", "runs"]);
-    for factor in factors {
+    for factor in &fit.factors {
         fitted_factors.add_row(vec![
             Cell::new(factor.devices.join(" + ")),
             right(format!("{:.3}", factor.factor)),
             right(factor.n_runs.to_string()),
         ]);
     }
+    let overheads = fit.overheads.map_or(String::new(), |overheads| {
+        format!(
+            "Framework overheads, added to each forward and each backward pass: {:.3} ms per micro-batch on a stage, {:.3} ms per layer\n",
+            1e3 * overheads.per_micro_batch_s,
+            1e3 * overheads.per_layer_s
+        )
+    });
     format!(
-        "Step time errors (predicted / measured - 1) under the default efficiencies, the fit, and held out ({folds} folds: each run predicted by a fit of the others)\n{per_run}\n{per_cluster}\nFactors on the matmul and attention efficiencies (device types that only ran together share one)\n{fitted_factors}\n"
+        "Step time errors (predicted / measured - 1) under the base profile, the fit, and held out ({folds} folds: each run predicted by a fit of the others)\n{per_run}\n{per_cluster}\nFactors on the matmul and attention efficiencies (device types that only ran together share one)\n{fitted_factors}\n{overheads}"
     )
 }

@@ -9,7 +9,7 @@ use crate::BenchError;
 use crate::cited::{CitedPrediction, ErrorSummary, Role, SOURCES, error_summaries, fit_devices, planned_runs, predict};
 use crate::heterogeneous::{self, ClusterSummary};
 use comfy_table::Cell;
-use medley_cost::Calibration;
+use medley_cost::{Calibration, Overheads};
 use medley_fit::{Accuracy, FittedFactor, Measured};
 use serde::Serialize;
 
@@ -125,18 +125,23 @@ fn text(rows: &[CitedPrediction], errors: &[ErrorSummary], fits: &[FittedFactor]
     out
 }
 
-/// The mixed clusters' section: per source and cluster, the defaults, the fit on all its runs and
-/// the fit's held-out predictions.
+/// The mixed clusters' section: per source and cluster, the defaults, then each fit on all its
+/// runs and held out.
 fn heterogeneous_text(summaries: &[ClusterSummary]) -> String {
     let mut out = String::from(
-        "Heterogeneous clusters: published layouts of one mixed cluster, predicted with the default\n\
-         efficiencies, fitted to all of the source's runs (`medley calibrate --measured`'s fit), and\n\
-         held out (each run predicted by a fit of the others, 5 folds). Spearman: predicted against\n\
-         measured order of the cluster's layouts (1 is the measured order).\n",
+        "Heterogeneous clusters: published layouts of one mixed cluster, predicted with the defaults,\n\
+         fitted to all of the source's runs (`medley calibrate --measured`'s fit: the efficiencies\n\
+         alone, then with the framework's overheads), and held out (each run predicted by a fit of\n\
+         the others, 5 folds). Spearman: predicted against measured order of the cluster's layouts\n\
+         (1 is the measured order).\n",
     );
     let mut rows = table(&["source", "cluster", "runs", "predictions", "mean error", "time ratio", "Spearman"]);
     for summary in summaries {
-        let accuracies = [("defaults", summary.defaults), ("fitted", summary.fitted), ("held out", summary.held_out)];
+        let mut accuracies = vec![("defaults".to_string(), summary.defaults)];
+        for fit in &summary.fits {
+            accuracies.push((format!("fitted: {}", fit.knobs), fit.fitted));
+            accuracies.push((format!("held out: {}", fit.knobs), fit.held_out));
+        }
         for (name, Accuracy { mean_abs_error, mean_time_ratio, spearman }) in accuracies {
             rows.add_row(vec![
                 Cell::new(summary.source),
@@ -150,16 +155,26 @@ fn heterogeneous_text(summaries: &[ClusterSummary]) -> String {
         }
     }
     out += &rows.to_string();
-    out += "\nFitted factors (on the default matmul and attention efficiencies; device types that only ran\ntogether share one)\n";
-    let mut factors = table(&["source", "device types", "factor", "runs"]);
+    out += "\nEach fit on all of a source's runs: factors on the default matmul and attention efficiencies\n\
+            (device types that only ran together share one), and the overheads added to each forward\n\
+            and each backward pass\n";
+    let mut factors = table(&["source", "fit", "device types", "factor", "runs", "per micro-batch", "per layer"]);
     for summary in summaries {
-        for factor in &summary.factors {
-            factors.add_row(vec![
-                Cell::new(summary.source),
-                Cell::new(factor.devices.join(" + ")),
-                right(format!("{:.3}", factor.factor)),
-                right(factor.n_runs.to_string()),
-            ]);
+        for fit in &summary.fits {
+            let overhead = |value: fn(&Overheads) -> f64| {
+                fit.overheads.as_ref().map_or("-".to_string(), |overheads| format!("{:.2} ms", 1e3 * value(overheads)))
+            };
+            for factor in &fit.factors {
+                factors.add_row(vec![
+                    Cell::new(summary.source),
+                    Cell::new(fit.knobs),
+                    Cell::new(factor.devices.join(" + ")),
+                    right(format!("{:.3}", factor.factor)),
+                    right(factor.n_runs.to_string()),
+                    right(overhead(|overheads| overheads.per_micro_batch_s)),
+                    right(overhead(|overheads| overheads.per_layer_s)),
+                ]);
+            }
         }
     }
     out + &factors.to_string()

@@ -225,7 +225,7 @@ impl Space<'_> {
 
     /// A stage of `shape` on node group `g` under `setting`.
     fn stage_time(&self, g: usize, shape: StageShape, setting: Setting) -> PassTime {
-        shape.pass(self.layer_time(g, setting), self.head_time(g, setting))
+        self.cost.stage_pass(shape, self.layer_time(g, setting), self.head_time(g, setting))
     }
 
     fn n_micro_batches(&self, setting: Setting) -> u32 {

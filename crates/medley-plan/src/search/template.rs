@@ -216,16 +216,18 @@ impl<'s, 'a> Template<'s, 'a> {
             .enumerate()
             .map(|(idx, g)| {
                 let group = &groups[g];
-                let head =
-                    if idx + 1 == n_stages { self.space.head_time(g, self.setting) } else { PassTime::default() };
+                // A stage's time is affine in its layers: the head and the per-micro-batch
+                // overhead, and each layer's pass with its overhead.
+                let fixed = self.space.stage_time(g, self.shape(idx, 0), self.setting).total_s();
+                let per_layer = self.space.stage_time(g, self.shape(idx, 1), self.setting).total_s() - fixed;
                 let transfers =
                     boundary_s.get(idx).copied().unwrap_or(0.0) + if idx > 0 { boundary_s[idx - 1] } else { 0.0 };
                 let in_flight = f64::from(self.space.job.schedule().in_flight(idx, n_stages, 1, replica_share));
                 let memory =
                     |n_layers| cost.stage_memory(self.shape(idx, n_layers), self.setting, in_flight, shards).total();
                 StageLoad {
-                    per_layer_s: self.space.layer_time(g, self.setting).total_s(),
-                    fixed_s: head.total_s() + transfers,
+                    per_layer_s: per_layer,
+                    fixed_s: fixed + transfers,
                     max_layers: max_layers_within(
                         memory,
                         usable(group.device.hbm_gib * GIB, self.space.job.memory_headroom()),
