@@ -49,10 +49,6 @@ pub struct SimulateArgs {
     /// (even head–tail shards, keys and values around a ring, tp = 1).
     #[arg(long, default_value_t = 1, conflicts_with = "plan", value_parser = clap::value_parser!(u32).range(1..))]
     pub cp: u32,
-    /// Shard optimizer states over data-parallel replicas (ZeRO-1); what-if layouts default to
-    /// Megatron's unsharded optimizer.
-    #[arg(long, conflicts_with_all = ["plan", "no_zero1"])]
-    pub zero1: bool,
     /// Accepted for Megatron-style command lines: medley always pairs tensor parallelism with
     /// sequence parallelism (Korthikanti et al. 2022).
     #[arg(long)]
@@ -134,8 +130,7 @@ fn with_fixed_degrees(args: &SimulateArgs) -> Result<SimulateArgs> {
 /// the job leaves them open, are chosen as the planner chooses them: the fastest that fits.
 /// Without any degree, the layout is the best uniform one (the planner's `uniform` baseline).
 fn what_if(args: &SimulateArgs) -> Result<(Specs, Plan)> {
-    let mut specs = args.specs.resolve()?;
-    specs.job = specs.job.with_zero1(args.zero1);
+    let specs = args.specs.resolve()?;
     if args.cp > 1 {
         return context_what_if(args, specs);
     }

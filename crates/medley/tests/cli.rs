@@ -343,7 +343,27 @@ fn simulate_what_if_chooses_micro_batch_and_recompute_as_the_planner_does() {
     assert_eq!(code, Some(1), "{text}");
     let verdict = text.find("does not fit in memory").expect("a verdict");
     assert!(text.rfind('┘').unwrap() < verdict && text.ends_with('\n'), "the verdict follows the tables:\n{text}");
-    check(&["simulate", "--zero1", "--no-zero1"], 2, "cannot be used with");
+}
+
+/// Issue 33: a what-if layout kept whole optimizer states where `medley plan` sharded them (and
+/// overrode a job file's `zero1 = true`): simulate and plan now price one job the same way.
+#[test]
+fn simulate_shards_optimizer_states_as_plan_does_unless_told_not_to() {
+    let layout = [
+        &["--cluster", "8xh100", "--model", "llama3-8b", "--fix", "tp=1,pp=2,dp=4", "--json"][..],
+        &["--micro-batch", "1", "--recompute", "full"],
+    ]
+    .concat();
+    let peak = |args: &[&str], path: &str| -> f64 {
+        let value: serde_json::Value = serde_json::from_str(&stdout(&check(args, 0, ""))).unwrap();
+        value.pointer(path).and_then(serde_json::Value::as_f64).unwrap_or_else(|| panic!("{path} in {value}"))
+    };
+    let planned = peak(&[&["plan"][..], &layout].concat(), "/prediction/peak_memory_by_device_gib/H100-SXM");
+    let simulated = peak(&[&["simulate"][..], &layout].concat(), "/peak_memory_by_device_gib/H100-SXM");
+    assert!((planned - simulated).abs() < 0.05 * planned, "plan {planned} GiB, simulate {simulated} GiB");
+    let whole = peak(&[&["simulate", "--no-zero1"][..], &layout].concat(), "/peak_memory_by_device_gib/H100-SXM");
+    // A stage's 4B parameters' 12 bytes of fp32 optimizer state, whole or over 4 replicas.
+    assert!(whole > simulated + 25.0, "whole optimizer states {whole} GiB, sharded {simulated} GiB");
 }
 
 #[test]
@@ -1141,8 +1161,11 @@ fn long_context_plans_are_searched_priced_simulated_and_checked() {
     check(&[&["plan", "--fix", "tp=1,cp=4,hp=4"][..], &fleet, &job].concat(), 0, "cp4·hp4");
     check(&[&["plan", "--fix", "tp=2,cp=4"][..], &fleet, &job].concat(), 2, "use tp=1");
     // Megatron-LM's --context-parallel-size as a what-if: equal shards around a ring.
-    check(&[&["simulate", "--cluster", "16xh100", "--cp", "16", "--zero1"][..], &job].concat(), 0, "step");
-    check(&[&["simulate", "--cluster", "8xh100", "--cp", "8"][..], &job].concat(), 1, "does not fit");
+    check(&[&["simulate", "--cluster", "16xh100", "--cp", "16"][..], &job].concat(), 0, "step");
+    // Optimizer states sharded over the eight devices of the context-parallel stage (dp × cp, as
+    // Megatron's distributed optimizer shards them) fit where whole ones do not.
+    check(&[&["simulate", "--cluster", "8xh100", "--cp", "8"][..], &job].concat(), 0, "step");
+    check(&[&["simulate", "--cluster", "8xh100", "--cp", "8", "--no-zero1"][..], &job].concat(), 1, "does not fit");
     check(&[&["simulate", "--cluster", "8xh100", "--cp", "8", "--tp", "2"][..], &job].concat(), 2, "--tp 1");
 }
 
