@@ -58,11 +58,11 @@ impl Efficiency {
             Architecture::Cdna3 | Architecture::Cdna4 => (0.50, 0.35),
             // Assumed, not measured (see the module comment).
             Architecture::Turing => (0.50, 0.30),
-            // Fitted: 1.008 × (0.75, 0.55).
-            Architecture::Volta | Architecture::Ampere => (0.756, 0.554),
+            // Fitted: 1.009 × (0.75, 0.55).
+            Architecture::Volta | Architecture::Ampere => (0.757, 0.555),
             Architecture::Ada => (0.65, 0.45),
-            // Fitted on H100: 0.973 × (0.70, 0.50); Blackwell assumed to match.
-            Architecture::Hopper | Architecture::Blackwell => (0.681, 0.487),
+            // Fitted on H100: 0.980 × (0.70, 0.50); Blackwell assumed to match.
+            Architecture::Hopper | Architecture::Blackwell => (0.686, 0.490),
         };
         Efficiency { matmul, attention, memory: 0.8 }
     }

@@ -6,7 +6,7 @@ use std::num::NonZeroU32;
 
 use medley_cost::comm::{self, DomainPart, Link};
 use medley_cost::memory::usable;
-use medley_cost::{Calibration, CostModel, GIB, PassTime, Setting, StageShape, flops};
+use medley_cost::{Calibration, CostModel, GIB, PassTime, Setting, StageShape, flops, params};
 use medley_spec::{BridgeMode, Cluster, DeviceId, DeviceSlot, DeviceSpec, GradReduce, Schedule, ScheduleKind, Vendor};
 use serde::Serialize;
 
@@ -459,7 +459,33 @@ fn dp_sync_s(plan: &Plan, cost: &CostModel, slots: &[DeviceSlot], prices: &[Repl
             }
         }
     }
+    // The first and the last rank of each replica exchange a tied embedding's gradients.
+    for (replica_idx, replica) in plan.replicas().iter().enumerate() {
+        let sync_s = tied_embedding_sync_s(plan, cost, slots, replica);
+        if sync_s > 0.0 {
+            for rank in [0, plan.n_ranks(replica) - 1] {
+                *per_rank.entry((replica_idx, rank)).or_insert(0.0) += sync_s;
+            }
+        }
+    }
     per_rank.into_values().fold(0.0, f64::max)
+}
+
+/// The all-reduce of a tied embedding's gradients between the first and the last pipeline rank
+/// of `replica`, which hold the input embedding and the output head as copies of one matrix
+/// (Megatron-LM's embedding group, DeepSpeed's tied modules), after the data-parallel reduction
+/// and before the optimizer step; each TP rank its vocabulary shard. Zero for an untied model or
+/// a pipeline of one rank.
+pub fn tied_embedding_sync_s(plan: &Plan, cost: &CostModel, slots: &[DeviceSlot], replica: &Replica) -> f64 {
+    let n_ranks = plan.n_ranks(replica);
+    if !plan.model().tie_embeddings() || n_ranks < 2 {
+        return 0.0;
+    }
+    let (first, last) = (&replica.stages[0], &replica.stages[n_ranks - 1]);
+    let (a, b) = (slots[first.devices[0] as usize], slots[last.devices[0] as usize]);
+    let mode = plan.cluster().bridge().modes()[0];
+    let bytes = plan.grad_reduce().bytes() * params::embedding_params(cost.model()) as f64 / f64::from(plan.tp());
+    comm::ring_all_reduce_s(bytes, 2, comm::link_between(plan.cluster(), a, b, mode))
 }
 
 /// Devices of `stage` that each hold all of its parameters: a long-context stage's, or one (a

@@ -6,7 +6,7 @@ use std::collections::BTreeMap;
 use medley_cost::comm::{self, Link};
 use medley_cost::{Calibration, CostModel, GIB, PassTime, Setting, StageShape};
 use medley_plan::long_context_price::ContextPricer;
-use medley_plan::{Plan, Route, Stage};
+use medley_plan::{Plan, Route, Stage, tied_embedding_sync_s};
 use medley_schedule::RankId;
 use medley_spec::{BridgeMode, DeviceSlot, Vendor};
 
@@ -51,8 +51,9 @@ pub(crate) struct RankSetup {
     pub devices: Vec<u32>,
     pub chunks: Vec<ChunkCost>,
     pub optimizer_ns: u64,
-    /// A long-context rank's gradient reduction over its own devices (each holds every
-    /// parameter), before the optimizer step; priced by the α–β model like TP collectives.
+    /// Gradient reductions before the optimizer step that are not the DP groups': a
+    /// long-context rank's over its own devices (each holds every parameter), and the first and
+    /// last rank's of a tied embedding; priced by the α–β model like TP collectives.
     pub stage_sync_ns: u64,
     /// Bytes its fullest device sends across a pipeline boundary per micro-batch and direction.
     pub boundary_bytes: f64,
@@ -212,6 +213,14 @@ impl<'p> Setup<'p> {
             }
         }
         let index: BTreeMap<RankId, usize> = ranks.iter().enumerate().map(|(idx, rank)| (rank.id, idx)).collect();
+        for (replica_idx, replica) in plan.replicas().iter().enumerate() {
+            let sync_ns = ns(tied_embedding_sync_s(plan, &cost, &slots, replica));
+            if sync_ns > 0 {
+                for rank_idx in [0, plan.n_ranks(replica) - 1] {
+                    ranks[index[&RankId::new(replica_idx, rank_idx)]].stage_sync_ns += sync_ns;
+                }
+            }
+        }
         let dp_members = (0..plan.dp_groups().len())
             .map(|group_idx| {
                 plan.holders(group_idx)

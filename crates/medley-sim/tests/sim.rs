@@ -698,3 +698,52 @@ proptest::proptest! {
         }
     }
 }
+
+/// Issue 33: a model whose input embedding and output head are one matrix reduces its gradients
+/// between the first and the last pipeline rank each step (Megatron-LM's embedding group), which
+/// neither engine priced. Tied and untied twins hold the same parameters on every stage (the
+/// last keeps a copy of the tied matrix), so the exchange is the whole difference.
+#[test]
+fn a_tied_embedding_costs_its_gradients_exchange_between_first_and_last_rank() {
+    let twin = |tied: bool| {
+        let config = format!(
+            r#"{{"model_type": "llama", "hidden_size": 2048, "intermediate_size": 8192, "num_hidden_layers": 16,
+                "num_attention_heads": 32, "num_key_value_heads": 8, "vocab_size": 128256,
+                "tie_word_embeddings": {tied}}}"#
+        );
+        let model = ModelSpec::from_hf_config(&config, "twin.json").unwrap();
+        // Stage 0 on the first node, stage 1 on the second.
+        let layout = Layout {
+            cluster: "16xa100",
+            model,
+            seq_len: 2048,
+            global_batch: 16,
+            degrees: Degrees::new(1, 2, 8),
+            recompute: Recompute::None,
+        };
+        without_overlap(megatron(layout))
+    };
+    let (tied, untied) = (twin(true), twin(false));
+    let calibration = Calibration::default();
+    let cost = CostModel::new(tied.model(), tied.seq_len(), &calibration);
+    let sync_s = medley_plan::tied_embedding_sync_s(&tied, &cost, &tied.cluster().devices(), &tied.replicas()[0]);
+    // fp32 gradients of 128256 × 2048 parameters across the nodes' NICs: tens of milliseconds.
+    assert!(sync_s > 0.01, "{sync_s}");
+    let (simulated, simulated_untied) = (run(&tied, ScheduleKind::OneFOneB), run(&untied, ScheduleKind::OneFOneB));
+    let added_s = simulated.step_time_s - simulated_untied.step_time_s;
+    assert!((added_s - sync_s).abs() < 1e-6, "simulated {added_s} s, exchange {sync_s} s");
+    let evaluated = medley_plan::evaluate(&tied, &calibration).dp_sync_s;
+    let evaluated_untied = medley_plan::evaluate(&untied, &calibration).dp_sync_s;
+    assert!((evaluated - evaluated_untied - sync_s).abs() < 1e-9, "{evaluated} - {evaluated_untied} vs {sync_s}");
+    // One rank holds both ends: nothing to exchange.
+    let one_stage = megatron(Layout {
+        cluster: "8xa100",
+        model: tied.model().clone(),
+        seq_len: 2048,
+        global_batch: 16,
+        degrees: Degrees::new(1, 1, 8),
+        recompute: Recompute::None,
+    });
+    let slots = one_stage.cluster().devices();
+    assert_eq!(medley_plan::tied_embedding_sync_s(&one_stage, &cost, &slots, &one_stage.replicas()[0]), 0.0);
+}

@@ -378,7 +378,7 @@ impl<'s, 'p, 'w> StepRun<'s, 'p, 'w> {
                     let start = self.now();
                     if sync_ns > 0 {
                         let span = (start, start + sync_ns);
-                        let name = "gradients over the stage's devices";
+                        let name = "gradients over the stage's devices and the tied embedding";
                         self.timeline_slice(rank, COLLECTIVE_TID, name, "collective", span, &NoArgs {});
                     }
                     let span = (start + sync_ns, start + sync_ns + optimizer_ns);
