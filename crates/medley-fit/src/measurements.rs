@@ -27,22 +27,27 @@ pub enum ReadError {
 /// at once instead of filling memory.
 const MAX_FILE_BYTES: u64 = 64 << 20;
 
-/// One row of a measurements CSV. Columns left out take Megatron-LM's defaults.
+/// One row of a measurements CSV: a plan file, or a Megatron-style layout whose columns left out
+/// take Megatron-LM's defaults.
 #[derive(Deserialize)]
 #[serde(deny_unknown_fields)]
 struct Row {
-    /// Names the run in reports [default: its layout].
+    /// Names the run in reports [default: its layout, or its plan file].
     label: Option<String>,
+    /// A medley plan (relative to the CSV), as `medley plan -o` writes it: the layout exactly,
+    /// uneven stages and batch shares included. It states the cluster, the model and the job, so
+    /// the columns below are left empty on its row.
+    plan: Option<String>,
     /// A cluster TOML file (relative to the CSV) or an inline fleet, `COUNTxDEVICE,...`.
-    cluster: String,
+    cluster: Option<String>,
     /// A catalog model or a HuggingFace config.json (relative to the CSV).
-    model: String,
-    seq_len: u32,
-    global_batch: u32,
-    micro_batch: u32,
-    tp: u32,
-    pp: u32,
-    dp: u32,
+    model: Option<String>,
+    seq_len: Option<u32>,
+    global_batch: Option<u32>,
+    micro_batch: Option<u32>,
+    tp: Option<u32>,
+    pp: Option<u32>,
+    dp: Option<u32>,
     vpp: Option<u32>,
     cp: Option<u32>,
     /// none, selective or full [default: none].
@@ -62,8 +67,8 @@ struct Row {
     step_s: f64,
 }
 
-/// Every row of the CSV at `path` as a measured run, its plan built from the row's layout; files
-/// the rows name are read relative to the CSV.
+/// Every row of the CSV at `path` as a measured run, its plan read from the row's plan file or
+/// built from its layout; files the rows name are read relative to the CSV.
 pub fn read_csv(path: &Path) -> Result<Vec<MeasuredRun>, ReadError> {
     let dir = path.parent().unwrap_or(Path::new("."));
     parse_csv(&read_capped(path)?, path, &|name| read_capped(&dir.join(name)).map_err(|err| err.to_string()))
@@ -94,20 +99,83 @@ pub fn parse_csv(
 
 impl Row {
     fn measured_run(self, open: &dyn Fn(&str) -> Result<String, String>) -> Result<MeasuredRun, String> {
-        let cluster = match looks_like_file(&self.cluster) {
-            true => Cluster::from_toml(&open(&self.cluster)?, &self.cluster),
-            false => Cluster::from_inline(&self.cluster, Fabric::default(), Bridge::default()),
+        let (label, cluster, plan) = match &self.plan {
+            Some(path) => self.planned(path, open)?,
+            None => self.as_measured(open)?,
+        };
+        MeasuredRun::new(self.label.unwrap_or(label), cluster, plan, Measured::StepS(self.step_s))
+            .map_err(|err| err.to_string())
+    }
+
+    /// The plan file at `path`, on a row that leaves the layout's columns empty; its label is the
+    /// file's name and its cluster its device counts (`12xv100,4xT4`).
+    fn planned(
+        &self,
+        path: &str,
+        open: &dyn Fn(&str) -> Result<String, String>,
+    ) -> Result<(String, String, Plan), String> {
+        let given = self.given();
+        if !given.is_empty() {
+            return Err(format!("`plan` states the layout and the job: leave {} empty on its row", given.join(", ")));
+        }
+        let parts: PlanParts =
+            serde_json::from_str(&open(path)?).map_err(|err| format!("plan {path}: is not a medley plan: {err}"))?;
+        let plan = Plan::new(parts).map_err(|err| format!("plan {path}: {err}"))?;
+        let cluster = plan
+            .cluster()
+            .groups()
+            .iter()
+            .map(|group| format!("{}x{}", group.n_nodes * group.gpus_per_node, group.device.name))
+            .collect::<Vec<_>>()
+            .join(",");
+        Ok((path.to_string(), cluster, plan))
+    }
+
+    /// The columns the row gives.
+    fn given(&self) -> Vec<&'static str> {
+        let columns = [
+            ("cluster", self.cluster.is_some()),
+            ("model", self.model.is_some()),
+            ("seq_len", self.seq_len.is_some()),
+            ("global_batch", self.global_batch.is_some()),
+            ("micro_batch", self.micro_batch.is_some()),
+            ("tp", self.tp.is_some()),
+            ("pp", self.pp.is_some()),
+            ("dp", self.dp.is_some()),
+            ("vpp", self.vpp.is_some()),
+            ("cp", self.cp.is_some()),
+            ("recompute", self.recompute.is_some()),
+            ("attention", self.attention.is_some()),
+            ("precision", self.precision.is_some()),
+            ("grad_reduce", self.grad_reduce.is_some()),
+            ("zero1", self.zero1.is_some()),
+            ("overlap_grad_reduce", self.overlap_grad_reduce.is_some()),
+        ];
+        columns.into_iter().filter(|(_, given)| *given).map(|(column, _)| column).collect()
+    }
+
+    /// The plan Megatron-LM runs for the row's layout ([`as_measured`]), labelled by it.
+    fn as_measured(&self, open: &dyn Fn(&str) -> Result<String, String>) -> Result<(String, String, Plan), String> {
+        let needed = |value: Option<u32>, column: &str| {
+            value.ok_or_else(|| format!("`{column}` is needed on a row without a `plan`"))
+        };
+        let cluster_text = self.cluster.as_deref().ok_or("`cluster` is needed on a row without a `plan`")?;
+        let model_text = self.model.as_deref().ok_or("`model` is needed on a row without a `plan`")?;
+        let cluster = match looks_like_file(cluster_text) {
+            true => Cluster::from_toml(&open(cluster_text)?, cluster_text),
+            false => Cluster::from_inline(cluster_text, Fabric::default(), Bridge::default()),
         }
         .map_err(|err| format!("cluster: {err}"))?;
-        let model = match looks_like_file(&self.model) {
-            true => ModelSpec::from_hf_config(&open(&self.model)?, &self.model),
-            false => catalog_model(&self.model),
+        let model = match looks_like_file(model_text) {
+            true => ModelSpec::from_hf_config(&open(model_text)?, model_text),
+            false => catalog_model(model_text),
         }
         .map_err(|err| format!("model: {err}"))?;
+        let micro_batch = needed(self.micro_batch, "micro_batch")?;
         let parts = JobParts {
-            seq_len: self.seq_len,
-            global_batch: self.global_batch,
-            micro_batch: Some(self.micro_batch),
+            seq_len: needed(self.seq_len, "seq_len")?,
+            global_batch: needed(self.global_batch, "global_batch")?,
+            micro_batch: Some(micro_batch),
             precision: self.precision.unwrap_or_default(),
             grad_reduce: self.grad_reduce,
             zero1: self.zero1.unwrap_or(false),
@@ -116,13 +184,13 @@ impl Row {
             ..JobParts::default()
         };
         let job = JobSpec::new(parts, "the row").map_err(|err| err.to_string())?;
-        let degrees =
-            Degrees { vpp: self.vpp.unwrap_or(1), cp: self.cp.unwrap_or(1), ..Degrees::new(self.tp, self.pp, self.dp) };
+        let (tp, pp, dp) = (needed(self.tp, "tp")?, needed(self.pp, "pp")?, needed(self.dp, "dp")?);
+        let degrees = Degrees { vpp: self.vpp.unwrap_or(1), cp: self.cp.unwrap_or(1), ..Degrees::new(tp, pp, dp) };
         let recompute = self.recompute.unwrap_or(Recompute::None);
         let plan = as_measured(&cluster, &model, &job, &Calibration::default(), degrees, recompute)
             .map_err(|err| err.to_string())?;
-        let label = self.label.unwrap_or_else(|| format!("{degrees}, micro-batch {}, {recompute}", self.micro_batch));
-        MeasuredRun::new(label, self.cluster, plan, Measured::StepS(self.step_s)).map_err(|err| err.to_string())
+        let label = format!("{degrees}, micro-batch {micro_batch}, {recompute}");
+        Ok((label, cluster_text.to_string(), plan))
     }
 }
 
@@ -193,6 +261,38 @@ fn read_capped(path: &Path) -> Result<String, ReadError> {
 #[cfg(test)]
 mod tests {
     use super::*;
+
+    /// Issue 33: a measured uneven layout (Sailor's, medley's own) is given as its plan file.
+    #[test]
+    fn a_row_gives_its_plan_file_or_its_layout_and_not_both() {
+        let cluster = Cluster::from_inline("4xh100,4xa100", Fabric::default(), Bridge::default()).unwrap();
+        let model = catalog_model("llama3-8b").unwrap();
+        let parts = JobParts { seq_len: 2048, global_batch: 32, micro_batch: Some(1), ..JobParts::default() };
+        let job = JobSpec::new(parts, "test").unwrap();
+        let plan =
+            medley_plan::baselines::fixed(&cluster, &model, &job, &Calibration::default(), Degrees::new(1, 2, 4))
+                .unwrap()
+                .plan;
+        let plan_json = serde_json::to_string(&plan).unwrap();
+        let open = |name: &str| match name {
+            "measured.json" => Ok(plan_json.clone()),
+            other => Err(format!("no file {other}")),
+        };
+        let csv = "label,plan,tp,pp,dp,cluster,model,seq_len,global_batch,micro_batch,step_s\n\
+                   uneven,measured.json,,,,,,,,,1.5\n\
+                   even,,1,2,4,8xh100,llama3-8b,2048,32,1,1.6\n";
+        let runs = parse_csv(csv, Path::new("m.csv"), &open).unwrap();
+        assert_eq!(runs[0].plan, plan);
+        assert_eq!((runs[0].label.as_str(), runs[0].cluster.as_str()), ("uneven", "4xH100-SXM,4xA100-80GB"));
+        assert_eq!(runs[1].cluster, "8xh100");
+        let both = "plan,tp,step_s\nmeasured.json,2,1.5\n";
+        let err = parse_csv(both, Path::new("m.csv"), &open).unwrap_err().to_string();
+        assert!(err.contains("m.csv, row 2") && err.contains("leave tp empty"), "{err}");
+        let neither =
+            "cluster,model,seq_len,global_batch,micro_batch,pp,dp,step_s\n4xh100,llama3-8b,2048,32,1,2,2,1.5\n";
+        let err = parse_csv(neither, Path::new("m.csv"), &open).unwrap_err().to_string();
+        assert!(err.contains("`tp` is needed"), "{err}");
+    }
 
     #[test]
     fn the_median_skips_the_warm_up_step_and_bad_lines_are_named() {

@@ -96,8 +96,9 @@ fn calibration_profiles() {
 fn measured_runs_csv() {
     let seed = "label,cluster,model,seq_len,global_batch,micro_batch,tp,pp,dp,step_s\n\
                 wide,8xh100,llama3-8b,2048,64,1,1,1,8,3.0\n# a comment\ndeep,8xh100,llama3-8b,2048,64,2,2,2,2,2.5\n";
+    let planned = "label,plan,tp,step_s\nuneven,plan.json,,1.5\nboth,plan.json,2,1.5\n";
     let no_files = |name: &str| Err(format!("no file {name} here"));
-    fuzz("measured runs CSV", seeds(&[seed]), |bytes| {
+    fuzz("measured runs CSV", seeds(&[seed, planned]), |bytes| {
         let _ = parse_csv(&text(bytes), Path::new("measured.csv"), &no_files);
     });
 }

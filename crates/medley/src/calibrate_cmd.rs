@@ -39,10 +39,11 @@ pub struct CalibrateArgs {
     /// Write the profile here instead of printing it.
     #[arg(short = 'o', long)]
     pub output: Option<PathBuf>,
-    /// Fit the device efficiencies to measured steps instead: a CSV of layouts and step times
-    /// (label,cluster,model,seq_len,global_batch,micro_batch,tp,pp,dp,step_s and optionally
-    /// vpp,cp,recompute,attention,precision,zero1,overlap_grad_reduce), or a medley run directory
-    /// from real devices (its plan.json and metrics.jsonl). Repeat for several.
+    /// Fit the device efficiencies and framework overheads to measured steps instead: a CSV of
+    /// layouts and step times (label,cluster,model,seq_len,global_batch,micro_batch,tp,pp,dp,step_s
+    /// and optionally vpp,cp,recompute,attention,precision,grad_reduce,zero1,overlap_grad_reduce;
+    /// or label,plan,step_s with a medley plan file per row), or a medley run directory from real
+    /// devices (its plan.json and metrics.jsonl). Repeat for several.
     #[arg(long, value_name = "FILE")]
     pub measured: Vec<PathBuf>,
     /// With --measured: the GPU profile the fit starts from [default: the built-in efficiencies].
