@@ -474,18 +474,38 @@ fn dp_sync_s(plan: &Plan, cost: &CostModel, slots: &[DeviceSlot], prices: &[Repl
 /// The all-reduce of a tied embedding's gradients between the first and the last pipeline rank
 /// of `replica`, which hold the input embedding and the output head as copies of one matrix
 /// (Megatron-LM's embedding group, DeepSpeed's tied modules), after the data-parallel reduction
-/// and before the optimizer step; each TP rank its vocabulary shard. Zero for an untied model or
-/// a pipeline of one rank.
+/// and before the optimizer step; each TP rank its vocabulary shard. Across nodes, a node's NICs
+/// are shared by the exchanges of every replica whose first or last rank sits there, not by all
+/// its GPUs. Zero for an untied model or a pipeline of one rank.
 pub fn tied_embedding_sync_s(plan: &Plan, cost: &CostModel, slots: &[DeviceSlot], replica: &Replica) -> f64 {
+    let Some((a, b)) = tied_ends(plan, slots, replica) else { return 0.0 };
+    let mode = plan.cluster().bridge().modes()[0];
+    let mut link = comm::link_between(plan.cluster(), a, b, mode);
+    if a.node_idx != b.node_idx {
+        let exchanges_on = |node: u32| -> u32 {
+            let ends = plan.replicas().iter().filter_map(|other| tied_ends(plan, slots, other));
+            ends.map(|(first, last)| u32::from(first.node_idx == node) + u32::from(last.node_idx == node)).sum::<u32>()
+                * plan.tp()
+        };
+        let groups = plan.cluster().groups();
+        let gpus = groups[a.group_idx].gpus_per_node.max(groups[b.group_idx].gpus_per_node);
+        let busy = exchanges_on(a.node_idx).max(exchanges_on(b.node_idx)).max(1);
+        let lane = comm::lane_link(plan.cluster(), a, b, mode);
+        link.gb_s = (link.gb_s * f64::from(gpus) / f64::from(busy)).min(lane.gb_s);
+    }
+    let bytes = plan.grad_reduce().bytes() * params::embedding_params(cost.model()) as f64 / f64::from(plan.tp());
+    comm::ring_all_reduce_s(bytes, 2, link)
+}
+
+/// Where `replica`'s tied embedding's two copies sit: its first and its last rank, when the model
+/// ties them and the pipeline has more than one rank.
+fn tied_ends(plan: &Plan, slots: &[DeviceSlot], replica: &Replica) -> Option<(DeviceSlot, DeviceSlot)> {
     let n_ranks = plan.n_ranks(replica);
     if !plan.model().tie_embeddings() || n_ranks < 2 {
-        return 0.0;
+        return None;
     }
-    let (first, last) = (&replica.stages[0], &replica.stages[n_ranks - 1]);
-    let (a, b) = (slots[first.devices[0] as usize], slots[last.devices[0] as usize]);
-    let mode = plan.cluster().bridge().modes()[0];
-    let bytes = plan.grad_reduce().bytes() * params::embedding_params(cost.model()) as f64 / f64::from(plan.tp());
-    comm::ring_all_reduce_s(bytes, 2, comm::link_between(plan.cluster(), a, b, mode))
+    let end = |stage: &Stage| slots[stage.devices[0] as usize];
+    Some((end(&replica.stages[0]), end(&replica.stages[n_ranks - 1])))
 }
 
 /// Devices of `stage` that each hold all of its parameters: a long-context stage's, or one (a

@@ -747,3 +747,32 @@ fn a_tied_embedding_costs_its_gradients_exchange_between_first_and_last_rank() {
     let slots = one_stage.cluster().devices();
     assert_eq!(medley_plan::tied_embedding_sync_s(&one_stage, &cost, &slots, &one_stage.replicas()[0]), 0.0);
 }
+
+/// The tied exchanges share a node's NIC only with each other: two replicas of a four-stage
+/// pipeline leave half of each node's GPUs out of it, so each exchange gets half the NIC, where
+/// four replicas of a two-stage pipeline split it four ways.
+#[test]
+fn tied_exchanges_share_a_nic_only_with_each_other() {
+    let nodes = "[[group]]\ndevice = \"a100\"\nnodes = 2\ngpus_per_node = 4\nnics_per_node = 1\nnic_gbit_s = 10\n";
+    let config = r#"{"model_type": "gpt2", "n_embd": 1024, "n_layer": 24, "n_head": 16, "vocab_size": 52256}"#;
+    let model = ModelSpec::from_hf_config(config, "gpt2.json").unwrap();
+    let sync_s = |pp: u32, dp: u32| {
+        let layout = Layout {
+            cluster: nodes,
+            model: model.clone(),
+            seq_len: 1024,
+            global_batch: 8,
+            degrees: Degrees::new(1, pp, dp),
+            recompute: Recompute::None,
+        };
+        let plan = megatron(layout);
+        let calibration = Calibration::default();
+        let cost = CostModel::new(plan.model(), plan.seq_len(), &calibration);
+        medley_plan::tied_embedding_sync_s(&plan, &cost, &plan.cluster().devices(), &plan.replicas()[0])
+    };
+    // fp32 gradients of 52256 × 1024 parameters over a quarter and a half of 1.25 GB/s.
+    let bytes = 4.0 * 52256.0 * 1024.0;
+    let (four_ways, two_ways) = (sync_s(2, 4), sync_s(4, 2));
+    assert!((four_ways - bytes / (1.25e9 / 4.0)).abs() < 0.01 * four_ways, "{four_ways}");
+    assert!((two_ways - bytes / (1.25e9 / 2.0)).abs() < 0.01 * two_ways, "{two_ways}");
+}
