@@ -460,8 +460,8 @@ fn dp_sync_s(plan: &Plan, cost: &CostModel, slots: &[DeviceSlot], prices: &[Repl
         }
     }
     // The first and the last rank of each replica exchange a tied embedding's gradients.
-    for (replica_idx, replica) in plan.replicas().iter().enumerate() {
-        let sync_s = tied_embedding_sync_s(plan, cost, slots, replica);
+    let tied_syncs_s = tied_embedding_syncs_s(plan, cost, slots);
+    for ((replica_idx, replica), sync_s) in plan.replicas().iter().enumerate().zip(tied_syncs_s) {
         if sync_s > 0.0 {
             for rank in [0, plan.n_ranks(replica) - 1] {
                 *per_rank.entry((replica_idx, rank)).or_insert(0.0) += sync_s;
@@ -471,30 +471,36 @@ fn dp_sync_s(plan: &Plan, cost: &CostModel, slots: &[DeviceSlot], prices: &[Repl
     per_rank.into_values().fold(0.0, f64::max)
 }
 
-/// The all-reduce of a tied embedding's gradients between the first and the last pipeline rank
-/// of `replica`, which hold the input embedding and the output head as copies of one matrix
+/// Per replica, the all-reduce of a tied embedding's gradients between its first and its last
+/// pipeline rank, which hold the input embedding and the output head as copies of one matrix
 /// (Megatron-LM's embedding group, DeepSpeed's tied modules), after the data-parallel reduction
 /// and before the optimizer step; each TP rank its vocabulary shard. Across nodes, a node's NICs
 /// are shared by the exchanges of every replica whose first or last rank sits there, not by all
 /// its GPUs. Zero for an untied model or a pipeline of one rank.
-pub fn tied_embedding_sync_s(plan: &Plan, cost: &CostModel, slots: &[DeviceSlot], replica: &Replica) -> f64 {
-    let Some((a, b)) = tied_ends(plan, slots, replica) else { return 0.0 };
-    let mode = plan.cluster().bridge().modes()[0];
-    let mut link = comm::link_between(plan.cluster(), a, b, mode);
-    if a.node_idx != b.node_idx {
-        let exchanges_on = |node: u32| -> u32 {
-            let ends = plan.replicas().iter().filter_map(|other| tied_ends(plan, slots, other));
-            ends.map(|(first, last)| u32::from(first.node_idx == node) + u32::from(last.node_idx == node)).sum::<u32>()
-                * plan.tp()
-        };
-        let groups = plan.cluster().groups();
-        let gpus = groups[a.group_idx].gpus_per_node.max(groups[b.group_idx].gpus_per_node);
-        let busy = exchanges_on(a.node_idx).max(exchanges_on(b.node_idx)).max(1);
-        let lane = comm::lane_link(plan.cluster(), a, b, mode);
-        link.gb_s = (link.gb_s * f64::from(gpus) / f64::from(busy)).min(lane.gb_s);
+pub fn tied_embedding_syncs_s(plan: &Plan, cost: &CostModel, slots: &[DeviceSlot]) -> Vec<f64> {
+    let ends: Vec<Option<(DeviceSlot, DeviceSlot)>> =
+        plan.replicas().iter().map(|replica| tied_ends(plan, slots, replica)).collect();
+    // TP ranks exchanging through each node's NICs.
+    let mut exchanges_on: BTreeMap<u32, u32> = BTreeMap::new();
+    for (first, last) in ends.iter().flatten() {
+        for node in [first.node_idx, last.node_idx] {
+            *exchanges_on.entry(node).or_insert(0) += plan.tp();
+        }
     }
+    let mode = plan.cluster().bridge().modes()[0];
     let bytes = plan.grad_reduce().bytes() * params::embedding_params(cost.model()) as f64 / f64::from(plan.tp());
-    comm::ring_all_reduce_s(bytes, 2, link)
+    let sync_s = |(a, b): (DeviceSlot, DeviceSlot)| {
+        let mut link = comm::link_between(plan.cluster(), a, b, mode);
+        if a.node_idx != b.node_idx {
+            let groups = plan.cluster().groups();
+            let gpus = groups[a.group_idx].gpus_per_node.max(groups[b.group_idx].gpus_per_node);
+            let busy = exchanges_on[&a.node_idx].max(exchanges_on[&b.node_idx]);
+            let lane = comm::lane_link(plan.cluster(), a, b, mode);
+            link.gb_s = (link.gb_s * f64::from(gpus) / f64::from(busy)).min(lane.gb_s);
+        }
+        comm::ring_all_reduce_s(bytes, 2, link)
+    };
+    ends.into_iter().map(|ends| ends.map_or(0.0, sync_s)).collect()
 }
 
 /// Where `replica`'s tied embedding's two copies sit: its first and its last rank, when the model

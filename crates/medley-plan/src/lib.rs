@@ -23,7 +23,7 @@ pub mod shard_split;
 pub use assemble::{ReplicaLayout, assemble, stages_from_counts};
 pub use candidates::{Candidate, SearchOutcome};
 pub use error::{ContextProblem, InvalidPlan, PlanError, ReplicaProblem, RouteProblem};
-pub use evaluate::{PipelineTiming, Prediction, Utilisation, evaluate, max_k_within_memory, tied_embedding_sync_s};
+pub use evaluate::{PipelineTiming, Prediction, Utilisation, evaluate, max_k_within_memory, tied_embedding_syncs_s};
 pub use layers::LayerRange;
 pub use long_context_stage::{HeadGroup, StageContext};
 pub use partition::{ClassShare, MAX_GROUPS, ReplicaClass, StageLoad, min_max_layers, split_micro_batches};

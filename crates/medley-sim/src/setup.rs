@@ -6,7 +6,7 @@ use std::collections::BTreeMap;
 use medley_cost::comm::{self, Link};
 use medley_cost::{Calibration, CostModel, GIB, PassTime, Setting, StageShape};
 use medley_plan::long_context_price::ContextPricer;
-use medley_plan::{Plan, Route, Stage, tied_embedding_sync_s};
+use medley_plan::{Plan, Route, Stage, tied_embedding_syncs_s};
 use medley_schedule::RankId;
 use medley_spec::{BridgeMode, DeviceSlot, Vendor};
 
@@ -213,8 +213,9 @@ impl<'p> Setup<'p> {
             }
         }
         let index: BTreeMap<RankId, usize> = ranks.iter().enumerate().map(|(idx, rank)| (rank.id, idx)).collect();
-        for (replica_idx, replica) in plan.replicas().iter().enumerate() {
-            let sync_ns = ns(tied_embedding_sync_s(plan, &cost, &slots, replica));
+        let tied_syncs_s = tied_embedding_syncs_s(plan, &cost, &slots);
+        for ((replica_idx, replica), sync_s) in plan.replicas().iter().enumerate().zip(tied_syncs_s) {
+            let sync_ns = ns(sync_s);
             if sync_ns > 0 {
                 for rank_idx in [0, plan.n_ranks(replica) - 1] {
                     ranks[index[&RankId::new(replica_idx, rank_idx)]].stage_sync_ns += sync_ns;

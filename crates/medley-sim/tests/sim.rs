@@ -726,7 +726,7 @@ fn a_tied_embedding_costs_its_gradients_exchange_between_first_and_last_rank() {
     let (tied, untied) = (twin(true), twin(false));
     let calibration = Calibration::default();
     let cost = CostModel::new(tied.model(), tied.seq_len(), &calibration);
-    let sync_s = medley_plan::tied_embedding_sync_s(&tied, &cost, &tied.cluster().devices(), &tied.replicas()[0]);
+    let sync_s = medley_plan::tied_embedding_syncs_s(&tied, &cost, &tied.cluster().devices())[0];
     // fp32 gradients of 128256 × 2048 parameters across the nodes' NICs: tens of milliseconds.
     assert!(sync_s > 0.01, "{sync_s}");
     let (simulated, simulated_untied) = (run(&tied, ScheduleKind::OneFOneB), run(&untied, ScheduleKind::OneFOneB));
@@ -745,7 +745,7 @@ fn a_tied_embedding_costs_its_gradients_exchange_between_first_and_last_rank() {
         recompute: Recompute::None,
     });
     let slots = one_stage.cluster().devices();
-    assert_eq!(medley_plan::tied_embedding_sync_s(&one_stage, &cost, &slots, &one_stage.replicas()[0]), 0.0);
+    assert_eq!(medley_plan::tied_embedding_syncs_s(&one_stage, &cost, &slots)[0], 0.0);
 }
 
 /// The tied exchanges share a node's NIC only with each other: two replicas of a four-stage
@@ -768,7 +768,7 @@ fn tied_exchanges_share_a_nic_only_with_each_other() {
         let plan = megatron(layout);
         let calibration = Calibration::default();
         let cost = CostModel::new(plan.model(), plan.seq_len(), &calibration);
-        medley_plan::tied_embedding_sync_s(&plan, &cost, &plan.cluster().devices(), &plan.replicas()[0])
+        medley_plan::tied_embedding_syncs_s(&plan, &cost, &plan.cluster().devices())[0]
     };
     // fp32 gradients of 52256 × 1024 parameters over a quarter and a half of 1.25 GB/s.
     let bytes = 4.0 * 52256.0 * 1024.0;
