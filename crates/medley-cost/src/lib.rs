@@ -207,7 +207,7 @@ impl<'a> CostModel<'a> {
 
     /// The framework's overheads on one micro-batch's forward and backward through a stage of
     /// `shape` (see [`Overheads`]); none of it computes weight gradients.
-    pub fn pass_overhead(&self, shape: StageShape) -> PassTime {
+    fn pass_overhead(&self, shape: StageShape) -> PassTime {
         let overheads = self.calibration.overheads();
         let per_pass_s = overheads.per_micro_batch_s + f64::from(shape.n_layers) * overheads.per_layer_s;
         PassTime { forward_s: per_pass_s, backward_s: per_pass_s, weight_grad_s: 0.0 }

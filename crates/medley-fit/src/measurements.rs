@@ -101,7 +101,7 @@ impl Row {
     fn measured_run(self, open: &dyn Fn(&str) -> Result<String, String>) -> Result<MeasuredRun, String> {
         let (label, cluster, plan) = match &self.plan {
             Some(path) => self.planned(path, open)?,
-            None => self.as_measured(open)?,
+            None => self.megatron_layout(open)?,
         };
         MeasuredRun::new(self.label.unwrap_or(label), cluster, plan, Measured::StepS(self.step_s))
             .map_err(|err| err.to_string())
@@ -155,7 +155,7 @@ impl Row {
     }
 
     /// The plan Megatron-LM runs for the row's layout ([`as_measured`]), labelled by it.
-    fn as_measured(&self, open: &dyn Fn(&str) -> Result<String, String>) -> Result<(String, String, Plan), String> {
+    fn megatron_layout(&self, open: &dyn Fn(&str) -> Result<String, String>) -> Result<(String, String, Plan), String> {
         let needed = |value: Option<u32>, column: &str| {
             value.ok_or_else(|| format!("`{column}` is needed on a row without a `plan`"))
         };

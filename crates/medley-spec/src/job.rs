@@ -102,10 +102,7 @@ impl fmt::Display for GradReduce {
 impl FromStr for GradReduce {
     type Err = String;
     fn from_str(text: &str) -> Result<Self, String> {
-        GradReduce::ALL
-            .into_iter()
-            .find(|format| format.to_string() == text.trim().to_ascii_lowercase())
-            .ok_or_else(|| format!("unknown gradient reduction `{}`; expected fp32 or 16-bit", echo(text)))
+        by_name(&GradReduce::ALL, text, "gradient reduction")
     }
 }
 
@@ -140,10 +137,7 @@ impl fmt::Display for AttentionKernel {
 impl FromStr for AttentionKernel {
     type Err = String;
     fn from_str(text: &str) -> Result<Self, String> {
-        AttentionKernel::ALL
-            .into_iter()
-            .find(|kernel| kernel.to_string() == text.to_ascii_lowercase())
-            .ok_or_else(|| format!("unknown attention kernel `{}`; expected fused or unfused", echo(text)))
+        by_name(&AttentionKernel::ALL, text, "attention kernel")
     }
 }
 
@@ -176,11 +170,23 @@ impl fmt::Display for Recompute {
 impl FromStr for Recompute {
     type Err = String;
     fn from_str(text: &str) -> Result<Self, String> {
-        Recompute::ALL
-            .into_iter()
-            .find(|mode| mode.to_string() == text.to_ascii_lowercase())
-            .ok_or_else(|| format!("unknown recompute `{}`; expected none, selective or full", echo(text)))
+        by_name(&Recompute::ALL, text, "recompute")
     }
+}
+
+/// The one of `all` whose name (its `Display`) is `text`, in any case; else an error naming
+/// `what` and the names it takes.
+fn by_name<T: Copy + fmt::Display>(all: &[T], text: &str, what: &str) -> Result<T, String> {
+    let wanted = text.trim().to_ascii_lowercase();
+    all.iter().copied().find(|item| item.to_string() == wanted).ok_or_else(|| {
+        let names: Vec<String> = all.iter().map(ToString::to_string).collect();
+        let expected = match names.split_last() {
+            Some((last, [])) => last.clone(),
+            Some((last, rest)) => format!("{} or {last}", rest.join(", ")),
+            None => String::new(),
+        };
+        format!("unknown {what} `{}`; expected {expected}", echo(text))
+    })
 }
 
 /// A training job. Invariants (held by [`JobSpec::new`]): positive sizes; a fixed micro-batch
@@ -414,6 +420,10 @@ mod tests {
         assert!(job("grad_reduce = \"fp8\"").is_err());
         assert_eq!("FP32".parse::<GradReduce>(), Ok(GradReduce::Fp32));
         assert!("bf16".parse::<GradReduce>().unwrap_err().contains("fp32 or 16-bit"));
+        assert_eq!(" Selective ".parse::<Recompute>(), Ok(Recompute::Selective));
+        let err = "some".parse::<Recompute>().unwrap_err();
+        assert_eq!(err, "unknown recompute `some`; expected none, selective or full");
+        assert!("flash".parse::<AttentionKernel>().unwrap_err().ends_with("expected fused or unfused"));
         assert_eq!((GradReduce::Fp32.bytes(), GradReduce::SixteenBit.bytes()), (4.0, 2.0));
     }
 }
