@@ -115,6 +115,10 @@ impl<'a> CostModel<'a> {
         CostModel { precision, ..self }
     }
 
+    pub fn precision(&self) -> Precision {
+        self.precision
+    }
+
     /// A TP group of `group`'s devices, `tp` wide, at this model's precision.
     fn rates(&self, group: &NodeGroup, tp: u32) -> Rates {
         Rates::new(self.calibration, group, tp, self.precision)
@@ -139,7 +143,7 @@ impl<'a> CostModel<'a> {
         let flops = flops::layer_forward(self.model, self.seq_len, setting.micro_batch);
         let tokens = f64::from(self.seq_len) * f64::from(setting.micro_batch);
         let matmuls = rates.matmuls(&gemm::layer_gemms(self.model, tokens, setting.tp));
-        let weight_bytes = 2.0 * params::layer_params(self.model) as f64;
+        let weight_bytes = self.precision.element_bytes() * params::layer_params(self.model) as f64;
         let matmul_s = matmuls.forward_s.max(rates.memory_s(weight_bytes));
         let attention = self.attention_core(&rates, flops.attention, setting);
         let elementwise_s = rates.memory_s(self.elementwise_bytes(setting.micro_batch));
@@ -169,7 +173,9 @@ impl<'a> CostModel<'a> {
             AttentionKernel::Unfused => {
                 let gemms = gemm::unfused_attention_gemms(self.model, self.seq_len, setting.micro_batch, setting.tp);
                 let matmuls = rates.matmuls(&gemms);
-                let scores = memory::scores(self.model, self.seq_len, setting.micro_batch);
+                // The constants count 16-bit scores; fp32 ones move twice the bytes.
+                let scores = memory::scores(self.model, self.seq_len, setting.micro_batch)
+                    * (self.precision.element_bytes() / 2.0);
                 PassTime {
                     forward_s: matmuls.forward_s + rates.memory_s(UNFUSED_SCORE_BYTES_FORWARD * scores),
                     backward_s: matmuls.backward_s() + rates.memory_s(UNFUSED_SCORE_BYTES_BACKWARD * scores),
@@ -182,14 +188,20 @@ impl<'a> CostModel<'a> {
     /// The output projection and loss on the last stage.
     pub fn head_time(&self, group: &NodeGroup, setting: Setting) -> PassTime {
         let rates = self.rates(group, setting.tp);
-        head_pass(self.model, &rates, f64::from(self.seq_len) * f64::from(setting.micro_batch), setting.tp)
+        head_pass(
+            self.model,
+            &rates,
+            f64::from(self.seq_len) * f64::from(setting.micro_batch),
+            setting.tp,
+            self.precision,
+        )
     }
 
     /// The output projection and loss for `tokens` of a long-context stage's sequence.
     pub fn context_head_time(&self, group: &NodeGroup, tokens: f64) -> PassTime {
         // At the whole sequence's shapes, scaled: linear in tokens, as for the layers.
         let whole = f64::from(self.seq_len);
-        head_pass(self.model, &self.rates(group, 1), whole, 1).scaled(tokens / whole)
+        head_pass(self.model, &self.rates(group, 1), whole, 1, self.precision).scaled(tokens / whole)
     }
 
     /// A whole stage for one micro-batch.
@@ -238,10 +250,11 @@ impl<'a> CostModel<'a> {
         let per_layer = |recompute| {
             let shape =
                 memory::ActivationShape { seq_len: self.seq_len, micro_batch: setting.micro_batch, tp: setting.tp };
-            memory::layer_activation_bytes(self.model, shape, recompute, self.attention)
+            memory::layer_activation_bytes(self.model, shape, recompute, self.attention, self.precision)
         };
-        let logits = memory::logits_bytes(self.model, self.seq_len, setting.micro_batch, setting.tp);
-        let mut breakdown = MemoryBreakdown::model_states(self.stage_params(shape), setting.tp, optimizer_shards);
+        let logits = memory::logits_bytes(self.model, self.seq_len, setting.micro_batch, setting.tp, self.precision);
+        let mut breakdown =
+            MemoryBreakdown::model_states(self.stage_params(shape), setting.tp, optimizer_shards, self.precision);
         breakdown.activations = held_activations(shape, setting.recompute, in_flight, per_layer, logits);
         breakdown
     }
@@ -300,41 +313,53 @@ impl<'a> CostModel<'a> {
         // Per token: a one-token sequence keeps no score matrix, whatever the mode.
         let one_token = memory::ActivationShape { seq_len: 1, micro_batch: 1, tp: 1 };
         let per_layer = |recompute| {
-            tokens * memory::layer_activation_bytes(self.model, one_token, recompute, AttentionKernel::Fused)
+            tokens
+                * memory::layer_activation_bytes(
+                    self.model,
+                    one_token,
+                    recompute,
+                    AttentionKernel::Fused,
+                    self.precision,
+                )
         };
-        let logits = tokens * memory::logits_bytes(self.model, 1, 1, 1);
-        let mut breakdown = MemoryBreakdown::model_states(self.stage_params(shape), 1, optimizer_shards);
+        let logits = tokens * memory::logits_bytes(self.model, 1, 1, 1, self.precision);
+        let mut breakdown =
+            MemoryBreakdown::model_states(self.stage_params(shape), 1, optimizer_shards, self.precision);
         breakdown.activations = held_activations(shape, recompute, in_flight, per_layer, logits) + buffer_bytes;
         breakdown
     }
 
     /// Bytes each tensor-parallel rank sends across a pipeline boundary per micro-batch and
-    /// direction: the bf16 activation, split over the TP group by sequence parallelism.
+    /// direction: the activation, split over the TP group by sequence parallelism.
     pub fn boundary_bytes(&self, setting: Setting) -> f64 {
-        2.0 * f64::from(self.seq_len) * f64::from(setting.micro_batch) * f64::from(self.model.hidden())
+        self.precision.element_bytes()
+            * f64::from(self.seq_len)
+            * f64::from(setting.micro_batch)
+            * f64::from(self.model.hidden())
             / f64::from(setting.tp)
     }
 
     /// Seconds of the optimizer step on one device: Adam streams its 16 bytes of state per
-    /// parameter in and most of it out.
+    /// parameter (in every precision) in and most of it out.
     pub fn optimizer_step_s(&self, group: &NodeGroup, params_per_device: f64) -> f64 {
         self.rates(group, 1).memory_s(32.0 * params_per_device)
     }
 
     /// Norms, residual adds, rotary embedding, activation functions: read-write traffic in bytes
-    /// for one layer's forward, about 16 h-wide and 3 f-wide bf16 passes per token.
+    /// for one layer's forward, about 16 h-wide and 3 f-wide passes per token.
     fn elementwise_bytes(&self, micro_batch: u32) -> f64 {
         f64::from(self.seq_len) * f64::from(micro_batch) * self.elementwise_bytes_per_token()
     }
 
     fn elementwise_bytes_per_token(&self) -> f64 {
-        2.0 * (16.0 * f64::from(self.model.hidden()) + 3.0 * self.model.active_ffn_width() as f64)
+        self.precision.element_bytes()
+            * (16.0 * f64::from(self.model.hidden()) + 3.0 * self.model.active_ffn_width() as f64)
     }
 
     /// Megatron tensor parallelism with sequence parallelism: per pass, an all-gather and a
     /// reduce-scatter of the b·s·h activation around attention and again around the MLP.
     fn tp_comm_per_pass_s(&self, group: &NodeGroup, setting: Setting) -> f64 {
-        let bytes = 2.0 * f64::from(self.seq_len) * f64::from(setting.micro_batch) * f64::from(self.model.hidden());
+        let bytes = self.boundary_bytes(Setting { tp: 1, ..setting });
         4.0 * comm::reduce_scatter_s(bytes, setting.tp, comm::tensor_parallel_link(group, setting.tp))
     }
 }
@@ -358,10 +383,10 @@ fn held_activations(
     activations
 }
 
-/// The output projection and loss over `tokens` at `rates`.
-fn head_pass(model: &ModelSpec, rates: &Rates, tokens: f64, tp: u32) -> PassTime {
+/// The output projection and loss over `tokens` at `rates` in `precision`.
+fn head_pass(model: &ModelSpec, rates: &Rates, tokens: f64, tp: u32, precision: Precision) -> PassTime {
     let matmuls = rates.matmuls(&[gemm::head_gemm(model, tokens, tp)]);
-    let logits_s = rates.memory_s(tokens * memory::logits_bytes(model, 1, 1, 1));
+    let logits_s = rates.memory_s(tokens * memory::logits_bytes(model, 1, 1, 1, precision));
     PassTime {
         forward_s: matmuls.forward_s + logits_s,
         backward_s: matmuls.backward_s() + logits_s,
@@ -505,6 +530,32 @@ mod tests {
         assert!(fused[0].0 < fused[1].0 && fused[1].0 < fused[2].0, "{fused:?}");
         assert!(fused[0].1 == fused[1].1 && fused[1].1 > fused[2].1, "{fused:?}");
         assert!(fused[0].1 < unfused[0].1 && fused[0].0 < unfused[0].0, "{fused:?} vs {unfused:?}");
+    }
+
+    /// Issue 33: tf32 runs an A100's matmuls at 156 TFLOP/s (half its bf16 rate) and fp32 at
+    /// 19.5; both move and keep 4-byte tensors.
+    #[test]
+    fn tf32_and_fp32_price_their_rates_and_their_bytes() {
+        let model = catalog_model("llama3-8b").unwrap();
+        let calibration = Calibration::default();
+        let setting = Setting { micro_batch: 1, tp: 2, recompute: Recompute::None };
+        let cost = |precision| CostModel::new(&model, 4096, &calibration).with_precision(precision);
+        let a100 = group("a100");
+        let layer = |precision| cost(precision).layer_time(&a100, setting).total_s();
+        let (bf16, tf32, fp32) = (layer(Precision::Bf16Mixed), layer(Precision::Tf32), layer(Precision::Fp32));
+        // Matmul-bound: about the rates' ratios, a little less where memory-bound work doubles too.
+        assert!((1.7..2.1).contains(&(tf32 / bf16)), "{tf32} vs {bf16}");
+        assert!((10.0..16.5).contains(&(fp32 / bf16)), "{fp32} vs {bf16}");
+        let shape = StageShape { n_layers: 4, embedding: false, head: false };
+        let memory = |precision| cost(precision).stage_memory(shape, setting, 2.0, 4);
+        let (mixed, full) = (memory(Precision::Bf16Mixed), memory(Precision::Tf32));
+        assert_eq!((full.weights, full.gradients), (2.0 * mixed.weights, 2.0 * mixed.gradients));
+        assert_eq!(full.optimizer, mixed.optimizer * 8.0 / 12.0);
+        assert!((1.9..2.0).contains(&(full.activations / mixed.activations)), "fp32 statistics do not double");
+        assert_eq!(
+            cost(Precision::Fp32).boundary_bytes(setting),
+            2.0 * cost(Precision::Bf16Mixed).boundary_bytes(setting)
+        );
     }
 
     #[test]

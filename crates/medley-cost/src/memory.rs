@@ -1,8 +1,9 @@
 //! Memory a device needs: model states, activations, and a fixed workspace.
 //!
-//! Model states: 16 bytes per parameter for bf16 mixed precision with Adam (2 weights, 2
-//! gradients, 12 fp32 master weights and moments), the 12 optimizer bytes sharded over the data
-//! parallel replicas with ZeRO-1 (Rajbhandari et al., arXiv 1910.02054). Activations per layer and
+//! Model states: 16 bytes per parameter with Adam, in mixed precision 2 weights, 2 gradients and
+//! 12 optimizer bytes (fp32 master weights and moments), in tf32 or fp32 4, 4 and 8 (the moments);
+//! the optimizer bytes sharded over the data-parallel replicas with ZeRO-1 (Rajbhandari et al.,
+//! arXiv 1910.02054). Activations per layer and
 //! micro-batch follow Korthikanti et al. (arXiv 2205.05198), generalised to grouped-query attention
 //! and gated MLPs: with 16-bit activations and dropout masks, in units of s·b·h bytes, the two norms
 //! keep 4, attention 7 + 4·kv/heads plus 5·a·s/h for scores, softmax and dropout (with q = heads ×
@@ -11,9 +12,10 @@
 //! An unfused attention kernel under `Recompute::None` keeps its score, softmax and dropout
 //! buffers (the 5·a·s/h term), as Megatron-LM did before FlashAttention; selective recomputation
 //! drops them. A fused (FlashAttention) kernel never stores them, only its softmax statistics
-//! (fp32, one per head and token), and recomputes the scores in its backward.
+//! (fp32, one per head and token), and recomputes the scores in its backward. A tf32 or fp32 job
+//! keeps every 16-bit activation at 4 bytes instead.
 
-use medley_spec::{AttentionKernel, MlpKind, ModelSpec, Recompute};
+use medley_spec::{AttentionKernel, MlpKind, ModelSpec, Precision, Recompute};
 
 /// A fixed reserve per device: runtime context, communicator buffers, GEMM workspaces and
 /// allocator fragmentation (a common rule of thumb; calibrate for a given software stack).
@@ -46,14 +48,14 @@ impl MemoryBreakdown {
         self.total() / GIB
     }
 
-    /// Model states for `params` parameters split `tp` ways, optimizer states further over
-    /// `optimizer_shards` replicas.
-    pub fn model_states(params: f64, tp: u32, optimizer_shards: u32) -> MemoryBreakdown {
+    /// Model states in `precision` for `params` parameters split `tp` ways, optimizer states
+    /// further over `optimizer_shards` replicas.
+    pub fn model_states(params: f64, tp: u32, optimizer_shards: u32, precision: Precision) -> MemoryBreakdown {
         let per_rank = params / f64::from(tp);
         MemoryBreakdown {
-            weights: 2.0 * per_rank,
-            gradients: 2.0 * per_rank,
-            optimizer: 12.0 * per_rank / f64::from(optimizer_shards.max(1)),
+            weights: precision.element_bytes() * per_rank,
+            gradients: precision.element_bytes() * per_rank,
+            optimizer: precision.optimizer_bytes() * per_rank / f64::from(optimizer_shards.max(1)),
             activations: 0.0,
             workspace: WORKSPACE_BYTES,
         }
@@ -75,16 +77,19 @@ pub fn scores(model: &ModelSpec, seq_len: u32, micro_batch: u32) -> f64 {
     f64::from(micro_batch) * f64::from(model.n_heads()) * f64::from(seq_len) * f64::from(seq_len)
 }
 
-/// Activation bytes one layer keeps for one micro-batch of `shape` with `attention`.
+/// Activation bytes one layer keeps for one micro-batch of `shape` with `attention` in
+/// `precision`.
 pub fn layer_activation_bytes(
     model: &ModelSpec,
     shape: ActivationShape,
     recompute: Recompute,
     attention: AttentionKernel,
+    precision: Precision,
 ) -> f64 {
     let (s, b, h, t) =
         (f64::from(shape.seq_len), f64::from(shape.micro_batch), f64::from(model.hidden()), f64::from(shape.tp));
-    let sbh = s * b * h;
+    // Korthikanti's units are bytes of 16-bit tensors; fp32 ones take twice that.
+    let sbh = s * b * h * precision.element_bytes() / 2.0;
     if recompute == Recompute::Full {
         return 2.0 * sbh / t;
     }
@@ -112,14 +117,17 @@ pub fn layer_activation_bytes(
     let scores = match (attention, recompute) {
         (AttentionKernel::Unfused, Recompute::None) => 5.0 * heads_per_h * s,
         (AttentionKernel::Unfused, _) => 0.0,
-        (AttentionKernel::Fused, _) => 4.0 * heads_per_h,
+        // The softmax statistics are fp32 in every precision.
+        (AttentionKernel::Fused, _) => 4.0 * heads_per_h * 2.0 / precision.element_bytes(),
     };
     sbh * (linear_parts + scores) / t
 }
 
-/// Bytes of the logits and their fp32 softmax and gradient for one micro-batch on the last stage.
-pub fn logits_bytes(model: &ModelSpec, seq_len: u32, micro_batch: u32, tp: u32) -> f64 {
-    10.0 * f64::from(seq_len) * f64::from(micro_batch) * f64::from(model.vocab()) / f64::from(tp)
+/// Bytes of the logits in `precision` and their fp32 softmax and gradient for one micro-batch on
+/// the last stage.
+pub fn logits_bytes(model: &ModelSpec, seq_len: u32, micro_batch: u32, tp: u32, precision: Precision) -> f64 {
+    let per_logit = precision.element_bytes() + 8.0;
+    per_logit * f64::from(seq_len) * f64::from(micro_batch) * f64::from(model.vocab()) / f64::from(tp)
 }
 
 #[cfg(test)]
@@ -137,7 +145,7 @@ mod tests {
         let (sf, bf, h, a, tf) = (2048.0, 1.0, 12288.0, 96.0, 8.0);
         let shape = ActivationShape { seq_len: s, micro_batch: b, tp: t };
         let check = |recompute, expected: f64| {
-            let got = layer_activation_bytes(&model, shape, recompute, AttentionKernel::Unfused);
+            let got = layer_activation_bytes(&model, shape, recompute, AttentionKernel::Unfused, Precision::Bf16Mixed);
             assert!((got / expected - 1.0).abs() < 1e-12, "{recompute}: {got} vs {expected}");
         };
         // TP + SP: sbh(34 + 5as/h)/t; TP + SP + selective: 34·sbh/t; full: 2sbh (per TP rank /t).
@@ -145,16 +153,29 @@ mod tests {
         check(Recompute::Selective, sf * bf * h * 34.0 / tf);
         check(Recompute::Full, 2.0 * sf * bf * h / tf);
         // A fused kernel keeps no scores, only fp32 softmax statistics per head and token.
-        let fused = layer_activation_bytes(&model, shape, Recompute::None, AttentionKernel::Fused);
+        let fused =
+            layer_activation_bytes(&model, shape, Recompute::None, AttentionKernel::Fused, Precision::Bf16Mixed);
         let expected = sf * bf * h * (34.0 + 4.0 * a / h) / tf;
         assert!((fused / expected - 1.0).abs() < 1e-12, "{fused} vs {expected}");
+        // In fp32 every tensor but the fp32 statistics doubles.
+        let fp32 = layer_activation_bytes(&model, shape, Recompute::None, AttentionKernel::Fused, Precision::Fp32);
+        let expected = sf * bf * h * (2.0 * 34.0 + 4.0 * a / h) / tf;
+        assert!((fp32 / expected - 1.0).abs() < 1e-12, "{fp32} vs {expected}");
+        let full = layer_activation_bytes(&model, shape, Recompute::Full, AttentionKernel::Unfused, Precision::Tf32);
+        assert_eq!(full, 4.0 * sf * bf * h / tf);
+        let logits = |precision| logits_bytes(&model, s, b, t, precision) / (sf * bf * 51200.0 / tf);
+        assert_eq!((logits(Precision::Fp16Mixed), logits(Precision::Fp32)), (10.0, 12.0));
     }
 
     #[test]
     fn zero1_shards_only_optimizer_states() {
-        let plain = MemoryBreakdown::model_states(1e9, 1, 1);
+        let plain = MemoryBreakdown::model_states(1e9, 1, 1, Precision::Bf16Mixed);
         assert_eq!(plain.total() - WORKSPACE_BYTES, 16e9);
-        let sharded = MemoryBreakdown::model_states(1e9, 2, 4);
+        let sharded = MemoryBreakdown::model_states(1e9, 2, 4, Precision::Bf16Mixed);
         assert_eq!((sharded.weights, sharded.optimizer), (1e9, 1.5e9));
+        // fp32 keeps 4-byte weights and gradients and no master copy: ZeRO-1 saves less of it.
+        let fp32 = MemoryBreakdown::model_states(1e9, 2, 4, Precision::Fp32);
+        assert_eq!((fp32.weights, fp32.gradients, fp32.optimizer), (2e9, 2e9, 1e9));
+        assert_eq!(MemoryBreakdown::model_states(1e9, 1, 1, Precision::Tf32).total(), plain.total());
     }
 }

@@ -4,7 +4,7 @@
 
 use medley_cost::long_context::KvExchange;
 use medley_plan::{Plan, Stage, StageContext};
-use medley_spec::DeviceId;
+use medley_spec::{DeviceId, Precision, Vendor};
 use serde::Serialize;
 
 use crate::ExportError;
@@ -15,6 +15,49 @@ use crate::ExportError;
 pub struct Arg {
     pub flag: String,
     pub value: Option<String>,
+}
+
+/// An environment variable a launch script exports.
+#[derive(Clone, Copy, Debug, PartialEq, Eq, Serialize)]
+pub struct EnvVar {
+    pub name: &'static str,
+    pub value: &'static str,
+}
+
+/// The variables that make PyTorch run a tf32 or fp32 plan's matmuls as planned: on TF32 tensor
+/// cores, or at the fp32 rate. Saying it either way matters: PyTorch leaves TF32 off by default,
+/// NVIDIA's PyTorch containers turn it on (`TORCH_ALLOW_TF32_CUBLAS_OVERRIDE=1`), and ROCm's
+/// hipBLASLt takes it on an MI300 only with `HIPBLASLT_ALLOW_TF32=1`. Mixed precision needs none.
+pub(crate) fn matmul_environment(plan: &Plan) -> Vec<EnvVar> {
+    let var = |name, value| EnvVar { name, value };
+    // One vendor: check_common refused the others.
+    let first = plan.replicas()[0].stages[0].devices[0];
+    let vendor = plan.device_group(first).device.vendor;
+    match (plan.precision(), vendor) {
+        (Precision::Bf16Mixed | Precision::Fp16Mixed, _) => vec![],
+        (Precision::Tf32, Vendor::Nvidia) => vec![var("TORCH_ALLOW_TF32_CUBLAS_OVERRIDE", "1")],
+        (Precision::Tf32, Vendor::Amd) => {
+            vec![var("TORCH_ALLOW_TF32_CUBLAS_OVERRIDE", "1"), var("HIPBLASLT_ALLOW_TF32", "1")]
+        }
+        (Precision::Fp32, Vendor::Nvidia) => {
+            vec![var("TORCH_ALLOW_TF32_CUBLAS_OVERRIDE", "0"), var("NVIDIA_TF32_OVERRIDE", "0")]
+        }
+        (Precision::Fp32, Vendor::Amd) => {
+            vec![var("TORCH_ALLOW_TF32_CUBLAS_OVERRIDE", "0"), var("HIPBLASLT_ALLOW_TF32", "0")]
+        }
+    }
+}
+
+/// The launch script's lines exporting `environment`, with why; none when it is empty.
+pub(crate) fn environment_lines(environment: &[EnvVar]) -> String {
+    if environment.is_empty() {
+        return String::new();
+    }
+    let mut lines = String::from("# The plan's fp32 matmuls run as it was priced: on TF32 tensor cores or not.\n");
+    for var in environment {
+        lines.push_str(&format!("export {}={}\n", var.name, var.value));
+    }
+    lines
 }
 
 /// Arguments in the order they are added.

@@ -12,7 +12,10 @@ use medley_spec::{
 };
 use serde::Serialize;
 
-use crate::common::{Arg, Args, ContextDegrees, RankOrder, check_common, command_line, context_degrees, rank_devices};
+use crate::common::{
+    Arg, Args, ContextDegrees, EnvVar, RankOrder, check_common, command_line, context_degrees, environment_lines,
+    matmul_environment, rank_devices,
+};
 use crate::placement::{Placement, place};
 use crate::{ExportError, MEGATRON};
 
@@ -21,6 +24,8 @@ use crate::{ExportError, MEGATRON};
 pub struct MegatronExport {
     pub world_size: u32,
     pub args: Vec<Arg>,
+    /// What the launch exports first (how a tf32 or fp32 plan's matmuls run).
+    pub environment: Vec<EnvVar>,
     /// Which host and GPU each rank of Megatron's order runs on.
     pub placement: Placement,
 }
@@ -29,6 +34,7 @@ pub struct MegatronExport {
 pub fn megatron(plan: &Plan) -> Result<MegatronExport, ExportError> {
     check_common(plan, MEGATRON)?;
     check_schedule(plan)?;
+    check_precision(plan)?;
     let context = context_degrees(plan, MEGATRON)?;
     // Megatron's default order, or with --use-tp-pp-dp-mapping pipeline neighbours consecutive
     // (the planner's placement of a replica's stages in one node).
@@ -48,7 +54,26 @@ pub fn megatron(plan: &Plan) -> Result<MegatronExport, ExportError> {
     parallel_args(plan, context, &mut args)?;
     batch_and_memory_args(plan, &mut args);
     model_args(plan, &mut args)?;
-    Ok(MegatronExport { world_size: devices.len() as u32, args: args.0, placement })
+    let environment = matmul_environment(plan);
+    Ok(MegatronExport { world_size: devices.len() as u32, args: args.0, environment, placement })
+}
+
+/// Megatron trains tf32 and fp32 plans with fp32 parameters (no `--bf16`/`--fp16`), but its
+/// fused attention backends (FlashAttention, cuDNN) take only 16-bit inputs: in fp32 its `auto`
+/// backend falls back to unfused attention, which keeps every score, so a plan priced with a
+/// fused kernel is refused.
+fn check_precision(plan: &Plan) -> Result<(), ExportError> {
+    if !plan.precision().is_mixed() && plan.attention() == AttentionKernel::Fused {
+        return Err(ExportError::refused(
+            MEGATRON,
+            format!(
+                "the plan trains in {} with a fused attention kernel; Megatron's fused attention runs 16-bit inputs \
+                 only and falls back to unfused attention in fp32: plan with --attention unfused",
+                plan.precision()
+            ),
+        ));
+    }
+    Ok(())
 }
 
 fn check_schedule(plan: &Plan) -> Result<(), ExportError> {
@@ -221,16 +246,19 @@ fn model_args(plan: &Plan, args: &mut Args) -> Result<(), ExportError> {
     if !model.tie_embeddings() {
         args.flag("--untie-embeddings-and-output-weights");
     }
-    // fp16 runs with Megatron's dynamic loss scaling, its default under --fp16.
-    args.flag(match plan.precision() {
-        Precision::Bf16Mixed => "--bf16",
-        Precision::Fp16Mixed => "--fp16",
-    });
-    // Said either way: Megatron's default follows the precision (fp32 under bf16, fp16 under fp16).
+    // fp16 runs with Megatron's dynamic loss scaling, its default under --fp16; without either
+    // flag Megatron keeps fp32 parameters (tf32 and fp32 differ in the launch's environment).
+    match plan.precision() {
+        Precision::Bf16Mixed => args.flag("--bf16"),
+        Precision::Fp16Mixed => args.flag("--fp16"),
+        Precision::Tf32 | Precision::Fp32 => {}
+    }
+    // Said either way under mixed precision: Megatron's default follows it (fp32 under bf16, fp16
+    // under fp16). fp32 parameters reduce fp32 gradients, the only way a plan may (JobSpec).
     match (plan.grad_reduce(), plan.precision()) {
-        (GradReduce::Fp32, _) => args.flag("--accumulate-allreduce-grads-in-fp32"),
+        (GradReduce::Fp32, precision) if precision.is_mixed() => args.flag("--accumulate-allreduce-grads-in-fp32"),
         (GradReduce::SixteenBit, Precision::Bf16Mixed) => args.flag("--grad-reduce-in-bf16"),
-        (GradReduce::SixteenBit, Precision::Fp16Mixed) => {}
+        _ => {}
     }
     Ok(())
 }
@@ -318,6 +346,7 @@ impl MegatronExport {
         script.push_str(
             "# Megatron asks for it with tensor or context parallelism.\nexport CUDA_DEVICE_MAX_CONNECTIONS=1\n",
         );
+        script.push_str(&environment_lines(&self.environment));
         script.push_str(&self.placement.torchrun("pretrain_gpt.py", &self.command_line()));
         script
     }

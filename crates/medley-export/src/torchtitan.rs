@@ -15,7 +15,10 @@ use medley_spec::{
 };
 use serde::Serialize;
 
-use crate::common::{Arg, Args, RankOrder, check_common, command_line, context_degrees, rank_devices};
+use crate::common::{
+    Arg, Args, EnvVar, RankOrder, check_common, command_line, context_degrees, environment_lines, matmul_environment,
+    rank_devices,
+};
 use crate::placement::{Placement, place};
 use crate::{ExportError, TORCHTITAN};
 
@@ -33,6 +36,8 @@ pub struct TorchtitanExport {
     pub overrides: Vec<Arg>,
     /// Which host and GPU each rank of torchtitan's order runs on.
     pub placement: Placement,
+    /// What the launch exports first (how a tf32 or fp32 plan's matmuls run).
+    pub environment: Vec<EnvVar>,
 }
 
 /// The llama3 recipes torchtitan ships and their models' shapes (`model_registry`'s "8B", "70B",
@@ -55,14 +60,11 @@ pub fn torchtitan(plan: &Plan) -> Result<TorchtitanExport, ExportError> {
              the job)",
         ));
     }
-    if plan.precision() != Precision::Bf16Mixed {
+    if plan.precision() == Precision::Fp16Mixed {
         return Err(ExportError::refused(
             TORCHTITAN,
-            format!(
-                "the plan trains in {}; torchtitan's mixed precision takes bfloat16 or float32 parameters \
-                 (training.mixed_precision_param)",
-                plan.precision()
-            ),
+            "the plan trains in fp16-mixed; torchtitan's mixed precision takes bfloat16 or float32 parameters \
+             (training.mixed_precision_param) and has no loss scaling for fp16",
         ));
     }
     if plan.grad_reduce() != GradReduce::Fp32 {
@@ -100,6 +102,7 @@ pub fn torchtitan(plan: &Plan) -> Result<TorchtitanExport, ExportError> {
         activation_checkpoint,
         overrides: args.0,
         placement,
+        environment: matmul_environment(plan),
     })
 }
 
@@ -231,6 +234,9 @@ fn batch_overrides(plan: &Plan, args: &mut Args) {
     args.value("--training.max_context_length", seq_len);
     args.value("--training.num_tokens_per_microbatch_per_dp_rank", u64::from(plan.micro_batch()) * seq_len);
     args.value("--training.num_tokens_per_train_step", u64::from(plan.global_batch()) * seq_len);
+    // Said either way: torchtitan's default is bfloat16 parameters.
+    let parameters = if plan.precision().is_mixed() { "bfloat16" } else { "float32" };
+    args.value("--training.mixed_precision_param", parameters);
     args.value("--training.mixed_precision_reduce", "float32");
 }
 
@@ -330,6 +336,7 @@ impl TorchtitanExport {
             self.base_config
         ));
         script.push_str(&self.placement.host_setup());
+        script.push_str(&environment_lines(&self.environment));
         script.push_str(&format!(
             "# torchtitan takes activation checkpointing only from a config function: this recipe starts from\n\
              # {} and sets the plan's ({}); the overrides below set every parallel degree and the batch.\n\

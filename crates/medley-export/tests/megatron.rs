@@ -239,3 +239,43 @@ fn the_gradient_reduction_format_is_exported_as_planned() {
     assert_eq!(reduce(GradReduce::Fp32, Precision::Fp16Mixed), (true, false));
     assert_eq!(reduce(GradReduce::SixteenBit, Precision::Fp16Mixed), (false, false));
 }
+
+/// Issue 33: a tf32 or fp32 plan trains fp32 parameters (neither `--bf16` nor `--fp16`), its
+/// matmuls as priced: the launch exports whether TF32 runs, which NVIDIA's PyTorch containers turn
+/// on and ROCm turns on only when asked.
+#[test]
+fn tf32_and_fp32_plans_export_fp32_parameters_and_their_matmul_environment() {
+    let plan = |cluster: &str, precision, attention| {
+        let parts =
+            PlanParts { precision, attention, ..uniform(cluster, Degrees::new(2, 2, 2), Zero1::On).into_parts() };
+        Plan::try_from(parts).unwrap()
+    };
+    type Environment = &'static [(&'static str, &'static str)];
+    let cases: [(&str, Precision, Environment); 4] = [
+        ("8xh100", Precision::Tf32, &[("TORCH_ALLOW_TF32_CUBLAS_OVERRIDE", "1")]),
+        ("8xh100", Precision::Fp32, &[("TORCH_ALLOW_TF32_CUBLAS_OVERRIDE", "0"), ("NVIDIA_TF32_OVERRIDE", "0")]),
+        ("8xmi300x", Precision::Tf32, &[("TORCH_ALLOW_TF32_CUBLAS_OVERRIDE", "1"), ("HIPBLASLT_ALLOW_TF32", "1")]),
+        ("8xmi300x", Precision::Fp32, &[("TORCH_ALLOW_TF32_CUBLAS_OVERRIDE", "0"), ("HIPBLASLT_ALLOW_TF32", "0")]),
+    ];
+    for (cluster, precision, expected) in cases {
+        let export = megatron(&plan(cluster, precision, AttentionKernel::Unfused)).unwrap();
+        let flags = ["--bf16", "--fp16", "--grad-reduce-in-bf16"].map(|flag| value(&export, flag));
+        assert_eq!(flags, [None; 3], "{precision} on {cluster}: {}", export.command_line());
+        let launched = launch(&export.launch_script(), 0, &[]);
+        for (name, set) in expected {
+            assert_eq!(launched.env.get(*name).map(String::as_str), Some(*set), "{name}: {precision} on {cluster}");
+        }
+    }
+    let bf16 = launch(&megatron(&uniform("8xh100", Degrees::new(2, 2, 2), Zero1::On)).unwrap().launch_script(), 0, &[]);
+    assert!(!bf16.env.contains_key("TORCH_ALLOW_TF32_CUBLAS_OVERRIDE"), "mixed precision sets no TF32 switch");
+    // Megatron's fused attention takes 16-bit inputs only: in fp32 it would keep every score.
+    let fused = refusal(&plan("8xh100", Precision::Fp32, AttentionKernel::Fused));
+    assert!(fused.contains("trains in fp32 with a fused attention kernel") && fused.contains("--attention unfused"));
+    // fp32 gradients have no 16-bit format to reduce in: such a plan does not load.
+    let parts = PlanParts {
+        grad_reduce: GradReduce::SixteenBit,
+        ..plan("8xh100", Precision::Tf32, AttentionKernel::Unfused).into_parts()
+    };
+    let err = Plan::try_from(parts).unwrap_err().to_string();
+    assert!(err.contains("grad_reduce: in tf32, gradients are fp32"), "{err}");
+}

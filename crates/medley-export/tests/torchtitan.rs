@@ -155,3 +155,23 @@ fn overrides_are_checked_by_torchtitans_rules() {
     assert!(with("parallelism.module_fqns_per_model_part", &parts.replace("layers.3,", "")).contains("every module"));
     assert!(with("training.num_tokens_per_train_step", "100000").contains("whole number"));
 }
+
+/// Issue 33: torchtitan trains a tf32 or fp32 plan with float32 parameters, TF32 switched as the
+/// plan was priced; a bf16 plan says its bfloat16 parameters.
+#[test]
+fn tf32_and_fp32_plans_train_float32_parameters() {
+    let plan = |precision| {
+        let parts = PlanParts { precision, ..uniform("8xh100", Degrees::new(2, 2, 2), Zero1::Off).into_parts() };
+        torchtitan(&Plan::try_from(parts).unwrap()).unwrap()
+    };
+    for (precision, parameters, tf32) in [
+        (Precision::Bf16Mixed, "bfloat16", None),
+        (Precision::Tf32, "float32", Some("1")),
+        (Precision::Fp32, "float32", Some("0")),
+    ] {
+        let export = plan(precision);
+        assert_eq!(value(&export, "training.mixed_precision_param"), Some(parameters), "{precision}");
+        let launched = launch(&export.launch_script(), 0, &[]);
+        assert_eq!(launched.env.get("TORCH_ALLOW_TF32_CUBLAS_OVERRIDE").map(String::as_str), tf32, "{precision}");
+    }
+}

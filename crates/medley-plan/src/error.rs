@@ -54,7 +54,8 @@ pub enum InvalidPlan {
     ContextVersion { found: u32, needed: u32 },
     #[error("a plan needs at least one replica")]
     NoReplicas,
-    /// A device of the cluster lacks the plan's precision (the message says which and what to do).
+    /// A device of the cluster lacks the plan's precision, or its gradients reduce in a format the
+    /// precision has not (the message says which and what to do).
     #[error("{0}")]
     Precision(String),
     /// The plan's headroom is out of range (the message says the range).

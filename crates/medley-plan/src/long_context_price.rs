@@ -14,9 +14,6 @@ use crate::long_context_stage::StageContext;
 use crate::shard_split::{GroupCost, Linear, NextLinear};
 use medley_cost::memory::usable;
 
-/// Bytes per element of activations, keys and values (bf16).
-const ACTIVATION_BYTES: u64 = 2;
-
 /// One device of a long-context stage and what it does in one layer.
 #[derive(Clone, Copy, Debug)]
 pub struct DeviceWork {
@@ -50,6 +47,11 @@ struct GroupView<'a> {
 }
 
 impl<'a> ContextPricer<'a> {
+    /// Bytes of an activation, key or value element in the job's precision.
+    fn activation_bytes(&self) -> u64 {
+        self.cost.precision().element_bytes() as u64
+    }
+
     fn node_group(&self, device: DeviceId) -> &'a NodeGroup {
         &self.cluster.groups()[self.slots[device as usize].group_idx]
     }
@@ -81,7 +83,7 @@ impl<'a> ContextPricer<'a> {
                     idx,
                     view.heads[me].kv_heads,
                     view.kv_exchange,
-                    ACTIVATION_BYTES,
+                    self.activation_bytes(),
                 );
                 works.push(self.device_work(&view, me, device, kv.sent.max(kv.received) as f64, shards.n_tokens()));
             }
@@ -93,7 +95,8 @@ impl<'a> ContextPricer<'a> {
     fn device_work(&self, view: &GroupView, me: usize, device: DeviceId, kv_bytes: f64, n_tokens: u64) -> DeviceWork {
         let model = self.cost.model();
         let share = view.heads[me];
-        let ulysses = long_context::ulysses_traffic(model, &view.device_tokens, &view.heads, me, ACTIVATION_BYTES);
+        let ulysses =
+            long_context::ulysses_traffic(model, &view.device_tokens, &view.heads, me, self.activation_bytes());
         let peers = view.device_tokens.len() as f64 - 1.0;
         let all_to_all_s =
             transfers_s(comm::intra_node_peer_link(view.node_group), peers, ulysses.sent.max(ulysses.received) as f64);
@@ -116,9 +119,9 @@ impl<'a> ContextPricer<'a> {
         let model = self.cost.model();
         let head_dim = u64::from(model.head_dim());
         let shard = view.shard_tokens;
-        let heads = (2 * u64::from(share.q_heads) + 2 * u64::from(share.kv_heads)) * head_dim * ACTIVATION_BYTES;
+        let heads = (2 * u64::from(share.q_heads) + 2 * u64::from(share.kv_heads)) * head_dim * self.activation_bytes();
         let others = (n_tokens - shard) as f64;
-        (shard * heads) as f64 + others * kv_bytes_per_token(model, share.kv_heads, ACTIVATION_BYTES) as f64
+        (shard * heads) as f64 + others * kv_bytes_per_token(model, share.kv_heads, self.activation_bytes()) as f64
     }
 
     /// Seconds to reduce `bytes` of gradients over a long-context stage's `devices` (each holds
@@ -242,7 +245,7 @@ impl<'a> ContextPricer<'a> {
             };
             let (mut pieces, mut memory) = (Vec::new(), Vec::new());
             for (me, share) in heads.iter().enumerate() {
-                let moved = kv_tokens * kv_bytes_per_token(self.cost.model(), share.kv_heads, ACTIVATION_BYTES);
+                let moved = kv_tokens * kv_bytes_per_token(self.cost.model(), share.kv_heads, self.activation_bytes());
                 let work = self.device_work(&view, me, 0, moved as f64, n_tokens);
                 let layer = self.cost.context_layer_time(node_group, work.work, stage.recompute);
                 let head = match stage.shape.head {

@@ -349,6 +349,9 @@ impl Plan {
         if let Err(err) = parts.cluster.check_precision(parts.precision) {
             return Err(InvalidPlan::Precision(err.to_string()).into());
         }
+        if let Err(reason) = parts.grad_reduce.check_for(parts.precision) {
+            return Err(InvalidPlan::Precision(format!("grad_reduce: {reason}")).into());
+        }
         if parts.tp == 0 || !tp_splits_heads(&parts.model, parts.tp) {
             let (heads, kv_heads) = (parts.model.n_heads(), parts.model.n_kv_heads());
             return Err(InvalidPlan::Tp { tp: parts.tp, heads, kv_heads }.into());

@@ -7,7 +7,6 @@ use medley_cost::comm;
 use medley_schedule::long_context_layer::{DeviceStreams, LayerOp, Tag, Waiting, Work};
 use medley_spec::{BridgeMode, Cluster, DeviceSlot};
 
-use crate::ELEMENT_BYTES;
 use crate::events::{Channels, EventQueue};
 
 use crate::links::{Endpoint, SharedLinks};
@@ -76,13 +75,14 @@ pub(crate) fn run_layer(
     slots: &[DeviceSlot],
     cluster: &Cluster,
     programs: &[DeviceStreams],
+    element_bytes: f64,
     work_ns: impl Fn(usize, Work) -> u64,
 ) -> (Vec<DevicePass>, Vec<Vec<PhaseSpan>>) {
     let mut network: Network<(usize, usize, u64)> = Network::new();
     let links = SharedLinks::new(cluster, &mut network);
     let endpoints: Vec<Endpoint> = slots.iter().map(|&slot| links.endpoint(cluster, &[slot])).collect();
     let streams = |device: usize| [&programs[device].compute, &programs[device].comm];
-    let bytes_of = |elems: usize| elems as f64 * ELEMENT_BYTES;
+    let bytes_of = |elems: usize| elems as f64 * element_bytes;
     let mut passes = vec![DevicePass::default(); programs.len()];
     let mut phases: Vec<Vec<PhaseSpan>> = vec![Vec::new(); programs.len()];
     let mut states = vec![[StreamState::default(); 2]; programs.len()];

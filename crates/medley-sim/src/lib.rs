@@ -46,9 +46,6 @@ use medley_trace::TraceCursor;
 use network::Network;
 use setup::Setup;
 
-/// Gradients, pipeline messages, keys and values travel as bf16.
-pub(crate) const ELEMENT_BYTES: f64 = 2.0;
-
 /// The furthest the engine's clock runs, s: it counts nanoseconds in a `u64` (584 years), and a
 /// step the cost model prices beyond this (absurd device rates or links), or a transfer a network
 /// trace slows past it, would overflow it.

@@ -57,7 +57,8 @@ pub fn simulate_context_layer(
     let prices = LayerPrices::new(cost, cluster, context, &shape, &slots);
     let run = |pass| -> Result<_, SimError> {
         let programs = device_programs(&shape, pass).map_err(layer_error)?;
-        Ok(run_layer(&slots, cluster, &programs, |device, work| prices.work_ns(device, work)))
+        let element_bytes = cost.precision().element_bytes();
+        Ok(run_layer(&slots, cluster, &programs, element_bytes, |device, work| prices.work_ns(device, work)))
     };
     let (forward, forward_phases) = run(LayerPass::Forward)?;
     let (backward, backward_phases) = run(LayerPass::Backward)?;

@@ -13,7 +13,7 @@ use medley_spec::{BridgeMode, DeviceSlot, Vendor};
 use crate::links::{Endpoint, SharedLinks};
 use crate::long_context::{DevicePass, PhaseSpan, chunk_pass, simulate_context_layer};
 use crate::network::{Network, Path};
-use crate::{ELEMENT_BYTES, SimError, ns};
+use crate::{SimError, ns};
 
 /// One micro-batch's passes on one model chunk, in nanoseconds, and the activation memory the
 /// micro-batch holds on the chunk from its forward until its backward ends.
@@ -131,7 +131,7 @@ fn context_rank(
         stage_sync_ns: ns(pricer.stage_gradient_sync_s(&stage.devices, plan.grad_reduce().bytes() * params)),
         static_bytes: tightest.1,
         capacity_bytes: tightest.3,
-        boundary_bytes: ELEMENT_BYTES * f64::from(most_tokens) * f64::from(plan.model().hidden()),
+        boundary_bytes: plan.precision().element_bytes() * f64::from(most_tokens) * f64::from(plan.model().hidden()),
     })
 }
 

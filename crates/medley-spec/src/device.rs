@@ -115,6 +115,11 @@ pub struct DeviceSpec {
     #[serde(default)]
     pub bf16_tflops: Option<f64>,
     pub fp16_tflops: f64,
+    /// Peak dense TF32 tensor rate; `None` where the device has no TF32 (V100, T4, MI250X).
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub tf32_tflops: Option<f64>,
+    /// Dense fp32 matmul rate with TF32 off: CUDA cores on NVIDIA, matrix cores on AMD's CDNA
+    /// (whose fp32 MFMA instructions rocBLAS uses).
     pub fp32_tflops: f64,
     pub hbm_gib: f64,
     pub hbm_tb_s: f64,
@@ -155,12 +160,14 @@ pub struct Package {
 const MAX_DIES: u32 = 8;
 
 impl DeviceSpec {
-    /// The dense tensor rate training in `precision` runs at; `None` where the device lacks the
-    /// format (bf16 on a V100).
+    /// The dense matmul rate training in `precision` runs at; `None` where the device lacks the
+    /// format (bf16 on a V100, TF32 on an MI250X).
     pub fn tensor_tflops(&self, precision: Precision) -> Option<f64> {
         match precision {
             Precision::Bf16Mixed => self.bf16_tflops,
             Precision::Fp16Mixed => Some(self.fp16_tflops),
+            Precision::Tf32 => self.tf32_tflops,
+            Precision::Fp32 => Some(self.fp32_tflops),
         }
     }
 
@@ -180,6 +187,7 @@ impl DeviceSpec {
         let rates = [
             ("bf16_tflops", self.bf16_tflops.unwrap_or(1.0)),
             ("fp16_tflops", self.fp16_tflops),
+            ("tf32_tflops", self.tf32_tflops.unwrap_or(1.0)),
             ("fp32_tflops", self.fp32_tflops),
             ("hbm_gib", self.hbm_gib),
             ("hbm_tb_s", self.hbm_tb_s),
@@ -239,9 +247,7 @@ struct CatalogEntry {
 fn device(
     name: &str,
     vendor: Vendor,
-    bf16_tflops: Option<f64>,
-    fp16_tflops: f64,
-    fp32_tflops: f64,
+    (bf16_tflops, fp16_tflops, tf32_tflops, fp32_tflops): (Option<f64>, f64, Option<f64>, f64),
     hbm_gib: f64,
     hbm_tb_s: f64,
     (intra_link, intra_link_bidir_gb_s): (LinkKind, f64),
@@ -252,6 +258,7 @@ fn device(
         vendor,
         bf16_tflops,
         fp16_tflops,
+        tf32_tflops,
         fp32_tflops,
         hbm_gib,
         hbm_tb_s,
@@ -276,167 +283,246 @@ const CATALOG: &[CatalogEntry] = &[
     CatalogEntry {
         aliases: &["v100-32gb", "v100", "v100-sxm2-32gb"],
         // NVIDIA V100 datasheet: 125 TFLOP/s fp16 tensor, 15.7 fp32, 32 GB HBM2 at 900 GB/s,
-        // NVLink2 300 GB/s; no bf16. DGX-1 nodes: 4x 100 Gb/s InfiniBand EDR.
-        spec: || device("V100-32GB", Nvidia, None, 125.0, 15.7, 32.0, 0.9, (Nvlink, 300.0), (4, 100.0)),
+        // NVLink2 300 GB/s; no bf16, no TF32 (both came with Ampere). DGX-1 nodes: 4x 100 Gb/s InfiniBand EDR.
+        spec: || device("V100-32GB", Nvidia, (None, 125.0, None, 15.7), 32.0, 0.9, (Nvlink, 300.0), (4, 100.0)),
     },
     CatalogEntry {
         aliases: &["a100-40gb", "a100-sxm4-40gb"],
-        // NVIDIA A100 datasheet: 312 bf16/fp16, 19.5 fp32, 40 GB HBM2 at 1,555 GB/s, NVLink3
+        // NVIDIA A100 datasheet: 312 bf16/fp16, 156 TF32 (312 with sparsity), 19.5 fp32, 40 GB HBM2 at 1,555 GB/s, NVLink3
         // 600 GB/s. DGX A100: 8x 200 Gb/s HDR InfiniBand.
-        spec: || device("A100-40GB", Nvidia, Some(312.0), 312.0, 19.5, 40.0, 1.555, (Nvlink, 600.0), (8, 200.0)),
+        spec: || {
+            device(
+                "A100-40GB",
+                Nvidia,
+                (Some(312.0), 312.0, Some(156.0), 19.5),
+                40.0,
+                1.555,
+                (Nvlink, 600.0),
+                (8, 200.0),
+            )
+        },
     },
     CatalogEntry {
         aliases: &["a100-80gb", "a100", "a100-sxm4-80gb"],
         // NVIDIA A100 datasheet: 80 GB HBM2e at 2,039 GB/s, otherwise as the 40 GB part.
-        spec: || device("A100-80GB", Nvidia, Some(312.0), 312.0, 19.5, 80.0, 2.039, (Nvlink, 600.0), (8, 200.0)),
+        spec: || {
+            device(
+                "A100-80GB",
+                Nvidia,
+                (Some(312.0), 312.0, Some(156.0), 19.5),
+                80.0,
+                2.039,
+                (Nvlink, 600.0),
+                (8, 200.0),
+            )
+        },
     },
     CatalogEntry {
         aliases: &["h100-sxm", "h100", "h100-sxm5", "h100-sxm5-80gb"],
-        // NVIDIA H100 datasheet (SXM5): 989.4 dense bf16, 67 fp32, 80 GB HBM3 at 3.35 TB/s, NVLink4
+        // NVIDIA H100 datasheet (SXM5): 989.4 dense bf16, 494.7 dense TF32, 67 fp32, 80 GB HBM3 at 3.35 TB/s, NVLink4
         // 900 GB/s. Llama 3 paper (Dubey et al. 2024): 400 Gb/s per GPU, 8 NICs per node.
-        spec: || device("H100-SXM", Nvidia, Some(989.4), 989.4, 67.0, 80.0, 3.35, (Nvlink, 900.0), (8, 400.0)),
+        spec: || {
+            device("H100-SXM", Nvidia, (Some(989.4), 989.4, Some(494.7), 67.0), 80.0, 3.35, (Nvlink, 900.0), (8, 400.0))
+        },
     },
     CatalogEntry {
         aliases: &["h100-pcie", "h100-pcie-80gb"],
-        // NVIDIA H100 PCIe datasheet: 756 dense bf16, 51 fp32, 80 GB at 2.0 TB/s, PCIe Gen5 128 GB/s.
+        // NVIDIA H100 PCIe datasheet: 756 dense bf16, 378 dense TF32, 51 fp32, 80 GB at 2.0 TB/s, PCIe Gen5 128 GB/s.
         // PCIe servers commonly carry one 400 Gb/s NIC per two GPUs.
-        spec: || device("H100-PCIe", Nvidia, Some(756.0), 756.0, 51.0, 80.0, 2.0, (Pcie, 128.0), (4, 400.0)),
+        spec: || {
+            device("H100-PCIe", Nvidia, (Some(756.0), 756.0, Some(378.0), 51.0), 80.0, 2.0, (Pcie, 128.0), (4, 400.0))
+        },
     },
     CatalogEntry {
         aliases: &["h200", "h200-sxm", "h200-sxm-141gb"],
-        // NVIDIA H200 datasheet: H100's compute with 141 GB HBM3e at 4.8 TB/s, NVLink4 900 GB/s.
-        spec: || device("H200", Nvidia, Some(989.4), 989.4, 67.0, 141.0, 4.8, (Nvlink, 900.0), (8, 400.0)),
+        // NVIDIA H200 datasheet: H100's compute (TF32 989 with sparsity, 494.7 dense) with 141 GB HBM3e at 4.8 TB/s, NVLink4 900 GB/s.
+        spec: || {
+            device("H200", Nvidia, (Some(989.4), 989.4, Some(494.7), 67.0), 141.0, 4.8, (Nvlink, 900.0), (8, 400.0))
+        },
     },
     CatalogEntry {
         aliases: &["h800", "h800-sxm", "h800-sxm5"],
         // H100 SXM5 silicon with NVLink cut for export (secondary: third-party comparisons of the
-        // NVIDIA H800 datasheet): 989.4 dense bf16 (1,979 sparse), 67 fp32, 80 GB HBM3 at
+        // NVIDIA H800 datasheet): 989.4 dense bf16 (1,979 sparse), 494.7 dense TF32, 67 fp32, 80 GB HBM3 at
         // 3.35 TB/s, NVLink 400 GB/s. DeepSeek-V3 report (arXiv 2412.19437, §3.2.2): 8-GPU
         // nodes, each GPU on its own InfiniBand rail at 50 GB/s (400 Gb/s).
-        spec: || device("H800", Nvidia, Some(989.4), 989.4, 67.0, 80.0, 3.35, (Nvlink, 400.0), (8, 400.0)),
+        spec: || {
+            device("H800", Nvidia, (Some(989.4), 989.4, Some(494.7), 67.0), 80.0, 3.35, (Nvlink, 400.0), (8, 400.0))
+        },
     },
     CatalogEntry {
         aliases: &["h20"],
-        // Secondary (third-party reproductions of NVIDIA's H20 sheet): 148 dense fp16/bf16,
-        // 44 fp32, 96 GB HBM3 at 4.0 TB/s, NVLink4 900 GB/s. NICs are an assumption: HGX H100's
+        // Secondary (third-party reproductions of NVIDIA's H20 sheet): 148 dense fp16/bf16, 74
+        // TF32, 44 fp32, 96 GB HBM3 at 4.0 TB/s, NVLink4 900 GB/s. NICs are an assumption: HGX H100's
         // 8x 400 Gb/s.
-        spec: || device("H20", Nvidia, Some(148.0), 148.0, 44.0, 96.0, 4.0, (Nvlink, 900.0), (8, 400.0)),
+        spec: || device("H20", Nvidia, (Some(148.0), 148.0, Some(74.0), 44.0), 96.0, 4.0, (Nvlink, 900.0), (8, 400.0)),
     },
     CatalogEntry {
         aliases: &["b200", "b200-sxm", "hgx-b200"],
         // NVIDIA HGX B200 spec table (per GPU): 4.5 PFLOP/s fp16/bf16 with sparsity, so 2,250
-        // dense; 75 fp32; 180 GB HBM3e at 7.7 TB/s; NVLink5 1.8 TB/s. DGX B200 user guide: 8x
+        // dense; TF32 2.25 PFLOP/s with sparsity, so 1,125 dense; 75 fp32; 180 GB HBM3e at 7.7 TB/s; NVLink5 1.8 TB/s. DGX B200 user guide: 8x
         // ConnectX-7 at 400 Gb/s for the compute fabric.
-        spec: || device("B200", Nvidia, Some(2250.0), 2250.0, 75.0, 180.0, 7.7, (Nvlink, 1800.0), (8, 400.0)),
+        spec: || {
+            device("B200", Nvidia, (Some(2250.0), 2250.0, Some(1125.0), 75.0), 180.0, 7.7, (Nvlink, 1800.0), (8, 400.0))
+        },
     },
     CatalogEntry {
         aliases: &["gb200", "gb200-nvl72"],
         // The B200-class GPU of a GB200 NVL72 rack. NVIDIA GB200 NVL72 spec table (per GPU): 5
-        // PFLOP/s fp16/bf16 with sparsity, so 2,500 dense; 80 fp32; 186 GB HBM3e at 8 TB/s;
+        // PFLOP/s fp16/bf16 with sparsity, so 2,500 dense; TF32 2.5 with sparsity, so 1,250 dense; 80 fp32; 186 GB HBM3e at 8 TB/s;
         // NVLink5 1.8 TB/s reaching all 72 GPUs of the rack. DGX GB200 user guide: 4x
         // ConnectX-7 at 400 Gb/s per 4-GPU compute tray, one per GPU. The NVLink domain is the
         // node: inline fleets (`72xgb200`) build 8-GPU nodes, so a `--cluster` file should set
         // `gpus_per_node = 72` and, keeping one NIC per GPU, `nics_per_node = 72`.
-        spec: || device("GB200", Nvidia, Some(2500.0), 2500.0, 80.0, 186.0, 8.0, (Nvlink, 1800.0), (8, 400.0)),
+        spec: || {
+            device(
+                "GB200",
+                Nvidia,
+                (Some(2500.0), 2500.0, Some(1250.0), 80.0),
+                186.0,
+                8.0,
+                (Nvlink, 1800.0),
+                (8, 400.0),
+            )
+        },
     },
     CatalogEntry {
         aliases: &["l40s"],
-        // NVIDIA L40S datasheet: 362.05 dense bf16, 91.6 fp32, 48 GB GDDR6 at 864 GB/s, PCIe Gen4
+        // NVIDIA L40S datasheet: 362.05 dense bf16, 183 dense TF32 (366 sparse), 91.6 fp32, 48 GB GDDR6 at 864 GB/s, PCIe Gen4
         // x16 64 GB/s, no NVLink. Typical servers: 2x 200 Gb/s NICs.
-        spec: || device("L40S", Nvidia, Some(362.05), 362.05, 91.6, 48.0, 0.864, (Pcie, 64.0), (2, 200.0)),
+        spec: || {
+            device("L40S", Nvidia, (Some(362.05), 362.05, Some(183.0), 91.6), 48.0, 0.864, (Pcie, 64.0), (2, 200.0))
+        },
     },
     CatalogEntry {
         aliases: &["rtx-4090", "4090", "rtx4090"],
-        // Third-party spec tables (fp32-accumulate tensor rate 165.15), 82.6 fp32, 24 GB GDDR6X at
+        // Third-party spec tables (fp32-accumulate tensor rate 165.15, TF32 82.6 dense), 82.6 fp32, 24 GB GDDR6X at
         // 1,008 GB/s, PCIe Gen4 x16, no NVLink. Workstations: one 100 Gb/s NIC.
-        spec: || device("RTX-4090", Nvidia, Some(165.15), 165.15, 82.6, 24.0, 1.008, (Pcie, 64.0), (1, 100.0)),
+        spec: || {
+            device("RTX-4090", Nvidia, (Some(165.15), 165.15, Some(82.6), 82.6), 24.0, 1.008, (Pcie, 64.0), (1, 100.0))
+        },
     },
     CatalogEntry {
         aliases: &["l4"],
         // NVIDIA L4 datasheet (third-party reproduction): 242 fp16/bf16 with sparsity, so 121
-        // dense; 30.3 fp32; 24 GB GDDR6 at 300 GB/s; PCIe Gen4 x16, no NVLink. Google Cloud G2
+        // dense; TF32 120 with sparsity, so 60 dense; 30.3 fp32; 24 GB GDDR6 at 300 GB/s; PCIe Gen4 x16, no NVLink. Google Cloud G2
         // machines (8x L4): up to 100 Gb/s.
-        spec: || device("L4", Nvidia, Some(121.0), 121.0, 30.3, 24.0, 0.3, (Pcie, 64.0), (1, 100.0)),
+        spec: || device("L4", Nvidia, (Some(121.0), 121.0, Some(60.0), 30.3), 24.0, 0.3, (Pcie, 64.0), (1, 100.0)),
     },
     CatalogEntry {
         aliases: &["a10", "a10-pcie"],
         // Secondary: 125 dense bf16/fp16 (NVIDIA A10 datasheet, 250 with sparsity; not retrieved,
-        // but 72 SMs x 4 tensor cores x 256 FLOP at 1,695 MHz give 125), 31.2 fp32, 24 GB
+        // but 72 SMs x 4 tensor cores x 256 FLOP at 1,695 MHz give 125), TF32 at half that (62.5)
+        // as on every Ampere part, 31.2 fp32, 24 GB
         // GDDR6 at 600 GB/s (third-party spec tables), PCIe Gen4 x16, no NVLink. One 100 Gb/s
         // NIC per server is an assumption (cloud A10/A10G servers reach 100 Gb/s).
-        spec: || device("A10", Nvidia, Some(125.0), 125.0, 31.2, 24.0, 0.6, (Pcie, 64.0), (1, 100.0)),
+        spec: || device("A10", Nvidia, (Some(125.0), 125.0, Some(62.5), 31.2), 24.0, 0.6, (Pcie, 64.0), (1, 100.0)),
     },
     CatalogEntry {
         aliases: &["a40"],
         // NVIDIA A40 datasheet (third-party reproduction): 149.7 dense bf16/fp16 (299.4 sparse),
-        // 37.4 fp32, 48 GB GDDR6 at 696 GB/s, PCIe Gen4 64 GB/s; its NVLink bridge (112.5 GB/s)
+        // 74.8 dense TF32 (149.6 sparse), 37.4 fp32, 48 GB GDDR6 at 696 GB/s, PCIe Gen4 64 GB/s; its NVLink bridge (112.5 GB/s)
         // joins pairs only, so a node's collectives cross PCIe. NICs as the L40S's (assumption).
-        spec: || device("A40", Nvidia, Some(149.7), 149.7, 37.4, 48.0, 0.696, (Pcie, 64.0), (2, 200.0)),
+        spec: || device("A40", Nvidia, (Some(149.7), 149.7, Some(74.8), 37.4), 48.0, 0.696, (Pcie, 64.0), (2, 200.0)),
     },
     CatalogEntry {
         aliases: &["rtx-a6000", "a6000", "rtxa6000"],
-        // Secondary (Microway, via third-party tables): 154.8 dense fp16/bf16 (309.7 sparse);
+        // Secondary (Microway, via third-party tables): 154.8 dense fp16/bf16 (309.7 sparse), TF32
+        // 154.8 sparse so 77.4 dense;
         // NVIDIA RTX A6000 spec sheet (ServeTheHome): 48 GB GDDR6 at 768 GB/s, PCIe Gen4 x16,
         // NVLink bridge of 112.5 GB/s joining pairs only; 38.7 fp32 (third-party tables).
         // Workstations: one 100 Gb/s NIC (assumption, as the RTX-4090's).
-        spec: || device("RTX-A6000", Nvidia, Some(154.8), 154.8, 38.7, 48.0, 0.768, (Pcie, 64.0), (1, 100.0)),
+        spec: || {
+            device("RTX-A6000", Nvidia, (Some(154.8), 154.8, Some(77.4), 38.7), 48.0, 0.768, (Pcie, 64.0), (1, 100.0))
+        },
     },
     CatalogEntry {
         aliases: &["t4", "tesla-t4"],
         // NVIDIA T4 launch specs (third-party reproductions): 65 fp16 tensor (mixed precision),
         // 8.1 fp32, 16 GB GDDR6 at 320 GB/s, PCIe Gen3 x16 (32 GB/s both ways); Turing has no
-        // bf16. Google Cloud N1 machines with T4s: up to 100 Gb/s.
-        spec: || device("T4", Nvidia, None, 65.0, 8.1, 16.0, 0.32, (Pcie, 32.0), (1, 100.0)),
+        // bf16 and no TF32. Google Cloud N1 machines with T4s: up to 100 Gb/s.
+        spec: || device("T4", Nvidia, (None, 65.0, None, 8.1), 16.0, 0.32, (Pcie, 32.0), (1, 100.0)),
     },
     CatalogEntry {
         aliases: &["mi250x-gcd"],
-        // AMD Instinct MI250X datasheet: one package of two GCDs with 383 bf16/fp16, 47.9 fp32
-        // and 128 GB HBM2e at 3.2 TB/s in all, 220 CUs; ROCm and PyTorch see each GCD as a
+        // AMD Instinct MI250X datasheet: one package of two GCDs with 383 bf16/fp16, 95.7 fp32
+        // matrix (47.9 vector; CDNA 2 has no TF32) and 128 GB HBM2e at 3.2 TB/s in all, 220 CUs; ROCm and PyTorch see each GCD as a
         // device with half of each. Its 8 Infinity Fabric links of 50 GB/s each way (ROCm docs):
         // 4 join the two GCDs, 2 per GCD reach other packages. Frontier nodes: 4 packages, 8 GCDs,
         // 4x 200 Gb/s Slingshot NICs.
         spec: || DeviceSpec {
             compute_units: Some(110),
             package: Some(Package { dies: 2, die_link_gb_s: 200.0 }),
-            ..device("MI250X-GCD", Amd, Some(191.5), 191.5, 23.95, 64.0, 1.6, (InfinityFabric, 200.0), (4, 200.0))
+            ..device(
+                "MI250X-GCD",
+                Amd,
+                (Some(191.5), 191.5, None, 47.85),
+                64.0,
+                1.6,
+                (InfinityFabric, 200.0),
+                (4, 200.0),
+            )
         },
     },
     CatalogEntry {
         aliases: &["mi210"],
         // AMD Instinct MI210 (AnandTech's reproduction of AMD's table): one CDNA 2 GCD on a PCIe
-        // card, not a package; 181 fp16 matrix (bf16 at the same rate, as on the MI250X), 22.6
-        // fp32 vector, 64 GB HBM2e at 1.6 TB/s, 104 CUs, 3 Infinity Fabric links of 50 GB/s each
+        // card, not a package; 181 fp16 matrix (bf16 at the same rate, as on the MI250X), 45.3
+        // fp32 matrix (22.6 vector), no TF32, 64 GB HBM2e at 1.6 TB/s, 104 CUs, 3 Infinity Fabric links of 50 GB/s each
         // way (ROCm docs' MI200 link rate). The bridge joins a hive of 4 cards, so an 8-GPU
         // node's collectives cross PCIe Gen4; a `--cluster` file may state 4-GPU nodes at
         // `intra_link = "infinity-fabric"`, `intra_link_gb_s = 150`. NICs: assumption.
-        spec: || device("MI210", Amd, Some(181.0), 181.0, 22.6, 64.0, 1.6, (Pcie, 64.0), (2, 200.0)),
+        spec: || device("MI210", Amd, (Some(181.0), 181.0, None, 45.3), 64.0, 1.6, (Pcie, 64.0), (2, 200.0)),
     },
     CatalogEntry {
         aliases: &["mi100"],
         // AMD Instinct MI100 spec table (Notebookcheck's reproduction): 184.6 fp16 matrix but
-        // bf16 at half that, 92.3; 23.1 fp32; 32 GB HBM2 at 1.23 TB/s; 120 CUs; 3 Infinity
+        // bf16 at half that, 92.3; 46.1 fp32 matrix (23.1 vector), no TF32; 32 GB HBM2 at 1.23 TB/s; 120 CUs; 3 Infinity
         // Fabric links, 276 GB/s in all, joining a hive of 4 cards (ROCm docs), so 8-GPU nodes
         // cross PCIe Gen4 as the MI210's. NICs: assumption.
-        spec: || device("MI100", Amd, Some(92.3), 184.6, 23.1, 32.0, 1.23, (Pcie, 64.0), (2, 200.0)),
+        spec: || device("MI100", Amd, (Some(92.3), 184.6, None, 46.1), 32.0, 1.23, (Pcie, 64.0), (2, 200.0)),
     },
     CatalogEntry {
         aliases: &["mi300x"],
-        // AMD Instinct MI300X datasheet: 1,307.4 dense bf16, 163.4 fp32, 192 GB HBM3 at 5.3 TB/s,
+        // AMD Instinct MI300X datasheet: 1,307.4 dense bf16, 653.7 dense TF32, 163.4 fp32 matrix, 192 GB HBM3 at 5.3 TB/s,
         // 7 Infinity Fabric links per GPU in an 8-GPU mesh (896 GB/s); 8x 400 Gb/s NICs per node.
-        spec: || device("MI300X", Amd, Some(1307.4), 1307.4, 163.4, 192.0, 5.3, (InfinityFabric, 896.0), (8, 400.0)),
+        spec: || {
+            device(
+                "MI300X",
+                Amd,
+                (Some(1307.4), 1307.4, Some(653.7), 163.4),
+                192.0,
+                5.3,
+                (InfinityFabric, 896.0),
+                (8, 400.0),
+            )
+        },
     },
     CatalogEntry {
         aliases: &["mi325x"],
         // AMD Instinct MI325X datasheet: MI300X compute with 256 GB HBM3E at 6.0 TB/s.
-        spec: || device("MI325X", Amd, Some(1307.4), 1307.4, 163.4, 256.0, 6.0, (InfinityFabric, 896.0), (8, 400.0)),
+        spec: || {
+            device(
+                "MI325X",
+                Amd,
+                (Some(1307.4), 1307.4, Some(653.7), 163.4),
+                256.0,
+                6.0,
+                (InfinityFabric, 896.0),
+                (8, 400.0),
+            )
+        },
     },
     CatalogEntry {
         aliases: &["mi355x"],
         // Secondary (third-party reproductions of AMD's MI355X table): 2,516.6 dense fp16/bf16
-        // (2.5 PFLOP/s; 256 CUs x 4,096 FLOP per clock at 2.4 GHz), 157.3 fp32, 288 GB HBM3E
+        // (2.5 PFLOP/s; 256 CUs x 4,096 FLOP per clock at 2.4 GHz), 157.3 fp32 matrix, no TF32
+        // rate (those tables list none; CDNA 4 dropped CDNA 3's XF32 matrix instructions), 288 GB HBM3E
         // at 8 TB/s; 7 Infinity Fabric links of 153.6 GB/s (1,075 GB/s) in an 8-GPU mesh. NICs
         // assumed as the MI300X's.
-        spec: || device("MI355X", Amd, Some(2516.6), 2516.6, 157.3, 288.0, 8.0, (InfinityFabric, 1075.2), (8, 400.0)),
+        spec: || {
+            device("MI355X", Amd, (Some(2516.6), 2516.6, None, 157.3), 288.0, 8.0, (InfinityFabric, 1075.2), (8, 400.0))
+        },
     },
 ];
 
@@ -524,6 +610,26 @@ mod tests {
         // Datasheets quote links both ways summed; the catalog keeps one direction.
         assert_eq!(catalog_device("gb200").unwrap().intra_link_gb_s, 900.0);
         assert_eq!(catalog_device("h800").unwrap().intra_link_gb_s, 200.0);
+    }
+
+    /// TF32 came with Ampere (NVIDIA) and CDNA 3 (AMD), at half the 16-bit rate; fp32 matmuls
+    /// run on CDNA's matrix cores, at twice its vector rate.
+    #[test]
+    fn tf32_and_fp32_rates_follow_the_datasheets() {
+        let rate = |name: &str, precision| catalog_device(name).unwrap().tensor_tflops(precision);
+        for (name, tf32) in [("a100", Some(156.0)), ("h100", Some(494.7)), ("mi300x", Some(653.7))] {
+            assert_eq!(rate(name, Precision::Tf32), tf32, "{name}");
+        }
+        for name in ["v100", "t4", "mi250x", "mi210", "mi100"] {
+            assert_eq!(rate(name, Precision::Tf32), None, "{name}");
+        }
+        for device in catalog_devices().into_iter().filter(|device| device.tf32_tflops.is_some()) {
+            let ratio = device.tf32_tflops.unwrap() / device.fp16_tflops;
+            // The RTX 4090's fp16 rate is its fp32-accumulate one, which GeForce halves too.
+            assert!((0.49..=0.51).contains(&ratio) || device.name == "RTX-4090", "{}: {ratio}", device.name);
+        }
+        assert_eq!(rate("mi250x", Precision::Fp32), Some(95.7 / 2.0));
+        assert_eq!(rate("h100", Precision::Fp32), Some(67.0));
     }
 
     #[test]

@@ -8,9 +8,10 @@ use serde::{Deserialize, Serialize};
 use crate::error::{SpecError, echo};
 use crate::schedule::{Schedule, ScheduleKind};
 
-/// Numeric precision of training: both keep fp32 master weights and Adam moments (16 bytes of
-/// model state per parameter) and 16-bit weights, activations and gradients; they differ in
-/// the tensor-core rate a device runs them at, and in which devices have them.
+/// Numeric precision of training. The mixed ones keep 16-bit weights, activations and gradients
+/// beside fp32 master weights and Adam moments; `tf32` and `fp32` keep everything in fp32 (no
+/// master copy), their matmuls on TF32 tensor cores or at the plain fp32 rate. All take 16 bytes
+/// of model state a parameter, split differently between weights, gradients and optimizer.
 #[derive(Clone, Copy, Debug, Default, PartialEq, Eq, Hash, Serialize, Deserialize)]
 #[serde(rename_all = "kebab-case")]
 pub enum Precision {
@@ -19,35 +20,61 @@ pub enum Precision {
     Bf16Mixed,
     /// fp16 with dynamic loss scaling: for devices without bf16 (V100, T4).
     Fp16Mixed,
+    /// fp32 tensors with matmuls on TF32 tensor cores (PyTorch's `allow_tf32`): Ampere and later,
+    /// MI300-class.
+    Tf32,
+    /// fp32 throughout, matmuls at the device's fp32 rate (TF32 off).
+    Fp32,
 }
 
 impl Precision {
-    pub const ALL: [Precision; 2] = [Precision::Bf16Mixed, Precision::Fp16Mixed];
+    pub const ALL: [Precision; 4] = [Precision::Bf16Mixed, Precision::Fp16Mixed, Precision::Tf32, Precision::Fp32];
 
-    /// The 16-bit number format the tensor cores run: `bf16` or `fp16`.
+    /// The number format the matmuls run: `bf16`, `fp16`, `tf32` or `fp32`.
     pub fn format(self) -> &'static str {
         match self {
             Precision::Bf16Mixed => "bf16",
             Precision::Fp16Mixed => "fp16",
+            Precision::Tf32 => "tf32",
+            Precision::Fp32 => "fp32",
         }
+    }
+
+    /// Whether weights, activations and gradients are 16-bit beside an fp32 master copy.
+    pub fn is_mixed(self) -> bool {
+        matches!(self, Precision::Bf16Mixed | Precision::Fp16Mixed)
+    }
+
+    /// Bytes of one weight, activation or gradient element as the model computes with it.
+    pub fn element_bytes(self) -> f64 {
+        if self.is_mixed() { 2.0 } else { 4.0 }
+    }
+
+    /// Optimizer bytes a parameter: Adam's two fp32 moments, and the fp32 master weight of mixed
+    /// precision.
+    pub fn optimizer_bytes(self) -> f64 {
+        if self.is_mixed() { 12.0 } else { 8.0 }
     }
 }
 
 impl fmt::Display for Precision {
     fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
-        write!(f, "{}-mixed", self.format())
+        match self.is_mixed() {
+            true => write!(f, "{}-mixed", self.format()),
+            false => f.write_str(self.format()),
+        }
     }
 }
 
 impl FromStr for Precision {
     type Err = String;
-    /// `bf16-mixed` or `fp16-mixed`, or the format alone.
+    /// `bf16-mixed`, `fp16-mixed`, `tf32` or `fp32`; the mixed ones by their format alone too.
     fn from_str(text: &str) -> Result<Self, String> {
         let wanted = text.trim().to_ascii_lowercase();
         Precision::ALL
             .into_iter()
             .find(|precision| precision.to_string() == wanted || precision.format() == wanted)
-            .ok_or_else(|| format!("unknown precision `{}`; expected bf16-mixed or fp16-mixed", echo(text)))
+            .ok_or_else(|| format!("unknown precision `{}`; expected bf16-mixed, fp16-mixed, tf32 or fp32", echo(text)))
     }
 }
 
@@ -79,8 +106,20 @@ impl GradReduce {
     /// Megatron-LM's default for a job in `precision`.
     pub fn default_for(precision: Precision) -> Self {
         match precision {
-            Precision::Bf16Mixed => GradReduce::Fp32,
             Precision::Fp16Mixed => GradReduce::SixteenBit,
+            Precision::Bf16Mixed | Precision::Tf32 | Precision::Fp32 => GradReduce::Fp32,
+        }
+    }
+
+    /// Refuses a 16-bit reduction of a job whose gradients are fp32: there is no 16-bit format
+    /// to reduce them in.
+    pub fn check_for(self, precision: Precision) -> Result<(), String> {
+        match (self, precision.is_mixed()) {
+            (GradReduce::SixteenBit, false) => Err(format!(
+                "in {precision}, gradients are fp32 and reduce in fp32; a 16-bit reduction needs a mixed \
+                 precision (bf16-mixed or fp16-mixed)"
+            )),
+            _ => Ok(()),
         }
     }
 
@@ -316,12 +355,14 @@ impl JobSpec {
             ));
         }
         check_memory_headroom(parts.memory_headroom, source)?;
+        let grad_reduce = parts.grad_reduce.unwrap_or(GradReduce::default_for(parts.precision));
+        grad_reduce.check_for(parts.precision).map_err(|reason| SpecError::field(source, "grad_reduce", reason))?;
         Ok(JobSpec {
             seq_len: parts.seq_len,
             global_batch: parts.global_batch,
             micro_batch: parts.micro_batch,
             precision: parts.precision,
-            grad_reduce: parts.grad_reduce.unwrap_or(GradReduce::default_for(parts.precision)),
+            grad_reduce,
             zero1: parts.zero1,
             recompute: parts.recompute,
             attention: parts.attention,
@@ -425,5 +466,23 @@ mod tests {
         assert_eq!(err, "unknown recompute `some`; expected none, selective or full");
         assert!("flash".parse::<AttentionKernel>().unwrap_err().ends_with("expected fused or unfused"));
         assert_eq!((GradReduce::Fp32.bytes(), GradReduce::SixteenBit.bytes()), (4.0, 2.0));
+        // fp32 jobs reduce fp32 gradients: a 16-bit reduction is refused, not silently priced.
+        assert_eq!(job("precision = \"tf32\"").unwrap().grad_reduce(), GradReduce::Fp32);
+        let err = job("precision = \"fp32\"\ngrad_reduce = \"16-bit\"").unwrap_err().to_string();
+        assert!(err.contains("grad_reduce") && err.contains("in fp32, gradients are fp32"), "{err}");
+    }
+
+    /// Mixed precision keeps 16-bit tensors beside an fp32 master copy; tf32 and fp32 keep fp32
+    /// tensors and no copy: 16 bytes of model state a parameter either way.
+    #[test]
+    fn precisions_size_their_tensors() {
+        for precision in Precision::ALL {
+            let state = 2.0 * precision.element_bytes() + precision.optimizer_bytes();
+            assert_eq!(state, 16.0, "{precision}");
+            assert_eq!(precision.to_string().parse::<Precision>(), Ok(precision));
+        }
+        assert_eq!(Precision::Tf32.element_bytes(), 4.0);
+        assert_eq!(Precision::Bf16Mixed.optimizer_bytes(), 12.0);
+        assert_eq!(Precision::Fp32.to_string(), "fp32");
     }
 }

@@ -19,8 +19,9 @@ fn shipped_examples_parse() {
     assert_eq!((job.seq_len(), job.global_batch()), (8192, 512));
 }
 
-/// Every catalog device makes a fleet, which trains in fp16 and in bf16 where the device has it
-/// (issue 33: the V100 and T4 have none, and a bf16 job on them is refused naming them).
+/// Every catalog device makes a fleet, which trains in fp16 and fp32, and in bf16 and tf32 where
+/// the device has them (issue 33: the V100 and T4 have neither, and a job in either is refused
+/// naming them).
 #[test]
 fn every_catalog_device_is_a_valid_inline_cluster() {
     for device in catalog_devices() {
@@ -28,17 +29,20 @@ fn every_catalog_device_is_a_valid_inline_cluster() {
             Cluster::from_inline(&format!("16x{}", device.name), Fabric::default(), Bridge::default()).unwrap();
         assert_eq!(cluster.groups()[0].device, device);
         cluster.check_precision(Precision::Fp16Mixed).unwrap();
-        match (device.bf16_tflops, cluster.check_precision(Precision::Bf16Mixed)) {
-            (Some(_), result) => result.unwrap(),
-            (None, result) => {
-                let err = result.unwrap_err().to_string();
-                assert!(err.contains(&format!("{} has none", device.name)), "{err}");
+        cluster.check_precision(Precision::Fp32).unwrap();
+        for (rate, precision) in [(device.bf16_tflops, Precision::Bf16Mixed), (device.tf32_tflops, Precision::Tf32)] {
+            match (rate, cluster.check_precision(precision)) {
+                (Some(_), result) => result.unwrap(),
+                (None, result) => {
+                    let err = result.unwrap_err().to_string();
+                    assert!(err.contains(&format!("{} has none", device.name)), "{err}");
+                }
             }
         }
     }
     let mixed = Cluster::from_inline("8xh100,8xt4", Fabric::default(), Bridge::default()).unwrap();
     let err = mixed.check_precision(Precision::Bf16Mixed).unwrap_err().to_string();
-    assert!(err.contains("T4 has none") && err.contains("--precision fp16-mixed"), "{err}");
+    assert!(err.contains("T4 has none") && err.contains("train in fp16-mixed or fp32 (--precision)"), "{err}");
     mixed.check_precision(Precision::Fp16Mixed).unwrap();
 }
 

@@ -59,8 +59,9 @@ pub struct JobFlags {
     /// Sequences per micro-batch.
     #[arg(long)]
     pub micro_batch: Option<u32>,
-    /// Number format: bf16-mixed (the default) or fp16-mixed (fp16 with dynamic loss scaling,
-    /// for devices without bf16 such as the V100).
+    /// Number format: bf16-mixed (the default), fp16-mixed (fp16 with dynamic loss scaling, for
+    /// devices without bf16 such as the V100), tf32 (fp32 tensors, matmuls on TF32 tensor cores)
+    /// or fp32 (fp32 throughout).
     #[arg(long)]
     pub precision: Option<Precision>,
     /// The share of each device's memory plans leave free for what the cost model does not see

@@ -2,6 +2,7 @@
 
 #![allow(dead_code)] // each test binary uses its own part
 
+use std::collections::HashMap;
 use std::path::Path;
 use std::process::Command;
 
@@ -81,6 +82,8 @@ pub struct Launched {
     pub cuda_visible_devices: String,
     /// The recipe module on `PYTHONPATH`, if the script wrote one.
     pub recipe: Option<String>,
+    /// The environment torchrun started in.
+    pub env: HashMap<String, String>,
 }
 
 /// Runs `script` under bash as host `node_rank` with a stand-in `torchrun` that records what it
@@ -92,10 +95,11 @@ pub fn launch(script: &str, node_rank: u32, extra: &[&str]) -> Launched {
     std::fs::write(
         &torchrun,
         format!(
-            "#!/usr/bin/env bash\nprintf '%s\\n' \"$@\" > {argv}\nprintf '%s' \"$CUDA_VISIBLE_DEVICES\" > {gpus}\n\
+            "#!/usr/bin/env bash\nprintf '%s\\n' \"$@\" > {argv}\nprintf '%s' \"$CUDA_VISIBLE_DEVICES\" > {gpus}\nenv -0 > {env}\n\
              for dir in ${{PYTHONPATH//:/ }}; do [ -f \"$dir/medley_recipe.py\" ] && cp \"$dir/medley_recipe.py\" {recipe}; done; true\n",
             argv = record.with_extension("argv").display(),
             gpus = record.with_extension("gpus").display(),
+            env = record.with_extension("env").display(),
             recipe = record.with_extension("py").display(),
         ),
     )
@@ -111,6 +115,9 @@ pub fn launch(script: &str, node_rank: u32, extra: &[&str]) -> Launched {
         .env("NODE_RANK", node_rank.to_string())
         .env("MASTER_ADDR", "host0")
         .env_remove("PYTHONPATH")
+        .env_remove("TORCH_ALLOW_TF32_CUBLAS_OVERRIDE")
+        .env_remove("NVIDIA_TF32_OVERRIDE")
+        .env_remove("HIPBLASLT_ALLOW_TF32")
         .status()
         .unwrap();
     assert!(status.success(), "the launch script failed: {script}");
@@ -119,6 +126,12 @@ pub fn launch(script: &str, node_rank: u32, extra: &[&str]) -> Launched {
         argv: read("argv").unwrap().lines().map(String::from).collect(),
         cuda_visible_devices: read("gpus").unwrap(),
         recipe: read("py").ok(),
+        env: read("env")
+            .unwrap()
+            .split('\0')
+            .filter_map(|line| line.split_once('='))
+            .map(|(name, value)| (name.to_string(), value.to_string()))
+            .collect(),
     }
 }
 

@@ -295,7 +295,8 @@ impl<'a> ContextSpace<'a> {
             .flat_map(|(kind, shares)| shares.iter().map(move |share| (share.units + 1) * unit / u64::from(kind.size)))
             .max()
             .unwrap_or(n_tokens);
-        let boundary_s = kv_link.transfer_s(most_tokens as f64 * 2.0 * f64::from(model.hidden()));
+        let boundary_s =
+            kv_link.transfer_s(most_tokens as f64 * self.cost.precision().element_bytes() * f64::from(model.hidden()));
         let pass = PassTime { forward_s: stage_s / 3.0, backward_s: 2.0 * stage_s / 3.0, weight_grad_s: 0.0 };
         let timing = PipelineTiming::new(&vec![pass; pp as usize], &vec![boundary_s; pp as usize - 1]);
         let params = self.cost.stage_params(first);

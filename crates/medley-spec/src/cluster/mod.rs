@@ -424,15 +424,22 @@ impl Cluster {
         if without.is_empty() {
             return Ok(());
         }
+        let shared: Vec<String> = Precision::ALL
+            .into_iter()
+            .filter(|other| self.groups.iter().all(|group| group.device.tensor_tflops(*other).is_some()))
+            .map(|other| other.to_string())
+            .collect();
         Err(SpecError::field(
             "job",
             "precision",
             format!(
-                "{precision} needs {} on every device, and {} {} none: train in fp16 with dynamic loss scaling \
-                 (--precision fp16-mixed), or without them",
+                "{precision} needs {} on every device, and {} {} none: train in {} (--precision), plan without \
+                 them, or state the rate ({}_tflops) of a custom device that has it",
                 precision.format(),
                 without.join(", "),
-                if without.len() == 1 { "has" } else { "have" }
+                if without.len() == 1 { "has" } else { "have" },
+                shared.join(" or "),
+                precision.format()
             ),
         ))
     }

@@ -179,13 +179,22 @@ nodes = 1
 "#;
     let cluster = Cluster::from_toml(text, "c.toml").unwrap();
     let err = cluster.check_precision(Precision::Bf16Mixed).unwrap_err().to_string();
-    assert!(err.contains("old-gpu has none") && err.contains("--precision fp16-mixed"), "{err}");
+    assert!(err.contains("old-gpu has none") && err.contains("train in fp16-mixed or fp32 (--precision)"), "{err}");
     cluster.check_precision(Precision::Fp16Mixed).unwrap();
+    cluster.check_precision(Precision::Fp32).unwrap();
+    // A custom device without a stated TF32 rate has none: refused, saying how to state it.
+    let err = cluster.check_precision(Precision::Tf32).unwrap_err().to_string();
+    assert!(
+        err.contains("tf32 needs tf32") && err.contains("old-gpu has none") && err.contains("tf32_tflops"),
+        "{err}"
+    );
     let old = &cluster.groups()[0].device;
     assert_eq!((old.tensor_tflops(Precision::Bf16Mixed), old.tensor_tflops(Precision::Fp16Mixed)), (None, Some(100.0)));
     assert_eq!("fp16".parse::<Precision>().unwrap(), Precision::Fp16Mixed);
     assert_eq!("BF16-mixed".parse::<Precision>().unwrap(), Precision::Bf16Mixed);
-    assert!("fp8".parse::<Precision>().unwrap_err().contains("bf16-mixed or fp16-mixed"));
+    assert_eq!(["tf32", " FP32 "].map(|name| name.parse::<Precision>().unwrap()), [Precision::Tf32, Precision::Fp32]);
+    assert!("fp8".parse::<Precision>().unwrap_err().contains("bf16-mixed, fp16-mixed, tf32 or fp32"));
+    assert!("tf32-mixed".parse::<Precision>().is_err());
 }
 
 #[test]
