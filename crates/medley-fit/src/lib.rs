@@ -214,6 +214,27 @@ pub struct Fit {
     pub calibration: Calibration,
 }
 
+impl FittedFactor {
+    /// Whether the fit stopped at an end of [`FACTOR_RANGE`]: the runs ask more of these devices'
+    /// efficiency than it can explain, and the gap lies elsewhere (their links, their rates).
+    pub fn at_bound(&self) -> bool {
+        let near = |bound: f64| (self.factor / bound - 1.0).abs() < 1e-3;
+        near(FACTOR_RANGE.0) || near(FACTOR_RANGE.1)
+    }
+
+    /// The factor to three places, and `(bound)` where it is at one.
+    pub fn describe(&self) -> String {
+        match self.at_bound() {
+            true => format!("{:.3} (bound)", self.factor),
+            false => format!("{:.3}", self.factor),
+        }
+    }
+}
+
+/// What `medley calibrate` and the benchmark say under their factors when one is at a bound.
+pub const AT_BOUND_NOTE: &str = "(bound): the fit stopped at the end of the factors it tries (0.3 to 1.5); efficiency alone does \
+     not explain those devices' runs, so check their links and rates";
+
 /// Where a factor is looked for: a device's kernels reaching a third of its stated efficiency, up
 /// to half again more (an efficiency is still capped at 1).
 pub const FACTOR_RANGE: (f64, f64) = (0.3, 1.5);

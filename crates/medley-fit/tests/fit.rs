@@ -76,6 +76,19 @@ fn the_fit_recovers_the_factors_that_made_mixed_and_single_type_runs() {
     assert!(spearman(&predicted, &measured).is_some_and(|rho| rho > 0.999), "{predicted:?} {measured:?}");
 }
 
+/// A device far slower than its profile's third of it: the fit stops at its bound and says so,
+/// where one inside the bounds does not.
+#[test]
+fn a_factor_the_runs_push_past_the_bounds_is_said_to_be_at_one() {
+    let runs = measured_under(&truth(&[("h100", 0.1)]), "8xh100", &[(1, 1, 8), (2, 2, 2), (1, 2, 4)]);
+    let fitted = fit(&runs, &Calibration::default(), Fitted::Efficiencies).unwrap();
+    let [factor] = &fitted.factors[..] else { panic!("{:?}", fitted.factors) };
+    assert!(factor.at_bound() && factor.describe() == "0.300 (bound)", "{factor:?}");
+    let runs = measured_under(&truth(&[("h100", 0.9)]), "8xh100", &[(1, 1, 8), (2, 2, 2), (1, 2, 4)]);
+    let fitted = fit(&runs, &Calibration::default(), Fitted::Efficiencies).unwrap();
+    assert!(!fitted.factors[0].at_bound() && fitted.factors[0].describe() == "0.900", "{:?}", fitted.factors);
+}
+
 /// Issue 33: a framework's fixed costs per micro-batch and per layer are fitted beside the
 /// efficiencies, and found where they made the runs.
 #[test]

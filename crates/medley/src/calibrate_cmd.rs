@@ -11,7 +11,8 @@ use comfy_table::Cell;
 use medley_cost::Calibration;
 use medley_fit::measurements::{read_csv, read_run};
 use medley_fit::{
-    Accuracy, Fit, Fitted, MeasuredRun, Prediction, by_cluster, cross_validate, fit, mean_abs_error, predict,
+    AT_BOUND_NOTE, Accuracy, Fit, Fitted, FittedFactor, MeasuredRun, Prediction, by_cluster, cross_validate, fit,
+    mean_abs_error, predict,
 };
 use medley_report::text::{count, right, table};
 use medley_runtime::DeviceChoice;
@@ -157,12 +158,16 @@ fn fit_text(runs: &[MeasuredRun], [defaults, fitted, held_out]: [&[Prediction]; 
         }
     }
     let mut fitted_factors = table(&["device types", "factor", "runs"]);
+    let mut fitted_factors_note = String::new();
     for factor in &fit.factors {
         fitted_factors.add_row(vec![
             Cell::new(factor.devices.join(" + ")),
-            right(format!("{:.3}", factor.factor)),
+            right(factor.describe()),
             right(factor.n_runs.to_string()),
         ]);
+    }
+    if fit.factors.iter().any(FittedFactor::at_bound) {
+        fitted_factors_note = format!("{AT_BOUND_NOTE}\n");
     }
     let overheads = fit.overheads.map_or(String::new(), |overheads| {
         format!(
@@ -172,6 +177,6 @@ fn fit_text(runs: &[MeasuredRun], [defaults, fitted, held_out]: [&[Prediction]; 
         )
     });
     format!(
-        "Step time errors (predicted / measured - 1) under the base profile, the fit, and held out ({folds} folds: each run predicted by a fit of the others)\n{per_run}\n{per_cluster}\nFactors on the matmul and attention efficiencies (device types that only ran together share one)\n{fitted_factors}\n{overheads}"
+        "Step time errors (predicted / measured - 1) under the base profile, the fit, and held out ({folds} folds: each run predicted by a fit of the others)\n{per_run}\n{per_cluster}\nFactors on the matmul and attention efficiencies (device types that only ran together share one)\n{fitted_factors}\n{fitted_factors_note}{overheads}"
     )
 }

@@ -10,7 +10,7 @@ use crate::cited::{CitedPrediction, ErrorSummary, Role, SOURCES, error_summaries
 use crate::heterogeneous::{self, ClusterSummary};
 use comfy_table::Cell;
 use medley_cost::{Calibration, Overheads};
-use medley_fit::{Accuracy, FittedFactor, Measured};
+use medley_fit::{AT_BOUND_NOTE, Accuracy, FittedFactor, Measured};
 use serde::Serialize;
 
 use medley_report::text::{right, table};
@@ -159,7 +159,9 @@ fn heterogeneous_text(summaries: &[ClusterSummary]) -> String {
             (device types that only ran together share one), and the overheads added to each forward\n\
             and each backward pass\n";
     let mut factors = table(&["source", "fit", "device types", "factor", "runs", "per micro-batch", "per layer"]);
-    for summary in summaries {
+    // A source's fits are on all its runs: listed once, whatever its clusters.
+    let mut listed = std::collections::HashSet::new();
+    for summary in summaries.iter().filter(|summary| listed.insert(summary.source)) {
         for fit in &summary.fits {
             let overhead = |value: fn(&Overheads) -> f64| {
                 fit.overheads.as_ref().map_or("-".to_string(), |overheads| format!("{:.2} ms", 1e3 * value(overheads)))
@@ -169,7 +171,7 @@ fn heterogeneous_text(summaries: &[ClusterSummary]) -> String {
                     Cell::new(summary.source),
                     Cell::new(fit.knobs),
                     Cell::new(factor.devices.join(" + ")),
-                    right(format!("{:.3}", factor.factor)),
+                    right(factor.describe()),
                     right(factor.n_runs.to_string()),
                     right(overhead(|overheads| overheads.per_micro_batch_s)),
                     right(overhead(|overheads| overheads.per_layer_s)),
@@ -177,5 +179,10 @@ fn heterogeneous_text(summaries: &[ClusterSummary]) -> String {
             }
         }
     }
-    out + &factors.to_string()
+    out += &factors.to_string();
+    let at_bound = summaries.iter().flat_map(|summary| &summary.fits).flat_map(|fit| &fit.factors);
+    if at_bound.into_iter().any(FittedFactor::at_bound) {
+        out += &format!("\n{AT_BOUND_NOTE}\n");
+    }
+    out
 }
