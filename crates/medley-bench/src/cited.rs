@@ -39,6 +39,8 @@ pub struct CitedRun {
     /// Megatron-LM's `--overlap-grad-reduce` (which it did not have before 2023).
     pub overlap_grad_reduce: bool,
     pub zero1: bool,
+    /// Gradients sharded with the optimizer states (ZeRO-2).
+    pub shard_gradients: bool,
     pub measured: Measured,
     pub role: Role,
 }
@@ -87,6 +89,7 @@ const fn korthikanti(
         attention: AttentionKernel::Unfused,
         overlap_grad_reduce: false,
         zero1: false,
+        shard_gradients: false,
         measured: Measured::StepS(step_s),
         role,
     }
@@ -106,15 +109,17 @@ const fn narayanan(cluster: &'static str, dp: u32, tflops: f64) -> CitedRun {
         attention: AttentionKernel::Unfused,
         overlap_grad_reduce: false,
         zero1: false,
+        shard_gradients: false,
         measured: Measured::HardwareTflopsPerGpu(tflops),
         role: Role::Check,
     }
 }
 
 /// Llama 3 405B's 8K pre-training runs: Table 4's layouts, FlashAttention and no activation
-/// recomputation (§3.3.2), the embedding and output layer's stages one layer short (§3.3.2, what
-/// medley's Megatron-style layouts do anyway), and an interleaved schedule whose depth the paper
-/// does not give: the least, two chunks per rank.
+/// recomputation (§3.3.2), optimizer states and gradients sharded over the replicas ("Our use of
+/// FSDP for Llama 3 shards optimizer states and gradients", §3.3.2), the embedding and output
+/// layer's stages one layer short (§3.3.2, what medley's Megatron-style layouts do anyway), and
+/// an interleaved schedule whose depth the paper does not give: the least, two chunks per rank.
 const fn llama3(cluster: &'static str, dp: u32, tflops: f64) -> CitedRun {
     CitedRun {
         source: LLAMA3,
@@ -129,6 +134,7 @@ const fn llama3(cluster: &'static str, dp: u32, tflops: f64) -> CitedRun {
         attention: AttentionKernel::Fused,
         overlap_grad_reduce: true,
         zero1: true,
+        shard_gradients: true,
         measured: Measured::ModelTflopsPerGpu(tflops),
         role: Role::Check,
     }
@@ -151,6 +157,7 @@ const fn dgxc_gpt3(cluster: &'static str, dp: u32, step_s: f64, role: Role) -> C
         attention: AttentionKernel::Fused,
         overlap_grad_reduce: true,
         zero1: true,
+        shard_gradients: false,
         measured: Measured::StepS(step_s),
         role,
     }
@@ -173,6 +180,7 @@ const fn dgxc_llama31_8b(cluster: &'static str, dp: u32, step_s: f64) -> CitedRu
         attention: AttentionKernel::Fused,
         overlap_grad_reduce: true,
         zero1: true,
+        shard_gradients: false,
         measured: Measured::StepS(step_s),
         role: Role::Check,
     }
@@ -327,6 +335,7 @@ impl CitedRun {
             global_batch: self.global_batch,
             micro_batch: Some(self.micro_batch),
             zero1: self.zero1,
+            shard_gradients: self.shard_gradients,
             attention: self.attention,
             overlap_grad_reduce: self.overlap_grad_reduce,
             ..JobParts::default()

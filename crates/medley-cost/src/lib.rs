@@ -14,7 +14,7 @@ pub mod params;
 
 use gemm::{Gemm, GemmGeometry};
 use long_context::{ContextLayerTime, ContextPass, ContextWork, KvExchange};
-use medley_spec::{AttentionKernel, ModelSpec, NodeGroup, Precision, Recompute};
+use medley_spec::{AttentionKernel, GradReduce, JobSpec, ModelSpec, NodeGroup, Precision, Recompute};
 
 pub use efficiency::{Calibration, CalibrationError, Efficiency, Overheads, ProfileKind, assumptions};
 pub use memory::{GIB, MemoryBreakdown};
@@ -78,6 +78,44 @@ impl PassTime {
     }
 }
 
+/// How a job keeps each parameter's states: its precision, the format gradients accumulate and
+/// reduce in (Megatron-LM keeps its main gradients in it), and whether they are sharded over the
+/// replicas with the optimizer states (ZeRO-2).
+#[derive(Clone, Copy, Debug, PartialEq)]
+pub struct StateFormat {
+    pub precision: Precision,
+    pub grad_reduce: GradReduce,
+    pub shard_gradients: bool,
+}
+
+impl StateFormat {
+    /// `precision` with Megatron-LM's gradient format for it, unsharded.
+    pub fn new(precision: Precision) -> Self {
+        StateFormat { precision, grad_reduce: GradReduce::default_for(precision), shard_gradients: false }
+    }
+
+    pub fn of_job(job: &JobSpec) -> Self {
+        StateFormat {
+            precision: job.precision(),
+            grad_reduce: job.grad_reduce(),
+            shard_gradients: job.shard_gradients(),
+        }
+    }
+
+    /// Bytes of one gradient as kept: a mixed-precision job's in its reduction format (Megatron's
+    /// main gradients: fp32 with `--accumulate-allreduce-grads-in-fp32`, bf16 or fp16 without), an
+    /// fp32 job's fp32.
+    pub fn gradient_bytes(&self) -> f64 {
+        if self.precision.is_mixed() { self.grad_reduce.bytes() } else { 4.0 }
+    }
+}
+
+impl Default for StateFormat {
+    fn default() -> Self {
+        StateFormat::new(Precision::Bf16Mixed)
+    }
+}
+
 /// The cost model for one model and sequence length on any device.
 #[derive(Clone, Copy, Debug)]
 pub struct CostModel<'a> {
@@ -85,7 +123,7 @@ pub struct CostModel<'a> {
     seq_len: u32,
     calibration: &'a Calibration,
     attention: AttentionKernel,
-    precision: Precision,
+    states: StateFormat,
 }
 
 /// FlashAttention's backward recomputes the scores and runs four more matmuls: 2.5 times the
@@ -105,23 +143,23 @@ const UNFUSED_SCORE_BYTES_BACKWARD: f64 = 19.0;
 impl<'a> CostModel<'a> {
     /// The cost model with a fused attention kernel (see [`CostModel::with_attention`]).
     pub fn new(model: &'a ModelSpec, seq_len: u32, calibration: &'a Calibration) -> Self {
-        CostModel { model, seq_len, calibration, attention: AttentionKernel::Fused, precision: Precision::Bf16Mixed }
+        CostModel { model, seq_len, calibration, attention: AttentionKernel::Fused, states: StateFormat::default() }
     }
 
-    /// The same model pricing tensor-core work at `precision`'s rate. Every device it prices
-    /// must have that format: where a job meets a cluster, [`medley_spec::Cluster::check_precision`]
-    /// refuses one that does not.
-    pub fn with_precision(self, precision: Precision) -> Self {
-        CostModel { precision, ..self }
+    /// The same model keeping a job's states as `states` say, and pricing its matmuls at its
+    /// precision's rate. Every device it prices must have that format: where a job meets a
+    /// cluster, [`medley_spec::Cluster::check_precision`] refuses one that does not.
+    pub fn with_states(self, states: StateFormat) -> Self {
+        CostModel { states, ..self }
     }
 
     pub fn precision(&self) -> Precision {
-        self.precision
+        self.states.precision
     }
 
     /// A TP group of `group`'s devices, `tp` wide, at this model's precision.
     fn rates(&self, group: &NodeGroup, tp: u32) -> Rates {
-        Rates::new(self.calibration, group, tp, self.precision)
+        Rates::new(self.calibration, group, tp, self.states.precision)
     }
 
     /// The same model pricing the attention core as `attention` runs it.
@@ -143,7 +181,7 @@ impl<'a> CostModel<'a> {
         let flops = flops::layer_forward(self.model, self.seq_len, setting.micro_batch);
         let tokens = f64::from(self.seq_len) * f64::from(setting.micro_batch);
         let matmuls = rates.matmuls(&gemm::layer_gemms(self.model, tokens, setting.tp));
-        let weight_bytes = self.precision.element_bytes() * params::layer_params(self.model) as f64;
+        let weight_bytes = self.states.precision.element_bytes() * params::layer_params(self.model) as f64;
         let matmul_s = matmuls.forward_s.max(rates.memory_s(weight_bytes));
         let attention = self.attention_core(&rates, flops.attention, setting);
         let elementwise_s = rates.memory_s(self.elementwise_bytes(setting.micro_batch));
@@ -175,7 +213,7 @@ impl<'a> CostModel<'a> {
                 let matmuls = rates.matmuls(&gemms);
                 // The constants count 16-bit scores; fp32 ones move twice the bytes.
                 let scores = memory::scores(self.model, self.seq_len, setting.micro_batch)
-                    * (self.precision.element_bytes() / 2.0);
+                    * (self.states.precision.element_bytes() / 2.0);
                 PassTime {
                     forward_s: matmuls.forward_s + rates.memory_s(UNFUSED_SCORE_BYTES_FORWARD * scores),
                     backward_s: matmuls.backward_s() + rates.memory_s(UNFUSED_SCORE_BYTES_BACKWARD * scores),
@@ -193,7 +231,7 @@ impl<'a> CostModel<'a> {
             &rates,
             f64::from(self.seq_len) * f64::from(setting.micro_batch),
             setting.tp,
-            self.precision,
+            self.states.precision,
         )
     }
 
@@ -201,7 +239,7 @@ impl<'a> CostModel<'a> {
     pub fn context_head_time(&self, group: &NodeGroup, tokens: f64) -> PassTime {
         // At the whole sequence's shapes, scaled: linear in tokens, as for the layers.
         let whole = f64::from(self.seq_len);
-        head_pass(self.model, &self.rates(group, 1), whole, 1, self.precision).scaled(tokens / whole)
+        head_pass(self.model, &self.rates(group, 1), whole, 1, self.states.precision).scaled(tokens / whole)
     }
 
     /// A whole stage for one micro-batch.
@@ -250,11 +288,12 @@ impl<'a> CostModel<'a> {
         let per_layer = |recompute| {
             let shape =
                 memory::ActivationShape { seq_len: self.seq_len, micro_batch: setting.micro_batch, tp: setting.tp };
-            memory::layer_activation_bytes(self.model, shape, recompute, self.attention, self.precision)
+            memory::layer_activation_bytes(self.model, shape, recompute, self.attention, self.states.precision)
         };
-        let logits = memory::logits_bytes(self.model, self.seq_len, setting.micro_batch, setting.tp, self.precision);
+        let logits =
+            memory::logits_bytes(self.model, self.seq_len, setting.micro_batch, setting.tp, self.states.precision);
         let mut breakdown =
-            MemoryBreakdown::model_states(self.stage_params(shape), setting.tp, optimizer_shards, self.precision);
+            MemoryBreakdown::model_states(self.stage_params(shape), setting.tp, optimizer_shards, self.states);
         breakdown.activations = held_activations(shape, setting.recompute, in_flight, per_layer, logits);
         breakdown
     }
@@ -319,12 +358,11 @@ impl<'a> CostModel<'a> {
                     one_token,
                     recompute,
                     AttentionKernel::Fused,
-                    self.precision,
+                    self.states.precision,
                 )
         };
-        let logits = tokens * memory::logits_bytes(self.model, 1, 1, 1, self.precision);
-        let mut breakdown =
-            MemoryBreakdown::model_states(self.stage_params(shape), 1, optimizer_shards, self.precision);
+        let logits = tokens * memory::logits_bytes(self.model, 1, 1, 1, self.states.precision);
+        let mut breakdown = MemoryBreakdown::model_states(self.stage_params(shape), 1, optimizer_shards, self.states);
         breakdown.activations = held_activations(shape, recompute, in_flight, per_layer, logits) + buffer_bytes;
         breakdown
     }
@@ -332,7 +370,7 @@ impl<'a> CostModel<'a> {
     /// Bytes each tensor-parallel rank sends across a pipeline boundary per micro-batch and
     /// direction: the activation, split over the TP group by sequence parallelism.
     pub fn boundary_bytes(&self, setting: Setting) -> f64 {
-        self.precision.element_bytes()
+        self.states.precision.element_bytes()
             * f64::from(self.seq_len)
             * f64::from(setting.micro_batch)
             * f64::from(self.model.hidden())
@@ -352,7 +390,7 @@ impl<'a> CostModel<'a> {
     }
 
     fn elementwise_bytes_per_token(&self) -> f64 {
-        self.precision.element_bytes()
+        self.states.precision.element_bytes()
             * (16.0 * f64::from(self.model.hidden()) + 3.0 * self.model.active_ffn_width() as f64)
     }
 
@@ -539,7 +577,7 @@ mod tests {
         let model = catalog_model("llama3-8b").unwrap();
         let calibration = Calibration::default();
         let setting = Setting { micro_batch: 1, tp: 2, recompute: Recompute::None };
-        let cost = |precision| CostModel::new(&model, 4096, &calibration).with_precision(precision);
+        let cost = |precision| CostModel::new(&model, 4096, &calibration).with_states(StateFormat::new(precision));
         let a100 = group("a100");
         let layer = |precision| cost(precision).layer_time(&a100, setting).total_s();
         let (bf16, tf32, fp32) = (layer(Precision::Bf16Mixed), layer(Precision::Tf32), layer(Precision::Fp32));
@@ -549,7 +587,8 @@ mod tests {
         let shape = StageShape { n_layers: 4, embedding: false, head: false };
         let memory = |precision| cost(precision).stage_memory(shape, setting, 2.0, 4);
         let (mixed, full) = (memory(Precision::Bf16Mixed), memory(Precision::Tf32));
-        assert_eq!((full.weights, full.gradients), (2.0 * mixed.weights, 2.0 * mixed.gradients));
+        // bf16's gradients are fp32 already (Megatron's main gradients under fp32 reduction).
+        assert_eq!((full.weights, full.gradients), (2.0 * mixed.weights, mixed.gradients));
         assert_eq!(full.optimizer, mixed.optimizer * 8.0 / 12.0);
         assert!((1.9..2.0).contains(&(full.activations / mixed.activations)), "fp32 statistics do not double");
         assert_eq!(

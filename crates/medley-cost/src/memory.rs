@@ -1,9 +1,10 @@
 //! Memory a device needs: model states, activations, and a fixed workspace.
 //!
-//! Model states: 16 bytes per parameter with Adam, in mixed precision 2 weights, 2 gradients and
-//! 12 optimizer bytes (fp32 master weights and moments), in tf32 or fp32 4, 4 and 8 (the moments);
-//! the optimizer bytes sharded over the data-parallel replicas with ZeRO-1 (Rajbhandari et al.,
-//! arXiv 1910.02054). Activations per layer and
+//! Model states with Adam: in mixed precision 2 bytes of weights, the gradients in the format they
+//! are reduced in (Megatron-LM's main gradients: 4 bytes in fp32, 2 in 16 bits) and 12 optimizer
+//! bytes (fp32 master weights and moments); in tf32 or fp32 4, 4 and 8 (the moments). The
+//! optimizer bytes are sharded over the data-parallel replicas with ZeRO-1, and the gradients
+//! too with ZeRO-2 (Rajbhandari et al., arXiv 1910.02054). Activations per layer and
 //! micro-batch follow Korthikanti et al. (arXiv 2205.05198), generalised to grouped-query attention
 //! and gated MLPs: with 16-bit activations and dropout masks, in units of s·b·h bytes, the two norms
 //! keep 4, attention 7 + 4·kv/heads plus 5·a·s/h for scores, softmax and dropout (with q = heads ×
@@ -16,6 +17,8 @@
 //! keeps every 16-bit activation at 4 bytes instead.
 
 use medley_spec::{AttentionKernel, MlpKind, ModelSpec, Precision, Recompute};
+
+use crate::StateFormat;
 
 /// A fixed reserve per device: runtime context, communicator buffers, GEMM workspaces and
 /// allocator fragmentation (a common rule of thumb; calibrate for a given software stack).
@@ -48,14 +51,16 @@ impl MemoryBreakdown {
         self.total() / GIB
     }
 
-    /// Model states in `precision` for `params` parameters split `tp` ways, optimizer states
-    /// further over `optimizer_shards` replicas.
-    pub fn model_states(params: f64, tp: u32, optimizer_shards: u32, precision: Precision) -> MemoryBreakdown {
+    /// Model states kept as `states` say for `params` parameters split `tp` ways, optimizer
+    /// states further over `optimizer_shards` replicas, and gradients too when `states` shard them.
+    pub fn model_states(params: f64, tp: u32, optimizer_shards: u32, states: StateFormat) -> MemoryBreakdown {
         let per_rank = params / f64::from(tp);
+        let shards = f64::from(optimizer_shards.max(1));
+        let gradient_shards = if states.shard_gradients { shards } else { 1.0 };
         MemoryBreakdown {
-            weights: precision.element_bytes() * per_rank,
-            gradients: precision.element_bytes() * per_rank,
-            optimizer: precision.optimizer_bytes() * per_rank / f64::from(optimizer_shards.max(1)),
+            weights: states.precision.element_bytes() * per_rank,
+            gradients: states.gradient_bytes() * per_rank / gradient_shards,
+            optimizer: states.precision.optimizer_bytes() * per_rank / shards,
             activations: 0.0,
             workspace: WORKSPACE_BYTES,
         }
@@ -133,6 +138,7 @@ pub fn logits_bytes(model: &ModelSpec, seq_len: u32, micro_batch: u32, tp: u32, 
 #[cfg(test)]
 mod tests {
     use super::*;
+    use medley_spec::GradReduce;
 
     fn gpt3_like() -> ModelSpec {
         crate::flops::tests::gpt(96, 12288, 96, 51200)
@@ -168,14 +174,24 @@ mod tests {
     }
 
     #[test]
-    fn zero1_shards_only_optimizer_states() {
-        let plain = MemoryBreakdown::model_states(1e9, 1, 1, Precision::Bf16Mixed);
-        assert_eq!(plain.total() - WORKSPACE_BYTES, 16e9);
-        let sharded = MemoryBreakdown::model_states(1e9, 2, 4, Precision::Bf16Mixed);
-        assert_eq!((sharded.weights, sharded.optimizer), (1e9, 1.5e9));
+    fn zero1_shards_optimizer_states_and_zero2_gradients_too() {
+        let states = |precision, grad_reduce, shard_gradients| StateFormat { precision, grad_reduce, shard_gradients };
+        // bf16 with gradients kept and reduced in fp32, Megatron-LM's default: 18 bytes a
+        // parameter, 6 + 12/d with its distributed optimizer.
+        let bf16 = states(Precision::Bf16Mixed, GradReduce::Fp32, false);
+        let plain = MemoryBreakdown::model_states(1e9, 1, 1, bf16);
+        assert_eq!(plain.total() - WORKSPACE_BYTES, 18e9);
+        let sharded = MemoryBreakdown::model_states(1e9, 2, 4, bf16);
+        assert_eq!((sharded.weights, sharded.gradients, sharded.optimizer), (1e9, 2e9, 1.5e9));
+        // 16-bit gradients, 16 bytes; ZeRO-2 shards them with the optimizer states.
+        let sixteen = states(Precision::Bf16Mixed, GradReduce::SixteenBit, false);
+        assert_eq!(MemoryBreakdown::model_states(1e9, 1, 1, sixteen).total() - WORKSPACE_BYTES, 16e9);
+        let zero2 = MemoryBreakdown::model_states(1e9, 2, 4, StateFormat { shard_gradients: true, ..bf16 });
+        assert_eq!((zero2.gradients, zero2.optimizer), (0.5e9, 1.5e9));
         // fp32 keeps 4-byte weights and gradients and no master copy: ZeRO-1 saves less of it.
-        let fp32 = MemoryBreakdown::model_states(1e9, 2, 4, Precision::Fp32);
+        let fp32 = MemoryBreakdown::model_states(1e9, 2, 4, StateFormat::new(Precision::Fp32));
         assert_eq!((fp32.weights, fp32.gradients, fp32.optimizer), (2e9, 2e9, 1e9));
-        assert_eq!(MemoryBreakdown::model_states(1e9, 1, 1, Precision::Tf32).total(), plain.total());
+        let tf32 = MemoryBreakdown::model_states(1e9, 1, 1, StateFormat::new(Precision::Tf32));
+        assert_eq!(tf32.total() - WORKSPACE_BYTES, 16e9);
     }
 }

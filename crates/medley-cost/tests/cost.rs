@@ -4,7 +4,7 @@ use std::collections::BTreeSet;
 
 use medley_cost::long_context::{HeadSplit, HeadTailShards, KvExchange, Traffic, kv_traffic, ulysses_traffic};
 use medley_cost::params::{active_params, total_params};
-use medley_cost::{Calibration, CostModel, Setting, StageShape};
+use medley_cost::{Calibration, CostModel, Setting, StageShape, StateFormat};
 use medley_spec::{MlpKind, ModelParts, ModelSpec, NodeGroup, Precision, Recompute, catalog_device, catalog_model};
 use proptest::prelude::*;
 
@@ -129,7 +129,7 @@ proptest! {
         let model = model(32, head_dim, n_heads, kv_divisor, mlp);
         let calibration = Calibration::default();
         // fp16: every catalog device has it (the V100 has no bf16), at its bf16 rate where both.
-        let cost = CostModel::new(&model, seq_len, &calibration).with_precision(Precision::Fp16Mixed);
+        let cost = CostModel::new(&model, seq_len, &calibration).with_states(StateFormat::new(Precision::Fp16Mixed));
         let group = NodeGroup::with_defaults(catalog_device(device).unwrap(), 1, 8);
         for recompute in Recompute::ALL {
             let setting = Setting { micro_batch, tp, recompute };

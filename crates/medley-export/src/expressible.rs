@@ -88,9 +88,12 @@ pub fn restrict(
 ) -> Result<Restricted, PlanError> {
     let unrestricted_s = candidates.first().map_or(f64::INFINITY, |best| best.prediction.step_time_s);
     let first_refusal = candidates.first().and_then(|best| framework.refusal(&best.plan));
-    let (job, candidates) = match !framework.has_zero1() && job.zero1() {
+    // Neither framework shards gradients with the optimizer states (ZeRO-2), and torchtitan
+    // shards no optimizer states alone (ZeRO-1): searched again without what it lacks.
+    let runnable = job.clone().with_zero1(job.zero1() && framework.has_zero1()).with_shard_gradients(false);
+    let (job, candidates) = match runnable != *job {
         true => {
-            let job = job.clone().with_zero1(false);
+            let job = runnable;
             let searched = match search(cluster, model, &job, calibration, options) {
                 Ok(outcome) => outcome.candidates,
                 Err(PlanError::NothingFits(_)) => Vec::new(),

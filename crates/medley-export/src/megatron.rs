@@ -35,6 +35,13 @@ pub fn megatron(plan: &Plan) -> Result<MegatronExport, ExportError> {
     check_common(plan, MEGATRON)?;
     check_schedule(plan)?;
     check_precision(plan)?;
+    if plan.shard_gradients() {
+        return Err(ExportError::refused(
+            MEGATRON,
+            "the plan shards gradients with the optimizer states (ZeRO-2); Megatron-LM's distributed optimizer shards \
+             the optimizer states only: plan without --shard-gradients",
+        ));
+    }
     let context = context_degrees(plan, MEGATRON)?;
     // Megatron's default order, or with --use-tp-pp-dp-mapping pipeline neighbours consecutive
     // (the planner's placement of a replica's stages in one node).

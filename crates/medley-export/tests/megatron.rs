@@ -279,3 +279,16 @@ fn tf32_and_fp32_plans_export_fp32_parameters_and_their_matmul_environment() {
     let err = Plan::try_from(parts).unwrap_err().to_string();
     assert!(err.contains("grad_reduce: in tf32, gradients are fp32"), "{err}");
 }
+
+/// Megatron-LM's distributed optimizer shards optimizer states, not gradients: a ZeRO-2 plan is
+/// refused; and a plan that shards gradients over whole optimizer states does not load.
+#[test]
+fn a_plan_that_shards_gradients_is_refused() {
+    let parts = PlanParts { shard_gradients: true, ..uniform("8xh100", Degrees::new(2, 2, 2), Zero1::On).into_parts() };
+    let zero2 = Plan::try_from(parts).unwrap();
+    assert!(refusal(&zero2).contains("shards the optimizer states only"), "{}", refusal(&zero2));
+    let parts =
+        PlanParts { shard_gradients: true, ..uniform("8xh100", Degrees::new(2, 2, 2), Zero1::Off).into_parts() };
+    let err = Plan::try_from(parts).unwrap_err().to_string();
+    assert!(err.contains("shard_gradients: sharding gradients"), "{err}");
+}

@@ -85,6 +85,7 @@ pub fn assemble(
         attention: job.attention(),
         overlap_grad_reduce: job.overlap_grad_reduce(),
         zero1: job.zero1(),
+        shard_gradients: job.shard_gradients(),
         precision: job.precision(),
         grad_reduce: job.grad_reduce(),
         memory_headroom: job.memory_headroom(),

@@ -10,7 +10,7 @@
 use std::fmt;
 use std::str::FromStr;
 
-use medley_cost::{Calibration, CostModel, Setting};
+use medley_cost::{Calibration, CostModel, Setting, StateFormat};
 use medley_spec::{Cluster, JobSpec, ModelSpec, Recompute, Schedule, ScheduleKind, echo};
 use rayon::prelude::*;
 
@@ -236,7 +236,7 @@ pub fn fixed(
     check_degrees(cluster, model, degrees)?;
     let cost = CostModel::new(model, job.seq_len(), calibration)
         .with_attention(job.attention())
-        .with_precision(job.precision());
+        .with_states(StateFormat::of_job(job));
     let mut layout_error = None;
     let (mut built, mut best) = (false, None::<Candidate>);
     for setting in settings_with_tp(job, degrees.tp) {
@@ -290,7 +290,7 @@ pub fn as_measured(
     }
     let cost = CostModel::new(model, job.seq_len(), calibration)
         .with_attention(job.attention())
-        .with_precision(job.precision());
+        .with_states(StateFormat::of_job(job));
     megatron_plan(cluster, &cost, job, Setting { micro_batch, tp: degrees.tp, recompute }, degrees)
 }
 
@@ -312,7 +312,7 @@ pub fn uniform(cluster: &Cluster, model: &ModelSpec, job: &JobSpec, calibration:
     }
     let cost = CostModel::new(model, job.seq_len(), calibration)
         .with_attention(job.attention())
-        .with_precision(job.precision());
+        .with_states(StateFormat::of_job(job));
     layouts
         .par_iter()
         .filter_map(|&(setting, degrees)| {

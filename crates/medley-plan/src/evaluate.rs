@@ -83,7 +83,7 @@ fn plan_setting(plan: &Plan) -> Setting {
 pub fn evaluate(plan: &Plan, calibration: &Calibration) -> Prediction {
     let cost = &CostModel::new(plan.model(), plan.seq_len(), calibration)
         .with_attention(plan.attention())
-        .with_precision(plan.precision());
+        .with_states(plan.state_format());
     let slots = plan.cluster().devices();
     let mut layers = LayerTimes::default();
     let prices: Vec<ReplicaPrice> =
@@ -296,7 +296,7 @@ fn micro_batches_in_flight(plan: &Plan, replica: &Replica, rank: usize, n_ranks:
 pub fn max_k_within_memory(plan: &Plan, calibration: &Calibration) -> u32 {
     let cost = CostModel::new(plan.model(), plan.seq_len(), calibration)
         .with_attention(plan.attention())
-        .with_precision(plan.precision());
+        .with_states(plan.state_format());
     let slots = plan.cluster().devices();
     let memories = |stage, shape, in_flight| stage_memories(plan, &cost, &slots, stage, shape, in_flight);
     // Per device of each rank: (the rank's index and the pipeline's depth, micro-batches, bytes

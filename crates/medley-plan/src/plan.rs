@@ -8,6 +8,7 @@
 use std::collections::BTreeSet;
 use std::fmt;
 
+use medley_cost::StateFormat;
 use medley_cost::long_context::KvExchange;
 use medley_spec::{
     AttentionKernel, BridgeMode, Cluster, DeviceId, GradReduce, ModelSpec, Precision, Recompute, Schedule,
@@ -76,6 +77,10 @@ pub struct PlanParts {
     pub overlap_grad_reduce: bool,
     /// Optimizer states sharded over the data-parallel replicas (ZeRO-1).
     pub zero1: bool,
+    /// Gradients sharded with them (ZeRO-2); plans written before it was a setting read as off,
+    /// and plans without it leave it out.
+    #[serde(default, skip_serializing_if = "std::ops::Not::not")]
+    pub shard_gradients: bool,
     /// Plans written before it was a setting read as bf16, as they were priced.
     #[serde(default)]
     pub precision: Precision,
@@ -269,6 +274,20 @@ impl Plan {
     pub fn zero1(&self) -> bool {
         self.parts.zero1
     }
+
+    /// Gradients sharded over the replicas with the optimizer states (ZeRO-2).
+    pub fn shard_gradients(&self) -> bool {
+        self.parts.shard_gradients
+    }
+
+    /// How the plan keeps each parameter's states, as the cost model prices them.
+    pub fn state_format(&self) -> StateFormat {
+        StateFormat {
+            precision: self.parts.precision,
+            grad_reduce: self.parts.grad_reduce,
+            shard_gradients: self.parts.shard_gradients,
+        }
+    }
     /// Tensor-parallel degree of every stage.
     pub fn tp(&self) -> u32 {
         self.parts.tp
@@ -351,6 +370,9 @@ impl Plan {
         }
         if let Err(reason) = parts.grad_reduce.check_for(parts.precision) {
             return Err(InvalidPlan::Precision(format!("grad_reduce: {reason}")).into());
+        }
+        if let Err(reason) = medley_spec::check_shard_gradients(parts.shard_gradients, parts.zero1) {
+            return Err(InvalidPlan::Precision(format!("shard_gradients: {reason}")).into());
         }
         if parts.tp == 0 || !tp_splits_heads(&parts.model, parts.tp) {
             let (heads, kv_heads) = (parts.model.n_heads(), parts.model.n_kv_heads());

@@ -118,15 +118,19 @@ pub fn cluster_summary(cluster: &Cluster) -> String {
 /// `4096 tokens × 1,024 sequences = 4.19M tokens per step, bf16-mixed (gradients reduced in fp32),
 /// schedule 1f1b, ZeRO-1 on`.
 pub fn job_summary(job: &JobSpec) -> String {
+    let sharding = match (job.zero1(), job.shard_gradients()) {
+        (_, true) => "ZeRO-2 on (optimizer states and gradients sharded)",
+        (true, false) => "ZeRO-1 on",
+        (false, false) => "ZeRO-1 off",
+    };
     format!(
-        "{} tokens × {} = {} tokens per step, {} (gradients reduced in {}), schedule {}, ZeRO-1 {}",
+        "{} tokens × {} = {} tokens per step, {} (gradients reduced in {}), schedule {}, {sharding}",
         job.seq_len(),
         count(job.global_batch() as usize, "sequence"),
         quantity(job.tokens_per_step() as f64),
         job.precision(),
         job.grad_reduce(),
         job.schedule(),
-        if job.zero1() { "on" } else { "off" },
     )
 }
 

@@ -6,7 +6,7 @@
 
 use std::time::Instant;
 
-use medley_cost::{Calibration, CostModel, Efficiency, Setting, StageShape};
+use medley_cost::{Calibration, CostModel, Efficiency, Setting, StageShape, StateFormat};
 use medley_model::data::{Dataset, loss_scale};
 use medley_model::{AdamW, ComputeDevice, ModelConfig, StageState, stage_compute};
 use medley_spec::{Cluster, ModelSpec, NodeGroup, Precision, Recompute};
@@ -118,7 +118,7 @@ pub fn emulation_calibration(
         calibration
     };
     let price = |calibration: &Calibration, group: &NodeGroup| {
-        let cost = CostModel::new(model, seq_len, calibration).with_precision(precision);
+        let cost = CostModel::new(model, seq_len, calibration).with_states(StateFormat::new(precision));
         (cost.stage_time(group, whole, setting).total_s(), cost.optimizer_step_s(group, cost.stage_params(whole)))
     };
     let defaults = Calibration::default();

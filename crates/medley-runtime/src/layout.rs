@@ -199,7 +199,7 @@ fn pass_time_s(plan: &Plan, group: &medley_spec::NodeGroup, calibration: &Calibr
     let setting = Setting { micro_batch: plan.micro_batch(), tp: 1, recompute: Recompute::None };
     CostModel::new(plan.model(), plan.seq_len(), calibration)
         .with_attention(plan.attention())
-        .with_precision(plan.precision())
+        .with_states(plan.state_format())
         .layer_time(group, setting)
         .total_s()
 }

@@ -144,7 +144,7 @@ impl<'p> Setup<'p> {
     ) -> Result<Self, SimError> {
         let cost = CostModel::new(plan.model(), plan.seq_len(), calibration)
             .with_attention(plan.attention())
-            .with_precision(plan.precision());
+            .with_states(plan.state_format());
         let setting = Setting { micro_batch: plan.micro_batch(), tp: plan.tp(), recompute: plan.recompute() };
         let slots = plan.cluster().devices();
         let links = SharedLinks::new(plan.cluster(), network);

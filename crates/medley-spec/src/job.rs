@@ -238,11 +238,23 @@ pub struct JobSpec {
     precision: Precision,
     grad_reduce: GradReduce,
     zero1: bool,
+    shard_gradients: bool,
     recompute: Option<Recompute>,
     attention: AttentionKernel,
     overlap_grad_reduce: bool,
     schedule: Schedule,
     memory_headroom: f64,
+}
+
+/// Refuses gradients sharded (ZeRO-2) with whole optimizer states: ZeRO shards the optimizer
+/// states first.
+pub fn check_shard_gradients(shard_gradients: bool, zero1: bool) -> Result<(), String> {
+    match shard_gradients && !zero1 {
+        true => {
+            Err("sharding gradients over the replicas (ZeRO-2) needs the optimizer states sharded too (zero1)".into())
+        }
+        false => Ok(()),
+    }
 }
 
 /// The share of each device's memory a plan leaves free by default: beyond the fixed reserve for
@@ -285,6 +297,10 @@ pub struct JobParts {
     pub grad_reduce: Option<GradReduce>,
     #[serde(default = "yes")]
     pub zero1: bool,
+    /// Gradients sharded over the replicas with the optimizer states (ZeRO-2), as the Llama 3
+    /// paper's FSDP does (§3.3.2); needs `zero1`.
+    #[serde(default)]
+    pub shard_gradients: bool,
     #[serde(default)]
     pub recompute: Option<Recompute>,
     #[serde(default)]
@@ -322,6 +338,7 @@ impl Default for JobParts {
             precision: Precision::Bf16Mixed,
             grad_reduce: None,
             zero1: true,
+            shard_gradients: false,
             recompute: None,
             attention: AttentionKernel::Fused,
             overlap_grad_reduce: true,
@@ -357,6 +374,8 @@ impl JobSpec {
         check_memory_headroom(parts.memory_headroom, source)?;
         let grad_reduce = parts.grad_reduce.unwrap_or(GradReduce::default_for(parts.precision));
         grad_reduce.check_for(parts.precision).map_err(|reason| SpecError::field(source, "grad_reduce", reason))?;
+        check_shard_gradients(parts.shard_gradients, parts.zero1)
+            .map_err(|reason| SpecError::field(source, "shard_gradients", reason))?;
         Ok(JobSpec {
             seq_len: parts.seq_len,
             global_batch: parts.global_batch,
@@ -364,6 +383,7 @@ impl JobSpec {
             precision: parts.precision,
             grad_reduce,
             zero1: parts.zero1,
+            shard_gradients: parts.shard_gradients,
             recompute: parts.recompute,
             attention: parts.attention,
             overlap_grad_reduce: parts.overlap_grad_reduce,
@@ -399,9 +419,19 @@ impl JobSpec {
     pub fn zero1(&self) -> bool {
         self.zero1
     }
-    /// The same job with ZeRO-1 on or off (no invariant depends on it).
+    /// Gradients sharded over the replicas with the optimizer states (ZeRO-2).
+    pub fn shard_gradients(&self) -> bool {
+        self.shard_gradients
+    }
+
+    /// The same job with gradients sharded (ZeRO-2) or not; on needs ZeRO-1, which it turns on.
+    pub fn with_shard_gradients(self, shard_gradients: bool) -> Self {
+        JobSpec { shard_gradients, zero1: self.zero1 || shard_gradients, ..self }
+    }
+
+    /// The same job with ZeRO-1 on or off; off, gradients are not sharded either.
     pub fn with_zero1(self, zero1: bool) -> Self {
-        JobSpec { zero1, ..self }
+        JobSpec { zero1, shard_gradients: self.shard_gradients && zero1, ..self }
     }
     pub fn recompute(&self) -> Option<Recompute> {
         self.recompute
@@ -470,6 +500,21 @@ mod tests {
         assert_eq!(job("precision = \"tf32\"").unwrap().grad_reduce(), GradReduce::Fp32);
         let err = job("precision = \"fp32\"\ngrad_reduce = \"16-bit\"").unwrap_err().to_string();
         assert!(err.contains("grad_reduce") && err.contains("in fp32, gradients are fp32"), "{err}");
+    }
+
+    /// ZeRO-2 shards gradients with the optimizer states: a job asking for it with whole optimizer
+    /// states is refused naming the field, and turning ZeRO-1 off turns it off.
+    #[test]
+    fn gradients_shard_only_with_the_optimizer_states() {
+        let job = |text: &str| JobSpec::from_toml(&format!("seq_len = 8\nglobal_batch = 8\n{text}"), "job.toml");
+        assert!(!job("").unwrap().shard_gradients());
+        let zero2 = job("shard_gradients = true").unwrap();
+        assert!(zero2.shard_gradients() && zero2.zero1());
+        let err = job("shard_gradients = true\nzero1 = false").unwrap_err().to_string();
+        assert!(err.contains("shard_gradients") && err.contains("needs the optimizer states sharded too"), "{err}");
+        assert!(!zero2.clone().with_zero1(false).shard_gradients());
+        let on = job("zero1 = false").unwrap().with_shard_gradients(true);
+        assert!(on.shard_gradients() && on.zero1());
     }
 
     /// Mixed precision keeps 16-bit tensors beside an fp32 master copy; tf32 and fp32 keep fp32

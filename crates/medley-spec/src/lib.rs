@@ -21,7 +21,7 @@ pub use device::{
 pub use error::{Echo, MAX_ECHO_CHARS, SpecError, echo};
 pub use job::{
     AttentionKernel, DEFAULT_MEMORY_HEADROOM, GradReduce, JobParts, JobSpec, Precision, Recompute,
-    check_memory_headroom,
+    check_memory_headroom, check_shard_gradients,
 };
 pub use model::{Experts, MlpKind, ModelParts, ModelSpec, RopeScaling, catalog_model, catalog_model_names};
 pub use schedule::{Schedule, ScheduleKind};

@@ -139,6 +139,10 @@ pub struct SpecArgs {
     /// Keep optimizer states whole on every replica instead of ZeRO-1 sharding.
     #[arg(long)]
     pub no_zero1: bool,
+    /// Shard gradients over the replicas with the optimizer states (ZeRO-2, as the Llama 3
+    /// paper's FSDP does): a device keeps its share of them instead of all of its stage's.
+    #[arg(long)]
+    pub shard_gradients: bool,
     /// Reduce gradients after the whole backward instead of bucket by bucket during each model
     /// chunk's last backward pass (Megatron-LM without `--overlap-grad-reduce`).
     #[arg(long)]
@@ -225,6 +229,7 @@ impl SpecArgs {
         parts.attention = self.attention.unwrap_or(parts.attention);
         parts.schedule = self.schedule.unwrap_or(parts.schedule);
         parts.zero1 &= !self.no_zero1;
+        parts.shard_gradients |= self.shard_gradients;
         parts.overlap_grad_reduce &= !self.no_overlap_grad_reduce;
         Ok(JobSpec::new(parts, source)?)
     }
@@ -369,6 +374,7 @@ pub fn specs_with_calibration(path: &str, plan: &Plan, calibration: Calibration)
         precision: plan.precision(),
         grad_reduce: Some(plan.grad_reduce()),
         zero1: plan.zero1(),
+        shard_gradients: plan.shard_gradients(),
         recompute: None,
         attention: plan.attention(),
         overlap_grad_reduce: plan.overlap_grad_reduce(),

@@ -152,6 +152,8 @@ fn expressible(
         tracing::info!(
             "{framework} has no ZeRO-1 (its FSDP shards parameters and gradients too): searching without it"
         );
+    } else if job.shard_gradients() {
+        tracing::info!("{framework} does not shard gradients with the optimizer states (ZeRO-2): searching without it");
     }
     let mut restricted = restrict(cluster, model, job, calibration, candidates, framework, options)?;
     restricted.candidates.truncate(top);

@@ -7,7 +7,7 @@ use std::process::ExitCode;
 
 use anyhow::{Context, Result, bail};
 use clap::Args;
-use medley_cost::{CostModel, Setting};
+use medley_cost::{CostModel, Setting, StateFormat};
 use medley_plan::baselines::{self, Degrees, megatron_plan};
 use medley_plan::long_context::even_fixed;
 use medley_plan::{Plan, PlanError};
@@ -178,7 +178,7 @@ fn what_if(args: &SimulateArgs) -> Result<(Specs, Plan)> {
             );
             let cost = CostModel::new(&specs.model, specs.job.seq_len(), &specs.calibration)
                 .with_attention(specs.job.attention())
-                .with_precision(specs.job.precision());
+                .with_states(StateFormat::of_job(&specs.job));
             let plan = megatron_plan(&specs.cluster, &cost, &specs.job, setting, degrees)?;
             Ok((specs, plan))
         }

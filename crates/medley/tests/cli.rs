@@ -268,7 +268,12 @@ fn simulate_a_plan_file_with_a_timeline_and_a_network_trace() {
     let csv = scratch("bandwidth.csv");
     std::fs::write(&csv, "time_s,fraction\n0,1\n0.5,0.1\n").unwrap();
     let (plan, timeline, csv) = (plan.to_str().unwrap(), timeline.to_str().unwrap(), csv.to_str().unwrap());
-    check(&["plan", "--cluster", "8xh100,8xmi300x", "--model", "llama3-8b", "-o", plan], 0, "written");
+    let interleaved = ["--schedule", "interleaved"];
+    check(
+        &[&["plan", "--cluster", "8xh100,8xmi300x", "--model", "llama3-8b", "-o", plan][..], &interleaved].concat(),
+        0,
+        "written",
+    );
     let args = ["simulate", "--plan", plan, "--trace", timeline, "--network-trace", csv, "--steps", "2"];
     check(&args, 0, "Where the time went");
     // A schedule given on the command line replaces the plan's, if the plan can run it: this
@@ -1162,9 +1167,11 @@ fn long_context_plans_are_searched_priced_simulated_and_checked() {
     check(&[&["plan", "--fix", "tp=2,cp=4"][..], &fleet, &job].concat(), 2, "use tp=1");
     // Megatron-LM's --context-parallel-size as a what-if: equal shards around a ring.
     check(&[&["simulate", "--cluster", "16xh100", "--cp", "16"][..], &job].concat(), 0, "step");
-    // Optimizer states sharded over the eight devices of the context-parallel stage (dp × cp, as
-    // Megatron's distributed optimizer shards them) fit where whole ones do not.
-    check(&[&["simulate", "--cluster", "8xh100", "--cp", "8"][..], &job].concat(), 0, "step");
+    // Optimizer states and gradients sharded over the eight devices of the context-parallel stage
+    // (dp × cp, as Megatron's distributed optimizer shards its states) fit (58.5 GiB) where
+    // whole fp32 gradients (84.7) or whole states (163.2) do not.
+    check(&[&["simulate", "--cluster", "8xh100", "--cp", "8", "--shard-gradients"][..], &job].concat(), 0, "step");
+    check(&[&["simulate", "--cluster", "8xh100", "--cp", "8"][..], &job].concat(), 1, "does not fit");
     check(&[&["simulate", "--cluster", "8xh100", "--cp", "8", "--no-zero1"][..], &job].concat(), 1, "does not fit");
     check(&[&["simulate", "--cluster", "8xh100", "--cp", "8", "--tp", "2"][..], &job].concat(), 2, "--tp 1");
 }

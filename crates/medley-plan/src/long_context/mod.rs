@@ -24,7 +24,7 @@ use std::collections::BTreeMap;
 use itertools::Itertools;
 use medley_cost::comm::{self, Link};
 use medley_cost::long_context::{HeadSplit, KvExchange};
-use medley_cost::{Calibration, CostModel, PassTime, Setting, StageShape};
+use medley_cost::{Calibration, CostModel, PassTime, Setting, StageShape, StateFormat};
 use medley_spec::{Cluster, DeviceId, DeviceSlot, JobSpec, ModelSpec, NodeGroup, Recompute, Schedule, ScheduleKind};
 use rayon::prelude::*;
 
@@ -142,7 +142,7 @@ impl<'a> ContextSpace<'a> {
         ContextSpace {
             cluster,
             job,
-            cost: CostModel::new(model, job.seq_len(), calibration).with_precision(job.precision()),
+            cost: CostModel::new(model, job.seq_len(), calibration).with_states(StateFormat::of_job(job)),
             slots: cluster.devices(),
             first_ids: cluster.group_first_ids(),
             block: block_tokens(job.seq_len(), cluster.n_gpus() as usize),

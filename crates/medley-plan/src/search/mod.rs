@@ -23,7 +23,7 @@ use std::collections::{BTreeMap, HashMap};
 
 use itertools::iproduct;
 use medley_cost::comm::{self, Link};
-use medley_cost::{Calibration, CostModel, PassTime, Setting, StageShape};
+use medley_cost::{Calibration, CostModel, PassTime, Setting, StageShape, StateFormat};
 use medley_spec::{BridgeMode, Cluster, DeviceSlot, JobSpec, ModelSpec, NodeGroup, Recompute, Schedule, ScheduleKind};
 use rayon::prelude::*;
 
@@ -119,7 +119,7 @@ fn search_tensor_parallel(
 ) -> Result<SearchOutcome, PlanError> {
     let cost = CostModel::new(model, job.seq_len(), calibration)
         .with_attention(job.attention())
-        .with_precision(job.precision());
+        .with_states(StateFormat::of_job(job));
     let allowed: Vec<usize> = options.groups.clone().unwrap_or_else(|| (0..cluster.groups().len()).collect());
     check_group_count(allowed.len())?;
     let mut settings = candidate_settings(cluster, model, job, &allowed);
