@@ -97,7 +97,8 @@ fn context_seat(plan: &Plan, stage: &Stage, device_index: usize) -> Result<Optio
 
 /// Checks what the runtime supports: one process per pipeline rank, or per device of a
 /// long-context stage, so no tensor parallelism; long-context stages whose groups split the heads
-/// alike and all-gather keys and values (no ring attention yet).
+/// alike and all-gather keys and values (no ring attention yet); every replica's gradients kept
+/// whole (no ZeRO-2).
 pub fn check_runnable(plan: &Plan) -> Result<(), RuntimeError> {
     for stage in plan.replicas().iter().flat_map(|replica| &replica.stages) {
         let Some(context) = &stage.context else { continue };
@@ -124,6 +125,13 @@ pub fn check_runnable(plan: &Plan) -> Result<(), RuntimeError> {
              `--grad-reduce fp32`",
             plan.grad_reduce()
         )));
+    }
+    if plan.shard_gradients() {
+        return Err(RuntimeError::Unsupported(
+            "gradients sharded over the replicas (ZeRO-2): the runtime keeps every replica's gradients whole; plan \
+             without --shard-gradients"
+                .into(),
+        ));
     }
     if plan.tp() != 1 {
         return Err(RuntimeError::Unsupported(format!(

@@ -401,3 +401,20 @@ fn a_checkpoint_that_fails_before_it_is_published_leaves_no_rank_files() {
     assert_eq!(left, ["manifest.json"], "the unpublished checkpoint's rank files stayed");
     assert!(!dir.path().join("latest").exists());
 }
+
+/// What the runtime cannot run it refuses before starting a worker, naming it: sharded gradients
+/// (ZeRO-2) and 16-bit reduction among them, rather than training another plan than the one priced.
+#[test]
+fn plans_the_runtime_cannot_run_are_refused_naming_what() {
+    let runnable = plan("4xh100", &[(2, &[4, 4]), (2, &[4, 4])], 1);
+    medley_runtime::check_runnable(&runnable).unwrap();
+    let with = |edit: fn(&mut medley_plan::PlanParts)| {
+        let mut parts = runnable.clone().into_parts();
+        edit(&mut parts);
+        medley_runtime::check_runnable(&Plan::new(parts).unwrap()).unwrap_err().to_string()
+    };
+    let zero2 = with(|parts| parts.shard_gradients = true);
+    assert!(zero2.contains("ZeRO-2") && zero2.contains("--shard-gradients"), "{zero2}");
+    let sixteen = with(|parts| parts.grad_reduce = medley_spec::GradReduce::SixteenBit);
+    assert!(sixteen.contains("--grad-reduce fp32"), "{sixteen}");
+}

@@ -164,12 +164,6 @@ pub fn choose_plan_to_train(
 /// The plan as the runtime trains it: long-context stages all-gather keys and values (it has no
 /// ring attention yet), said when that changes the plan.
 pub fn as_trained(plan: Plan) -> Result<Plan> {
-    if plan.shard_gradients() {
-        anyhow::bail!(
-            "the plan shards gradients over its replicas (ZeRO-2), and the runtime keeps every replica's gradients \
-             whole: plan without --shard-gradients to train it here"
-        );
-    }
     let stages = plan.replicas().iter().flat_map(|replica| &replica.stages);
     if !stages.filter_map(|stage| stage.context.as_ref()).any(|context| context.kv_exchange == KvExchange::Ring) {
         return Ok(plan);
