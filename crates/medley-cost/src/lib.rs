@@ -108,6 +108,11 @@ impl StateFormat {
     pub fn gradient_bytes(&self) -> f64 {
         if self.precision.is_mixed() { self.grad_reduce.bytes() } else { 4.0 }
     }
+
+    /// Bytes of weights, gradients and optimizer states a parameter, none of them sharded.
+    pub fn unsharded_bytes(&self) -> f64 {
+        self.precision.element_bytes() + self.gradient_bytes() + self.precision.optimizer_bytes()
+    }
 }
 
 impl Default for StateFormat {
@@ -151,6 +156,10 @@ impl<'a> CostModel<'a> {
     /// cluster, [`medley_spec::Cluster::check_precision`] refuses one that does not.
     pub fn with_states(self, states: StateFormat) -> Self {
         CostModel { states, ..self }
+    }
+
+    pub fn states(&self) -> StateFormat {
+        self.states
     }
 
     pub fn precision(&self) -> Precision {

@@ -181,6 +181,7 @@ mod tests {
         let bf16 = states(Precision::Bf16Mixed, GradReduce::Fp32, false);
         let plain = MemoryBreakdown::model_states(1e9, 1, 1, bf16);
         assert_eq!(plain.total() - WORKSPACE_BYTES, 18e9);
+        assert_eq!(bf16.unsharded_bytes(), 18.0);
         let sharded = MemoryBreakdown::model_states(1e9, 2, 4, bf16);
         assert_eq!((sharded.weights, sharded.gradients, sharded.optimizer), (1e9, 2e9, 1.5e9));
         // 16-bit gradients, 16 bytes; ZeRO-2 shards them with the optimizer states.

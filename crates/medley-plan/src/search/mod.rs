@@ -416,7 +416,8 @@ fn nothing_fits_hint(
     cost: &CostModel,
 ) -> String {
     let groups: Vec<&NodeGroup> = allowed.iter().map(|&g| &cluster.groups()[g]).collect();
-    let states_gib = 16.0 * medley_cost::params::total_params(model) as f64 / medley_cost::GIB;
+    let states_gib =
+        cost.states().unsharded_bytes() * medley_cost::params::total_params(model) as f64 / medley_cost::GIB;
     let hbm_gib: f64 = groups.iter().map(|group| f64::from(group.n_gpus()) * group.device.hbm_gib).sum();
     let largest = groups.iter().map(|group| group.device.hbm_gib).fold(0.0, f64::max);
     // Model states alone, on devices less their headroom and workspace, with a quarter more for
