@@ -182,7 +182,7 @@ fn price_replica(
         .iter()
         .zip(rank_shapes(plan, replica))
         .map(|(stage, shape)| {
-            let params = cost.stage_params(shape) / f64::from(plan.tp() * stage_optimizer_shards(plan, stage));
+            let params = cost.stage_params(shape) / f64::from(plan.tp() * plan.stage_state_shards(stage));
             let device_s = |&id: &DeviceId| cost.optimizer_step_s(plan.device_group(id), params);
             stage.devices.iter().map(device_s).fold(0.0, f64::max)
         })
@@ -197,21 +197,6 @@ fn price_replica(
     let backward_s =
         (0..n_ranks).map(|rank| passes.iter().skip(rank).step_by(n_ranks).map(|pass| pass.backward_s).sum()).collect();
     ReplicaPrice { time_s, busy_fractions, optimizer_s, backward_s }
-}
-
-/// Replicas that share each optimizer state: all of them with ZeRO-1, else one.
-fn optimizer_shards(plan: &Plan) -> u32 {
-    if plan.zero1() { plan.replicas().len() as u32 } else { 1 }
-}
-
-/// Devices that share each optimizer state of `stage`'s layers: with ZeRO-1 every replica's,
-/// and a long-context stage's devices too, as they all hold every parameter (Megatron-LM shards
-/// its distributed optimizer over dp × cp).
-fn stage_optimizer_shards(plan: &Plan, stage: &Stage) -> u32 {
-    match (&stage.context, plan.zero1()) {
-        (Some(_), true) => optimizer_shards(plan) * stage.devices.len() as u32,
-        _ => optimizer_shards(plan),
-    }
 }
 
 /// The largest share of each sequence one device of `stage` holds across a pipeline boundary:
@@ -233,7 +218,7 @@ fn stage_memories<'a>(
     shape: StageShape,
     in_flight: f64,
 ) -> Vec<(&'a DeviceSpec, f64)> {
-    let shards = stage_optimizer_shards(plan, stage);
+    let shards = plan.stage_state_shards(stage);
     let Some(context) = &stage.context else {
         let bytes = cost.stage_memory(shape, plan_setting(plan), in_flight, shards).total();
         return vec![(&plan.stage_group(stage).device, bytes)];

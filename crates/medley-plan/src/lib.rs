@@ -29,6 +29,7 @@ pub use long_context_stage::{HeadGroup, StageContext};
 pub use partition::{ClassShare, MAX_GROUPS, ReplicaClass, StageLoad, min_max_layers, split_micro_batches};
 pub use plan::{
     DpGroup, GradientAlgorithm, PLAN_VERSION, PLAN_VERSION_WITHOUT_CONTEXT, Plan, PlanParts, Replica, Route, Stage,
+    state_shards,
 };
 pub use replica_shape::ReplicaShape;
 pub use search::{SearchOptions, search};

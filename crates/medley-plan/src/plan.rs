@@ -194,6 +194,16 @@ pub struct DpGroup {
     pub algorithm: GradientAlgorithm,
 }
 
+/// Ranks that share each optimizer state of a stage's parameters (and each gradient, with
+/// ZeRO-2): with ZeRO-1, every one of `n_replicas` copies of the stage times the
+/// `holding_every_parameter` devices of each copy that hold all of its parameters (a long-context
+/// stage's devices; a tensor-parallel group's ranks each hold their own part, so 1), as Megatron-LM
+/// shards its distributed optimizer over dp × cp; without ZeRO-1, none. The one rule the search,
+/// the evaluator and the simulator price memory and optimizer steps by.
+pub fn state_shards(zero1: bool, n_replicas: u32, holding_every_parameter: u32) -> u32 {
+    if zero1 { n_replicas * holding_every_parameter } else { 1 }
+}
+
 impl Plan {
     /// Checks every structural invariant of `parts` and makes them a plan.
     pub fn new(parts: PlanParts) -> Result<Plan, PlanError> {
@@ -278,6 +288,13 @@ impl Plan {
     /// Gradients sharded over the replicas with the optimizer states (ZeRO-2).
     pub fn shard_gradients(&self) -> bool {
         self.parts.shard_gradients
+    }
+
+    /// Ranks that share each optimizer state (and gradient, with ZeRO-2) of `stage`'s parameters:
+    /// [`state_shards`] of this plan's replicas and, on a long-context stage, its devices.
+    pub fn stage_state_shards(&self, stage: &Stage) -> u32 {
+        let holding_every_parameter = if stage.context.is_some() { stage.devices.len() as u32 } else { 1 };
+        state_shards(self.parts.zero1, self.parts.replicas.len() as u32, holding_every_parameter)
     }
 
     /// How the plan keeps each parameter's states, as the cost model prices them.
@@ -618,4 +635,18 @@ pub fn dp_layer_ranges(replicas: &[Replica]) -> Vec<LayerRange> {
         .collect();
     let cuts: Vec<u32> = cuts.into_iter().collect();
     cuts.windows(2).map(|pair| LayerRange { start: pair[0], end: pair[1] }).collect()
+}
+
+#[cfg(test)]
+mod tests {
+    use super::state_shards;
+
+    /// ZeRO-1 shards over every copy of a stage's parameters: the replicas times a long-context
+    /// stage's devices (dp × cp), never over a tensor-parallel group's distinct parts.
+    #[test]
+    fn states_shard_over_every_holder_of_the_same_parameters() {
+        assert_eq!(state_shards(true, 4, 1), 4);
+        assert_eq!(state_shards(true, 4, 8), 32);
+        assert_eq!(state_shards(false, 4, 8), 1);
+    }
 }

@@ -105,8 +105,7 @@ fn context_rank(
     let pass = chunk_pass(cost, cluster, stage, &layer, shape);
     let pricer = ContextPricer { cost, cluster, slots, memory_headroom: plan.memory_headroom() };
     let context = stage.context.as_ref().expect("a context stage");
-    let n_devices = stage.devices.len() as u32;
-    let shards = if plan.zero1() { plan.replicas().len() as u32 * n_devices } else { 1 };
+    let shards = plan.stage_state_shards(stage);
     let works = pricer.device_works(context, &stage.devices);
     let tightest = works
         .iter()
@@ -148,7 +147,6 @@ impl<'p> Setup<'p> {
         let setting = Setting { micro_batch: plan.micro_batch(), tp: plan.tp(), recompute: plan.recompute() };
         let slots = plan.cluster().devices();
         let links = SharedLinks::new(plan.cluster(), network);
-        let shards = if plan.zero1() { plan.replicas().len() as u32 } else { 1 };
         let mut ranks = Vec::new();
         for (replica_idx, replica) in plan.replicas().iter().enumerate() {
             let n_ranks = plan.n_ranks(replica);
@@ -174,6 +172,7 @@ impl<'p> Setup<'p> {
                         context_rank(plan, &cost, &slots, stage, rank_shape, in_flight)?
                     }
                     None => {
+                        let shards = plan.stage_state_shards(stage);
                         let memory = |shape, in_flight| cost.stage_memory(shape, setting, in_flight, shards).total();
                         let chunks = chunk_shapes
                             .iter()

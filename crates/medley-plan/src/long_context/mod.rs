@@ -38,7 +38,7 @@ use crate::layers::LayerRange;
 use crate::long_context_price::{ContextPricer, StageFrame};
 use crate::long_context_stage::{HeadGroup, StageContext};
 use crate::partition::{ClassShare, ReplicaClass, check_group_count, set_partitions, split_micro_batches};
-use crate::plan::{PLAN_VERSION, Plan, Stage};
+use crate::plan::{PLAN_VERSION, Plan, Stage, state_shards};
 use crate::shard_split::{GroupCost, GroupKind, KindShare, split_by_kind};
 
 /// Sequences at least this long also get context-parallel candidates.
@@ -256,7 +256,7 @@ impl<'a> ContextSpace<'a> {
         let n_groups: usize = kinds.iter().map(|kind| kind.per_cell as usize).sum();
         let micro_batches = self.job.global_batch().div_ceil(dp);
         let in_flight = f64::from(self.job.schedule().in_flight(0, pp as usize, 1, micro_batches));
-        let optimizer_shards = if self.job.zero1() { dp * cell_devices } else { 1 };
+        let optimizer_shards = state_shards(self.job.zero1(), dp, cell_devices);
         let first = StageShape { n_layers: n_layers.div_ceil(pp), embedding: true, head: pp == 1 };
         let last = StageShape { n_layers: n_layers / pp, embedding: pp == 1, head: true };
         let frames = [

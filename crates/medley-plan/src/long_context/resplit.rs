@@ -12,7 +12,7 @@ use crate::layers::LayerRange;
 use crate::long_context_price::StageFrame;
 use crate::long_context_stage::HeadGroup;
 use crate::partition::{StageLoad, min_max_layers};
-use crate::plan::{Plan, Replica};
+use crate::plan::{Plan, Replica, state_shards};
 use crate::shard_split::{GroupKind, split_by_kind};
 
 impl ContextSpace<'_> {
@@ -27,7 +27,7 @@ impl ContextSpace<'_> {
             let (n_ranks, m) = (replica.stages.len(), replica.n_micro_batches);
             for (rank, stage) in replica.stages.iter_mut().enumerate() {
                 let Some(context) = stage.context.as_mut() else { continue };
-                let shards = if plan.zero1() { n_replicas * stage.devices.len() as u32 } else { 1 };
+                let shards = state_shards(plan.zero1(), n_replicas, stage.devices.len() as u32);
                 let frame = StageFrame {
                     shape: StageShape::in_pipeline(rank, n_ranks, stage.layers.len()),
                     recompute: plan.recompute(),

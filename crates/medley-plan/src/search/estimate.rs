@@ -9,6 +9,7 @@ use super::Space;
 use super::template::BlockConfig;
 use crate::evaluate::dp_group_bytes;
 use crate::layers::LayerRange;
+use crate::plan::state_shards;
 
 impl Space<'_> {
     /// One gradient group per range of layers between any block's stage cuts, each held by one
@@ -96,7 +97,7 @@ impl Space<'_> {
     /// The slowest stage's optimizer step, its states sharded over all replicas with ZeRO-1.
     pub(super) fn optimizer_estimate_s(&self, setting: Setting, blocks: &[&BlockConfig]) -> f64 {
         let n_replicas: u32 = blocks.iter().map(|block| block.n_replicas).sum();
-        let shards = if self.job.zero1() { n_replicas } else { 1 };
+        let shards = state_shards(self.job.zero1(), n_replicas, 1);
         let groups = self.cluster.groups();
         blocks
             .iter()

@@ -9,6 +9,7 @@ use super::Space;
 use super::enumerate::compositions_within;
 use crate::evaluate::PipelineTiming;
 use crate::partition::{StageLoad, fill_within, least_bound_s, next_bound_s};
+use crate::plan::state_shards;
 use medley_cost::GIB;
 use medley_cost::memory::usable;
 
@@ -210,7 +211,7 @@ impl<'s, 'a> Template<'s, 'a> {
         let n_stages = self.positions.len();
         let boundary_s = &self.boundary_s;
         let replica_share = self.replica_share();
-        let shards = if self.space.job.zero1() { self.n_replicas } else { 1 };
+        let shards = state_shards(self.space.job.zero1(), self.n_replicas, 1);
         let layer_params = cost.stage_params(StageShape { n_layers: 1, embedding: false, head: false });
         self.stage_groups()
             .enumerate()
@@ -314,7 +315,7 @@ impl<'s, 'a> Template<'s, 'a> {
         let cost = &self.space.cost;
         let groups = self.space.cluster.groups();
         let tp = f64::from(self.setting.tp);
-        let shards = if self.space.job.zero1() { self.n_replicas } else { 1 };
+        let shards = state_shards(self.space.job.zero1(), self.n_replicas, 1);
         let (mut sync_s, mut update_s) = (0.0_f64, 0.0_f64);
         for (idx, (&count, g)) in counts.iter().zip(self.stage_groups()).enumerate() {
             let shape = self.shape(idx, count);
