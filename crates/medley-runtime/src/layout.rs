@@ -95,6 +95,42 @@ fn context_seat(plan: &Plan, stage: &Stage, device_index: usize) -> Result<Optio
     Ok(Some(ContextSeat { device_index, placement }))
 }
 
+/// The plan as the runtime trains it, and what that changed, each said in a sentence; refuses,
+/// naming it, what the runtime cannot run at all ([`check_runnable`]). It all-gathers keys and
+/// values (no ring attention yet), keeps whole optimizer states on every replica (no ZeRO-1 yet)
+/// and reduces gradients after the last backward (no overlap yet): a plan asking otherwise is
+/// trained, and priced, that way.
+pub fn as_trained(plan: Plan) -> Result<(Plan, Vec<&'static str>), RuntimeError> {
+    let mut changes = Vec::new();
+    let stages = plan.replicas().iter().flat_map(|replica| &replica.stages);
+    let ring = stages.filter_map(|stage| stage.context.as_ref()).any(|context| context.kv_exchange == KvExchange::Ring);
+    let plan = match ring {
+        true => {
+            changes.push(
+                "the runtime all-gathers keys and values (no ring attention yet): training the plan with that exchange",
+            );
+            plan.with_kv_exchange(KvExchange::AllGather).map_err(|err| RuntimeError::Unsupported(err.to_string()))?
+        }
+        false => plan,
+    };
+    let mut parts = plan.clone().into_parts();
+    if parts.zero1 && !parts.shard_gradients {
+        parts.zero1 = false;
+        changes.push(
+            "the runtime keeps whole optimizer states on every replica (no ZeRO-1 yet): training and pricing the plan without it",
+        );
+    }
+    if parts.overlap_grad_reduce {
+        parts.overlap_grad_reduce = false;
+        changes.push(
+            "the runtime reduces gradients after the last backward (no overlap yet): training and pricing the plan that way",
+        );
+    }
+    let plan = Plan::new(parts).map_err(|err| RuntimeError::Unsupported(err.to_string()))?;
+    check_runnable(&plan)?;
+    Ok((plan, changes))
+}
+
 /// Checks what the runtime supports: one process per pipeline rank, or per device of a
 /// long-context stage, so no tensor parallelism; long-context stages whose groups split the heads
 /// alike and all-gather keys and values (no ring attention yet); every replica's gradients kept

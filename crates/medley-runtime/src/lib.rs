@@ -44,7 +44,9 @@ pub use emulation::time_dilation;
 pub use error::RuntimeError;
 pub use host_available::check_memory;
 pub use host_memory::{HostMemory, calibration_memory, worker_memory};
-pub use layout::{ContextSeat, EmulatedDevice, RankLayout, check_runnable, context_groups, rank_ids, worker_count};
+pub use layout::{
+    ContextSeat, EmulatedDevice, RankLayout, as_trained, check_runnable, context_groups, rank_ids, worker_count,
+};
 pub use metrics::{RankMetrics, StepMetrics};
 pub use run_dir::{ClaimedRun, Emulation, RunDir};
 pub use train::{StopRequest, TrainEnd, TrainOptions};

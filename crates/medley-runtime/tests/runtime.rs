@@ -418,3 +418,22 @@ fn plans_the_runtime_cannot_run_are_refused_naming_what() {
     let sixteen = with(|parts| parts.grad_reduce = medley_spec::GradReduce::SixteenBit);
     assert!(sixteen.contains("--grad-reduce fp32"), "{sixteen}");
 }
+
+/// A plan written with the planner's defaults (ZeRO-1, overlapped reduction) is trained as the
+/// runtime runs it, and priced so, with each change said, never silently; one it cannot run at
+/// all is refused.
+#[test]
+fn a_plan_is_trained_as_the_runtime_runs_it_and_says_what_changed() {
+    let written = plan("4xh100", &[(2, &[4, 4]), (2, &[4, 4])], 1);
+    assert!(written.zero1() && written.overlap_grad_reduce());
+    let (trained, changes) = medley_runtime::as_trained(written.clone()).unwrap();
+    assert!(!trained.zero1() && !trained.overlap_grad_reduce());
+    assert_eq!(changes.len(), 2, "{changes:?}");
+    assert!(changes[0].contains("no ZeRO-1 yet") && changes[1].contains("no overlap yet"), "{changes:?}");
+    let (again, unchanged) = medley_runtime::as_trained(trained.clone()).unwrap();
+    assert_eq!((again.zero1(), unchanged.len()), (false, 0));
+    let mut parts = written.into_parts();
+    parts.shard_gradients = true;
+    let err = medley_runtime::as_trained(Plan::new(parts).unwrap()).unwrap_err().to_string();
+    assert!(err.contains("ZeRO-2"), "{err}");
+}

@@ -11,7 +11,6 @@ use std::time::Duration;
 use anyhow::{Context, Result};
 use clap::Args;
 use medley_cost::Calibration;
-use medley_cost::long_context::KvExchange;
 use medley_launch::{Echo, JobEnd, LocalJob, RankCommand};
 use medley_model::AdamW;
 use medley_plan::{Plan, SearchOptions, search};
@@ -161,17 +160,13 @@ pub fn choose_plan_to_train(
     Ok(ranked.candidates.into_iter().next().expect("search returns at least one plan").plan)
 }
 
-/// The plan as the runtime trains it: long-context stages all-gather keys and values (it has no
-/// ring attention yet), said when that changes the plan.
+/// The plan as the runtime trains it ([`medley_runtime::as_trained`]), each change said.
 pub fn as_trained(plan: Plan) -> Result<Plan> {
-    let stages = plan.replicas().iter().flat_map(|replica| &replica.stages);
-    if !stages.filter_map(|stage| stage.context.as_ref()).any(|context| context.kv_exchange == KvExchange::Ring) {
-        return Ok(plan);
+    let (plan, changes) = medley_runtime::as_trained(plan)?;
+    for change in changes {
+        tracing::info!("{change}");
     }
-    tracing::info!(
-        "the runtime all-gathers keys and values (no ring attention yet): training the plan with that exchange"
-    );
-    Ok(plan.with_kv_exchange(KvExchange::AllGather)?)
+    Ok(plan)
 }
 
 /// A job as the runtime trains it: whole optimizer states on every replica (no ZeRO-1 sharding).

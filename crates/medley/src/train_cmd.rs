@@ -162,7 +162,6 @@ fn choose_plan(args: &TrainArgs) -> Result<(Plan, Calibration)> {
         };
     let given = |plan: Plan| -> Result<(Plan, Calibration)> {
         let plan = as_trained(plan)?;
-        medley_runtime::check_runnable(&plan)?;
         let shape = (plan.seq_len(), plan.micro_batch());
         let calibration = calibration(plan.cluster(), plan.model(), shape, plan.precision())?;
         Ok((plan, calibration))
