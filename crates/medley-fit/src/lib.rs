@@ -232,8 +232,13 @@ impl FittedFactor {
 }
 
 /// What `medley calibrate` and the benchmark say under their factors when one is at a bound.
-pub const AT_BOUND_NOTE: &str = "(bound): the fit stopped at the end of the factors it tries (0.3 to 1.5); efficiency alone does \
-     not explain those devices' runs, so check their links and rates";
+pub fn at_bound_note() -> String {
+    format!(
+        "(bound): the fit stopped at the end of the factors it tries ({} to {}); efficiency alone does not explain \
+         those devices' runs, so check their links and rates",
+        FACTOR_RANGE.0, FACTOR_RANGE.1
+    )
+}
 
 /// Where a factor is looked for: a device's kernels reaching a third of its stated efficiency, up
 /// to half again more (an efficiency is still capped at 1).

@@ -11,7 +11,7 @@ use comfy_table::Cell;
 use medley_cost::Calibration;
 use medley_fit::measurements::{read_csv, read_run};
 use medley_fit::{
-    AT_BOUND_NOTE, Accuracy, Fit, Fitted, FittedFactor, MeasuredRun, Prediction, by_cluster, cross_validate, fit,
+    Accuracy, Fit, Fitted, FittedFactor, MeasuredRun, Prediction, at_bound_note, by_cluster, cross_validate, fit,
     mean_abs_error, predict,
 };
 use medley_report::text::{count, right, table};
@@ -167,7 +167,7 @@ fn fit_text(runs: &[MeasuredRun], [defaults, fitted, held_out]: [&[Prediction]; 
         ]);
     }
     if fit.factors.iter().any(FittedFactor::at_bound) {
-        fitted_factors_note = format!("{AT_BOUND_NOTE}\n");
+        fitted_factors_note = format!("{}\n", at_bound_note());
     }
     let overheads = fit.overheads.map_or(String::new(), |overheads| {
         format!(

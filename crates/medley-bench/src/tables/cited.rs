@@ -10,7 +10,7 @@ use crate::cited::{CitedPrediction, ErrorSummary, Role, SOURCES, error_summaries
 use crate::heterogeneous::{self, ClusterSummary};
 use comfy_table::Cell;
 use medley_cost::{Calibration, Overheads};
-use medley_fit::{AT_BOUND_NOTE, Accuracy, FittedFactor, Measured};
+use medley_fit::{Accuracy, FittedFactor, Measured, at_bound_note};
 use serde::Serialize;
 
 use medley_report::text::{right, table};
@@ -182,7 +182,7 @@ fn heterogeneous_text(summaries: &[ClusterSummary]) -> String {
     out += &factors.to_string();
     let at_bound = summaries.iter().flat_map(|summary| &summary.fits).flat_map(|fit| &fit.factors);
     if at_bound.into_iter().any(FittedFactor::at_bound) {
-        out += &format!("\n{AT_BOUND_NOTE}\n");
+        out += &format!("\n{}\n", at_bound_note());
     }
     out
 }
