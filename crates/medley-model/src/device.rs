@@ -6,6 +6,7 @@ use std::ops::Range;
 use std::str::FromStr;
 
 use crate::long_context::{ContextCollectives, ContextPlacement};
+use crate::tensor_parallel::{TensorCollectives, TensorSeat};
 use crate::{ComputeDevice, ModelConfig, ModelError, StageCompute};
 
 /// A stage holding `layers`, computing on `device`: on the CPU, on every thread of the rayon pool
@@ -39,6 +40,26 @@ pub fn context_compute(
         }
         #[cfg(any(feature = "cuda", feature = "rocm"))]
         _ => Box::new(crate::gpu::stage::ContextStage::new(config, layers, placement, collectives, device)?),
+        #[cfg(not(any(feature = "cuda", feature = "rocm")))]
+        _ => return Err(ModelError::NotBuilt { device }),
+    })
+}
+
+/// Member `seat` of a tensor-parallel stage holding `layers`, exchanging activations through
+/// `collectives`, computing on `device`.
+pub fn tensor_parallel_compute(
+    config: &ModelConfig,
+    layers: Range<usize>,
+    seat: TensorSeat,
+    collectives: Box<dyn TensorCollectives>,
+    device: ComputeDevice,
+) -> Result<Box<dyn StageCompute>, ModelError> {
+    Ok(match device {
+        ComputeDevice::Cpu => {
+            Box::new(crate::cpu::stage::TensorParallelStage::new(config, layers, seat, collectives, device)?)
+        }
+        #[cfg(any(feature = "cuda", feature = "rocm"))]
+        _ => Box::new(crate::gpu::stage::TensorParallelStage::new(config, layers, seat, collectives, device)?),
         #[cfg(not(any(feature = "cuda", feature = "rocm")))]
         _ => return Err(ModelError::NotBuilt { device }),
     })

@@ -15,6 +15,8 @@ pub enum ModelError {
     MicroBatch { micro_batch: u32, reason: String },
     #[error("context parallelism: {0}")]
     Context(String),
+    #[error("tensor parallelism: {0}")]
+    TensorParallel(String),
     #[error("{what}: {source}")]
     Collective { what: String, source: Box<dyn std::error::Error + Send + Sync> },
     #[error(

@@ -38,12 +38,14 @@ mod optim;
 pub mod params;
 mod row_split;
 mod stage;
+pub mod tensor_parallel;
 
 pub use checkpoint::{NamedTensors, load_tensors, load_tensors_where, save_tensors, write_atomically};
 pub use compute::{HostTensor, MicroBatch, StageCompute, StageOutput};
 pub use compute_device::ComputeDevice;
 pub use config::ModelConfig;
-pub use device::{context_compute, matmul_seconds, stage_compute};
+pub use device::{context_compute, matmul_seconds, stage_compute, tensor_parallel_compute};
 pub use error::ModelError;
 pub use optim::{AdamW, AdamWState};
+pub use params::ParamSpec;
 pub use stage::StageState;

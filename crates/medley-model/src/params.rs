@@ -35,9 +35,56 @@ pub enum Init {
 #[derive(Clone, Debug, PartialEq)]
 pub struct ParamSpec {
     pub name: String,
+    /// The shape this rank holds: the shard's under tensor parallelism.
     pub shape: Vec<usize>,
     pub group: ParamGroup,
     pub init: Init,
+    /// Under tensor parallelism, the part of the whole parameter this rank holds.
+    pub shard: Option<Shard>,
+}
+
+/// A rank's part of a parameter split over a tensor-parallel group: indices `range` of
+/// dimension `dim` of the whole `full_shape`.
+#[derive(Clone, Debug, PartialEq)]
+pub struct Shard {
+    pub full_shape: Vec<usize>,
+    pub dim: usize,
+    pub range: Range<usize>,
+    /// Whether other members hold the same elements (norm gains; KV heads when the group is
+    /// larger than their count): each member's gradient is then a part of the sum.
+    pub replicated: bool,
+}
+
+impl Shard {
+    /// Elements of the whole tensor per index of `dim`, and how many indices come before.
+    fn strides(&self) -> (usize, usize) {
+        let inner: usize = self.full_shape[self.dim + 1..].iter().product();
+        let outer: usize = self.full_shape[..self.dim].iter().product();
+        (inner, outer)
+    }
+
+    /// This shard of `full`, a tensor of the whole shape.
+    pub fn slice(&self, full: &[f32]) -> Vec<f32> {
+        let (inner, outer) = self.strides();
+        let row = self.full_shape[self.dim] * inner;
+        let (start, end) = (self.range.start * inner, self.range.end * inner);
+        (0..outer).flat_map(|o| &full[o * row + start..o * row + end]).copied().collect()
+    }
+
+    /// Writes `part`, this shard's elements, into `full`, a tensor of the whole shape.
+    pub fn place(&self, part: &[f32], full: &mut [f32]) {
+        let (inner, outer) = self.strides();
+        let row = self.full_shape[self.dim] * inner;
+        let width = self.range.len() * inner;
+        for (o, chunk) in (0..outer).zip(part.chunks(width)) {
+            let at = o * row + self.range.start * inner;
+            full[at..at + width].copy_from_slice(chunk);
+        }
+    }
+
+    pub fn full_numel(&self) -> usize {
+        self.full_shape.iter().product()
+    }
 }
 
 impl ParamSpec {
@@ -50,17 +97,28 @@ impl ParamSpec {
         self.shape.len() > 1
     }
 
-    /// The seeded initial value; the same for the same seed and name everywhere.
+    /// The seeded initial value; the same for the same seed and name everywhere (a shard's is
+    /// its part of the whole parameter's).
     pub fn initial_value(&self, seed: u64) -> HostTensor {
+        let numel = self.shard.as_ref().map_or(self.numel(), Shard::full_numel);
         let data = match self.init {
-            Init::Ones => vec![1.0; self.numel()],
+            Init::Ones => vec![1.0; numel],
             Init::Normal { std } => {
                 let mut rng = ChaCha8Rng::seed_from_u64(seed ^ name_hash(&self.name));
                 let normal = Normal::new(0.0f32, std).expect("a positive standard deviation");
-                (0..self.numel()).map(|_| normal.sample(&mut rng)).collect()
+                (0..numel).map(|_| normal.sample(&mut rng)).collect()
             }
         };
+        let data = match &self.shard {
+            Some(shard) => shard.slice(&data),
+            None => data,
+        };
         HostTensor::new(self.shape.clone(), data)
+    }
+
+    /// The whole parameter's shape.
+    pub fn full_shape(&self) -> &[usize] {
+        self.shard.as_ref().map_or(&self.shape, |shard| &shard.full_shape)
     }
 }
 
@@ -81,8 +139,10 @@ pub fn stage_params(config: &ModelConfig, layers: Range<usize>) -> Vec<ParamSpec
         shape: shape.to_vec(),
         group,
         init: Init::Normal { std },
+        shard: None,
     };
-    let gain = |name: String, group| ParamSpec { name, shape: vec![config.hidden], group, init: Init::Ones };
+    let gain =
+        |name: String, group| ParamSpec { name, shape: vec![config.hidden], group, init: Init::Ones, shard: None };
     if layers.start == 0 {
         specs.push(matrix("embed".into(), [config.vocab, config.hidden], ParamGroup::Embedding, INIT_STD));
     }

@@ -27,9 +27,18 @@ impl StageState {
         config: &ModelConfig,
         layers: Range<usize>,
         seed: u64,
+        compute: Box<dyn StageCompute>,
+    ) -> Result<Self, ModelError> {
+        StageState::with_specs(stage_params(config, layers), seed, compute)
+    }
+
+    /// The stage holding the parameters `specs` (a tensor-parallel member's shards), at their
+    /// seeded initial weights.
+    pub fn with_specs(
+        specs: Vec<ParamSpec>,
+        seed: u64,
         mut compute: Box<dyn StageCompute>,
     ) -> Result<Self, ModelError> {
-        let specs = stage_params(config, layers);
         let params: Vec<HostTensor> = specs.iter().map(|spec| spec.initial_value(seed)).collect();
         compute.load_parameters(&params)?;
         let grads = params.iter().map(|p| HostTensor::zeros(p.shape.clone())).collect();
@@ -39,6 +48,10 @@ impl StageState {
 
     pub fn params(&self) -> &[HostTensor] {
         &self.params
+    }
+
+    pub fn specs(&self) -> &[ParamSpec] {
+        &self.specs
     }
 
     /// Gradients summed over the micro-batches since the last optimizer step.
@@ -67,6 +80,13 @@ impl StageState {
         self.compute.backward(micro_batch, upstream, &mut self.grads)
     }
 
+    /// The gradients of the parameters other members of a tensor-parallel group also hold
+    /// (their sum over the group is the parameter's gradient), with their specs.
+    pub fn replicated_grads_mut(&mut self) -> impl Iterator<Item = (&ParamSpec, &mut HostTensor)> {
+        let replicated = |spec: &ParamSpec| spec.shard.as_ref().is_some_and(|shard| shard.replicated);
+        self.specs.iter().zip(self.grads.iter_mut()).filter(move |(spec, _)| replicated(spec))
+    }
+
     /// The gradients of the parameters in `groups`, for a data-parallel all-reduce.
     pub fn grads_of_mut(&mut self, select: impl Fn(ParamGroup) -> bool) -> impl Iterator<Item = &mut HostTensor> {
         self.specs.iter().zip(self.grads.iter_mut()).filter(move |(spec, _)| select(spec.group)).map(|(_, grad)| grad)
@@ -82,12 +102,17 @@ impl StageState {
     }
 
     /// Every tensor a checkpoint of this stage holds: parameters under their names, then the
-    /// optimizer moments.
+    /// optimizer moments (a tensor-parallel member's shards of them).
     pub fn checkpoint_tensors(&self) -> Vec<(String, &HostTensor)> {
-        let params = self.specs.iter().zip(&self.params).map(|(spec, p)| (spec.name.clone(), p));
+        self.checkpoint_entries().into_iter().map(|(name, tensor, _)| (name, tensor)).collect()
+    }
+
+    /// [`Self::checkpoint_tensors`] with the spec of the parameter each belongs to.
+    pub fn checkpoint_entries(&self) -> Vec<(String, &HostTensor, &ParamSpec)> {
+        let params = self.specs.iter().zip(&self.params).map(|(spec, p)| (spec.name.clone(), p, spec));
         let moments =
             MOMENT_PREFIXES.iter().zip([&self.optimizer.m, &self.optimizer.v]).flat_map(|(prefix, moments)| {
-                self.specs.iter().zip(moments.iter()).map(move |(spec, m)| (format!("{prefix}{}", spec.name), m))
+                self.specs.iter().zip(moments.iter()).map(move |(spec, m)| (format!("{prefix}{}", spec.name), m, spec))
             });
         params.chain(moments).collect()
     }
@@ -99,12 +124,16 @@ impl StageState {
     }
 
     /// Restores this stage's parameters and optimizer state from checkpoint tensors by name, from
-    /// however many stage files they came: a checkpoint taken under another plan re-shards here.
+    /// however many stage files they came, each whole: a checkpoint taken under another plan
+    /// re-shards here, a tensor-parallel member taking its shard.
     pub fn restore(&mut self, tensors: &NamedTensors, optimizer_steps: u64) -> Result<(), ModelError> {
         let find = |name: String, spec: &ParamSpec| -> Result<HostTensor, ModelError> {
             let tensor = tensors.get(&name).ok_or_else(|| ModelError::MissingTensor { name: name.clone() })?;
-            tensor.expect_shape(&name, &spec.shape)?;
-            Ok(tensor.clone())
+            tensor.expect_shape(&name, spec.full_shape())?;
+            Ok(match &spec.shard {
+                Some(shard) => HostTensor::new(spec.shape.clone(), shard.slice(&tensor.data)),
+                None => tensor.clone(),
+            })
         };
         let mut state = AdamWState { step: optimizer_steps, m: Vec::new(), v: Vec::new() };
         let mut params = Vec::new();

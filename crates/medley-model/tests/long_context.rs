@@ -4,62 +4,19 @@
 //! devices, and stages in a pipeline; and each device's collectives are those of the layer order
 //! `medley-schedule` defines and the simulator times.
 
-use std::ops::Range;
-use std::sync::{Arc, Barrier, Mutex};
+mod common;
 
-use medley_model::data::Dataset;
+use std::ops::Range;
+use std::sync::{Arc, Mutex};
+
+use common::{SEED, Seat, batch, config, grads, train};
 use medley_model::long_context::{ContextCollectives, ContextGroup, ContextPlacement};
 use medley_model::{
-    ComputeDevice, HostTensor, MicroBatch, ModelConfig, ModelError, StageOutput, StageState, context_compute,
-    stage_compute,
+    ComputeDevice, HostTensor, MicroBatch, ModelConfig, ModelError, StageState, context_compute, stage_compute,
 };
 use medley_schedule::long_context_layer::{
     HeadShare, KvExchange, LayerCollective, LayerPass, LayerShape, LayerStep, Recompute,
 };
-
-const SEED: u64 = 42;
-
-fn config(seq_len: usize) -> ModelConfig {
-    ModelConfig {
-        n_layers: 4,
-        hidden: 32,
-        n_heads: 4,
-        n_kv_heads: 2,
-        ffn_hidden: 64,
-        vocab: 256,
-        seq_len,
-        rope_theta: 10_000.0,
-        rope_scaling: None,
-        norm_eps: 1e-5,
-    }
-}
-
-/// The members of one in-memory collective: each posts its input, then reads everyone's.
-struct Board {
-    slots: Mutex<Vec<Vec<f32>>>,
-    barrier: Barrier,
-}
-
-#[derive(Clone)]
-struct Seat {
-    board: Arc<Board>,
-    rank: usize,
-}
-
-impl Seat {
-    fn table(size: usize) -> Vec<Seat> {
-        let board = Arc::new(Board { slots: Mutex::new(vec![Vec::new(); size]), barrier: Barrier::new(size) });
-        (0..size).map(|rank| Seat { board: board.clone(), rank }).collect()
-    }
-
-    fn exchange(&self, input: &[f32]) -> Vec<Vec<f32>> {
-        self.board.slots.lock().unwrap()[self.rank] = input.to_vec();
-        self.board.barrier.wait();
-        let all = self.board.slots.lock().unwrap().clone();
-        self.board.barrier.wait();
-        all
-    }
-}
 
 struct InMemory {
     group: Seat,
@@ -105,34 +62,6 @@ fn head_tail(seq: usize, shards: &[(usize, Vec<usize>)], q_heads: &[usize]) -> V
             ContextGroup { positions, device_tokens: device_tokens.clone(), q_heads: q_heads.to_vec() }
         })
         .collect()
-}
-
-fn batch(config: &ModelConfig, first: u64, count: usize) -> MicroBatch {
-    let data = Dataset::shakespeare(config.seq_len, 7).unwrap();
-    data.micro_batch(first, count, 1.0 / (4 * config.seq_len) as f32)
-}
-
-/// Forward and backward of `batches` through `stages` in order; the summed loss.
-fn train(stages: &mut [StageState], batches: &[MicroBatch]) -> f64 {
-    let mut total = 0.0;
-    for (micro_batch, batch) in batches.iter().enumerate() {
-        let mut input = None;
-        for stage in stages.iter_mut() {
-            match stage.forward(micro_batch as u32, batch, input.take()).unwrap() {
-                StageOutput::Activations(activations) => input = Some(activations),
-                StageOutput::Loss(loss) => total += loss,
-            }
-        }
-        let mut upstream = None;
-        for stage in stages.iter_mut().rev() {
-            upstream = stage.backward(micro_batch as u32, upstream).unwrap();
-        }
-    }
-    total
-}
-
-fn grads(stages: &[StageState]) -> Vec<HostTensor> {
-    stages.iter().flat_map(|stage| stage.grads().to_vec()).collect()
 }
 
 /// Every device of `groups` trains the stages ending at `stage_ends` (all split alike) on its own

@@ -10,9 +10,11 @@ use burn::tensor::{Bool, Int};
 
 mod gemm;
 mod long_context;
+mod tensor_parallel;
 
 pub(crate) use gemm::matmul_seconds;
 pub use long_context::ContextStage;
+pub use tensor_parallel::TensorParallelStage;
 
 use super::backend::{self, Device, Gradients, Tensor, TensorData, burn};
 use crate::compute::take_pending;
@@ -59,17 +61,20 @@ struct Rotation {
 
 impl Weights {
     fn new(config: &ModelConfig, layers: Range<usize>, device: ComputeDevice) -> Result<Self, ModelError> {
+        Weights::with_specs(config, layers.clone(), stage_params(config, layers), device)
+    }
+
+    /// The stage holding `layers` as `specs` give its parameters (a tensor-parallel member's
+    /// shards).
+    fn with_specs(
+        config: &ModelConfig,
+        layers: Range<usize>,
+        specs: Vec<ParamSpec>,
+        device: ComputeDevice,
+    ) -> Result<Self, ModelError> {
         let device = backend::device(device)?;
         let (rope_cos, rope_sin) = rope_tables(config, &device);
-        Ok(Weights {
-            config: config.clone(),
-            specs: stage_params(config, layers.clone()),
-            layers,
-            device,
-            params: Vec::new(),
-            rope_cos,
-            rope_sin,
-        })
+        Ok(Weights { config: config.clone(), specs, layers, device, params: Vec::new(), rope_cos, rope_sin })
     }
 
     fn is_first(&self) -> bool {
@@ -149,36 +154,55 @@ impl Weights {
     }
 
     /// Layer `layer_offset`'s queries, keys and values of `x` (`[batch, tokens, hidden]`), with
-    /// the rotation of the tokens' positions, each `[batch, tokens, heads, head_dim]`.
+    /// the rotation of the tokens' positions, each `[batch, tokens, heads, head_dim]`: as many
+    /// heads as the stage's projections hold (a tensor-parallel member's share).
     fn project_qkv(&self, layer_offset: usize, x: Tensor<3>, rotation: &Rotation) -> [Tensor<4>; 3] {
         let base = self.layer_base(layer_offset);
         let [b, t, d] = x.dims();
-        let (h, kv, hd) = (self.config.n_heads, self.config.n_kv_heads, self.config.head_dim());
+        let hd = self.config.head_dim();
+        let (wq, wk, wv) = (self.matrix(base + 1), self.matrix(base + 2), self.matrix(base + 3));
+        let (h, kv) = (wq.dims()[1] / hd, wk.dims()[1] / hd);
         let a = rms_norm(x.reshape([b * t, d]), self.vector(base), self.config.norm_eps);
-        let q = rope(a.clone().matmul(self.matrix(base + 1)).reshape([b, t, h, hd]), rotation);
-        let k = rope(a.clone().matmul(self.matrix(base + 2)).reshape([b, t, kv, hd]), rotation);
-        let v = a.matmul(self.matrix(base + 3)).reshape([b, t, kv, hd]);
+        let q = rope(a.clone().matmul(wq).reshape([b, t, h, hd]), rotation);
+        let k = rope(a.clone().matmul(wk).reshape([b, t, kv, hd]), rotation);
+        let v = a.matmul(wv).reshape([b, t, kv, hd]);
         [q, k, v]
+    }
+
+    /// Layer `layer_offset`'s output projection of `attention` (`[batch, tokens, heads,
+    /// head_dim]`), `[batch · tokens, hidden]`.
+    fn project_output(&self, layer_offset: usize, attention: Tensor<4>) -> Tensor<2> {
+        let [b, t, h, hd] = attention.dims();
+        attention.reshape([b * t, h * hd]).matmul(self.matrix(self.layer_base(layer_offset) + 4))
+    }
+
+    /// Layer `layer_offset`'s MLP block of `x` (`[rows, hidden]`), without the residual.
+    fn mlp(&self, layer_offset: usize, x: Tensor<2>) -> Tensor<2> {
+        let base = self.layer_base(layer_offset);
+        let m = rms_norm(x, self.vector(base + 5), self.config.norm_eps);
+        let gated = swiglu(m.clone().matmul(self.matrix(base + 6)), m.matmul(self.matrix(base + 7)));
+        gated.matmul(self.matrix(base + 8))
     }
 
     /// The rest of layer `layer_offset` after attention: `attention` (`[batch, tokens, heads,
     /// head_dim]`) through the output projection onto the residual `x`, then the MLP block.
     fn finish_layer(&self, layer_offset: usize, x: Tensor<3>, attention: Tensor<4>) -> Tensor<3> {
-        let base = self.layer_base(layer_offset);
         let [b, t, d] = x.dims();
-        let attn = attention.reshape([b * t, d]).matmul(self.matrix(base + 4));
-        let x = x + attn.reshape([b, t, d]);
-        let m = rms_norm(x.clone().reshape([b * t, d]), self.vector(base + 5), self.config.norm_eps);
-        let gated = swiglu(m.clone().matmul(self.matrix(base + 6)), m.matmul(self.matrix(base + 7)));
-        x + gated.matmul(self.matrix(base + 8)).reshape([b, t, d])
+        let x = x + self.project_output(layer_offset, attention).reshape([b, t, d]);
+        x.clone() + self.mlp(layer_offset, x.reshape([b * t, d])).reshape([b, t, d])
+    }
+
+    /// The final norm and output head of `x` (`[rows, hidden]`): logits over the vocabulary the
+    /// head holds.
+    fn logits(&self, x: Tensor<2>) -> Tensor<2> {
+        let n = self.params.len();
+        rms_norm(x, self.vector(n - 2), self.config.norm_eps).matmul(self.matrix(n - 1))
     }
 
     /// The scaled summed cross-entropy of the last stage's hidden states against `targets`.
     fn loss(&self, x: Tensor<3>, targets: &[u32], loss_scale: f32) -> Tensor<1> {
         let [b, t, d] = x.dims();
-        let n = self.params.len();
-        let x = rms_norm(x.reshape([b * t, d]), self.vector(n - 2), self.config.norm_eps);
-        let log_probs = log_softmax(x.matmul(self.matrix(n - 1)), 1);
+        let log_probs = log_softmax(self.logits(x.reshape([b * t, d])), 1);
         let targets: Vec<i64> = targets.iter().map(|&t| i64::from(t)).collect();
         let targets = Tensor::<2, Int>::from_data(TensorData::new(targets, [b * t, 1]), &self.device);
         log_probs.gather(1, targets).sum().mul_scalar(-loss_scale)
@@ -220,25 +244,32 @@ impl BurnStage {
 
     fn decoder_layer(&self, layer_offset: usize, x: Tensor<3>) -> Tensor<3> {
         let w = &self.weights;
-        let [b, t, _] = x.dims();
-        let (h, hd) = (w.config.n_heads, w.config.head_dim());
-        let [q, k, v] = w.project_qkv(layer_offset, x.clone(), &w.rotation_prefix(t));
-        let (q, k, v) = (q.swap_dims(1, 2), self.repeat_kv(k.swap_dims(1, 2)), self.repeat_kv(v.swap_dims(1, 2)));
-        let scores = q.matmul(k.swap_dims(2, 3)).mul_scalar(1.0 / (hd as f32).sqrt());
-        let mask = self.causal_mask.clone().slice([0..t, 0..t]).reshape([1, 1, t, t]).expand([b, h, t, t]);
-        let probs = softmax_last(scores.mask_fill(mask, f32::NEG_INFINITY));
-        w.finish_layer(layer_offset, x, probs.matmul(v).swap_dims(1, 2))
+        let [q, k, v] = w.project_qkv(layer_offset, x.clone(), &w.rotation_prefix(x.dims()[1]));
+        w.finish_layer(layer_offset, x, causal_attention([q, k, v], &self.causal_mask))
     }
+}
 
-    /// Grouped-query attention: each key/value head serves `n_heads / n_kv_heads` query heads.
-    fn repeat_kv(&self, x: Tensor<4>) -> Tensor<4> {
-        let [b, kv, t, hd] = x.dims();
-        let repeat = self.weights.config.n_heads / kv;
-        if repeat == 1 {
-            return x;
-        }
-        x.reshape([b, kv, 1, t, hd]).repeat_dim(2, repeat).reshape([b, kv * repeat, t, hd])
+/// Causal grouped-query attention of `[batch, tokens, heads, head_dim]` queries over keys and
+/// values of fewer heads, each serving consecutive query heads alike; `causal_mask` is true
+/// above the diagonal, at least `tokens` square. The output is `[batch, tokens, heads, head_dim]`.
+fn causal_attention([q, k, v]: [Tensor<4>; 3], causal_mask: &Tensor<2, Bool>) -> Tensor<4> {
+    let [b, t, h, hd] = q.dims();
+    let (q, k, v) = (q.swap_dims(1, 2), repeat_kv(k.swap_dims(1, 2), h), repeat_kv(v.swap_dims(1, 2), h));
+    let scores = q.matmul(k.swap_dims(2, 3)).mul_scalar(1.0 / (hd as f32).sqrt());
+    let mask = causal_mask.clone().slice([0..t, 0..t]).reshape([1, 1, t, t]).expand([b, h, t, t]);
+    let probs = softmax_last(scores.mask_fill(mask, f32::NEG_INFINITY));
+    probs.matmul(v).swap_dims(1, 2)
+}
+
+/// Grouped-query attention's keys or values `[batch, kv heads, tokens, head_dim]` repeated for
+/// `heads` query heads, each KV head serving `heads / kv heads` consecutive ones.
+fn repeat_kv(x: Tensor<4>, heads: usize) -> Tensor<4> {
+    let [b, kv, t, hd] = x.dims();
+    let repeat = heads / kv;
+    if repeat == 1 {
+        return x;
     }
+    x.reshape([b, kv, 1, t, hd]).repeat_dim(2, repeat).reshape([b, kv * repeat, t, hd])
 }
 
 fn device_to_host<const D: usize>(tensor: Tensor<D>) -> Result<HostTensor, ModelError> {
