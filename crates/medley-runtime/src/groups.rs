@@ -1,5 +1,6 @@
 //! A worker's communicators for its groups, split from the job's: one per data-parallel group
-//! it belongs to, and a long-context stage's head groups and lanes.
+//! it belongs to, a long-context stage's head groups and lanes, and a tensor-parallel stage's
+//! group.
 
 use std::sync::Arc;
 use std::sync::atomic::AtomicU64;
@@ -9,11 +10,13 @@ use medley_plan::Plan;
 
 use crate::error::CommContext;
 use crate::long_context::{CommCollectives, Pacer};
+use crate::tensor_parallel::TensorGroup;
 use crate::{RankLayout, RuntimeError};
 
 /// One communicator per DP group: every worker of the stage of each replica that holds the
-/// group's layers (a long-context stage's devices each hold the whole stage), in job-rank order;
-/// none for a group of one worker. Every rank takes part in every split.
+/// group's layers (a long-context stage's devices each hold the whole stage; a tensor-parallel
+/// stage's members split by their shard, each with the members holding the same), in job-rank
+/// order; none for a group of one worker. Every rank takes part in every split.
 pub(crate) fn split_dp_groups(
     plan: &Plan,
     layouts: &[RankLayout],
@@ -25,13 +28,14 @@ pub(crate) fn split_dp_groups(
         let replica = &plan.replicas()[worker.id.replica as usize];
         plan.rank_of(replica, holder) == worker.id.pp_rank as usize
     };
+    let shard = |worker: &RankLayout| worker.tensor.map_or(0, |seat| seat.member as u32);
     let mut communicators = Vec::new();
     for (group_idx, group) in plan.dp_groups().iter().enumerate() {
-        if layouts.iter().filter(|worker| holds(group_idx, worker)).count() < 2 {
+        if layouts.iter().filter(|worker| holds(group_idx, worker) && shard(worker) == 0).count() < 2 {
             communicators.push(None);
             continue;
         }
-        let color = holds(group_idx, layout).then_some(0);
+        let color = holds(group_idx, layout).then_some(shard(layout));
         let communicator = world
             .split(color, layout.job_rank as i64)
             .during(|| format!("forming the data-parallel group of layers {}", group.layers))?;
@@ -61,4 +65,21 @@ pub(crate) fn split_context_groups(
     let group = world.split(group_color, group_key).during(|| "forming the head-parallel groups".into())?;
     let lane = world.split(lane_color, lane_key).during(|| "forming the context-parallel lanes".into())?;
     Ok(group.zip(lane).zip(pacer).map(|((group, lane), pacer)| CommCollectives { group, lane, pacer, sent }))
+}
+
+/// A tensor-parallel worker's group: its stage's members, in member order; none for other
+/// workers. Every rank takes part in the split.
+pub(crate) fn split_tensor_group(
+    layouts: &[RankLayout],
+    layout: &RankLayout,
+    world: &mut Communicator,
+    pacer: Option<Pacer>,
+    sent: Arc<AtomicU64>,
+) -> Result<Option<TensorGroup>, RuntimeError> {
+    // A group is named by its first member's job rank.
+    let first = layouts.iter().position(|other| other.id == layout.id).unwrap_or(layout.job_rank);
+    let color = layout.tensor.map(|_| first as u32);
+    let key = layout.tensor.map_or(0, |seat| seat.member as i64);
+    let comm = world.split(color, key).during(|| "forming the tensor-parallel groups".into())?;
+    Ok(comm.zip(pacer).map(|(comm, pacer)| TensorGroup::new(comm, pacer, sent)))
 }

@@ -7,6 +7,7 @@ use medley_cost::long_context::KvExchange;
 use medley_cost::{Calibration, CostModel, Setting};
 use medley_model::ModelConfig;
 use medley_model::long_context::{ContextGroup, ContextPlacement};
+use medley_model::tensor_parallel::TensorSeat;
 use medley_plan::{Plan, Stage, StageContext};
 use medley_schedule::RankId;
 use medley_spec::{GradReduce, Recompute, Vendor};
@@ -38,6 +39,9 @@ pub struct RankLayout {
     /// On a long-context stage, the worker's device among the stage's and its place in the
     /// split of the sequence; one worker per device.
     pub context: Option<ContextSeat>,
+    /// On a tensor-parallel stage, the worker's device in the stage's group; one worker per
+    /// device.
+    pub tensor: Option<TensorSeat>,
 }
 
 /// A worker of a long-context stage.
@@ -64,10 +68,19 @@ pub fn worker_count(plan: &Plan) -> usize {
     rank_ids(plan).into_iter().map(|id| workers_of(plan, id)).sum()
 }
 
-/// How many workers pipeline rank `id` runs on.
+/// How many workers pipeline rank `id` runs on: one per device of its stage (the devices of a
+/// tensor-parallel group, or of a long-context stage).
 fn workers_of(plan: &Plan, id: RankId) -> usize {
-    let stage = &plan.replicas()[id.replica as usize].stages[id.pp_rank as usize];
-    if stage.context.is_some() { stage.devices.len() } else { 1 }
+    plan.replicas()[id.replica as usize].stages[id.pp_rank as usize].devices.len()
+}
+
+/// The seat of device `device_index` of `stage` in its tensor-parallel group, if it has one.
+fn tensor_seat(plan: &Plan, stage: &Stage, device_index: usize) -> Result<Option<TensorSeat>, RuntimeError> {
+    if stage.context.is_some() || stage.devices.len() < 2 {
+        return Ok(None);
+    }
+    let config = ModelConfig::from_spec(plan.model(), plan.seq_len())?;
+    Ok(Some(TensorSeat::new(&config, device_index, stage.devices.len())?))
 }
 
 /// Each group's positions, token runs and heads in a long-context stage of `seq_len` tokens.
@@ -131,10 +144,9 @@ pub fn as_trained(plan: Plan) -> Result<(Plan, Vec<&'static str>), RuntimeError>
     Ok((plan, changes))
 }
 
-/// Checks what the runtime supports: one process per pipeline rank, or per device of a
-/// long-context stage, so no tensor parallelism; long-context stages whose groups split the heads
-/// alike and all-gather keys and values (no ring attention yet); every replica's gradients kept
-/// whole (no ZeRO-2).
+/// Checks what the runtime supports: long-context stages whose groups split the heads alike and
+/// all-gather keys and values (no ring attention yet); gradients reduced in fp32; every
+/// replica's gradients kept whole (no ZeRO-2).
 pub fn check_runnable(plan: &Plan) -> Result<(), RuntimeError> {
     for stage in plan.replicas().iter().flat_map(|replica| &replica.stages) {
         let Some(context) = &stage.context else { continue };
@@ -169,12 +181,6 @@ pub fn check_runnable(plan: &Plan) -> Result<(), RuntimeError> {
                 .into(),
         ));
     }
-    if plan.tp() != 1 {
-        return Err(RuntimeError::Unsupported(format!(
-            "tensor parallelism (tp = {}) is not implemented in the runtime; plan with one GPU per node (`medley train --fleet ...` does) or fix tp=1",
-            plan.tp()
-        )));
-    }
     Ok(())
 }
 
@@ -201,20 +207,29 @@ impl RankLayout {
                 let slowdown = pass_time_s(plan, group, calibration) / fastest_s;
                 let device = EmulatedDevice { name: group.device.name.clone(), vendor: group.device.vendor, slowdown };
                 let context = context_seat(plan, stage, device_index)?;
+                let tensor = tensor_seat(plan, stage, device_index)?;
                 let job_rank = layouts.len();
-                layouts.push(RankLayout { id, job_rank, n_pipeline_ranks: p, chunks: chunks.clone(), device, context });
+                let chunks = chunks.clone();
+                layouts.push(RankLayout { id, job_rank, n_pipeline_ranks: p, chunks, device, context, tensor });
             }
         }
         Ok(layouts)
     }
 
-    /// The positions of each sequence this worker computes outside attention: its run of a
-    /// long-context stage's shard, else all of them.
+    /// The positions of each sequence this worker holds between its stage's blocks: its run of a
+    /// long-context stage's shard or of a tensor-parallel group's sequence, else all of them.
     pub fn positions(&self, seq_len: usize) -> Vec<usize> {
-        match &self.context {
-            Some(seat) => seat.placement.positions().to_vec(),
-            None => (0..seq_len).collect(),
+        match (&self.context, self.tensor) {
+            (Some(seat), _) => seat.placement.positions().to_vec(),
+            (None, Some(seat)) => seat.sequence_runs(seq_len)[seat.member].clone().collect(),
+            (None, None) => (0..seq_len).collect(),
         }
+    }
+
+    /// Whether this worker reports its stage's loss: a tensor-parallel group's members all
+    /// compute the same, and the first reports it.
+    pub fn reports_loss(&self) -> bool {
+        self.tensor.is_none_or(|seat| seat.member == 0)
     }
 
     /// Whether chunk `chunk` is the replica's first virtual stage (it embeds tokens).

@@ -31,6 +31,7 @@ mod metrics;
 mod native;
 mod p2p;
 pub mod run_dir;
+mod tensor_parallel;
 mod train;
 mod worker;
 

@@ -69,7 +69,7 @@ impl Pacer {
     }
 
     /// Runs `collective` as a pause in computing.
-    fn around<T>(&self, collective: impl FnOnce() -> T) -> T {
+    pub fn around<T>(&self, collective: impl FnOnce() -> T) -> T {
         self.pause();
         let started = Instant::now();
         let result = collective();

@@ -11,6 +11,7 @@ use medley_model::data::{Dataset, loss_scale, step_layout};
 use medley_model::params::ParamGroup;
 use medley_model::{
     AdamW, HostTensor, MicroBatch, ModelConfig, StageCompute, StageOutput, StageState, context_compute, stage_compute,
+    tensor_parallel_compute,
 };
 use medley_plan::{LayerRange, Plan};
 use medley_schedule::{CheckedPrograms, Instruction, RankId};
@@ -20,11 +21,12 @@ use serde_json::json;
 
 use crate::emulation::{emulated, stretched};
 use crate::error::CommContext;
-use crate::groups::{split_context_groups, split_dp_groups};
+use crate::groups::{split_context_groups, split_dp_groups, split_tensor_group};
 use crate::long_context::Pacer;
 use crate::metrics::{StepClock, StepMetrics};
 use crate::native::{NativeGroup, native_group};
 use crate::p2p::{Kind, Mailbox, Tag, overlap, place_rows, select_rows};
+use crate::tensor_parallel::TensorGroup;
 use crate::{DeviceChoice, RankLayout, RuntimeError};
 
 /// How a worker trains.
@@ -68,7 +70,7 @@ pub struct Worker {
     pub(crate) plan: Plan,
     pub(crate) layout: RankLayout,
     pub(crate) layouts: Vec<RankLayout>,
-    config: ModelConfig,
+    pub(crate) config: ModelConfig,
     pub(crate) world: Communicator,
     /// One communicator per plan DP group this rank is a member of (none for one replica).
     dp: Vec<Option<Communicator>>,
@@ -81,10 +83,15 @@ pub struct Worker {
     pub(crate) dataset: Dataset,
     pub(crate) options: WorkerOptions,
     mailbox: Mailbox,
-    /// Paces a long-context worker's passes to its emulated device around their collectives.
+    /// Paces a long-context or tensor-parallel worker's passes to its emulated device around
+    /// their collectives.
     pacer: Option<Pacer>,
     /// Bytes a long-context worker's attention collectives have sent.
     context_sent: Arc<AtomicU64>,
+    /// A tensor-parallel worker's group.
+    tensor: Option<TensorGroup>,
+    /// Bytes a tensor-parallel worker's group has sent.
+    tensor_sent: Arc<AtomicU64>,
     /// Emulated links by destination job rank.
     links: BTreeMap<usize, EmulatedLink>,
     clock: JobClock,
@@ -175,10 +182,12 @@ impl Worker {
             })
             .collect::<Result<Vec<_>, _>>()?;
         let stretch = if options.emulate_speed { layout.device.slowdown * options.dilation } else { 1.0 };
-        let pacer = layout.context.is_some().then(|| Pacer::new(stretch));
+        let pacer = (layout.context.is_some() || layout.tensor.is_some()).then(|| Pacer::new(stretch));
         let context_sent = Arc::new(AtomicU64::new(0));
         let mut collectives =
             split_context_groups(&layouts, &layout, &mut world, pacer.clone(), Arc::clone(&context_sent))?;
+        let tensor_sent = Arc::new(AtomicU64::new(0));
+        let tensor = split_tensor_group(&layouts, &layout, &mut world, pacer.clone(), Arc::clone(&tensor_sent))?;
         let config = ModelConfig::from_spec(plan.model(), plan.seq_len())?;
         let threads = if options.emulate_speed { 1 } else { world.compute_threads() };
         let threads = rayon::ThreadPoolBuilder::new()
@@ -190,6 +199,12 @@ impl Worker {
             .chunks
             .iter()
             .map(|layers| {
+                let layers = layers.clone();
+                if let (Some(seat), Some(group)) = (layout.tensor, &tensor) {
+                    let group = Box::new(group.clone());
+                    let compute = tensor_parallel_compute(&config, layers.clone(), seat, group, device)?;
+                    return Ok(StageState::with_specs(seat.stage_params(&config, layers), options.seed, compute)?);
+                }
                 let compute: Box<dyn StageCompute> = match (&layout.context, collectives.take()) {
                     (Some(seat), Some(collectives)) => {
                         context_compute(&config, layers.clone(), seat.placement.clone(), Box::new(collectives), device)?
@@ -201,7 +216,7 @@ impl Worker {
                     }
                     (None, _) => stage_compute(&config, layers.clone(), device)?,
                 };
-                Ok(StageState::new(&config, layers.clone(), options.seed, compute)?)
+                Ok(StageState::new(&config, layers, options.seed, compute)?)
             })
             .collect::<Result<Vec<_>, RuntimeError>>()?;
         let dataset = Dataset::shakespeare(config.seq_len, options.seed)?;
@@ -224,6 +239,8 @@ impl Worker {
             mailbox,
             pacer,
             context_sent,
+            tensor,
+            tensor_sent,
             links: BTreeMap::new(),
             clock: JobClock { origin_us: origin[0] as u64 },
             step: 0,
@@ -254,9 +271,35 @@ impl Worker {
         self.context_sent.load(Ordering::Relaxed)
     }
 
+    /// Bytes this worker's tensor-parallel group has sent so far.
+    pub fn tensor_bytes_sent(&self) -> u64 {
+        self.tensor_sent.load(Ordering::Relaxed)
+    }
+
     /// This rank's stages, one per model chunk.
     pub fn stages(&self) -> &[StageState] {
         &self.stages
+    }
+
+    /// The tensors a checkpoint of this rank's stages holds, each whole: a tensor-parallel
+    /// member's shards placed together with its group's (every member must call this at once).
+    pub fn checkpoint_tensors(&self) -> Result<Vec<(String, HostTensor)>, RuntimeError> {
+        match self.tensor_parallel_whole()? {
+            Some(whole) => Ok(whole),
+            None => Ok(self
+                .stages
+                .iter()
+                .flat_map(StageState::checkpoint_tensors)
+                .map(|(name, tensor)| (name, tensor.clone()))
+                .collect()),
+        }
+    }
+
+    /// A tensor-parallel member's checkpoint tensors, each whole (see [`Self::checkpoint_tensors`]);
+    /// none for other workers, whose tensors are whole as they hold them.
+    pub(crate) fn tensor_parallel_whole(&self) -> Result<Option<Vec<(String, HostTensor)>>, RuntimeError> {
+        let (Some(group), Some(seat)) = (&self.tensor, self.layout.tensor) else { return Ok(None) };
+        group.whole_tensors(&self.config, seat, &self.layout.chunks, &self.stages).map(Some)
     }
 
     /// Runs one training step of `programs` (generated from this worker's plan) and returns the
@@ -314,7 +357,8 @@ impl Worker {
                     StageOutput::Activations(out) => {
                         state.to_send.insert((Kind::Activation, micro_batch, chunk), out);
                     }
-                    StageOutput::Loss(loss) => state.loss_sum += loss,
+                    StageOutput::Loss(loss) if layout.reports_loss() => state.loss_sum += loss,
+                    StageOutput::Loss(_) => {}
                 }
                 Ok("compute")
             }
@@ -373,6 +417,9 @@ impl Worker {
                 let started = Instant::now();
                 self.world.wait_sends().during(|| "finishing the step's sends".into())?;
                 state.clock.collective_s += started.elapsed().as_secs_f64();
+                if let Some(group) = &self.tensor {
+                    group.sum_replicated_grads(&mut self.stages)?;
+                }
                 let adamw = self.options.adamw;
                 let stretch = if self.options.emulate_speed { self.options.dilation } else { 1.0 };
                 let stages = &mut self.stages;

@@ -30,21 +30,32 @@ fn plan(fleet: &str, replicas: &[(u32, &[u32])], chunks: u32) -> Plan {
 }
 
 fn plan_of_length(seq_len: u32, fleet: &str, replicas: &[(u32, &[u32])], chunks: u32) -> Plan {
-    let cluster = Cluster::from_fleet(fleet).unwrap();
+    plan_on(Cluster::from_fleet(fleet).unwrap(), seq_len, 1, replicas, chunks)
+}
+
+/// [`plan`] on `cluster` (the inline form: nodes of up to 8 GPUs) with each stage on the next
+/// `tp` devices, a tensor-parallel group.
+fn tensor_parallel_plan(cluster: &str, tp: u32, replicas: &[(u32, &[u32])], chunks: u32) -> Plan {
+    let cluster = Cluster::from_inline(cluster, Default::default(), Default::default()).unwrap();
+    plan_on(cluster, SEQ_LEN, tp, replicas, chunks)
+}
+
+fn plan_on(cluster: Cluster, seq_len: u32, tp: u32, replicas: &[(u32, &[u32])], chunks: u32) -> Plan {
     let model = catalog_model("tiny").unwrap();
     let global_batch = replicas.iter().map(|(m, _)| m).sum();
     let parts = JobParts { seq_len, global_batch, micro_batch: Some(1), ..JobParts::default() };
     let job = JobSpec::new(parts, "test").unwrap();
     let calibration = Calibration::default();
     let cost = CostModel::new(&model, seq_len, &calibration);
-    let setting = Setting { micro_batch: 1, tp: 1, recompute: Recompute::None };
+    let setting = Setting { micro_batch: 1, tp, recompute: Recompute::None };
     let mut next_device = 0;
     let layouts = replicas
         .iter()
         .map(|&(n_micro_batches, counts)| {
             let p = counts.len() as u32 / chunks;
-            let devices = (0..counts.len() as u32).map(|j| vec![next_device + j % p]).collect();
-            next_device += p;
+            let devices =
+                (0..counts.len() as u32).map(|j| (0..tp).map(|d| next_device + (j % p) * tp + d).collect()).collect();
+            next_device += p * tp;
             ReplicaLayout { n_micro_batches, stages: stages_from_counts(devices, counts) }
         })
         .collect();
@@ -128,13 +139,7 @@ fn train_over(
                 Ok(())
             })
             .unwrap();
-        let tensors: Vec<(String, HostTensor)> = worker
-            .stages()
-            .iter()
-            .flat_map(|stage| stage.checkpoint_tensors())
-            .map(|(name, tensor)| (name, tensor.clone()))
-            .collect();
-        (losses, tensors)
+        (losses, worker.checkpoint_tensors().unwrap())
     });
     let losses = results[0].0.clone();
     assert!(results.iter().all(|(l, _)| *l == losses), "every rank reports the same losses");
@@ -318,6 +323,32 @@ fn long_context_plans_train_like_one_process() {
         ("context × head with pipeline and data parallel, kFkB", context_plan("8xh100,8xa100", 2, 2, 2, 2), kfkb),
     ];
     for (name, plan, schedule) in cases {
+        let (losses, tensors) = train_over(&plan, schedule, None, WELL_CONDITIONED);
+        let weights = f64::from(max_relative_difference(&reference.1, &tensors));
+        let loss = losses.iter().zip(&reference.0).fold(0f64, |m, (a, b)| m.max((a - b).abs() / b.abs()));
+        assert!(loss <= 1e-5 && weights <= 1e-4, "{name}: loss differs by {loss:e}, weights by {weights:e} (relative)");
+    }
+}
+
+/// Tensor parallelism (with sequence parallelism) alone at two and four devices (more than the
+/// KV heads), with pipeline and uneven data parallelism across vendors, and interleaved.
+#[test]
+fn tensor_parallel_plans_train_like_one_process() {
+    let reference = train_over(&plan("1xh100", &[(4, &[8])], 1), one_f_one_b(), None, WELL_CONDITIONED);
+    let interleaved = Schedule::Fixed(ScheduleKind::Interleaved);
+    let cases = [
+        ("tp = 2", tensor_parallel_plan("2xh100", 2, &[(4, &[8])], 1), one_f_one_b()),
+        ("tp = 4", tensor_parallel_plan("4xh100", 4, &[(4, &[8])], 1), one_f_one_b()),
+        (
+            "tp = 2 × uneven pipeline × uneven data parallel, across vendors",
+            tensor_parallel_plan("4xh100,4xmi300x", 2, &[(3, &[3, 5]), (1, &[5, 3])], 1),
+            one_f_one_b(),
+        ),
+        ("tp = 2, interleaved", tensor_parallel_plan("4xh100", 2, &[(4, &[2, 2, 1, 3])], 2), interleaved),
+    ];
+    for (name, plan, schedule) in cases {
+        let ranks: usize = plan.replicas().iter().map(|replica| plan.n_ranks(replica)).sum();
+        assert!(plan.tp() > 1 && medley_runtime::worker_count(&plan) == ranks * plan.tp() as usize, "{name}");
         let (losses, tensors) = train_over(&plan, schedule, None, WELL_CONDITIONED);
         let weights = f64::from(max_relative_difference(&reference.1, &tensors));
         let loss = losses.iter().zip(&reference.0).fold(0f64, |m, (a, b)| m.max((a - b).abs() / b.abs()));

@@ -21,7 +21,7 @@ use std::os::unix::fs::{FileTypeExt, OpenOptionsExt};
 use std::path::{Path, PathBuf};
 
 use medley_model::data::Dataset;
-use medley_model::{NamedTensors, load_tensors_where, save_tensors, write_atomically};
+use medley_model::{HostTensor, NamedTensors, load_tensors_where, save_tensors, write_atomically};
 use medley_plan::Plan;
 use serde::{Deserialize, Serialize};
 
@@ -218,11 +218,16 @@ impl Worker {
     }
 
     /// Writes this rank's file of the checkpoint in `dir` (the first device of a long-context
-    /// stage writes the stage's).
+    /// stage writes the stage's; the first member of a tensor-parallel group the whole tensors
+    /// its members' shards make).
     fn write_rank_file(&mut self, dir: &Path) -> Result<(), RuntimeError> {
         fs::create_dir_all(dir).map_err(io_error(dir))?;
+        let gathered = self.tensor_parallel_whole()?;
         if writes_checkpoint(&self.layout) {
-            let tensors: Vec<_> = self.stages.iter().flat_map(|stage| stage.checkpoint_tensors()).collect();
+            let tensors: Vec<(String, &HostTensor)> = match &gathered {
+                Some(whole) => whole.iter().map(|(name, tensor)| (name.clone(), tensor)).collect(),
+                None => self.stages.iter().flat_map(|stage| stage.checkpoint_tensors()).collect(),
+            };
             let metadata = HashMap::from([("step".to_string(), self.step.to_string())]);
             save_tensors(&dir.join(rank_file(self.layout.job_rank)), &tensors, metadata)?;
         }
@@ -484,9 +489,11 @@ fn sweep_temporary(dir: &Path) -> Result<(), RuntimeError> {
 }
 
 /// Whether this rank writes a file of the checkpoint: a long-context stage's devices hold the same
-/// weights, and its first device writes them.
+/// weights, and its first device writes them; a tensor-parallel group's first member writes the
+/// whole tensors of its members' shards.
 fn writes_checkpoint(layout: &RankLayout) -> bool {
     layout.context.as_ref().is_none_or(|seat| seat.device_index == 0)
+        && layout.tensor.is_none_or(|seat| seat.member == 0)
 }
 
 /// The file rank `rank` writes in a checkpoint directory.
