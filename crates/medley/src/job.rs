@@ -140,10 +140,10 @@ pub fn cores_here() -> usize {
 /// thousand tokens on.
 pub const RUNTIME_CONTEXT_TOKENS: u32 = 2048;
 
-/// What the search may choose for the runtime: no tensor parallelism, which it does not run yet
-/// (a fleet's multi-die packages put two GPUs in a node), and long context from fewer tokens.
+/// What the search may choose for the runtime: everything it plans, with long context from fewer
+/// tokens.
 pub fn runtime_search_options() -> SearchOptions {
-    SearchOptions { max_tp: 1, context_from_tokens: RUNTIME_CONTEXT_TOKENS, ..SearchOptions::default() }
+    SearchOptions { context_from_tokens: RUNTIME_CONTEXT_TOKENS, ..SearchOptions::default() }
 }
 
 /// The plan `medley train` trains, chosen as `medley plan` chooses: the cost model's best few,

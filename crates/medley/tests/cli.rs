@@ -613,35 +613,46 @@ fn corrupt_or_mixed_checkpoints_are_refused_naming_the_file() {
     );
 }
 
-#[test]
-fn long_context_checkpoints_resume_under_another_layout() {
-    let whole = scratch("context-whole");
+/// Two steps of a plan fixed to `degrees` on two H100s, then two more on one, and the other way,
+/// against four on one: the checkpoints re-shard, and only the order of sums changes. `label`
+/// names the plan in the resumed run's output.
+fn checkpoints_resume_under_another_layout(degrees: &str, label: &str) {
+    let name = degrees.replace([',', '='], "-");
+    let whole = scratch(&format!("{name}-whole"));
     train(&whole, &["--fleet", "1xh100", "--steps", "4"]);
     let reference = losses(&whole);
-    let plan = scratch("context-cp2.json");
+    let plan = scratch(&format!("{name}.json"));
     let plan_text = plan.to_string_lossy().into_owned();
     let fix =
         ["--cluster", "2xh100", "--model", "tiny", "--seq-len", "32", "--global-batch", "4", "--micro-batch", "1"];
-    let args: Vec<&str> =
-        ["plan", "-q", "-o", &plan_text, "--fix", "tp=1,pp=1,dp=1,cp=2"].into_iter().chain(fix).collect();
+    let args: Vec<&str> = ["plan", "-q", "-o", &plan_text, "--fix", degrees].into_iter().chain(fix).collect();
     let planned = medley(&args);
     assert!(planned.status.success(), "{}", stderr(&planned));
-    // Two steps with each sequence split over two devices, two more on one, and the other way.
-    let context_first = scratch("context-first");
-    let resume = context_first.to_string_lossy().into_owned();
-    train(&context_first, &["--plan", &plan_text, "--steps", "2"]);
-    train(&context_first, &["--resume", &resume, "--fleet", "1xh100", "--steps", "4"]);
-    let whole_first = scratch("context-second");
+    let split_first = scratch(&format!("{name}-first"));
+    let resume = split_first.to_string_lossy().into_owned();
+    train(&split_first, &["--plan", &plan_text, "--steps", "2"]);
+    train(&split_first, &["--resume", &resume, "--fleet", "1xh100", "--steps", "4"]);
+    let whole_first = scratch(&format!("{name}-second"));
     let resume = whole_first.to_string_lossy().into_owned();
     train(&whole_first, &["--fleet", "1xh100", "--steps", "2"]);
     let resumed = train(&whole_first, &["--resume", &resume, "--plan", &plan_text, "--steps", "4"]);
-    assert!(stdout(&resumed).contains("cp2"), "{}", stdout(&resumed));
-    // Only the order of attention's sums changes (measured: 3.5e-7 relative at step 4).
-    for run in [context_first, whole_first] {
+    assert!(stdout(&resumed).contains(label), "{}", stdout(&resumed));
+    // Measured at step 4: 3.5e-7 relative with the sequence split over two devices.
+    for run in [split_first, whole_first] {
         for ((step, loss), (_, expected)) in losses(&run).into_iter().zip(&reference) {
             assert!((loss - expected).abs() <= 1e-6 * expected, "{}: step {step}: {loss} vs {expected}", run.display());
         }
     }
+}
+
+#[test]
+fn long_context_checkpoints_resume_under_another_layout() {
+    checkpoints_resume_under_another_layout("tp=1,pp=1,dp=1,cp=2", "cp2");
+}
+
+#[test]
+fn tensor_parallel_checkpoints_resume_under_another_layout() {
+    checkpoints_resume_under_another_layout("tp=2,pp=1,dp=1", "tensor parallelism 2");
 }
 
 #[test]
