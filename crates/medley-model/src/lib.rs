@@ -46,6 +46,6 @@ pub use compute_device::ComputeDevice;
 pub use config::ModelConfig;
 pub use device::{context_compute, matmul_seconds, stage_compute, tensor_parallel_compute};
 pub use error::ModelError;
-pub use optim::{AdamW, AdamWState};
+pub use optim::{AdamW, AdamWState, Moments};
 pub use params::ParamSpec;
-pub use stage::StageState;
+pub use stage::{MOMENT_PREFIXES, StageState, parameter_of};

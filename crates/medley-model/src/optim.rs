@@ -38,50 +38,55 @@ impl AdamWState {
 }
 
 impl AdamW {
-    /// One update of `params` from `grads`; `decays[i]` says whether parameter i gets weight decay.
-    pub fn update(&self, state: &mut AdamWState, params: &mut [HostTensor], grads: &[HostTensor], decays: &[bool]) {
-        state.step += 1;
-        let step = state.step as i32;
+    /// Update number `step` (from 1) of the weights `weights` from `grads`, with their moments:
+    /// a whole parameter's, or a run of one (ZeRO-1's shard).
+    pub fn update_slice(&self, step: u64, weights: &mut [f32], grads: &[f32], moments: Moments<'_>, decays: bool) {
+        let step = step as i32;
         let (bias1, bias2) = (1.0 - self.beta1.powi(step), 1.0 - self.beta2.powi(step));
-        for (idx, param) in params.iter_mut().enumerate() {
-            let decay = if decays[idx] { 1.0 - self.lr * self.weight_decay } else { 1.0 };
-            let (m, v) = (&mut state.m[idx].data, &mut state.v[idx].data);
-            for (((w, &g), m), v) in param.data.iter_mut().zip(&grads[idx].data).zip(m.iter_mut()).zip(v.iter_mut()) {
-                *m = self.beta1 * *m + (1.0 - self.beta1) * g;
-                *v = self.beta2 * *v + (1.0 - self.beta2) * g * g;
-                let update = (*m / bias1) / ((*v / bias2).sqrt() + self.eps);
-                *w = *w * decay - self.lr * update;
-            }
+        let decay = if decays { 1.0 - self.lr * self.weight_decay } else { 1.0 };
+        let Moments { m, v } = moments;
+        for (((w, &g), m), v) in weights.iter_mut().zip(grads).zip(m.iter_mut()).zip(v.iter_mut()) {
+            *m = self.beta1 * *m + (1.0 - self.beta1) * g;
+            *v = self.beta2 * *v + (1.0 - self.beta2) * g * g;
+            let update = (*m / bias1) / ((*v / bias2).sqrt() + self.eps);
+            *w = *w * decay - self.lr * update;
         }
     }
+}
+
+/// AdamW's first and second moments of a run of weights.
+pub struct Moments<'a> {
+    pub m: &'a mut [f32],
+    pub v: &'a mut [f32],
 }
 
 #[cfg(test)]
 mod tests {
     use super::*;
 
+    fn update(adamw: &AdamW, weights: &mut [f32], grads: &[f32], decays: bool) {
+        let (mut m, mut v) = (vec![0.0; weights.len()], vec![0.0; weights.len()]);
+        adamw.update_slice(1, weights, grads, Moments { m: &mut m, v: &mut v }, decays);
+    }
+
     #[test]
     fn first_step_moves_each_weight_by_the_learning_rate_against_its_gradient() {
         let adamw = AdamW { weight_decay: 0.0, ..AdamW::default() };
-        let mut params = vec![HostTensor::new(vec![3], vec![1.0, 1.0, 1.0])];
-        let grads = vec![HostTensor::new(vec![3], vec![0.5, -2.0, 0.0])];
-        let mut state = AdamWState::zeros_like(&params);
-        adamw.update(&mut state, &mut params, &grads, &[false]);
+        let mut weights = [1.0, 1.0, 1.0];
+        update(&adamw, &mut weights, &[0.5, -2.0, 0.0], false);
         let expected = [1.0 - adamw.lr, 1.0 + adamw.lr, 1.0];
-        for (got, want) in params[0].data.iter().zip(expected) {
+        for (got, want) in weights.iter().zip(expected) {
             assert!((got - want).abs() < 1e-6, "{got} vs {want}");
         }
-        assert_eq!(state.step, 1);
     }
 
     #[test]
     fn weight_decay_shrinks_only_decaying_parameters() {
         let adamw = AdamW::default();
-        let mut params = vec![HostTensor::new(vec![1], vec![2.0]), HostTensor::new(vec![1], vec![2.0])];
-        let grads = vec![HostTensor::zeros(vec![1]), HostTensor::zeros(vec![1])];
-        let mut state = AdamWState::zeros_like(&params);
-        adamw.update(&mut state, &mut params, &grads, &[true, false]);
-        assert!(params[0].data[0] < 2.0);
-        assert_eq!(params[1].data[0], 2.0);
+        let (mut decaying, mut kept) = ([2.0], [2.0]);
+        update(&adamw, &mut decaying, &[0.0], true);
+        update(&adamw, &mut kept, &[0.0], false);
+        assert!(decaying[0] < 2.0);
+        assert_eq!(kept[0], 2.0);
     }
 }

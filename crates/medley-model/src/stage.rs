@@ -5,11 +5,17 @@ use std::ops::Range;
 
 use crate::params::{ParamGroup, ParamSpec, stage_params};
 use crate::{
-    AdamW, AdamWState, HostTensor, MicroBatch, ModelConfig, ModelError, NamedTensors, StageCompute, StageOutput,
+    AdamW, AdamWState, HostTensor, MicroBatch, ModelConfig, ModelError, Moments, NamedTensors, StageCompute,
+    StageOutput,
 };
 
 /// Checkpoint names of the optimizer moments: `adamw.m.<param>` and `adamw.v.<param>`.
-const MOMENT_PREFIXES: [&str; 2] = ["adamw.m.", "adamw.v."];
+pub const MOMENT_PREFIXES: [&str; 2] = ["adamw.m.", "adamw.v."];
+
+/// The parameter a checkpoint tensor belongs to: its own name, or its moment's.
+pub fn parameter_of(checkpoint_name: &str) -> &str {
+    MOMENT_PREFIXES.iter().find_map(|prefix| checkpoint_name.strip_prefix(prefix)).unwrap_or(checkpoint_name)
+}
 
 /// The training state of one stage's (or chunk's) layers: what a plan's `Stage` places on its
 /// devices, here with its weights.
@@ -18,6 +24,9 @@ pub struct StageState {
     params: Vec<HostTensor>,
     grads: Vec<HostTensor>,
     optimizer: AdamWState,
+    /// Parameters whose optimizer moments another owner holds and updates (ZeRO-1 shards them
+    /// over the data-parallel group); their moments here are empty.
+    moments_elsewhere: Vec<bool>,
     compute: Box<dyn StageCompute>,
 }
 
@@ -43,7 +52,8 @@ impl StageState {
         compute.load_parameters(&params)?;
         let grads = params.iter().map(|p| HostTensor::zeros(p.shape.clone())).collect();
         let optimizer = AdamWState::zeros_like(&params);
-        Ok(StageState { specs, params, grads, optimizer, compute })
+        let moments_elsewhere = vec![false; params.len()];
+        Ok(StageState { specs, params, grads, optimizer, moments_elsewhere, compute })
     }
 
     pub fn params(&self) -> &[HostTensor] {
@@ -80,11 +90,14 @@ impl StageState {
         self.compute.backward(micro_batch, upstream, &mut self.grads)
     }
 
-    /// The gradients of the parameters other members of a tensor-parallel group also hold
-    /// (their sum over the group is the parameter's gradient), with their specs.
-    pub fn replicated_grads_mut(&mut self) -> impl Iterator<Item = (&ParamSpec, &mut HostTensor)> {
+    /// The gradients of the parameters in `groups` that other members of a tensor-parallel group
+    /// also hold (their sum over the group is the parameter's gradient), with their specs.
+    pub fn replicated_grads_mut(
+        &mut self,
+        select: impl Fn(ParamGroup) -> bool,
+    ) -> impl Iterator<Item = (&ParamSpec, &mut HostTensor)> {
         let replicated = |spec: &ParamSpec| spec.shard.as_ref().is_some_and(|shard| shard.replicated);
-        self.specs.iter().zip(self.grads.iter_mut()).filter(move |(spec, _)| replicated(spec))
+        self.specs.iter().zip(self.grads.iter_mut()).filter(move |(spec, _)| replicated(spec) && select(spec.group))
     }
 
     /// The gradients of the parameters in `groups`, for a data-parallel all-reduce.
@@ -92,11 +105,43 @@ impl StageState {
         self.specs.iter().zip(self.grads.iter_mut()).filter(move |(spec, _)| select(spec.group)).map(|(_, grad)| grad)
     }
 
-    /// Applies AdamW to the accumulated gradients, zeroes them and hands the new weights to the
-    /// compute library.
+    /// The parameters in `groups` with their specs, for an owner of their optimizer states.
+    pub fn params_of_mut(
+        &mut self,
+        select: impl Fn(ParamGroup) -> bool,
+    ) -> impl Iterator<Item = (&ParamSpec, &mut HostTensor)> {
+        self.specs.iter().zip(self.params.iter_mut()).filter(move |(spec, _)| select(spec.group))
+    }
+
+    /// Hands the optimizer moments of the parameters in `groups` to another owner, which updates
+    /// those parameters from then on: their moments `(m, v)`, in canonical order.
+    pub fn release_moments(&mut self, select: impl Fn(ParamGroup) -> bool) -> Vec<(HostTensor, HostTensor)> {
+        let mut released = Vec::new();
+        for idx in (0..self.specs.len()).filter(|&idx| select(self.specs[idx].group)) {
+            self.moments_elsewhere[idx] = true;
+            let empty = || HostTensor::zeros(vec![0]);
+            let m = std::mem::replace(&mut self.optimizer.m[idx], empty());
+            let v = std::mem::replace(&mut self.optimizer.v[idx], empty());
+            released.push((m, v));
+        }
+        released
+    }
+
+    /// Applies AdamW to the accumulated gradients of the parameters whose moments it holds,
+    /// zeroes every gradient and hands the new weights (the others' as their owner left them)
+    /// to the compute library.
     pub fn optimizer_step(&mut self, adamw: &AdamW) -> Result<(), ModelError> {
-        let decays: Vec<bool> = self.specs.iter().map(ParamSpec::decays).collect();
-        adamw.update(&mut self.optimizer, &mut self.params, &self.grads, &decays);
+        self.optimizer.step += 1;
+        for (idx, param) in self.params.iter_mut().enumerate().filter(|(idx, _)| !self.moments_elsewhere[*idx]) {
+            let moments = Moments { m: &mut self.optimizer.m[idx].data, v: &mut self.optimizer.v[idx].data };
+            adamw.update_slice(
+                self.optimizer.step,
+                &mut param.data,
+                &self.grads[idx].data,
+                moments,
+                self.specs[idx].decays(),
+            );
+        }
         self.grads.iter_mut().for_each(|grad| grad.data.fill(0.0));
         self.compute.load_parameters(&self.params)
     }
@@ -119,8 +164,7 @@ impl StageState {
 
     /// Whether `name` is one of the checkpoint tensors [`StageState::restore`] takes.
     pub fn restores(&self, name: &str) -> bool {
-        let param = MOMENT_PREFIXES.iter().find_map(|prefix| name.strip_prefix(prefix)).unwrap_or(name);
-        self.specs.iter().any(|spec| spec.name == param)
+        self.specs.iter().any(|spec| spec.name == parameter_of(name))
     }
 
     /// Restores this stage's parameters and optimizer state from checkpoint tensors by name, from
@@ -145,6 +189,7 @@ impl StageState {
         self.compute.load_parameters(&params)?;
         self.params = params;
         self.optimizer = state;
+        self.moments_elsewhere.fill(false);
         self.grads.iter_mut().for_each(|grad| grad.data.fill(0.0));
         Ok(())
     }

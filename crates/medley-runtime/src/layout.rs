@@ -110,9 +110,8 @@ fn context_seat(plan: &Plan, stage: &Stage, device_index: usize) -> Result<Optio
 
 /// The plan as the runtime trains it, and what that changed, each said in a sentence; refuses,
 /// naming it, what the runtime cannot run at all ([`check_runnable`]). It all-gathers keys and
-/// values (no ring attention yet), keeps whole optimizer states on every replica (no ZeRO-1 yet)
-/// and reduces gradients after the last backward (no overlap yet): a plan asking otherwise is
-/// trained, and priced, that way.
+/// values (no ring attention yet) and reduces gradients after the last backward (no overlap
+/// yet): a plan asking otherwise is trained, and priced, that way.
 pub fn as_trained(plan: Plan) -> Result<(Plan, Vec<&'static str>), RuntimeError> {
     let mut changes = Vec::new();
     let stages = plan.replicas().iter().flat_map(|replica| &replica.stages);
@@ -127,12 +126,6 @@ pub fn as_trained(plan: Plan) -> Result<(Plan, Vec<&'static str>), RuntimeError>
         false => plan,
     };
     let mut parts = plan.clone().into_parts();
-    if parts.zero1 && !parts.shard_gradients {
-        parts.zero1 = false;
-        changes.push(
-            "the runtime keeps whole optimizer states on every replica (no ZeRO-1 yet): training and pricing the plan without it",
-        );
-    }
     if parts.overlap_grad_reduce {
         parts.overlap_grad_reduce = false;
         changes.push(

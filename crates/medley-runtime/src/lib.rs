@@ -34,6 +34,7 @@ pub mod run_dir;
 mod tensor_parallel;
 mod train;
 mod worker;
+mod zero;
 
 pub use calibrate::{Measured, emulation_calibration, measure_model_pass};
 pub use checkpoint::{

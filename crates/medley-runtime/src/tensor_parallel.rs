@@ -2,13 +2,15 @@
 //! passes (each model chunk of the worker holds a handle), the sum of the gradients of
 //! parameters several members hold, and the whole tensors a checkpoint writes.
 
+use std::collections::HashMap;
 use std::ops::Range;
 use std::sync::atomic::{AtomicU64, Ordering};
 use std::sync::{Arc, Mutex, MutexGuard, PoisonError};
 
 use medley_comm::{CommError, Communicator, ReduceOp};
+use medley_model::params::ParamGroup;
 use medley_model::tensor_parallel::{Combine, TensorCollectives, TensorSeat};
-use medley_model::{HostTensor, ModelConfig, ModelError, ParamSpec, StageState};
+use medley_model::{HostTensor, ModelConfig, ModelError, ParamSpec, StageState, parameter_of};
 
 use crate::RuntimeError;
 use crate::error::CommContext;
@@ -46,18 +48,26 @@ impl TensorGroup {
         result
     }
 
-    /// Sums over the group the gradients of the parameters several members hold (norm gains, KV
-    /// heads shared by members), each member's placed in the whole tensor: the same sum on every
-    /// member holding them. Megatron-LM all-reduces its sequence-parallel norms' gradients alike.
-    pub fn sum_replicated_grads(&self, stages: &mut [StageState]) -> Result<(), RuntimeError> {
+    /// Sums over the group the gradients of the parameters in `groups` several members hold
+    /// (norm gains, KV heads shared by members), each member's placed in the whole tensor: the
+    /// same sum on every member holding them. Megatron-LM all-reduces its sequence-parallel norms'
+    /// gradients alike.
+    pub fn sum_replicated_grads(
+        &self,
+        stages: &mut [StageState],
+        select: impl Fn(ParamGroup) -> bool + Copy,
+    ) -> Result<(), RuntimeError> {
         let mut whole = Vec::new();
         for stage in stages.iter_mut() {
-            for (spec, grad) in stage.replicated_grads_mut() {
+            for (spec, grad) in stage.replicated_grads_mut(select) {
                 let shard = spec.shard.as_ref().expect("replicated parameters are shards");
                 let at = whole.len();
                 whole.resize(at + shard.full_numel(), 0.0);
                 shard.place(&grad.data, &mut whole[at..]);
             }
+        }
+        if whole.is_empty() {
+            return Ok(());
         }
         let mut summed = vec![0f32; whole.len()];
         self.comm()
@@ -65,7 +75,7 @@ impl TensorGroup {
             .during(|| "summing the gradients of the norms over the tensor-parallel group".into())?;
         let mut at = 0;
         for stage in stages.iter_mut() {
-            for (spec, grad) in stage.replicated_grads_mut() {
+            for (spec, grad) in stage.replicated_grads_mut(select) {
                 let shard = spec.shard.as_ref().expect("replicated parameters are shards");
                 grad.data = shard.slice(&summed[at..at + shard.full_numel()]);
                 at += shard.full_numel();
@@ -74,42 +84,41 @@ impl TensorGroup {
         Ok(())
     }
 
-    /// The whole checkpoint tensors of `stages` (one per layer range of `chunks`, held by member
-    /// `seat` of the group), placed together from every member's shards, in the order
-    /// [`StageState::checkpoint_tensors`] lists them.
+    /// Whole checkpoint tensors from `tensors`, this member's shards of those of the stages
+    /// holding `chunks` (member `seat` of the group), placed together with every other member's.
     pub fn whole_tensors(
         &self,
         config: &ModelConfig,
         seat: TensorSeat,
         chunks: &[Range<usize>],
-        stages: &[StageState],
+        tensors: Vec<(String, HostTensor)>,
     ) -> Result<Vec<(String, HostTensor)>, RuntimeError> {
+        let members: Vec<HashMap<String, ParamSpec>> = (0..seat.size)
+            .map(|member| {
+                let seat = TensorSeat { member, ..seat };
+                let specs = chunks.iter().flat_map(|layers| seat.stage_params(config, layers.clone()));
+                specs.map(|spec| (spec.name.clone(), spec)).collect()
+            })
+            .collect();
         let mut comm = self.comm();
-        let mut tensors = Vec::new();
-        for (layers, stage) in chunks.iter().zip(stages) {
-            let members: Vec<Vec<ParamSpec>> = (0..seat.size)
-                .map(|member| TensorSeat { member, ..seat }.stage_params(config, layers.clone()))
-                .collect();
-            for (idx, (name, tensor, spec)) in stage.checkpoint_entries().into_iter().enumerate() {
-                let theirs: Vec<&ParamSpec> = members.iter().map(|specs| &specs[idx % specs.len()]).collect();
-                let counts: Vec<usize> = theirs.iter().map(|spec| spec.numel()).collect();
-                let mut parts = vec![0f32; counts.iter().sum()];
-                comm.all_gather(&tensor.data, &mut parts, &counts)
-                    .during(|| format!("gathering the tensor-parallel shards of {name}"))?;
-                let mut whole = vec![0f32; spec.full_shape().iter().product()];
-                let mut at = 0;
-                for (their, count) in theirs.iter().zip(&counts) {
-                    their
-                        .shard
-                        .as_ref()
-                        .expect("a member's parameters are shards")
-                        .place(&parts[at..at + count], &mut whole);
-                    at += count;
-                }
-                tensors.push((name, HostTensor::new(spec.full_shape().to_vec(), whole)));
+        let mut whole_tensors = Vec::with_capacity(tensors.len());
+        for (name, tensor) in tensors {
+            let theirs: Vec<&ParamSpec> = members.iter().map(|specs| &specs[parameter_of(&name)]).collect();
+            let counts: Vec<usize> = theirs.iter().map(|spec| spec.numel()).collect();
+            let mut parts = vec![0f32; counts.iter().sum()];
+            comm.all_gather(&tensor.data, &mut parts, &counts)
+                .during(|| format!("gathering the tensor-parallel shards of {name}"))?;
+            let full_shape = theirs[0].full_shape().to_vec();
+            let mut whole = vec![0f32; full_shape.iter().product()];
+            let mut at = 0;
+            for (their, count) in theirs.iter().zip(&counts) {
+                let shard = their.shard.as_ref().expect("a member's parameters are shards");
+                shard.place(&parts[at..at + count], &mut whole);
+                at += count;
             }
+            whole_tensors.push((name, HostTensor::new(full_shape, whole)));
         }
-        Ok(tensors)
+        Ok(whole_tensors)
     }
 }
 

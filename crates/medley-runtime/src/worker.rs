@@ -1,6 +1,6 @@
 //! A worker: one pipeline rank's model chunks, executing the rank's program of each step.
 
-use std::collections::BTreeMap;
+use std::collections::{BTreeMap, HashMap};
 use std::sync::Arc;
 use std::sync::atomic::{AtomicBool, AtomicU64, Ordering};
 use std::time::{Duration, Instant, SystemTime, UNIX_EPOCH};
@@ -10,8 +10,8 @@ use medley_cost::Calibration;
 use medley_model::data::{Dataset, loss_scale, step_layout};
 use medley_model::params::ParamGroup;
 use medley_model::{
-    AdamW, HostTensor, MicroBatch, ModelConfig, StageCompute, StageOutput, StageState, context_compute, stage_compute,
-    tensor_parallel_compute,
+    AdamW, HostTensor, MOMENT_PREFIXES, MicroBatch, ModelConfig, StageCompute, StageOutput, StageState,
+    context_compute, stage_compute, tensor_parallel_compute,
 };
 use medley_plan::{LayerRange, Plan};
 use medley_schedule::{CheckedPrograms, Instruction, RankId};
@@ -27,6 +27,7 @@ use crate::metrics::{StepClock, StepMetrics};
 use crate::native::{NativeGroup, native_group};
 use crate::p2p::{Kind, Mailbox, Tag, overlap, place_rows, select_rows};
 use crate::tensor_parallel::TensorGroup;
+use crate::zero::ZeroShard;
 use crate::{DeviceChoice, RankLayout, RuntimeError};
 
 /// How a worker trains.
@@ -73,9 +74,11 @@ pub struct Worker {
     pub(crate) config: ModelConfig,
     pub(crate) world: Communicator,
     /// One communicator per plan DP group this rank is a member of (none for one replica).
-    dp: Vec<Option<Communicator>>,
+    pub(crate) dp: Vec<Option<Communicator>>,
     /// The group's native (NCCL/RCCL) communicator, where its gradients take that path.
     native: Vec<Option<NativeGroup>>,
+    /// Under ZeRO-1, this rank's share of each of its DP groups' optimizer states.
+    pub(crate) zero: Vec<Option<ZeroShard>>,
     pub(crate) stages: Vec<StageState>,
     /// The threads the stages compute on: one per core the worker owns, or one when emulating
     /// (emulation paces a pass by its thread's processor time).
@@ -219,6 +222,8 @@ impl Worker {
                 Ok(StageState::new(&config, layers, options.seed, compute)?)
             })
             .collect::<Result<Vec<_>, RuntimeError>>()?;
+        let mut stages = stages;
+        let zero = zero_shards(&plan, &dp, &mut stages, config.n_layers);
         let dataset = Dataset::shakespeare(config.seq_len, options.seed)?;
         let mine = [JobClock::wall_us() as i64];
         let mut origin = [0i64];
@@ -232,6 +237,7 @@ impl Worker {
             world,
             dp,
             native,
+            zero,
             stages,
             threads: Arc::new(threads),
             dataset,
@@ -283,23 +289,48 @@ impl Worker {
 
     /// The tensors a checkpoint of this rank's stages holds, each whole: a tensor-parallel
     /// member's shards placed together with its group's (every member must call this at once).
-    pub fn checkpoint_tensors(&self) -> Result<Vec<(String, HostTensor)>, RuntimeError> {
-        match self.tensor_parallel_whole()? {
-            Some(whole) => Ok(whole),
-            None => Ok(self
-                .stages
-                .iter()
-                .flat_map(StageState::checkpoint_tensors)
-                .map(|(name, tensor)| (name, tensor.clone()))
-                .collect()),
+    /// The tensors a checkpoint of this rank's stages holds, each whole: optimizer moments
+    /// ZeRO-1 shards gathered from the data-parallel group, a tensor-parallel member's shards
+    /// placed together with its group's. Every worker must call this at once.
+    pub fn checkpoint_tensors(&mut self) -> Result<Vec<(String, HostTensor)>, RuntimeError> {
+        let mut tensors: Vec<(String, HostTensor)> = self
+            .stages
+            .iter()
+            .flat_map(StageState::checkpoint_tensors)
+            .map(|(name, tensor)| (name, tensor.clone()))
+            .collect();
+        let index: HashMap<String, usize> =
+            tensors.iter().enumerate().map(|(idx, (name, _))| (name.clone(), idx)).collect();
+        for (group, (zero, comm)) in self.plan.dp_groups().iter().zip(self.zero.iter().zip(&mut self.dp)) {
+            let (Some(zero), Some(comm)) = (zero, comm) else { continue };
+            let select = holds_layers(group.layers, self.config.n_layers);
+            let moments = zero.whole_moments(&self.stages, select, comm)?;
+            let specs = self.stages.iter().flat_map(|stage| stage.specs()).filter(|spec| select(spec.group));
+            for (spec, (m, v)) in specs.zip(moments) {
+                tensors[index[&format!("{}{}", MOMENT_PREFIXES[0], spec.name)]].1 = m;
+                tensors[index[&format!("{}{}", MOMENT_PREFIXES[1], spec.name)]].1 = v;
+            }
+        }
+        match (&self.tensor, self.layout.tensor) {
+            (Some(group), Some(seat)) => group.whole_tensors(&self.config, seat, &self.layout.chunks, tensors),
+            _ => Ok(tensors),
         }
     }
 
-    /// A tensor-parallel member's checkpoint tensors, each whole (see [`Self::checkpoint_tensors`]);
-    /// none for other workers, whose tensors are whole as they hold them.
-    pub(crate) fn tensor_parallel_whole(&self) -> Result<Option<Vec<(String, HostTensor)>>, RuntimeError> {
-        let (Some(group), Some(seat)) = (&self.tensor, self.layout.tensor) else { return Ok(None) };
-        group.whole_tensors(&self.config, seat, &self.layout.chunks, &self.stages).map(Some)
+    /// Whether this rank's checkpoint tensors are assembled with its groups' (ZeRO-1, tensor
+    /// parallelism) rather than written as its stages hold them.
+    pub(crate) fn checkpoint_gathers(&self) -> bool {
+        self.tensor.is_some() || self.zero.iter().any(Option::is_some)
+    }
+
+    /// Under ZeRO-1, update number `step` of each DP group's parameters by their owners.
+    fn zero_steps(&mut self, adamw: &AdamW) -> Result<(), RuntimeError> {
+        let step = self.stages.first().map_or(0, StageState::optimizer_step_count) + 1;
+        for (group, (zero, comm)) in self.plan.dp_groups().iter().zip(self.zero.iter_mut().zip(&mut self.dp)) {
+            let (Some(zero), Some(comm)) = (zero, comm) else { continue };
+            zero.step(&mut self.stages, holds_layers(group.layers, self.config.n_layers), adamw, step, comm)?;
+        }
+        Ok(())
     }
 
     /// Runs one training step of `programs` (generated from this worker's plan) and returns the
@@ -417,10 +448,8 @@ impl Worker {
                 let started = Instant::now();
                 self.world.wait_sends().during(|| "finishing the step's sends".into())?;
                 state.clock.collective_s += started.elapsed().as_secs_f64();
-                if let Some(group) = &self.tensor {
-                    group.sum_replicated_grads(&mut self.stages)?;
-                }
                 let adamw = self.options.adamw;
+                self.zero_steps(&adamw)?;
                 let stretch = if self.options.emulate_speed { self.options.dilation } else { 1.0 };
                 let stages = &mut self.stages;
                 self.threads.install(|| {
@@ -527,17 +556,22 @@ impl Worker {
 
     /// Sums the gradients of `layers` over the DP group's members (a sample-weighted mean, since
     /// every loss is scaled by the global batch), in the plan's algorithm.
+    /// On a tensor-parallel stage, the gradients of parameters its members share are first
+    /// summed over its group; under ZeRO-1 each member keeps only its run of the sum.
     fn all_reduce_gradients(&mut self, dp_group: usize, layers: LayerRange) -> Result<(), RuntimeError> {
+        let select = holds_layers(layers, self.config.n_layers);
+        if let Some(group) = &self.tensor {
+            group.sum_replicated_grads(&mut self.stages, select)?;
+        }
         let Some(comm) = self.dp.get_mut(dp_group).and_then(Option::as_mut) else { return Ok(()) };
-        let n_layers = self.config.n_layers;
-        let select = |group: ParamGroup| match group {
-            ParamGroup::Embedding => layers.start == 0,
-            ParamGroup::Layer(layer) => (layers.start as usize..layers.end as usize).contains(&layer),
-            ParamGroup::Head => layers.end as usize == n_layers,
-        };
         let mut flat = Vec::new();
         for stage in &mut self.stages {
             stage.grads_of_mut(select).for_each(|grad| flat.extend_from_slice(&grad.data));
+        }
+        let algorithm = self.plan.dp_groups()[dp_group].algorithm.into();
+        if let Some(zero) = self.zero.get_mut(dp_group).and_then(Option::as_mut) {
+            // The native groups all-reduce only: ZeRO-1's reduce-scatter takes medley-comm.
+            return zero.reduce(comm, &flat, algorithm);
         }
         let mut summed = vec![0f32; flat.len()];
         if let Some(native) = self.native.get_mut(dp_group).and_then(Option::as_mut) {
@@ -545,7 +579,6 @@ impl Worker {
                 RuntimeError::Device(format!("all-reducing the gradients of layers {layers} natively: {err}"))
             })?;
         } else {
-            let algorithm = self.plan.dp_groups()[dp_group].algorithm.into();
             let op = Op::AllReduce { op: ReduceOp::Sum };
             comm.collective(op, &Counts::Same(flat.len()), Some(algorithm), &flat, &mut summed)
                 .during(|| format!("all-reducing the gradients of layers {layers}"))?;
@@ -631,4 +664,32 @@ fn take(
         rank: rank.to_string(),
         reason: format!("{key:?} is used before it was received or computed"),
     })
+}
+
+/// Selects the parameters of `layers` of a model of `n_layers`: the embedding with the first
+/// layer, the final norm and head with the last.
+pub(crate) fn holds_layers(layers: LayerRange, n_layers: usize) -> impl Fn(ParamGroup) -> bool + Copy {
+    move |group: ParamGroup| match group {
+        ParamGroup::Embedding => layers.start == 0,
+        ParamGroup::Layer(layer) => (layers.start as usize..layers.end as usize).contains(&layer),
+        ParamGroup::Head => layers.end as usize == n_layers,
+    }
+}
+
+/// Under ZeRO-1, this rank's share of the optimizer states of each DP group it is in (taken
+/// from `stages`, which hold them whole until then); none without ZeRO-1 or for a group of one.
+pub(crate) fn zero_shards(
+    plan: &Plan,
+    dp: &[Option<Communicator>],
+    stages: &mut [StageState],
+    n_layers: usize,
+) -> Vec<Option<ZeroShard>> {
+    plan.dp_groups()
+        .iter()
+        .zip(dp)
+        .map(|(group, comm)| {
+            let comm = comm.as_ref().filter(|_| plan.zero1())?;
+            Some(ZeroShard::take(stages, holds_layers(group.layers, n_layers), comm.rank(), comm.n_ranks()))
+        })
+        .collect()
 }

@@ -26,6 +26,7 @@ use medley_plan::Plan;
 use serde::{Deserialize, Serialize};
 
 use crate::error::CommContext;
+use crate::worker::zero_shards;
 use crate::{RankLayout, RuntimeError, Worker};
 
 /// The manifest format this build writes and reads. Format 1 recorded no checksums: a resume
@@ -222,7 +223,10 @@ impl Worker {
     /// its members' shards make).
     fn write_rank_file(&mut self, dir: &Path) -> Result<(), RuntimeError> {
         fs::create_dir_all(dir).map_err(io_error(dir))?;
-        let gathered = self.tensor_parallel_whole()?;
+        let gathered = match self.checkpoint_gathers() {
+            true => Some(self.checkpoint_tensors()?),
+            false => None,
+        };
         if writes_checkpoint(&self.layout) {
             let tensors: Vec<(String, &HostTensor)> = match &gathered {
                 Some(whole) => whole.iter().map(|(name, tensor)| (name.clone(), tensor)).collect(),
@@ -289,6 +293,8 @@ impl Worker {
         for stage in &mut self.stages {
             stage.restore(&tensors, manifest.optimizer_steps)?;
         }
+        // The stages took the whole moments: ZeRO-1 takes this rank's share again.
+        self.zero = zero_shards(&self.plan, &self.dp, &mut self.stages, self.config.n_layers);
         if manifest.seed != self.options.seed {
             self.options.seed = manifest.seed;
             self.dataset = Dataset::shakespeare(self.plan.seq_len() as usize, manifest.seed)?;
