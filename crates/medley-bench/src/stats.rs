@@ -35,17 +35,8 @@ pub fn geometric_mean(values: &[f64]) -> f64 {
     values.geometric_mean()
 }
 
-/// The process's peak resident memory so far, MiB; `None` where there is no /proc (not Linux).
-pub fn peak_rss_mib() -> Option<f64> {
-    vm_hwm_mib(&std::fs::read_to_string("/proc/self/status").ok()?)
-}
-
-/// The `VmHWM:` (high-water mark of resident memory) line of a /proc/PID/status text, in MiB.
-fn vm_hwm_mib(status: &str) -> Option<f64> {
-    let value = status.lines().find_map(|line| line.strip_prefix("VmHWM:"))?;
-    let kib: f64 = value.trim().strip_suffix("kB")?.trim().parse().ok()?;
-    Some(kib / 1024.0)
-}
+/// The process's peak resident memory so far, MiB: the runtime reads it for its metrics.
+pub use medley_runtime::peak_rss_mib;
 
 #[cfg(test)]
 mod tests {
@@ -80,12 +71,5 @@ mod tests {
     fn geometric_mean_of_reciprocals_is_one() {
         assert!((geometric_mean(&[2.0, 0.5]) - 1.0).abs() < 1e-12);
         assert_eq!(arithmetic_mean(&[2.0, 0.5]), 1.25);
-    }
-
-    #[test]
-    fn vm_hwm_is_read_in_mib() {
-        let status = "Name:\tmedley\nVmPeak:\t  9000 kB\nVmHWM:\t    2048 kB\nVmRSS:\t 1024 kB\n";
-        assert_eq!(vm_hwm_mib(status), Some(2.0));
-        assert_eq!(vm_hwm_mib("Name:\tmedley\n"), None);
     }
 }

@@ -45,7 +45,7 @@ pub use device::DeviceChoice;
 pub use emulation::time_dilation;
 pub use error::RuntimeError;
 pub use host_available::check_memory;
-pub use host_memory::{HostMemory, calibration_memory, worker_memory};
+pub use host_memory::{HostMemory, calibration_memory, peak_rss_mib, worker_memory};
 pub use layout::{
     ContextSeat, EmulatedDevice, RankLayout, as_trained, check_runnable, context_groups, rank_ids, worker_count,
 };

@@ -19,18 +19,31 @@ pub(crate) struct StepClock {
     /// When the rank reached each DP group's all-reduce, µs of the job clock; NaN for the groups
     /// it is not a member of.
     pub all_reduce_arrivals_us: Vec<f64>,
+    /// The rank's process's peak resident memory so far, MiB; NaN where unknown.
+    pub peak_memory_mib: f64,
 }
 
 impl StepClock {
     /// A clock for a plan of `n_dp_groups` DP groups.
     pub(crate) fn new(n_dp_groups: usize) -> StepClock {
-        StepClock { all_reduce_arrivals_us: vec![f64::NAN; n_dp_groups], ..StepClock::default() }
+        StepClock {
+            all_reduce_arrivals_us: vec![f64::NAN; n_dp_groups],
+            peak_memory_mib: f64::NAN,
+            ..StepClock::default()
+        }
     }
 
     /// The clock and the rank's summed loss as words for an all-gather: the same count on every
     /// rank of a job.
     pub(crate) fn to_words(&self, loss_sum: f64) -> Vec<f64> {
-        let mut words = vec![self.transfer_wait_s, self.collective_s, self.peer_wait_s, self.busy_s, loss_sum];
+        let mut words = vec![
+            self.transfer_wait_s,
+            self.collective_s,
+            self.peer_wait_s,
+            self.busy_s,
+            loss_sum,
+            self.peak_memory_mib,
+        ];
         words.extend(&self.all_reduce_arrivals_us);
         words
     }
@@ -41,7 +54,8 @@ impl StepClock {
             collective_s: words[1],
             peer_wait_s: words[2],
             busy_s: words[3],
-            all_reduce_arrivals_us: words[5..].to_vec(),
+            peak_memory_mib: words[5],
+            all_reduce_arrivals_us: words[6..].to_vec(),
         };
         (clock, words[4])
     }
@@ -93,11 +107,21 @@ pub struct RankMetrics {
     pub device: String,
     #[serde(flatten)]
     pub times: RankTimes,
+    /// The worker's process's peak resident memory so far (`VmHWM`), MiB; workers that are
+    /// threads of one process report that process's.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub peak_memory_mib: Option<f64>,
 }
 
 impl RankMetrics {
-    fn new(layout: &RankLayout, times: RankTimes) -> RankMetrics {
-        RankMetrics { rank: layout.job_rank, id: layout.id.to_string(), device: layout.device.name.clone(), times }
+    fn new(layout: &RankLayout, clock: &StepClock, times: RankTimes) -> RankMetrics {
+        RankMetrics {
+            rank: layout.job_rank,
+            id: layout.id.to_string(),
+            device: layout.device.name.clone(),
+            times,
+            peak_memory_mib: Some(clock.peak_memory_mib).filter(|mib| mib.is_finite()),
+        }
     }
 }
 
@@ -133,7 +157,7 @@ impl StepMetrics {
         let pipeline_wait_fraction = if step_time_s > 0.0 { stalls / clocks.len() as f64 / step_time_s } else { 0.0 };
         let late_s = members_late_s(clocks);
         let ranks = (clocks.iter().zip(&late_s).zip(layouts))
-            .map(|((clock, &late_s), layout)| RankMetrics::new(layout, clock.times(step_time_s, late_s)))
+            .map(|((clock, &late_s), layout)| RankMetrics::new(layout, clock, clock.times(step_time_s, late_s)))
             .collect();
         StepMetrics {
             step,

@@ -358,6 +358,7 @@ impl Worker {
         }
         self.mailbox.finish_step()?;
         state.clock.busy_s = started.elapsed().as_secs_f64();
+        state.clock.peak_memory_mib = crate::peak_rss_mib().unwrap_or(f64::NAN);
         self.step += 1;
         self.gather_metrics(&state, programs)
     }

@@ -72,8 +72,13 @@ impl ZeroShard {
     /// keeping this member's run.
     pub fn reduce(&mut self, comm: &mut Communicator, flat: &[f32], algorithm: Algorithm) -> Result<(), RuntimeError> {
         let op = Op::ReduceScatter { op: ReduceOp::Sum };
-        comm.collective(op, &Counts::PerRank(self.counts.clone()), Some(algorithm), flat, &mut self.grads)
-            .during(|| "reduce-scattering the gradients over the data-parallel group (ZeRO-1)".into())
+        // The whole working buffer, dropped here: handed only this member's run, the
+        // communicator would reduce in a scratch buffer of the whole size that it keeps.
+        let mut working = vec![0f32; flat.len()];
+        comm.collective(op, &Counts::PerRank(self.counts.clone()), Some(algorithm), flat, &mut working)
+            .during(|| "reduce-scattering the gradients over the data-parallel group (ZeRO-1)".into())?;
+        self.grads.copy_from_slice(&working[self.run.clone()]);
+        Ok(())
     }
 
     /// Update number `step` of this member's run of the parameters, then every member's run

@@ -178,7 +178,6 @@ pub fn runtime_job(shape: &JobShape, schedule: Option<Schedule>) -> Result<JobSp
         precision: shape.precision,
         memory_headroom: shape.memory_headroom,
         schedule: schedule.unwrap_or_default(),
-        zero1: false,
         // The runtime reduces each chunk's gradients where the program says, but blocking: it
         // does not overlap them with backward, so its plans are priced without overlap.
         overlap_grad_reduce: false,

@@ -1,6 +1,7 @@
 //! `medley bench ...`: benchmarks that print tables. The suites are `medley-bench`'s; those that
 //! start this binary's workers (`comm`, `train`, `kfkb`, `context-train`) are wired here.
 
+mod memory;
 mod train;
 
 use anyhow::{Context, Result};
@@ -52,6 +53,9 @@ pub enum BenchCommand {
     /// Real long-context training on an emulated 2:1 mix: uneven against even context-parallel
     /// shards, measured and simulated.
     ContextTrain(train::ContextTrainBenchArgs),
+    /// Each worker's measured peak memory against the runtime's estimate and the cost model's
+    /// prediction: whole optimizer states, ZeRO-1 and tensor parallelism.
+    Memory(memory::MemoryBenchArgs),
 }
 
 pub fn run(which: &BenchCommand) -> Result<()> {
@@ -69,6 +73,7 @@ pub fn run(which: &BenchCommand) -> Result<()> {
         BenchCommand::Train(args) => train::run(args),
         BenchCommand::Kfkb(args) => train::run_kfkb(args),
         BenchCommand::ContextTrain(args) => train::run_context(args),
+        BenchCommand::Memory(args) => memory::run(args),
     }
 }
 

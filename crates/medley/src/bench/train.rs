@@ -8,7 +8,7 @@ use clap::Args;
 use medley_cost::Calibration;
 use medley_plan::long_context::even_fixed;
 use medley_plan::{Plan, baselines};
-use medley_runtime::{DeviceChoice, RankLayout, RunDir};
+use medley_runtime::{DeviceChoice, RankLayout, RunDir, StepMetrics};
 use medley_sim::{SimConfig, simulate_steps};
 use medley_spec::{Cluster, DEFAULT_MEMORY_HEADROOM, ModelSpec, Precision, Schedule, catalog_model};
 
@@ -216,7 +216,7 @@ fn measure(plan: &Plan, calibration: &Calibration, name: &str, steps: u64) -> Re
 
 /// What a benchmark run changes from the plan's defaults.
 #[derive(Default)]
-struct RunTweaks {
+pub(super) struct RunTweaks {
     schedule: Option<Schedule>,
     /// GB/s and bandwidth trace of throttled pipeline links.
     link: Option<(f64, String)>,
@@ -225,6 +225,19 @@ struct RunTweaks {
 /// Trains `plan` for `steps` steps after the warm-up in real worker processes and returns the
 /// measured step times after the warm-up.
 fn step_times(plan: &Plan, calibration: &Calibration, name: &str, steps: u64, tweaks: RunTweaks) -> Result<Vec<f64>> {
+    let measured = run_steps(plan, calibration, name, steps + WARM_UP_STEPS, tweaks)?;
+    Ok(measured[WARM_UP_STEPS as usize..].iter().map(|step| step.step_time_s).collect())
+}
+
+/// Trains `plan` for `steps` steps in real worker processes, each stretched to its emulated
+/// device, and returns every step's metrics.
+pub(super) fn run_steps(
+    plan: &Plan,
+    calibration: &Calibration,
+    name: &str,
+    steps: u64,
+    tweaks: RunTweaks,
+) -> Result<Vec<StepMetrics>> {
     let dir = std::env::temp_dir().join(format!("medley-bench-train-{}-{name}", std::process::id()));
     let claimed = RunDir::at(&dir).claim(None, true)?;
     claimed.start_over_if_forced()?;
@@ -238,7 +251,7 @@ fn step_times(plan: &Plan, calibration: &Calibration, name: &str, steps: u64, tw
         out: dir.clone(),
         resume: None,
         run: RunFlags {
-            steps: steps + WARM_UP_STEPS,
+            steps,
             checkpoint_every: 0,
             keep_checkpoints: 1,
             schedule: tweaks.schedule,
@@ -264,11 +277,10 @@ fn step_times(plan: &Plan, calibration: &Calibration, name: &str, steps: u64, tw
     if !outcome.end.succeeded() {
         bail!("the {name} run's workers failed: {}", outcome.end.first_error().unwrap_or("no error message"));
     }
-    let times: Vec<f64> = outcome.steps[WARM_UP_STEPS as usize..].iter().map(|step| step.step_time_s).collect();
-    if times.is_empty() {
-        bail!("the {name} run reported no steps");
+    if outcome.steps.len() as u64 != steps {
+        bail!("the {name} run reported {} of its {steps} steps", outcome.steps.len());
     }
-    Ok(times)
+    Ok(outcome.steps)
 }
 
 #[derive(Args, Debug)]
