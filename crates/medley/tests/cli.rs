@@ -562,8 +562,8 @@ fn train_and_plan_choose_the_same_plan_for_the_same_inputs() {
     fs::write(&fleet, groups.concat()).unwrap();
     let planned = out.join("planned.json");
     let (fleet, planned_text) = (fleet.to_string_lossy().into_owned(), planned.to_string_lossy().into_owned());
-    // What the runtime runs: optimizer states whole, gradients reduced after the backward, in fp32.
-    let runtime = ["--no-zero1", "--no-overlap-grad-reduce", "--grad-reduce", "fp32"];
+    // What the runtime runs: gradients reduced after the backward, in fp32.
+    let runtime = ["--no-overlap-grad-reduce", "--grad-reduce", "fp32"];
     let args: Vec<&str> =
         ["plan", "--cluster", &fleet, "--model", "tiny", "--calibration", &profile, "--precision", "fp16"]
             .into_iter()
@@ -1582,7 +1582,10 @@ fn a_rank_stopped_at_start_up_is_named_within_the_timeout() {
     // machine); the launcher then ends it at once: nobody is left for it to report to.
     assert!(stopped.elapsed() < Duration::from_secs(30), "the job took {:?} to stop:\n{text}", stopped.elapsed());
     assert!(text.contains("rank 1 did not answer within"), "{text}");
-    assert!(text.contains("worker 1 (r0s1, H100-SXM): did not stop after the others failed; killed"), "{text}");
+    let killed = |line: &str| {
+        line.trim_start().starts_with("worker 1 (") && line.ends_with("did not stop after the others failed; killed")
+    };
+    assert!(text.lines().any(killed), "{text}");
 }
 
 /// Sends `signal` to each of `pids`.
