@@ -90,9 +90,18 @@ pub(crate) fn command_line(args: &[Arg]) -> String {
         .join(" \\\n    ")
 }
 
-/// The checks every framework makes first: one pipeline split and one batch share for every
-/// replica, one vendor's devices, a dense model with full attention.
+/// The checks every framework makes first: one TP degree, one pipeline split and one batch share
+/// for every replica, one vendor's devices, a dense model with full attention.
 pub(crate) fn check_common(plan: &Plan, framework: &'static str) -> Result<(), ExportError> {
+    if plan.uniform_tp().is_none() {
+        return Err(ExportError::refused(
+            framework,
+            format!(
+                "its stages differ in tensor-parallel degree ({}): {framework} gives every stage the same                  --tensor-model-parallel-size; plan with one TP degree (`--fix tp=N`)",
+                plan.tp_label()
+            ),
+        ));
+    }
     check_replicas_alike(plan, framework)?;
     check_one_vendor(plan, framework)?;
     let model = plan.model();

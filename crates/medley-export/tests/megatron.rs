@@ -151,6 +151,11 @@ fn what_megatron_cannot_run_is_refused_naming_it() {
     let gpipe =
         assembled("2xh100", &[(4, &[16, 16])], Zero1::On).with_schedule(Schedule::Fixed(ScheduleKind::Gpipe)).unwrap();
     assert!(refusal(&gpipe).contains("1F1B"), "{}", refusal(&gpipe));
+    let mut per_stage = uniform("8xh100", Degrees::new(2, 2, 1), Zero1::On).into_parts();
+    per_stage.replicas[0].stages[1].devices = vec![2, 3, 4, 5];
+    (per_stage.tp, per_stage.version) = (4, medley_plan::PLAN_VERSION_PER_STAGE_TP);
+    let per_stage = refusal(&Plan::new(per_stage).unwrap());
+    assert!(per_stage.contains("differ in tensor-parallel degree (2–4)"), "{per_stage}");
 }
 
 #[test]

@@ -97,7 +97,15 @@ impl StageState {
         select: impl Fn(ParamGroup) -> bool,
     ) -> impl Iterator<Item = (&ParamSpec, &mut HostTensor)> {
         let replicated = |spec: &ParamSpec| spec.shard.as_ref().is_some_and(|shard| shard.replicated);
-        self.specs.iter().zip(self.grads.iter_mut()).filter(move |(spec, _)| replicated(spec) && select(spec.group))
+        self.grads_with_specs_mut(move |spec| replicated(spec) && select(spec.group))
+    }
+
+    /// The gradients of the parameters `select` picks, with their specs.
+    pub fn grads_with_specs_mut(
+        &mut self,
+        select: impl Fn(&ParamSpec) -> bool,
+    ) -> impl Iterator<Item = (&ParamSpec, &mut HostTensor)> {
+        self.specs.iter().zip(self.grads.iter_mut()).filter(move |(spec, _)| select(spec))
     }
 
     /// The gradients of the parameters in `groups`, for a data-parallel all-reduce.

@@ -65,6 +65,8 @@ pub enum InvalidPlan {
     Tp { tp: u32, heads: u32, kv_heads: u32 },
     #[error("{field} must be at least 1")]
     Zero { field: &'static str },
+    #[error("tp={tp}, but the largest stage TP degree (a stage's device count) is {largest}")]
+    LargestTp { tp: u32, largest: u32 },
     #[error(
         "replicas run {sequences} sequences in micro-batches of {micro_batch}, which is not the global batch {global_batch}"
     )]
@@ -95,8 +97,10 @@ pub enum ReplicaProblem {
     ChunkDevices { stage: usize, found: Vec<DeviceId>, n_ranks: usize, expected: Vec<DeviceId> },
     #[error("stage {stage} holds layers {layers}, expected a non-empty range from {from}")]
     Layers { stage: usize, layers: LayerRange, from: u32 },
-    #[error("stage {stage} has {found} devices for tp={tp}")]
-    TpGroup { stage: usize, found: usize, tp: u32 },
+    #[error("stage {stage} has {found} devices for tp={tp}: stages of their own TP degree need plan version {needed}")]
+    TpGroup { stage: usize, found: usize, tp: u32, needed: u32 },
+    #[error("stage {stage}: tp={tp} (its device count) must divide the model's {heads} heads and {kv_heads} kv heads")]
+    StageTp { stage: usize, tp: u32, heads: u32, kv_heads: u32 },
     #[error("stage {stage}: device {id} is not in the {n_gpus}-GPU cluster")]
     UnknownDevice { stage: usize, id: DeviceId, n_gpus: usize },
     #[error("stage {stage}: device {id} is used twice")]

@@ -74,9 +74,9 @@ impl Utilisation {
     }
 }
 
-/// The setting every stage of `plan` runs with.
-fn plan_setting(plan: &Plan) -> Setting {
-    Setting { micro_batch: plan.micro_batch(), tp: plan.tp(), recompute: plan.recompute() }
+/// The setting `stage` of `plan` runs with.
+fn stage_setting(plan: &Plan, stage: &Stage) -> Setting {
+    Setting { micro_batch: plan.micro_batch(), tp: plan.stage_tp(stage), recompute: plan.recompute() }
 }
 
 /// Prices `plan` (valid by construction).
@@ -119,11 +119,11 @@ struct ReplicaPrice {
     backward_s: Vec<f64>,
 }
 
-/// One layer's and the head's pass on each node group, priced once per plan: replicas repeat the
-/// same stages, and a big plan has thousands of them.
+/// One layer's and the head's pass on each node group at each TP degree, priced once per plan:
+/// replicas repeat the same stages, and a big plan has thousands of them.
 #[derive(Default)]
 struct LayerTimes {
-    by_group: BTreeMap<usize, (PassTime, PassTime)>,
+    by_group: BTreeMap<(usize, u32), (PassTime, PassTime)>,
 }
 
 impl LayerTimes {
@@ -135,9 +135,8 @@ impl LayerTimes {
         stage: &Stage,
         shape: StageShape,
     ) -> PassTime {
-        let group_idx = slot.group_idx;
-        let setting = plan_setting(plan);
-        let (layer, head) = *self.by_group.entry(group_idx).or_insert_with(|| {
+        let setting = stage_setting(plan, stage);
+        let (layer, head) = *self.by_group.entry((slot.group_idx, setting.tp)).or_insert_with(|| {
             let group = plan.stage_group(stage);
             (cost.layer_time(group, setting), cost.head_time(group, setting))
         });
@@ -152,7 +151,6 @@ fn price_replica(
     replica: &Replica,
     layers: &mut LayerTimes,
 ) -> ReplicaPrice {
-    let setting = plan_setting(plan);
     let pricer = ContextPricer { cost, cluster: plan.cluster(), slots, memory_headroom: plan.memory_headroom() };
     let passes: Vec<PassTime> = replica
         .stages
@@ -169,8 +167,11 @@ fn price_replica(
         .zip(&replica.boundaries)
         .map(|(pair, route)| {
             let (from, to) = (slots[pair[0].devices[0] as usize], slots[pair[1].devices[0] as usize]);
-            // Each device sends its own tokens; the fullest sends the most.
+            // Each device sends its own tokens; the fullest sends the most, on the side of the
+            // smaller TP group (sequence parallelism splits them over its members).
             let share = largest_token_share(plan, &pair[0]).max(largest_token_share(plan, &pair[1]));
+            let setting = stage_setting(plan, &pair[0]);
+            let setting = Setting { tp: setting.tp.min(plan.stage_tp(&pair[1])), ..setting };
             comm::link_between(plan.cluster(), from, to, route_mode(*route))
                 .transfer_s(share * cost.boundary_bytes(setting))
         })
@@ -182,7 +183,7 @@ fn price_replica(
         .iter()
         .zip(rank_shapes(plan, replica))
         .map(|(stage, shape)| {
-            let params = cost.stage_params(shape) / f64::from(plan.tp() * plan.stage_state_shards(stage));
+            let params = cost.stage_params(shape) / f64::from(plan.stage_tp(stage) * plan.stage_state_shards(stage));
             let device_s = |&id: &DeviceId| cost.optimizer_step_s(plan.device_group(id), params);
             stage.devices.iter().map(device_s).fold(0.0, f64::max)
         })
@@ -220,7 +221,7 @@ fn stage_memories<'a>(
 ) -> Vec<(&'a DeviceSpec, f64)> {
     let shards = plan.stage_state_shards(stage);
     let Some(context) = &stage.context else {
-        let bytes = cost.stage_memory(shape, plan_setting(plan), in_flight, shards).total();
+        let bytes = cost.stage_memory(shape, stage_setting(plan, stage), in_flight, shards).total();
         return vec![(&plan.stage_group(stage).device, bytes)];
     };
     let pricer = ContextPricer { cost, cluster: plan.cluster(), slots, memory_headroom: plan.memory_headroom() };
@@ -413,9 +414,11 @@ fn dp_sync_s(plan: &Plan, cost: &CostModel, slots: &[DeviceSlot], prices: &[Repl
             holders.iter().zip(plan.replicas()).map(|(&stage_idx, replica)| &replica.stages[stage_idx]).collect();
         let members: Vec<(DeviceSlot, Vendor)> =
             holder_stages.iter().map(|stage| (slots[stage.devices[0] as usize], plan.stage_vendor(stage))).collect();
-        // A long-context holder reduced over its own devices first: each shares its share.
+        // A long-context holder reduced over its own devices first: each shares its share. A
+        // holder of a smaller TP degree holds the larger shard.
         let shares = holder_stages.iter().map(|stage| sequence_holders(stage)).min().unwrap_or(1);
-        let bytes = dp_group_bytes(cost, plan.tp(), group.layers, plan.grad_reduce()) / f64::from(shares);
+        let tp = holder_stages.iter().map(|stage| plan.stage_tp(stage)).min().unwrap_or(1);
+        let bytes = dp_group_bytes(cost, tp, group.layers, plan.grad_reduce()) / f64::from(shares);
         let time_s = dp_group_time_s(plan.cluster(), &members, bytes, group.route, group.algorithm);
         let buckets = comm::gradient_buckets(bytes, members.len());
         for ((replica_idx, &stage_idx), replica) in holders.iter().enumerate().zip(plan.replicas()) {
@@ -463,18 +466,20 @@ fn dp_sync_s(plan: &Plan, cost: &CostModel, slots: &[DeviceSlot], prices: &[Repl
 /// are shared by the exchanges of every replica whose first or last rank sits there, not by all
 /// its GPUs. Zero for an untied model or a pipeline of one rank.
 pub fn tied_embedding_syncs_s(plan: &Plan, cost: &CostModel, slots: &[DeviceSlot]) -> Vec<f64> {
-    let ends: Vec<Option<(DeviceSlot, DeviceSlot)>> =
-        plan.replicas().iter().map(|replica| tied_ends(plan, slots, replica)).collect();
+    let ends: Vec<Option<TiedEnds>> = plan.replicas().iter().map(|replica| tied_ends(plan, slots, replica)).collect();
     // TP ranks exchanging through each node's NICs.
     let mut exchanges_on: BTreeMap<u32, u32> = BTreeMap::new();
-    for (first, last) in ends.iter().flatten() {
-        for node in [first.node_idx, last.node_idx] {
-            *exchanges_on.entry(node).or_insert(0) += plan.tp();
+    for ends in ends.iter().flatten() {
+        for (slot, tp) in [(ends.first, ends.first_tp), (ends.last, ends.last_tp)] {
+            *exchanges_on.entry(slot.node_idx).or_insert(0) += tp;
         }
     }
     let mode = plan.cluster().bridge().modes()[0];
-    let bytes = plan.grad_reduce().bytes() * params::embedding_params(cost.model()) as f64 / f64::from(plan.tp());
-    let sync_s = |(a, b): (DeviceSlot, DeviceSlot)| {
+    let embedding_bytes = plan.grad_reduce().bytes() * params::embedding_params(cost.model()) as f64;
+    let sync_s = |ends: TiedEnds| {
+        // The larger of the two vocabulary shards.
+        let bytes = embedding_bytes / f64::from(ends.first_tp.min(ends.last_tp));
+        let (a, b) = (ends.first, ends.last);
         let mut link = comm::link_between(plan.cluster(), a, b, mode);
         if a.node_idx != b.node_idx {
             let groups = plan.cluster().groups();
@@ -488,15 +493,30 @@ pub fn tied_embedding_syncs_s(plan: &Plan, cost: &CostModel, slots: &[DeviceSlot
     ends.into_iter().map(|ends| ends.map_or(0.0, sync_s)).collect()
 }
 
+/// Where a replica's tied embedding's two copies sit, and their stages' TP degrees.
+#[derive(Clone, Copy)]
+struct TiedEnds {
+    first: DeviceSlot,
+    first_tp: u32,
+    last: DeviceSlot,
+    last_tp: u32,
+}
+
 /// Where `replica`'s tied embedding's two copies sit: its first and its last rank, when the model
 /// ties them and the pipeline has more than one rank.
-fn tied_ends(plan: &Plan, slots: &[DeviceSlot], replica: &Replica) -> Option<(DeviceSlot, DeviceSlot)> {
+fn tied_ends(plan: &Plan, slots: &[DeviceSlot], replica: &Replica) -> Option<TiedEnds> {
     let n_ranks = plan.n_ranks(replica);
     if !plan.model().tie_embeddings() || n_ranks < 2 {
         return None;
     }
-    let end = |stage: &Stage| slots[stage.devices[0] as usize];
-    Some((end(&replica.stages[0]), end(&replica.stages[n_ranks - 1])))
+    let (first, last) = (&replica.stages[0], &replica.stages[n_ranks - 1]);
+    let slot = |stage: &Stage| slots[stage.devices[0] as usize];
+    Some(TiedEnds {
+        first: slot(first),
+        first_tp: plan.stage_tp(first),
+        last: slot(last),
+        last_tp: plan.stage_tp(last),
+    })
 }
 
 /// Devices of `stage` that each hold all of its parameters: a long-context stage's, or one (a

@@ -28,8 +28,8 @@ pub use layers::LayerRange;
 pub use long_context_stage::{HeadGroup, StageContext};
 pub use partition::{ClassShare, MAX_GROUPS, ReplicaClass, StageLoad, min_max_layers, split_micro_batches};
 pub use plan::{
-    DpGroup, GradientAlgorithm, PLAN_VERSION, PLAN_VERSION_WITHOUT_CONTEXT, Plan, PlanParts, Replica, Route, Stage,
-    state_shards,
+    DpGroup, GradientAlgorithm, PLAN_VERSION, PLAN_VERSION_PER_STAGE_TP, PLAN_VERSION_WITH_CONTEXT,
+    PLAN_VERSION_WITHOUT_CONTEXT, Plan, PlanParts, Replica, Route, Stage, state_shards,
 };
 pub use replica_shape::ReplicaShape;
 pub use search::{SearchOptions, search};

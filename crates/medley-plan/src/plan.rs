@@ -21,9 +21,15 @@ use crate::layers::LayerRange;
 use crate::long_context_stage::StageContext;
 
 /// The newest plan schema this build reads and writes. Version 2 added long-context stages
-/// ([`Stage::context`]); a plan says the oldest version that describes it, so a plan without
-/// them is still version 1 and older builds read it.
-pub const PLAN_VERSION: u32 = 2;
+/// ([`Stage::context`]), version 3 a TP degree per stage (each stage's device count); a plan
+/// says the oldest version that describes it, so older builds read what they can.
+pub const PLAN_VERSION: u32 = 3;
+
+/// The version of plans with long-context stages and one TP degree.
+pub const PLAN_VERSION_WITH_CONTEXT: u32 = 2;
+
+/// The version of plans whose stages differ in TP degree.
+pub const PLAN_VERSION_PER_STAGE_TP: u32 = 3;
 
 /// The oldest plan schema this build reads, and the version of plans without a context.
 pub const PLAN_VERSION_WITHOUT_CONTEXT: u32 = 1;
@@ -91,7 +97,8 @@ pub struct PlanParts {
     /// setting read as none, as they were checked.
     #[serde(default)]
     pub memory_headroom: f64,
-    /// Tensor-parallel degree of every stage; sequence parallelism is on when it exceeds 1.
+    /// Tensor-parallel degree of every stage (versions 1 and 2); from version 3, a stage's is its
+    /// device count and this is the largest. Sequence parallelism is on where it exceeds 1.
     pub tp: u32,
     /// Model chunks per pipeline rank, v (Megatron's virtual pipeline size). With v > 1 each
     /// replica's `stages` are its p·v *virtual* stages in model order, and virtual stage j runs
@@ -305,9 +312,34 @@ impl Plan {
             shard_gradients: self.parts.shard_gradients,
         }
     }
-    /// Tensor-parallel degree of every stage.
+    /// The largest tensor-parallel degree of any stage ([`Plan::stage_tp`] is each one's).
     pub fn tp(&self) -> u32 {
         self.parts.tp
+    }
+
+    /// The tensor-parallel degree of `stage`: its device count (1 on a long-context stage, whose
+    /// devices split each sequence instead).
+    pub fn stage_tp(&self, stage: &Stage) -> u32 {
+        if stage.context.is_some() { 1 } else { stage.devices.len() as u32 }
+    }
+
+    /// The TP degree of the plan's stages as people read it: `2`, or `1–4` where they differ.
+    pub fn tp_label(&self) -> String {
+        match self.uniform_tp() {
+            Some(tp) => tp.to_string(),
+            None => {
+                let degrees: BTreeSet<u32> = self.stages().map(|stage| self.stage_tp(stage)).collect();
+                let (low, high) = (degrees.first().copied().unwrap_or(1), degrees.last().copied().unwrap_or(1));
+                format!("{low}–{high}")
+            }
+        }
+    }
+
+    /// The TP degree every stage shares, if they do.
+    pub fn uniform_tp(&self) -> Option<u32> {
+        let mut degrees = self.stages().map(|stage| self.stage_tp(stage));
+        let first = degrees.next()?;
+        degrees.all(|tp| tp == first).then_some(first)
     }
     /// Model chunks per pipeline rank (see [`PlanParts::virtual_stages`]).
     pub fn virtual_stages(&self) -> u32 {
@@ -373,8 +405,9 @@ impl Plan {
             let (found, oldest, newest) = (parts.version, PLAN_VERSION_WITHOUT_CONTEXT, PLAN_VERSION);
             return Err(InvalidPlan::Version { found, oldest, newest }.into());
         }
-        if parts.version < PLAN_VERSION && self.has_context() {
-            return Err(InvalidPlan::ContextVersion { found: parts.version, needed: PLAN_VERSION }.into());
+        if parts.version < PLAN_VERSION_WITH_CONTEXT && self.has_context() {
+            let needed = PLAN_VERSION_WITH_CONTEXT;
+            return Err(InvalidPlan::ContextVersion { found: parts.version, needed }.into());
         }
         if parts.replicas.is_empty() {
             return Err(InvalidPlan::NoReplicas.into());
@@ -416,6 +449,10 @@ impl Plan {
                 .map_err(|problem| InvalidPlan::Replica { replica, problem })?;
         }
         self.validate_dp_groups()?;
+        let largest = self.stages().map(|stage| self.stage_tp(stage)).max().unwrap_or(1);
+        if largest != parts.tp {
+            return Err(InvalidPlan::LargestTp { tp: parts.tp, largest }.into());
+        }
         Ok(())
     }
 
@@ -449,8 +486,14 @@ impl Plan {
             if stage >= n_ranks {
                 continue;
             }
-            if shape.devices.len() != self.parts.tp as usize {
-                return Err(ReplicaProblem::TpGroup { stage, found: shape.devices.len(), tp: self.parts.tp });
+            let tp = shape.devices.len() as u32;
+            if self.parts.version < PLAN_VERSION_PER_STAGE_TP && tp != self.parts.tp {
+                let needed = PLAN_VERSION_PER_STAGE_TP;
+                return Err(ReplicaProblem::TpGroup { stage, found: shape.devices.len(), tp: self.parts.tp, needed });
+            }
+            if tp == 0 || !tp_splits_heads(&self.parts.model, tp) {
+                let (heads, kv_heads) = (self.parts.model.n_heads(), self.parts.model.n_kv_heads());
+                return Err(ReplicaProblem::StageTp { stage, tp, heads, kv_heads });
             }
             let mut node = None;
             for &id in &shape.devices {

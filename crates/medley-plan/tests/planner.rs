@@ -421,7 +421,7 @@ fn swap_replica_1_devices(plan: &mut PlanParts) {
 #[test]
 fn validate_names_what_a_hand_edit_broke() {
     let plan = hand_plan();
-    let cases: [(&str, Corruption, &str); 9] = [
+    let cases: [(&str, Corruption, &str); 10] = [
         ("device twice", |p| p.replicas[1].stages[1].devices[0] = 2, "device 2 is used twice"),
         (
             "layer gap",
@@ -430,7 +430,12 @@ fn validate_names_what_a_hand_edit_broke() {
         ),
         ("layers short", |p| p.replicas[1].stages[1].layers.end = 7, "stages cover layers 0..7 of the model's 8"),
         ("micro-batch total", |p| p.replicas[0].n_micro_batches = 5, "not the global batch 8"),
-        ("version", |p| p.version = 3, "plan version 3 is not supported"),
+        ("version", |p| p.version = 4, "plan version 4 is not supported"),
+        (
+            "a stage of its own TP degree in a version 1 plan",
+            |p| p.replicas[0].stages[0].devices = vec![0, 1],
+            "stages of their own TP degree need plan version 3",
+        ),
         (
             "native boundary across vendors",
             |p| p.replicas[0].boundaries[0] = Route::Native { vendor: Vendor::Nvidia },
@@ -1032,4 +1037,28 @@ fn an_mi250x_fleet_is_planned_as_its_gcds() {
     let next_link = medley_cost::comm::link_between(&fleet, first, next_package, BridgeMode::DeviceDirect);
     assert_eq!(sibling_link.gb_s, 200.0);
     assert!(next_link.gb_s < sibling_link.gb_s, "{next_link:?}");
+}
+
+/// Version 3: a stage's TP degree is its device count. Llama 3 8B on a node of 8 H100s, layers
+/// 0..16 on a TP group of 2 and 16..32 on one of 4: valid, read back, priced stage by stage (the
+/// second stage holds half the first's share of each layer), and refused as version 1.
+#[test]
+fn per_stage_tp_plans_are_version_3_and_priced_stage_by_stage() {
+    let uniform = llama3_8b_megatron("8xh100", Degrees::new(2, 2, 1), 8);
+    let mut parts = uniform.clone().into_parts();
+    parts.replicas[0].stages[1].devices = vec![2, 3, 4, 5];
+    parts.tp = 4;
+    assert!(Plan::new(parts.clone()).unwrap_err().to_string().contains("need plan version 3"));
+    parts.version = medley_plan::PLAN_VERSION_PER_STAGE_TP;
+    let mixed = Plan::new(parts).unwrap();
+    assert_eq!((mixed.uniform_tp(), mixed.tp_label().as_str()), (None, "2–4"));
+    let read: Plan = serde_json::from_str(&serde_json::to_string(&mixed).unwrap()).unwrap();
+    assert_eq!(read, mixed);
+    let calibration = Calibration::default();
+    let (before, after) = (evaluate(&uniform, &calibration), evaluate(&mixed, &calibration));
+    // The pipeline's slower stage (the one with the head) got faster with tp 4.
+    assert!(after.pipeline_s < before.pipeline_s, "{} vs {}", after.pipeline_s, before.pipeline_s);
+    let mut wrong = mixed.into_parts();
+    wrong.tp = 2;
+    assert!(Plan::new(wrong).unwrap_err().to_string().contains("largest stage TP degree"));
 }

@@ -210,7 +210,7 @@ fn candidates_table(candidates: &[Candidate], confirmed: &Ranked) -> Table {
             right(percent(utilisation.hfu)),
             right(seconds(candidate.prediction.step_time_s)),
             right(candidate.prediction.n_gpus_used),
-            right(plan.tp()),
+            right(plan.tp_label()),
             right(plan.micro_batch()),
             Cell::new(plan.recompute()),
             right(plan.replicas().len()),
@@ -225,8 +225,8 @@ fn candidates_table(candidates: &[Candidate], confirmed: &Ranked) -> Table {
 }
 
 /// The columns of the candidates table a plan is told apart by.
-fn summary_columns(plan: &Plan) -> (u32, u32, String, usize, String) {
-    (plan.tp(), plan.micro_batch(), plan.recompute().to_string(), plan.replicas().len(), pipeline_summary(plan))
+fn summary_columns(plan: &Plan) -> (String, u32, String, usize, String) {
+    (plan.tp_label(), plan.micro_batch(), plan.recompute().to_string(), plan.replicas().len(), pipeline_summary(plan))
 }
 
 /// For candidates whose table columns coincide with another's, what differs between them: their
@@ -363,8 +363,9 @@ pub fn explain(plan: &Plan) -> String {
     let bridged = boundaries.iter().filter(|route| matches!(route, Route::Bridge { .. })).count();
     let _ = writeln!(
         out,
-        "- tensor parallelism {} inside each node; {}, {bridged} of them across vendors{}",
-        plan.tp(),
+        "- tensor parallelism {} inside each node{}; {}, {bridged} of them across vendors{}",
+        plan.tp_label(),
+        if plan.uniform_tp().is_some() { "" } else { " (each stage its own)" },
         count(boundaries.len(), "pipeline boundary"),
         first_bridge(&boundaries).map(|route| format!(" over {route}")).unwrap_or_default()
     );

@@ -31,7 +31,7 @@ pub fn text(cluster_gpus: u32, plan: &Plan, report: &RunReport) -> String {
         plan.used_devices().len(),
         cluster_gpus,
         count(plan.replicas().len(), "replica"),
-        plan.tp(),
+        plan.tp_label(),
         count(plan.n_micro_batches() as usize, "micro-batch"),
     );
     let mut summary = table(&["step time", "tokens/s", "model TFLOP/s/GPU", "MFU", "HFU", "bubble", "comm wait"]);

@@ -28,9 +28,12 @@ pub(crate) fn split_dp_groups(
         let replica = &plan.replicas()[worker.id.replica as usize];
         plan.rank_of(replica, holder) == worker.id.pp_rank as usize
     };
-    let shard = |worker: &RankLayout| worker.tensor.map_or(0, |seat| seat.member as u32);
     let mut communicators = Vec::new();
     for (group_idx, group) in plan.dp_groups().iter().enumerate() {
+        // Holders of different TP degrees reduce whole tensors together (see
+        // [`mixed_tp_groups`]), holders of one each shard with the members holding the same.
+        let mixed = mixed_tp_groups(plan)[group_idx];
+        let shard = |worker: &RankLayout| if mixed { 0 } else { worker.tensor.map_or(0, |seat| seat.member as u32) };
         if layouts.iter().filter(|worker| holds(group_idx, worker) && shard(worker) == 0).count() < 2 {
             communicators.push(None);
             continue;
@@ -82,4 +85,20 @@ pub(crate) fn split_tensor_group(
     let key = layout.tensor.map_or(0, |seat| seat.member as i64);
     let comm = world.split(color, key).during(|| "forming the tensor-parallel groups".into())?;
     Ok(comm.zip(pacer).map(|(comm, pacer)| TensorGroup::new(comm, pacer, sent)))
+}
+
+/// Per DP group, whether its holders differ in TP degree: their shards of a parameter differ, so
+/// every worker of every holder reduces the whole tensors, its shard placed among zeros.
+pub(crate) fn mixed_tp_groups(plan: &Plan) -> Vec<bool> {
+    (0..plan.dp_groups().len())
+        .map(|group_idx| {
+            let mut degrees = plan
+                .holders(group_idx)
+                .into_iter()
+                .zip(plan.replicas())
+                .map(|(stage_idx, replica)| plan.stage_tp(&replica.stages[stage_idx]));
+            let first = degrees.next();
+            degrees.any(|tp| Some(tp) != first)
+        })
+        .collect()
 }

@@ -167,6 +167,14 @@ pub fn check_runnable(plan: &Plan) -> Result<(), RuntimeError> {
             plan.grad_reduce()
         )));
     }
+    if plan.zero1() && crate::groups::mixed_tp_groups(plan).into_iter().any(|mixed| mixed) {
+        return Err(RuntimeError::Unsupported(
+            "ZeRO-1 over replicas whose stages differ in TP degree: their shards of a parameter differ, which the \
+             runtime's distributed optimizer does not split; plan those replicas with one TP degree, or without \
+             ZeRO-1 (`--no-zero1`)"
+                .into(),
+        ));
+    }
     if plan.shard_gradients() {
         return Err(RuntimeError::Unsupported(
             "gradients sharded over the replicas (ZeRO-2): the runtime keeps every replica's gradients whole; plan \

@@ -21,7 +21,7 @@ use serde_json::json;
 
 use crate::emulation::{emulated, stretched};
 use crate::error::CommContext;
-use crate::groups::{split_context_groups, split_dp_groups, split_tensor_group};
+use crate::groups::{mixed_tp_groups, split_context_groups, split_dp_groups, split_tensor_group};
 use crate::long_context::Pacer;
 use crate::metrics::{StepClock, StepMetrics};
 use crate::native::{NativeGroup, native_group};
@@ -561,10 +561,20 @@ impl Worker {
     /// summed over its group; under ZeRO-1 each member keeps only its run of the sum.
     fn all_reduce_gradients(&mut self, dp_group: usize, layers: LayerRange) -> Result<(), RuntimeError> {
         let select = holds_layers(layers, self.config.n_layers);
-        if let Some(group) = &self.tensor {
+        let mixed = mixed_tp_groups(&self.plan)[dp_group];
+        if let Some(group) = self.tensor.as_ref().filter(|_| !mixed) {
             group.sum_replicated_grads(&mut self.stages, select)?;
         }
         let Some(comm) = self.dp.get_mut(dp_group).and_then(Option::as_mut) else { return Ok(()) };
+        if mixed {
+            return reduce_whole_tensors(
+                comm,
+                &mut self.stages,
+                select,
+                self.plan.dp_groups()[dp_group].algorithm.into(),
+            )
+            .during(|| format!("all-reducing the gradients of layers {layers} across TP degrees"));
+        }
         let mut flat = Vec::new();
         for stage in &mut self.stages {
             stage.grads_of_mut(select).for_each(|grad| flat.extend_from_slice(&grad.data));
@@ -693,4 +703,47 @@ pub(crate) fn zero_shards(
             Some(ZeroShard::take(stages, holds_layers(group.layers, n_layers), comm.rank(), comm.n_ranks()))
         })
         .collect()
+}
+
+/// Sums over `comm` the gradients of the parameters `select` picks, each worker's placed whole
+/// (its shard among zeros; a shared parameter's partial gradient likewise), and keeps each its
+/// shard of the sum: a DP group whose holders differ in TP degree, so in their shards.
+fn reduce_whole_tensors(
+    comm: &mut Communicator,
+    stages: &mut [StageState],
+    select: impl Fn(ParamGroup) -> bool + Copy,
+    algorithm: medley_comm::Algorithm,
+) -> Result<(), medley_comm::CommError> {
+    let picked = |spec: &medley_model::ParamSpec| select(spec.group);
+    let mut whole = Vec::new();
+    for stage in stages.iter_mut() {
+        for (spec, grad) in stage.grads_with_specs_mut(picked) {
+            let at = whole.len();
+            whole.resize(at + spec.full_shape().iter().product::<usize>(), 0.0);
+            match &spec.shard {
+                Some(shard) => shard.place(&grad.data, &mut whole[at..]),
+                None => whole[at..].copy_from_slice(&grad.data),
+            }
+        }
+    }
+    let mut summed = vec![0f32; whole.len()];
+    comm.collective(
+        Op::AllReduce { op: ReduceOp::Sum },
+        &Counts::Same(whole.len()),
+        Some(algorithm),
+        &whole,
+        &mut summed,
+    )?;
+    let mut at = 0;
+    for stage in stages.iter_mut() {
+        for (spec, grad) in stage.grads_with_specs_mut(picked) {
+            let len = spec.full_shape().iter().product::<usize>();
+            grad.data = match &spec.shard {
+                Some(shard) => shard.slice(&summed[at..at + len]),
+                None => summed[at..at + len].to_vec(),
+            };
+            at += len;
+        }
+    }
+    Ok(())
 }

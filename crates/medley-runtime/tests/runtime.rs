@@ -427,6 +427,63 @@ fn checkpoints_resume_under_other_tensor_pipeline_and_data_parallel_layouts() {
     }
 }
 
+/// A plan of the tiny model on `cluster` whose stages have their own TP degree: replica r runs
+/// `replicas[r].0` micro-batches over stages of `(layers, tp)`, each on the next `tp` devices.
+fn per_stage_tp_plan(cluster: &str, replicas: &[(u32, &[(u32, u32)])], zero1: bool) -> Plan {
+    let cluster = Cluster::from_inline(cluster, Default::default(), Default::default()).unwrap();
+    let model = catalog_model("tiny").unwrap();
+    let global_batch = replicas.iter().map(|(m, _)| m).sum();
+    let parts = JobParts { seq_len: SEQ_LEN, global_batch, micro_batch: Some(1), zero1, ..JobParts::default() };
+    let job = JobSpec::new(parts, "test").unwrap();
+    let calibration = Calibration::default();
+    let cost = CostModel::new(&model, SEQ_LEN, &calibration);
+    let largest = replicas.iter().flat_map(|(_, stages)| stages.iter().map(|&(_, tp)| tp)).max().unwrap();
+    let setting = Setting { micro_batch: 1, tp: largest, recompute: Recompute::None };
+    let mut next_device = 0;
+    let layouts = replicas
+        .iter()
+        .map(|&(n_micro_batches, stages)| {
+            let devices = stages
+                .iter()
+                .map(|&(_, tp)| {
+                    next_device += tp;
+                    (next_device - tp..next_device).collect()
+                })
+                .collect();
+            let counts: Vec<u32> = stages.iter().map(|&(layers, _)| layers).collect();
+            ReplicaLayout { n_micro_batches, stages: stages_from_counts(devices, &counts) }
+        })
+        .collect();
+    let mut parts = assemble(&cluster, &cost, &job, setting, one_f_one_b(), 1, layouts);
+    parts.version = medley_plan::PLAN_VERSION_PER_STAGE_TP;
+    Plan::new(parts).unwrap()
+}
+
+/// Stages of their own TP degree: tp 1 and tp 2 stages in one replica, replicas of different TP
+/// degrees (their gradients reduced whole), and both at once.
+#[test]
+fn per_stage_tensor_parallel_plans_train_like_one_process() {
+    let reference = train_over(&plan("1xh100", &[(4, &[8])], 1), one_f_one_b(), None, WELL_CONDITIONED);
+    let cases = [
+        ("tp 1 then tp 2 in one replica, ZeRO-1", per_stage_tp_plan("4xh100", &[(4, &[(3, 1), (5, 2)])], true)),
+        ("replicas of tp 2 and tp 1", per_stage_tp_plan("4xh100", &[(3, &[(8, 2)]), (1, &[(8, 1)])], false)),
+        (
+            "both, with stages cut apart",
+            per_stage_tp_plan("8xh100", &[(3, &[(3, 2), (5, 1)]), (1, &[(5, 1), (3, 2)])], false),
+        ),
+    ];
+    for (name, plan) in cases {
+        assert!(plan.uniform_tp().is_none() && plan.version() == medley_plan::PLAN_VERSION_PER_STAGE_TP, "{name}");
+        let (losses, tensors) = train_over(&plan, one_f_one_b(), None, WELL_CONDITIONED);
+        let weights = f64::from(max_relative_difference(&reference.1, &tensors));
+        let loss = losses.iter().zip(&reference.0).fold(0f64, |m, (a, b)| m.max((a - b).abs() / b.abs()));
+        assert!(loss <= 1e-5 && weights <= 1e-4, "{name}: loss differs by {loss:e}, weights by {weights:e} (relative)");
+    }
+    let refused = per_stage_tp_plan("4xh100", &[(3, &[(8, 2)]), (1, &[(8, 1)])], true);
+    let refused = medley_runtime::check_runnable(&refused).unwrap_err().to_string();
+    assert!(refused.contains("differ in TP degree") && refused.contains("--no-zero1"), "{refused}");
+}
+
 #[test]
 fn a_throttled_link_slows_transfers_but_not_the_result() {
     let plan = plan("2xh100", &[(4, &[4, 4])], 1);

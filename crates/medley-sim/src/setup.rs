@@ -144,7 +144,6 @@ impl<'p> Setup<'p> {
         let cost = CostModel::new(plan.model(), plan.seq_len(), calibration)
             .with_attention(plan.attention())
             .with_states(plan.state_format());
-        let setting = Setting { micro_batch: plan.micro_batch(), tp: plan.tp(), recompute: plan.recompute() };
         let slots = plan.cluster().devices();
         let links = SharedLinks::new(plan.cluster(), network);
         let mut ranks = Vec::new();
@@ -154,6 +153,8 @@ impl<'p> Setup<'p> {
             for rank_idx in 0..n_ranks {
                 let stage = &replica.stages[rank_idx];
                 let group = plan.stage_group(stage);
+                let tp = plan.stage_tp(stage);
+                let setting = Setting { micro_batch: plan.micro_batch(), tp, recompute: plan.recompute() };
                 // Virtual stages rank_idx, rank_idx + p, ...: the rank's chunks in order.
                 let chunk_shapes: Vec<StageShape> = (rank_idx..n_stages)
                     .step_by(n_ranks)
@@ -181,7 +182,7 @@ impl<'p> Setup<'p> {
                                 ChunkCost::of(cost.stage_time(group, shape, setting), activation_bytes, None)
                             })
                             .collect();
-                        let params_per_device = cost.stage_params(rank_shape) / f64::from(plan.tp() * shards);
+                        let params_per_device = cost.stage_params(rank_shape) / f64::from(tp * shards);
                         RankParts {
                             device_name: group.device.name.clone(),
                             layer_phases: None,
@@ -242,18 +243,21 @@ impl<'p> Setup<'p> {
                     embedding: layers.start == 0,
                     head: layers.end == plan.model().n_layers(),
                 };
-                // A long-context holder reduced over its devices first: each holds a share.
-                let holder_devices = plan
+                let holders: Vec<&Stage> = plan
                     .holders(group_idx)
                     .iter()
                     .zip(plan.replicas())
-                    .map(|(&stage_idx, replica)| match &replica.stages[stage_idx].context {
-                        Some(_) => replica.stages[stage_idx].devices.len(),
-                        None => 1,
-                    })
+                    .map(|(&stage_idx, replica)| &replica.stages[stage_idx])
+                    .collect();
+                // A long-context holder reduced over its devices first: each holds a share. A
+                // holder of a smaller TP degree holds the larger shard.
+                let holder_devices = holders
+                    .iter()
+                    .map(|stage| if stage.context.is_some() { stage.devices.len() } else { 1 })
                     .min()
                     .unwrap_or(1);
-                plan.grad_reduce().bytes() * cost.stage_params(shape) / f64::from(plan.tp()) / holder_devices as f64
+                let tp = holders.iter().map(|stage| plan.stage_tp(stage)).min().unwrap_or(1);
+                plan.grad_reduce().bytes() * cost.stage_params(shape) / f64::from(tp) / holder_devices as f64
             })
             .collect();
         Ok(Setup { plan, ranks, dp_members, dp_bytes, links })

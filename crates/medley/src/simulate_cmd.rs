@@ -219,7 +219,7 @@ fn chosen(what: &str, plan: &Plan) -> String {
     let vpp = if plan.virtual_stages() > 1 { format!(",vpp={}", plan.virtual_stages()) } else { String::new() };
     format!(
         "medley simulate: {what}: tp={},pp={pp},dp={}{vpp}, micro-batch {}, recompute {}",
-        plan.tp(),
+        plan.tp_label(),
         plan.replicas().len(),
         plan.micro_batch(),
         plan.recompute()

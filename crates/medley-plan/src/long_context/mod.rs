@@ -38,7 +38,7 @@ use crate::layers::LayerRange;
 use crate::long_context_price::{ContextPricer, StageFrame};
 use crate::long_context_stage::{HeadGroup, StageContext};
 use crate::partition::{ClassShare, ReplicaClass, check_group_count, set_partitions, split_micro_batches};
-use crate::plan::{PLAN_VERSION, Plan, Stage, state_shards};
+use crate::plan::{PLAN_VERSION_WITH_CONTEXT, Plan, Stage, state_shards};
 use crate::shard_split::{GroupCost, GroupKind, KindShare, split_by_kind};
 
 /// Sequences at least this long also get context-parallel candidates.
@@ -484,7 +484,7 @@ impl<'a> ContextSpace<'a> {
     fn plan(&self, recompute: Recompute, replicas: Vec<ReplicaLayout>) -> Result<Plan, PlanError> {
         let setting = Setting { micro_batch: 1, tp: 1, recompute };
         let mut parts = assemble(self.cluster, &self.cost, self.job, setting, self.job.schedule(), 1, replicas);
-        parts.version = PLAN_VERSION;
+        parts.version = PLAN_VERSION_WITH_CONTEXT;
         Plan::new(parts)
     }
 }
