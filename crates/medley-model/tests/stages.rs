@@ -7,21 +7,12 @@ use std::ops::Range;
 use medley_model::data::Dataset;
 use medley_model::{AdamW, ComputeDevice, HostTensor, MicroBatch, ModelConfig, StageOutput, StageState, stage_compute};
 
-const SEED: u64 = 42;
+mod common;
+
+use common::SEED;
 
 fn small_config() -> ModelConfig {
-    ModelConfig {
-        n_layers: 4,
-        hidden: 32,
-        n_heads: 4,
-        n_kv_heads: 2,
-        ffn_hidden: 64,
-        vocab: 256,
-        seq_len: 16,
-        rope_theta: 10_000.0,
-        rope_scaling: None,
-        norm_eps: 1e-5,
-    }
+    common::config(16)
 }
 
 fn stage(config: &ModelConfig, layers: Range<usize>) -> StageState {

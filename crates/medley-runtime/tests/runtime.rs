@@ -117,6 +117,32 @@ fn run_workers_each<R: Send>(
     })
 }
 
+/// A worker's losses and whole checkpoint tensors after training.
+type Trained = (Vec<f64>, Vec<(String, HostTensor)>);
+
+/// Every worker of `plan` trains under `train`, first resuming from `resume`'s latest checkpoint
+/// if given: each one's losses and whole checkpoint tensors.
+fn train_workers(
+    plan: &Plan,
+    options: WorkerOptions,
+    train: &TrainOptions,
+    resume: Option<&std::path::Path>,
+) -> Vec<Trained> {
+    run_workers(plan, options, |mut worker| {
+        if let Some(dir) = resume {
+            worker.resume(dir).unwrap();
+        }
+        let mut losses = Vec::new();
+        worker
+            .train(train, None, |metrics: &StepMetrics| {
+                losses.push(metrics.loss);
+                Ok(())
+            })
+            .unwrap();
+        (losses, worker.checkpoint_tensors().unwrap())
+    })
+}
+
 fn train_over(
     plan: &Plan,
     schedule: Schedule,
@@ -131,16 +157,7 @@ fn train_over(
         keep_checkpoints: 1,
         stop: None,
     };
-    let results = run_workers(plan, worker_options(adamw, link), |mut worker| {
-        let mut losses = Vec::new();
-        worker
-            .train(&train, None, |metrics: &StepMetrics| {
-                losses.push(metrics.loss);
-                Ok(())
-            })
-            .unwrap();
-        (losses, worker.checkpoint_tensors().unwrap())
-    });
+    let results = train_workers(plan, worker_options(adamw, link), &train, None);
     let losses = results[0].0.clone();
     assert!(results.iter().all(|(l, _)| *l == losses), "every rank reports the same losses");
     let mut tensors: Vec<_> = results.into_iter().flat_map(|(_, tensors)| tensors).collect();
@@ -382,19 +399,8 @@ fn train_to_checkpoint(plan: &Plan, dir: &std::path::Path, until: u64) -> (Vec<f
         keep_checkpoints: 10,
         stop: None,
     };
-    let results = run_workers(plan, worker_options(WELL_CONDITIONED, None), |mut worker| {
-        if dir.join("latest").exists() {
-            worker.resume(dir).unwrap();
-        }
-        let mut losses = Vec::new();
-        worker
-            .train(&train, None, |metrics: &StepMetrics| {
-                losses.push(metrics.loss);
-                Ok(())
-            })
-            .unwrap();
-        (losses, worker.checkpoint_tensors().unwrap())
-    });
+    let resume = dir.join("latest").exists().then_some(dir);
+    let results = train_workers(plan, worker_options(WELL_CONDITIONED, None), &train, resume);
     let mut tensors: Vec<_> = results.iter().flat_map(|(_, tensors)| tensors.clone()).collect();
     tensors.sort_by(|a, b| a.0.cmp(&b.0));
     tensors.dedup_by(|a, b| a.0 == b.0);
