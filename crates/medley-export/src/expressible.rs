@@ -91,10 +91,13 @@ pub fn restrict(
     // Neither framework shards gradients with the optimizer states (ZeRO-2), and torchtitan
     // shards no optimizer states alone (ZeRO-1): searched again without what it lacks.
     let runnable = job.clone().with_zero1(job.zero1() && framework.has_zero1()).with_shard_gradients(false);
-    let (job, candidates) = match runnable != *job {
+    // Nor gives either framework its stages their own TP degrees.
+    let per_stage_tp = candidates.iter().any(|candidate| candidate.plan.uniform_tp().is_none());
+    let options = SearchOptions { per_stage_tp: false, ..options.clone() };
+    let (job, candidates) = match runnable != *job || per_stage_tp {
         true => {
             let job = runnable;
-            let searched = match search(cluster, model, &job, calibration, options) {
+            let searched = match search(cluster, model, &job, calibration, &options) {
                 Ok(outcome) => outcome.candidates,
                 Err(PlanError::NothingFits(_)) => Vec::new(),
                 Err(err) => return Err(err),

@@ -146,12 +146,15 @@ fn check_candidate(cluster: &Cluster, model: &ModelSpec, job: &JobSpec, candidat
     assert!(plan.replicas().iter().all(|replica| replica.n_micro_batches >= 1), "{context}");
 
     // Devices exist, each used at most once (by one rank, however many chunks it holds); each
-    // stage is tp devices of one node and one group.
+    // stage is its TP group's devices (at most the plan's largest degree), of one node and group.
     let slots = cluster.devices();
     let mut used = BTreeSet::new();
     for replica in plan.replicas() {
         for stage in &replica.stages[..plan.n_ranks(replica)] {
-            assert_eq!(stage.devices.len(), plan.tp() as usize, "{context}");
+            assert!(
+                stage.devices.len() as u32 == plan.stage_tp(stage) && plan.stage_tp(stage) <= plan.tp(),
+                "{context}"
+            );
             let places: BTreeSet<(u32, usize)> = stage
                 .devices
                 .iter()
@@ -1061,4 +1064,29 @@ fn per_stage_tp_plans_are_version_3_and_priced_stage_by_stage() {
     let mut wrong = mixed.into_parts();
     wrong.tp = 2;
     assert!(Plan::new(wrong).unwrap_err().to_string().contains("largest stage TP degree"));
+}
+
+/// Where memory forces it, the search gives a memory-poor device type more TP than the others:
+/// Llama 3 70B on 16 H100s (80 GB) and 16 A100s (40 GB), the A100 stages at twice the H100s'
+/// degree, beats the best plan of one degree; and the search of one degree (what Megatron-LM
+/// and torchtitan run) finds none such.
+#[test]
+fn memory_poor_device_types_take_more_tensor_parallelism() {
+    let (cluster, model) = (cluster("16xh100,16xa100-40gb"), model("llama3-70b"));
+    let job = job(4096, 64, None, None);
+    let calibration = Calibration::default();
+    let best = |per_stage_tp| {
+        let options = SearchOptions { top: 1, per_stage_tp, ..SearchOptions::default() };
+        search(&cluster, &model, &job, &calibration, &options).unwrap().candidates.remove(0)
+    };
+    let (per_stage, uniform) = (best(true), best(false));
+    assert_eq!(uniform.plan.uniform_tp(), Some(uniform.plan.tp()));
+    let degree_of = |name: &str| {
+        let mut stages = per_stage.plan.replicas().iter().flat_map(|replica| &replica.stages);
+        let stage = stages.find(|stage| per_stage.plan.stage_group(stage).device.name == name);
+        per_stage.plan.stage_tp(stage.expect("the plan uses both types"))
+    };
+    assert_eq!(degree_of("A100-40GB"), 2 * degree_of("H100-SXM"), "{}", describe(&per_stage));
+    let (faster, slower) = (per_stage.prediction.step_time_s, uniform.prediction.step_time_s);
+    assert!(faster < slower, "per-stage TP {faster} s, one degree {slower} s");
 }

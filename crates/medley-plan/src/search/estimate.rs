@@ -1,12 +1,12 @@
 //! The search's estimate of a layout's gradient synchronisation and optimizer step, priced the
 //! way `evaluate` prices a plan but from block templates instead of device slots.
 
+use medley_cost::StageShape;
 use medley_cost::comm::{self, DomainPart, Link};
-use medley_cost::{Setting, StageShape};
 use medley_spec::Vendor;
 
-use super::Space;
 use super::template::BlockConfig;
+use super::{GroupSettings, Space};
 use crate::evaluate::dp_group_bytes;
 use crate::layers::LayerRange;
 use crate::plan::state_shards;
@@ -16,7 +16,7 @@ impl Space<'_> {
     /// stage per block: a native ring when the holders share a vendor, else the cheaper of a
     /// ring and a hierarchical all-reduce over the bridge. A stage pays for every range it holds;
     /// the slowest stage sets the time.
-    pub(super) fn dp_sync_estimate_s(&self, setting: Setting, blocks: &[&BlockConfig]) -> f64 {
+    pub(super) fn dp_sync_estimate_s(&self, setting: &GroupSettings, blocks: &[&BlockConfig]) -> f64 {
         let n_replicas: u32 = blocks.iter().map(|block| block.n_replicas).sum();
         if n_replicas < 2 {
             return 0.0;
@@ -33,7 +33,10 @@ impl Space<'_> {
                 .iter()
                 .map(|block_starts| block_starts.partition_point(|&start| start <= range.start) - 1)
                 .collect();
-            let bytes = dp_group_bytes(&self.cost, setting.tp, range, self.job.grad_reduce());
+            // A holder of a smaller TP degree holds the larger shard.
+            let tp =
+                blocks.iter().zip(&holders).map(|(block, &h)| setting.tp(block.stage_groups[h])).min().unwrap_or(1);
+            let bytes = dp_group_bytes(&self.cost, tp, range, self.job.grad_reduce());
             let time_s = self.range_sync_s(blocks, &holders, bytes, n_replicas);
             for (stages, &holder) in per_stage.iter_mut().zip(&holders) {
                 stages[holder] = (stages[holder].0 + time_s, stages[holder].1 + bytes);
@@ -95,7 +98,7 @@ impl Space<'_> {
     }
 
     /// The slowest stage's optimizer step, its states sharded over all replicas with ZeRO-1.
-    pub(super) fn optimizer_estimate_s(&self, setting: Setting, blocks: &[&BlockConfig]) -> f64 {
+    pub(super) fn optimizer_estimate_s(&self, setting: &GroupSettings, blocks: &[&BlockConfig]) -> f64 {
         let n_replicas: u32 = blocks.iter().map(|block| block.n_replicas).sum();
         let shards = state_shards(self.job.zero1(), n_replicas, 1);
         let groups = self.cluster.groups();
@@ -105,7 +108,7 @@ impl Space<'_> {
                 let n_stages = block.layers.len();
                 block.layers.iter().zip(&block.stage_groups).enumerate().map(move |(idx, (&n_layers, &g))| {
                     let shape = StageShape::in_pipeline(idx, n_stages, n_layers);
-                    let params = self.cost.stage_params(shape) / f64::from(setting.tp) / f64::from(shards);
+                    let params = self.cost.stage_params(shape) / f64::from(setting.tp(g)) / f64::from(shards);
                     self.cost.optimizer_step_s(&groups[g], params)
                 })
             })

@@ -19,7 +19,7 @@ mod enumerate;
 mod estimate;
 mod template;
 
-use std::collections::{BTreeMap, HashMap};
+use std::collections::{BTreeMap, HashMap, HashSet};
 
 use itertools::iproduct;
 use medley_cost::comm::{self, Link};
@@ -52,6 +52,9 @@ pub struct SearchOptions {
     pub context_from_tokens: u32,
     /// The largest tensor-parallel degree to try.
     pub max_tp: u32,
+    /// Also try memory-poorer device types at twice the others' TP degree (a version 3 plan,
+    /// which Megatron-LM and torchtitan do not run).
+    pub per_stage_tp: bool,
 }
 
 impl Default for SearchOptions {
@@ -62,6 +65,7 @@ impl Default for SearchOptions {
             exhaustive: false,
             context_from_tokens: LONG_CONTEXT_TOKENS,
             max_tp: TP_DEGREES[TP_DEGREES.len() - 1],
+            per_stage_tp: true,
         }
     }
 }
@@ -124,9 +128,14 @@ fn search_tensor_parallel(
     check_group_count(allowed.len())?;
     let mut settings = candidate_settings(cluster, model, job, &allowed);
     settings.retain(|setting| setting.tp <= options.max_tp);
-    let passes = settings
-        .iter()
-        .flat_map(|&setting| allowed.iter().map(move |&g| (g, setting)))
+    let settings: Vec<GroupSettings> = settings
+        .into_iter()
+        .flat_map(|setting| GroupSettings::candidates(cluster, model, &allowed, setting, options))
+        .collect();
+    let pairs: HashSet<(usize, Setting)> =
+        settings.iter().flat_map(|settings| allowed.iter().map(move |&g| (g, settings.at(g)))).collect();
+    let passes = pairs
+        .into_iter()
         .map(|(g, setting)| {
             let group = &cluster.groups()[g];
             ((g, setting), (cost.layer_time(group, setting), cost.head_time(group, setting)))
@@ -143,7 +152,7 @@ fn search_tensor_parallel(
         passes,
     };
     let per_setting: Vec<(Vec<Layout>, usize)> =
-        settings.par_iter().map(|&setting| space.layouts(setting, &allowed)).collect();
+        settings.par_iter().map(|setting| space.layouts(setting, &allowed)).collect();
     let layouts_priced = per_setting.iter().map(|(_, priced)| priced).sum();
     let finalists: Vec<Layout> = per_setting.into_iter().flat_map(|(layouts, _)| layouts).collect();
     // 1F1B lets every finalist also run interleaved, when that is faster (fewer micro-batches
@@ -190,10 +199,62 @@ pub(crate) fn settings_with_tp(job: &JobSpec, tp: u32) -> Vec<Setting> {
         .collect()
 }
 
+/// What the search fixes for a layout: the micro-batch and recomputation every stage shares, and
+/// each node group's TP degree.
+#[derive(Clone, Debug, PartialEq, Eq, Hash)]
+pub(crate) struct GroupSettings {
+    base: Setting,
+    /// TP degree per node group of the cluster.
+    tp_by_group: Vec<u32>,
+}
+
+impl GroupSettings {
+    /// `setting` on every allowed group; and, where the allowed groups' devices differ in memory,
+    /// the memory-poorer groups at twice its TP degree where their nodes and the model's heads
+    /// allow it (Metis, FlashFlex and Sailor choose TP per device type alike).
+    fn candidates(
+        cluster: &Cluster,
+        model: &ModelSpec,
+        allowed: &[usize],
+        setting: Setting,
+        options: &SearchOptions,
+    ) -> Vec<GroupSettings> {
+        let groups = cluster.groups();
+        let uniform = GroupSettings { base: setting, tp_by_group: vec![setting.tp; groups.len()] };
+        let richest = allowed.iter().map(|&g| groups[g].device.hbm_gib).fold(0.0, f64::max);
+        let doubled = setting.tp * 2;
+        let takes_more = |g: usize| {
+            options.per_stage_tp
+                && groups[g].device.hbm_gib < richest
+                && doubled <= options.max_tp
+                && groups[g].gpus_per_node.is_multiple_of(doubled)
+                && tp_splits_heads(model, doubled)
+        };
+        let mut more = uniform.clone();
+        for &g in allowed.iter().filter(|&&g| takes_more(g)) {
+            more.tp_by_group[g] = doubled;
+        }
+        if more == uniform { vec![uniform] } else { vec![uniform, more] }
+    }
+
+    /// The setting of node group `g`'s stages.
+    pub(crate) fn at(&self, g: usize) -> Setting {
+        Setting { tp: self.tp_by_group[g], ..self.base }
+    }
+
+    pub(crate) fn tp(&self, g: usize) -> u32 {
+        self.tp_by_group[g]
+    }
+
+    pub(crate) fn micro_batch(&self) -> u32 {
+        self.base.micro_batch
+    }
+}
+
 /// A layout: blocks and their replicas' batch shares.
 #[derive(Clone, Debug)]
 struct Layout {
-    setting: Setting,
+    setting: GroupSettings,
     blocks: Vec<BlockConfig>,
     shares: Vec<ClassShare>,
     estimate_s: f64,
@@ -228,16 +289,16 @@ impl Space<'_> {
         self.cost.stage_pass(shape, self.layer_time(g, setting), self.head_time(g, setting))
     }
 
-    fn n_micro_batches(&self, setting: Setting) -> u32 {
-        self.job.global_batch() / setting.micro_batch
+    fn n_micro_batches(&self, setting: &GroupSettings) -> u32 {
+        self.job.global_batch() / setting.micro_batch()
     }
 
     /// The best layouts for one setting, and how many configurations were priced.
-    fn layouts(&self, setting: Setting, allowed: &[usize]) -> (Vec<Layout>, usize) {
+    fn layouts(&self, setting: &GroupSettings, allowed: &[usize]) -> (Vec<Layout>, usize) {
         let usable: Vec<usize> = allowed
             .iter()
             .copied()
-            .filter(|&g| self.cluster.groups()[g].gpus_per_node.is_multiple_of(setting.tp))
+            .filter(|&g| self.cluster.groups()[g].gpus_per_node.is_multiple_of(setting.tp(g)))
             .collect();
         let block_configs = self.block_configs_by_mask(setting, &usable);
         let priced_templates: usize = block_configs.values().map(|(_, priced)| priced).sum();
@@ -247,7 +308,11 @@ impl Space<'_> {
 
     /// Per subset of `usable` groups (a bit mask over them): its best templates, and how many
     /// were priced.
-    fn block_configs_by_mask(&self, setting: Setting, usable: &[usize]) -> BTreeMap<u32, (Vec<BlockConfig>, usize)> {
+    fn block_configs_by_mask(
+        &self,
+        setting: &GroupSettings,
+        usable: &[usize],
+    ) -> BTreeMap<u32, (Vec<BlockConfig>, usize)> {
         (1..(1u32 << usable.len()))
             .map(|mask| {
                 let block: Vec<usize> =
@@ -269,7 +334,7 @@ impl Space<'_> {
     /// priced; the best kept, and how many were priced.
     fn best_layouts(
         &self,
-        setting: Setting,
+        setting: &GroupSettings,
         n_groups: usize,
         block_configs: &BTreeMap<u32, (Vec<BlockConfig>, usize)>,
     ) -> (Vec<Layout>, usize) {
@@ -296,12 +361,12 @@ impl Space<'_> {
     }
 
     /// Every pipeline template of one block of node groups.
-    fn block_configs(&self, setting: Setting, block: &[usize]) -> Vec<BlockConfig> {
+    fn block_configs(&self, setting: &GroupSettings, block: &[usize]) -> Vec<BlockConfig> {
         let groups = self.cluster.groups();
         let n_layers = self.cost.model().n_layers();
         let mut configs = Vec::new();
         for order in type_orders(groups, block) {
-            let units: Vec<u32> = order.iter().map(|&g| groups[g].n_gpus() / setting.tp).collect();
+            let units: Vec<u32> = order.iter().map(|&g| groups[g].n_gpus() / setting.tp(g)).collect();
             for (n_replicas, stages_per_group) in stage_vectors(&units, n_layers, self.n_micro_batches(setting)) {
                 let order_counts: Vec<(usize, u32)> = order.iter().copied().zip(stages_per_group).collect();
                 for &placement in Placement::distinct(&order_counts, n_replicas) {
@@ -316,7 +381,7 @@ impl Space<'_> {
 
     /// Splits the batch over the layout's replicas and estimates the step.
     /// `None` when the batch does not split or the pipeline alone reaches `cutoff_s`.
-    fn price_layout(&self, setting: Setting, blocks: &[&BlockConfig], cutoff_s: f64) -> Option<Layout> {
+    fn price_layout(&self, setting: &GroupSettings, blocks: &[&BlockConfig], cutoff_s: f64) -> Option<Layout> {
         let classes: Vec<ReplicaClass> =
             blocks.iter().map(|block| ReplicaClass { timing: block.timing, count: block.n_replicas }).collect();
         let (pipeline_s, shares) = split_micro_batches(&classes, self.n_micro_batches(setting))?;
@@ -325,7 +390,8 @@ impl Space<'_> {
         }
         let estimate_s =
             pipeline_s + self.dp_sync_estimate_s(setting, blocks) + self.optimizer_estimate_s(setting, blocks);
-        Some(Layout { setting, blocks: blocks.iter().map(|&block| block.clone()).collect(), shares, estimate_s })
+        let blocks = blocks.iter().map(|&block| block.clone()).collect();
+        Some(Layout { setting: setting.clone(), blocks, shares, estimate_s })
     }
 
     fn best_bridge_link(&self, nic: Link) -> Link {
@@ -358,7 +424,7 @@ impl Space<'_> {
     /// The plan of `layout` with `chunks` model chunks per rank, if every rank has a layer for
     /// each chunk and every replica's micro-batch count suits the interleaved order.
     fn assemble(&self, layout: &Layout, chunks: u32) -> Option<Plan> {
-        let tp = layout.setting.tp;
+        let setting = &layout.setting;
         let mut replicas = Vec::new();
         for (block, shares) in layout.blocks.iter().zip(&layout.shares) {
             for (replica_idx, n_micro_batches) in shares.per_replica().enumerate() {
@@ -369,8 +435,8 @@ impl Space<'_> {
                     .flat_map(|&(g, count)| {
                         (0..count).map(move |stage_in_group| {
                             let unit = block.placement.unit(replica_idx, stage_in_group, count, block.n_replicas);
-                            let first = self.first_ids[g] + unit * tp;
-                            (first..first + tp).collect()
+                            let first = self.first_ids[g] + unit * setting.tp(g);
+                            (first..first + setting.tp(g)).collect()
                         })
                     })
                     .collect();
@@ -379,7 +445,8 @@ impl Space<'_> {
             }
         }
         let schedule = if chunks > 1 { Schedule::Fixed(ScheduleKind::Interleaved) } else { self.job.schedule() };
-        Some(Plan::assembled(assemble(self.cluster, &self.cost, self.job, layout.setting, schedule, chunks, replicas)))
+        // Each stage's TP degree is its device count; the base gives the rest.
+        Some(Plan::assembled(assemble(self.cluster, &self.cost, self.job, setting.base, schedule, chunks, replicas)))
     }
 }
 

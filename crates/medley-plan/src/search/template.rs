@@ -5,8 +5,8 @@ use medley_cost::comm::{self, Link};
 use medley_cost::{PassTime, Setting, StageShape};
 use medley_spec::DeviceSlot;
 
-use super::Space;
 use super::enumerate::compositions_within;
+use super::{GroupSettings, Space};
 use crate::evaluate::PipelineTiming;
 use crate::partition::{StageLoad, fill_within, least_bound_s, next_bound_s};
 use crate::plan::state_shards;
@@ -94,7 +94,7 @@ const UNBOUNDED: Link = Link { gb_s: f64::INFINITY, latency_us: 0.0 };
 /// One block's stages, for pricing its layer splits.
 pub(super) struct Template<'s, 'a> {
     space: &'s Space<'a>,
-    setting: Setting,
+    setting: &'s GroupSettings,
     order: Vec<(usize, u32)>,
     placement: Placement,
     n_replicas: u32,
@@ -108,7 +108,7 @@ pub(super) struct Template<'s, 'a> {
 impl<'s, 'a> Template<'s, 'a> {
     pub fn new(
         space: &'s Space<'a>,
-        setting: Setting,
+        setting: &'s GroupSettings,
         order: Vec<(usize, u32)>,
         placement: Placement,
         n_replicas: u32,
@@ -144,7 +144,7 @@ impl<'s, 'a> Template<'s, 'a> {
     fn slot(&self, replica: u32, stage_idx: usize) -> DeviceSlot {
         let (g, stage_in_group, count) = self.positions[stage_idx];
         let unit = self.placement.unit(replica, stage_in_group, count, self.n_replicas);
-        self.space.slots[(self.space.first_ids[g] + unit * self.setting.tp) as usize]
+        self.space.slots[(self.space.first_ids[g] + unit * self.setting.tp(g)) as usize]
     }
 
     fn sampled_replicas(&self) -> std::ops::Range<u32> {
@@ -153,7 +153,7 @@ impl<'s, 'a> Template<'s, 'a> {
 
     /// Units of group `g` per node: link patterns along a group's stages repeat with this period.
     fn units_per_node(&self, g: usize) -> usize {
-        (self.space.cluster.groups()[g].gpus_per_node / self.setting.tp) as usize
+        (self.space.cluster.groups()[g].gpus_per_node / self.setting.tp(g)) as usize
     }
 
     /// Whether `stage_idx` repeats the link pattern of the stage one node period before it.
@@ -164,9 +164,12 @@ impl<'s, 'a> Template<'s, 'a> {
     }
 
     fn boundary_times(&self) -> Vec<f64> {
-        let bytes = self.space.cost.boundary_bytes(self.setting);
         let mut times: Vec<f64> = Vec::with_capacity(self.positions.len().saturating_sub(1));
         for next in 1..self.positions.len() {
+            // Sequence parallelism splits the activations over the smaller group's members.
+            let (g_from, g_to) = (self.positions[next - 1].0, self.positions[next].0);
+            let tp = self.setting.tp(g_from).min(self.setting.tp(g_to));
+            let bytes = self.space.cost.boundary_bytes(Setting { tp, ..self.setting.at(g_from) });
             let time = match self.repeats_earlier(next) {
                 Some(earlier) => times[earlier - 1],
                 None => self
@@ -219,13 +222,14 @@ impl<'s, 'a> Template<'s, 'a> {
                 let group = &groups[g];
                 // A stage's time is affine in its layers: the head and the per-micro-batch
                 // overhead, and each layer's pass with its overhead.
-                let fixed = self.space.stage_time(g, self.shape(idx, 0), self.setting).total_s();
-                let per_layer = self.space.stage_time(g, self.shape(idx, 1), self.setting).total_s() - fixed;
+                let setting = self.setting.at(g);
+                let fixed = self.space.stage_time(g, self.shape(idx, 0), setting).total_s();
+                let per_layer = self.space.stage_time(g, self.shape(idx, 1), setting).total_s() - fixed;
                 let transfers =
                     boundary_s.get(idx).copied().unwrap_or(0.0) + if idx > 0 { boundary_s[idx - 1] } else { 0.0 };
                 let in_flight = f64::from(self.space.job.schedule().in_flight(idx, n_stages, 1, replica_share));
                 let memory =
-                    |n_layers| cost.stage_memory(self.shape(idx, n_layers), self.setting, in_flight, shards).total();
+                    |n_layers| cost.stage_memory(self.shape(idx, n_layers), setting, in_flight, shards).total();
                 StageLoad {
                     per_layer_s: per_layer,
                     fixed_s: fixed + transfers,
@@ -265,7 +269,7 @@ impl<'s, 'a> Template<'s, 'a> {
         let backward_shares: Vec<f64> = self
             .stage_groups()
             .map(|g| {
-                let layer = self.space.layer_time(g, self.setting);
+                let layer = self.space.layer_time(g, self.setting.at(g));
                 layer.backward_s / layer.total_s()
             })
             .collect();
@@ -314,10 +318,10 @@ impl<'s, 'a> Template<'s, 'a> {
     fn sync_and_update_s(&self, counts: &[u32], backward_s: &[f64]) -> f64 {
         let cost = &self.space.cost;
         let groups = self.space.cluster.groups();
-        let tp = f64::from(self.setting.tp);
         let shards = state_shards(self.space.job.zero1(), self.n_replicas, 1);
         let (mut sync_s, mut update_s) = (0.0_f64, 0.0_f64);
         for (idx, (&count, g)) in counts.iter().zip(self.stage_groups()).enumerate() {
+            let tp = f64::from(self.setting.tp(g));
             let shape = self.shape(idx, count);
             let params = cost.stage_params(shape);
             let bytes = self.space.job.grad_reduce().bytes() * params / tp;
@@ -332,7 +336,7 @@ impl<'s, 'a> Template<'s, 'a> {
         let passes: Vec<PassTime> = self
             .stage_groups()
             .enumerate()
-            .map(|(idx, g)| self.space.stage_time(g, self.shape(idx, layers[idx]), self.setting))
+            .map(|(idx, g)| self.space.stage_time(g, self.shape(idx, layers[idx]), self.setting.at(g)))
             .collect();
         BlockConfig {
             order: self.order.clone(),
