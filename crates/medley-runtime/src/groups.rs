@@ -9,6 +9,7 @@ use medley_comm::Communicator;
 use medley_plan::Plan;
 
 use crate::error::CommContext;
+use crate::layout::mixed_tp_groups;
 use crate::long_context::{CommCollectives, Pacer};
 use crate::tensor_parallel::TensorGroup;
 use crate::{RankLayout, RuntimeError};
@@ -85,20 +86,4 @@ pub(crate) fn split_tensor_group(
     let key = layout.tensor.map_or(0, |seat| seat.member as i64);
     let comm = world.split(color, key).during(|| "forming the tensor-parallel groups".into())?;
     Ok(comm.zip(pacer).map(|(comm, pacer)| TensorGroup::new(comm, pacer, sent)))
-}
-
-/// Per DP group, whether its holders differ in TP degree: their shards of a parameter differ, so
-/// every worker of every holder reduces the whole tensors, its shard placed among zeros.
-pub(crate) fn mixed_tp_groups(plan: &Plan) -> Vec<bool> {
-    (0..plan.dp_groups().len())
-        .map(|group_idx| {
-            let mut degrees = plan
-                .holders(group_idx)
-                .into_iter()
-                .zip(plan.replicas())
-                .map(|(stage_idx, replica)| plan.stage_tp(&replica.stages[stage_idx]));
-            let first = degrees.next();
-            degrees.any(|tp| Some(tp) != first)
-        })
-        .collect()
 }

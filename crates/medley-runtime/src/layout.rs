@@ -167,7 +167,7 @@ pub fn check_runnable(plan: &Plan) -> Result<(), RuntimeError> {
             plan.grad_reduce()
         )));
     }
-    if plan.zero1() && crate::groups::mixed_tp_groups(plan).into_iter().any(|mixed| mixed) {
+    if plan.zero1() && mixed_tp_groups(plan).into_iter().any(|mixed| mixed) {
         return Err(RuntimeError::Unsupported(
             "ZeRO-1 over replicas whose stages differ in TP degree: their shards of a parameter differ, which the \
              runtime's distributed optimizer does not split; plan those replicas with one TP degree, or without \
@@ -266,4 +266,20 @@ fn pass_time_s(plan: &Plan, group: &medley_spec::NodeGroup, calibration: &Calibr
 
 fn fastest_pass_time_s(plan: &Plan, calibration: &Calibration) -> f64 {
     plan.cluster().groups().iter().map(|group| pass_time_s(plan, group, calibration)).fold(f64::INFINITY, f64::min)
+}
+
+/// Per DP group, whether its holders differ in TP degree: their shards of a parameter differ, so
+/// every worker of every holder reduces the whole tensors, its shard placed among zeros.
+pub(crate) fn mixed_tp_groups(plan: &Plan) -> Vec<bool> {
+    (0..plan.dp_groups().len())
+        .map(|group_idx| {
+            let mut degrees = plan
+                .holders(group_idx)
+                .into_iter()
+                .zip(plan.replicas())
+                .map(|(stage_idx, replica)| plan.stage_tp(&replica.stages[stage_idx]));
+            let first = degrees.next();
+            degrees.any(|tp| Some(tp) != first)
+        })
+        .collect()
 }

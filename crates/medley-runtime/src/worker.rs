@@ -21,7 +21,8 @@ use serde_json::json;
 
 use crate::emulation::{emulated, stretched};
 use crate::error::CommContext;
-use crate::groups::{mixed_tp_groups, split_context_groups, split_dp_groups, split_tensor_group};
+use crate::groups::{split_context_groups, split_dp_groups, split_tensor_group};
+use crate::layout::mixed_tp_groups;
 use crate::long_context::Pacer;
 use crate::metrics::{StepClock, StepMetrics};
 use crate::native::{NativeGroup, native_group};
