@@ -3,7 +3,8 @@
 //! A layout is a set of *blocks*. Each block takes some of the cluster's node groups and cuts them
 //! into `d` identical replicas; each replica is a pipeline whose stages are TP groups of one device
 //! type inside one node, ordered type by type. The search enumerates, per setting (TP degree,
-//! micro-batch size, recompute):
+//! micro-batch size, recompute; each TP degree also with the memory-poorer node groups at twice
+//! it, [`GroupSettings`]):
 //! 1. which node groups each block takes (every partition of every subset of groups, so "one block
 //!    of mixed pipelines", "one block per type" and "leave a slow type out" are all candidates);
 //! 2. per block, the order of types along the pipeline and the replica count (each distinct
