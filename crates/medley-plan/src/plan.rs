@@ -1,6 +1,6 @@
 //! The Plan: explicit, versioned data saying which devices run which layers of which replica, and
 //! how every parallel group communicates. The planner writes it; the schedule, simulator and
-//! runtime read it. The schema (version 2) is documented field by field on [`PlanParts`] and in
+//! runtime read it. The schema (version 3) is documented field by field on [`PlanParts`] and in
 //! ARCHITECTURE.md. A [`Plan`] is its parts once checked: outside this crate it cannot be made,
 //! read from a file or edited without passing [`Plan::new`], so nothing downstream checks it
 //! again.
