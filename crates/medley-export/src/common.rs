@@ -97,7 +97,8 @@ pub(crate) fn check_common(plan: &Plan, framework: &'static str) -> Result<(), E
         return Err(ExportError::refused(
             framework,
             format!(
-                "its stages differ in tensor-parallel degree ({}): {framework} gives every stage the same                  --tensor-model-parallel-size; plan with one TP degree (`--fix tp=N`)",
+                "its stages differ in tensor-parallel degree ({}): {framework} gives every stage one tensor-parallel \
+                 size; plan with one TP degree (`--fix tp=N`, or `--expressible`)",
                 plan.tp_label()
             ),
         ));
