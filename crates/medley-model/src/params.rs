@@ -100,7 +100,7 @@ impl ParamSpec {
     /// The seeded initial value; the same for the same seed and name everywhere (a shard's is
     /// its part of the whole parameter's).
     pub fn initial_value(&self, seed: u64) -> HostTensor {
-        let numel = self.shard.as_ref().map_or(self.numel(), Shard::full_numel);
+        let numel = self.full_numel();
         let data = match self.init {
             Init::Ones => vec![1.0; numel],
             Init::Normal { std } => {
@@ -119,6 +119,11 @@ impl ParamSpec {
     /// The whole parameter's shape.
     pub fn full_shape(&self) -> &[usize] {
         self.shard.as_ref().map_or(&self.shape, |shard| &shard.full_shape)
+    }
+
+    /// Elements of the whole parameter.
+    pub fn full_numel(&self) -> usize {
+        self.full_shape().iter().product()
     }
 }
 

@@ -90,16 +90,6 @@ impl StageState {
         self.compute.backward(micro_batch, upstream, &mut self.grads)
     }
 
-    /// The gradients of the parameters in `groups` that other members of a tensor-parallel group
-    /// also hold (their sum over the group is the parameter's gradient), with their specs.
-    pub fn replicated_grads_mut(
-        &mut self,
-        select: impl Fn(ParamGroup) -> bool,
-    ) -> impl Iterator<Item = (&ParamSpec, &mut HostTensor)> {
-        let replicated = |spec: &ParamSpec| spec.shard.as_ref().is_some_and(|shard| shard.replicated);
-        self.grads_with_specs_mut(move |spec| replicated(spec) && select(spec.group))
-    }
-
     /// The gradients of the parameters `select` picks, with their specs.
     pub fn grads_with_specs_mut(
         &mut self,

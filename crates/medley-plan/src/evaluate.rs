@@ -74,11 +74,6 @@ impl Utilisation {
     }
 }
 
-/// The setting `stage` of `plan` runs with.
-fn stage_setting(plan: &Plan, stage: &Stage) -> Setting {
-    Setting { micro_batch: plan.micro_batch(), tp: plan.stage_tp(stage), recompute: plan.recompute() }
-}
-
 /// Prices `plan` (valid by construction).
 pub fn evaluate(plan: &Plan, calibration: &Calibration) -> Prediction {
     let cost = &CostModel::new(plan.model(), plan.seq_len(), calibration)
@@ -135,7 +130,7 @@ impl LayerTimes {
         stage: &Stage,
         shape: StageShape,
     ) -> PassTime {
-        let setting = stage_setting(plan, stage);
+        let setting = plan.stage_setting(stage);
         let (layer, head) = *self.by_group.entry((slot.group_idx, setting.tp)).or_insert_with(|| {
             let group = plan.stage_group(stage);
             (cost.layer_time(group, setting), cost.head_time(group, setting))
@@ -170,7 +165,7 @@ fn price_replica(
             // Each device sends its own tokens; the fullest sends the most, on the side of the
             // smaller TP group (sequence parallelism splits them over its members).
             let share = largest_token_share(plan, &pair[0]).max(largest_token_share(plan, &pair[1]));
-            let setting = stage_setting(plan, &pair[0]);
+            let setting = plan.stage_setting(&pair[0]);
             let setting = Setting { tp: setting.tp.min(plan.stage_tp(&pair[1])), ..setting };
             comm::link_between(plan.cluster(), from, to, route_mode(*route))
                 .transfer_s(share * cost.boundary_bytes(setting))
@@ -221,7 +216,7 @@ fn stage_memories<'a>(
 ) -> Vec<(&'a DeviceSpec, f64)> {
     let shards = plan.stage_state_shards(stage);
     let Some(context) = &stage.context else {
-        let bytes = cost.stage_memory(shape, stage_setting(plan, stage), in_flight, shards).total();
+        let bytes = cost.stage_memory(shape, plan.stage_setting(stage), in_flight, shards).total();
         return vec![(&plan.stage_group(stage).device, bytes)];
     };
     let pricer = ContextPricer { cost, cluster: plan.cluster(), slots, memory_headroom: plan.memory_headroom() };

@@ -8,8 +8,8 @@
 use std::collections::BTreeSet;
 use std::fmt;
 
-use medley_cost::StateFormat;
 use medley_cost::long_context::KvExchange;
+use medley_cost::{Setting, StateFormat};
 use medley_spec::{
     AttentionKernel, BridgeMode, Cluster, DeviceId, GradReduce, ModelSpec, Precision, Recompute, Schedule,
     ScheduleKind, Vendor,
@@ -333,6 +333,11 @@ impl Plan {
                 format!("{low}–{high}")
             }
         }
+    }
+
+    /// The setting `stage` runs with: the plan's micro-batch and recomputation at its TP degree.
+    pub fn stage_setting(&self, stage: &Stage) -> Setting {
+        Setting { micro_batch: self.parts.micro_batch, tp: self.stage_tp(stage), recompute: self.parts.recompute }
     }
 
     /// The TP degree every stage shares, if they do.

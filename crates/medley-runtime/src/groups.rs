@@ -29,11 +29,12 @@ pub(crate) fn split_dp_groups(
         let replica = &plan.replicas()[worker.id.replica as usize];
         plan.rank_of(replica, holder) == worker.id.pp_rank as usize
     };
+    let mixed_tp = mixed_tp_groups(plan);
     let mut communicators = Vec::new();
     for (group_idx, group) in plan.dp_groups().iter().enumerate() {
         // Holders of different TP degrees reduce whole tensors together (see
         // [`mixed_tp_groups`]), holders of one each shard with the members holding the same.
-        let mixed = mixed_tp_groups(plan)[group_idx];
+        let mixed = mixed_tp[group_idx];
         let shard = |worker: &RankLayout| if mixed { 0 } else { worker.tensor.map_or(0, |seat| seat.member as u32) };
         if layouts.iter().filter(|worker| holds(group_idx, worker) && shard(worker) == 0).count() < 2 {
             communicators.push(None);
@@ -78,12 +79,11 @@ pub(crate) fn split_tensor_group(
     layout: &RankLayout,
     world: &mut Communicator,
     pacer: Option<Pacer>,
-    sent: Arc<AtomicU64>,
 ) -> Result<Option<TensorGroup>, RuntimeError> {
     // A group is named by its first member's job rank.
     let first = layouts.iter().position(|other| other.id == layout.id).unwrap_or(layout.job_rank);
     let color = layout.tensor.map(|_| first as u32);
     let key = layout.tensor.map_or(0, |seat| seat.member as i64);
     let comm = world.split(color, key).during(|| "forming the tensor-parallel groups".into())?;
-    Ok(comm.zip(pacer).map(|(comm, pacer)| TensorGroup::new(comm, pacer, sent)))
+    Ok(comm.zip(pacer).map(|(comm, pacer)| TensorGroup::new(comm, pacer)))
 }

@@ -7,7 +7,7 @@ use medley_cost::long_context::KvExchange;
 use medley_cost::{Calibration, CostModel, Setting};
 use medley_model::ModelConfig;
 use medley_model::long_context::{ContextGroup, ContextPlacement};
-use medley_model::tensor_parallel::TensorSeat;
+use medley_model::tensor_parallel::{TensorSeat, even_run};
 use medley_plan::{Plan, Stage, StageContext};
 use medley_schedule::RankId;
 use medley_spec::{GradReduce, Recompute, Vendor};
@@ -222,7 +222,7 @@ impl RankLayout {
     pub fn positions(&self, seq_len: usize) -> Vec<usize> {
         match (&self.context, self.tensor) {
             (Some(seat), _) => seat.placement.positions().to_vec(),
-            (None, Some(seat)) => seat.sequence_runs(seq_len)[seat.member].clone().collect(),
+            (None, Some(seat)) => even_run(seq_len, seat.member, seat.size).collect(),
             (None, None) => (0..seq_len).collect(),
         }
     }

@@ -4,10 +4,9 @@
 
 use std::collections::HashMap;
 use std::ops::Range;
-use std::sync::atomic::{AtomicU64, Ordering};
 use std::sync::{Arc, Mutex, MutexGuard, PoisonError};
 
-use medley_comm::{CommError, Communicator, ReduceOp};
+use medley_comm::{Algorithm, CommError, Communicator, Counts, Op, ReduceOp};
 use medley_model::params::ParamGroup;
 use medley_model::tensor_parallel::{Combine, TensorCollectives, TensorSeat};
 use medley_model::{HostTensor, ModelConfig, ModelError, ParamSpec, StageState, parameter_of};
@@ -22,8 +21,6 @@ pub(crate) struct TensorGroup {
     comm: Arc<Mutex<Communicator>>,
     /// Paces the passes' computing around the collectives to the emulated device's speed.
     pacer: Pacer,
-    /// Bytes the group's collectives have sent, for the worker to report.
-    sent: Arc<AtomicU64>,
 }
 
 fn failed(what: &'static str) -> impl FnOnce(CommError) -> ModelError {
@@ -31,8 +28,8 @@ fn failed(what: &'static str) -> impl FnOnce(CommError) -> ModelError {
 }
 
 impl TensorGroup {
-    pub fn new(comm: Communicator, pacer: Pacer, sent: Arc<AtomicU64>) -> TensorGroup {
-        TensorGroup { comm: Arc::new(Mutex::new(comm)), pacer, sent }
+    pub fn new(comm: Communicator, pacer: Pacer) -> TensorGroup {
+        TensorGroup { comm: Arc::new(Mutex::new(comm)), pacer }
     }
 
     fn comm(&self) -> MutexGuard<'_, Communicator> {
@@ -43,9 +40,7 @@ impl TensorGroup {
     /// Runs `collective` on the group's communicator as a pause in the pass's computing.
     fn run<T>(&self, collective: impl FnOnce(&mut Communicator) -> Result<T, CommError>) -> Result<T, CommError> {
         let mut comm = self.comm();
-        let result = self.pacer.around(|| collective(&mut comm));
-        self.sent.store(comm.bytes_sent(), Ordering::Relaxed);
-        result
+        self.pacer.around(|| collective(&mut comm))
     }
 
     /// Sums over the group the gradients of the parameters in `groups` several members hold
@@ -57,31 +52,9 @@ impl TensorGroup {
         stages: &mut [StageState],
         select: impl Fn(ParamGroup) -> bool + Copy,
     ) -> Result<(), RuntimeError> {
-        let mut whole = Vec::new();
-        for stage in stages.iter_mut() {
-            for (spec, grad) in stage.replicated_grads_mut(select) {
-                let shard = spec.shard.as_ref().expect("replicated parameters are shards");
-                let at = whole.len();
-                whole.resize(at + shard.full_numel(), 0.0);
-                shard.place(&grad.data, &mut whole[at..]);
-            }
-        }
-        if whole.is_empty() {
-            return Ok(());
-        }
-        let mut summed = vec![0f32; whole.len()];
-        self.comm()
-            .all_reduce(&whole, &mut summed, ReduceOp::Sum)
-            .during(|| "summing the gradients of the norms over the tensor-parallel group".into())?;
-        let mut at = 0;
-        for stage in stages.iter_mut() {
-            for (spec, grad) in stage.replicated_grads_mut(select) {
-                let shard = spec.shard.as_ref().expect("replicated parameters are shards");
-                grad.data = shard.slice(&summed[at..at + shard.full_numel()]);
-                at += shard.full_numel();
-            }
-        }
-        Ok(())
+        let replicated = move |spec: &ParamSpec| spec.shard.as_ref().is_some_and(|shard| shard.replicated);
+        sum_whole_gradients(&mut self.comm(), stages, move |spec| replicated(spec) && select(spec.group), None)
+            .during(|| "summing the gradients of the norms over the tensor-parallel group".into())
     }
 
     /// Whole checkpoint tensors from `tensors`, this member's shards of those of the stages
@@ -147,4 +120,45 @@ impl TensorCollectives for TensorGroup {
         self.run(|comm| comm.all_reduce(&input, values, op))
             .map_err(failed("the tensor-parallel group's all-reduce of the cross-entropy"))
     }
+}
+
+/// Sums over `comm` the gradients of the parameters of `stages` that `pick` picks, each
+/// member's placed in the whole tensor (a shard among zeros), and keeps each its own part of the
+/// sum: the parameters several members of a TP group hold, or a DP group whose holders differ in
+/// TP degree and so in their shards. Every member picks alike, so all or none call the collective.
+pub(crate) fn sum_whole_gradients(
+    comm: &mut Communicator,
+    stages: &mut [StageState],
+    pick: impl Fn(&ParamSpec) -> bool + Copy,
+    algorithm: Option<Algorithm>,
+) -> Result<(), CommError> {
+    let mut whole = Vec::new();
+    for stage in stages.iter_mut() {
+        for (spec, grad) in stage.grads_with_specs_mut(pick) {
+            let at = whole.len();
+            whole.resize(at + spec.full_numel(), 0.0);
+            match &spec.shard {
+                Some(shard) => shard.place(&grad.data, &mut whole[at..]),
+                None => whole[at..].copy_from_slice(&grad.data),
+            }
+        }
+    }
+    if whole.is_empty() {
+        return Ok(());
+    }
+    let mut summed = vec![0f32; whole.len()];
+    let op = Op::AllReduce { op: ReduceOp::Sum };
+    comm.collective(op, &Counts::Same(whole.len()), algorithm, &whole, &mut summed)?;
+    let mut at = 0;
+    for stage in stages.iter_mut() {
+        for (spec, grad) in stage.grads_with_specs_mut(pick) {
+            let len = spec.full_numel();
+            grad.data = match &spec.shard {
+                Some(shard) => shard.slice(&summed[at..at + len]),
+                None => summed[at..at + len].to_vec(),
+            };
+            at += len;
+        }
+    }
+    Ok(())
 }

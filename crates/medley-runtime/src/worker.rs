@@ -27,7 +27,7 @@ use crate::long_context::Pacer;
 use crate::metrics::{StepClock, StepMetrics};
 use crate::native::{NativeGroup, native_group};
 use crate::p2p::{Kind, Mailbox, Tag, overlap, place_rows, select_rows};
-use crate::tensor_parallel::TensorGroup;
+use crate::tensor_parallel::{TensorGroup, sum_whole_gradients};
 use crate::zero::ZeroShard;
 use crate::{DeviceChoice, RankLayout, RuntimeError};
 
@@ -94,8 +94,8 @@ pub struct Worker {
     context_sent: Arc<AtomicU64>,
     /// A tensor-parallel worker's group.
     tensor: Option<TensorGroup>,
-    /// Bytes a tensor-parallel worker's group has sent.
-    tensor_sent: Arc<AtomicU64>,
+    /// Per DP group, whether its holders differ in TP degree ([`mixed_tp_groups`]).
+    mixed_tp: Vec<bool>,
     /// Emulated links by destination job rank.
     links: BTreeMap<usize, EmulatedLink>,
     clock: JobClock,
@@ -190,8 +190,7 @@ impl Worker {
         let context_sent = Arc::new(AtomicU64::new(0));
         let mut collectives =
             split_context_groups(&layouts, &layout, &mut world, pacer.clone(), Arc::clone(&context_sent))?;
-        let tensor_sent = Arc::new(AtomicU64::new(0));
-        let tensor = split_tensor_group(&layouts, &layout, &mut world, pacer.clone(), Arc::clone(&tensor_sent))?;
+        let tensor = split_tensor_group(&layouts, &layout, &mut world, pacer.clone())?;
         let config = ModelConfig::from_spec(plan.model(), plan.seq_len())?;
         let threads = if options.emulate_speed { 1 } else { world.compute_threads() };
         let threads = rayon::ThreadPoolBuilder::new()
@@ -199,7 +198,7 @@ impl Worker {
             .thread_name(move |i| format!("medley-compute-{i}"))
             .build()
             .map_err(|err| RuntimeError::Launch(format!("starting {threads} compute threads: {err}")))?;
-        let stages = layout
+        let mut stages = layout
             .chunks
             .iter()
             .map(|layers| {
@@ -223,8 +222,8 @@ impl Worker {
                 Ok(StageState::new(&config, layers, options.seed, compute)?)
             })
             .collect::<Result<Vec<_>, RuntimeError>>()?;
-        let mut stages = stages;
         let zero = zero_shards(&plan, &dp, &mut stages, config.n_layers);
+        let mixed_tp = mixed_tp_groups(&plan);
         let dataset = Dataset::shakespeare(config.seq_len, options.seed)?;
         let mine = [JobClock::wall_us() as i64];
         let mut origin = [0i64];
@@ -247,7 +246,7 @@ impl Worker {
             pacer,
             context_sent,
             tensor,
-            tensor_sent,
+            mixed_tp,
             links: BTreeMap::new(),
             clock: JobClock { origin_us: origin[0] as u64 },
             step: 0,
@@ -278,18 +277,11 @@ impl Worker {
         self.context_sent.load(Ordering::Relaxed)
     }
 
-    /// Bytes this worker's tensor-parallel group has sent so far.
-    pub fn tensor_bytes_sent(&self) -> u64 {
-        self.tensor_sent.load(Ordering::Relaxed)
-    }
-
     /// This rank's stages, one per model chunk.
     pub fn stages(&self) -> &[StageState] {
         &self.stages
     }
 
-    /// The tensors a checkpoint of this rank's stages holds, each whole: a tensor-parallel
-    /// member's shards placed together with its group's (every member must call this at once).
     /// The tensors a checkpoint of this rank's stages holds, each whole: optimizer moments
     /// ZeRO-1 shards gathered from the data-parallel group, a tensor-parallel member's shards
     /// placed together with its group's. Every worker must call this at once.
@@ -562,19 +554,15 @@ impl Worker {
     /// summed over its group; under ZeRO-1 each member keeps only its run of the sum.
     fn all_reduce_gradients(&mut self, dp_group: usize, layers: LayerRange) -> Result<(), RuntimeError> {
         let select = holds_layers(layers, self.config.n_layers);
-        let mixed = mixed_tp_groups(&self.plan)[dp_group];
+        let mixed = self.mixed_tp[dp_group];
         if let Some(group) = self.tensor.as_ref().filter(|_| !mixed) {
             group.sum_replicated_grads(&mut self.stages, select)?;
         }
         let Some(comm) = self.dp.get_mut(dp_group).and_then(Option::as_mut) else { return Ok(()) };
         if mixed {
-            return reduce_whole_tensors(
-                comm,
-                &mut self.stages,
-                select,
-                self.plan.dp_groups()[dp_group].algorithm.into(),
-            )
-            .during(|| format!("all-reducing the gradients of layers {layers} across TP degrees"));
+            let algorithm = Some(self.plan.dp_groups()[dp_group].algorithm.into());
+            return sum_whole_gradients(comm, &mut self.stages, |spec| select(spec.group), algorithm)
+                .during(|| format!("all-reducing the gradients of layers {layers} across TP degrees"));
         }
         let mut flat = Vec::new();
         for stage in &mut self.stages {
@@ -704,47 +692,4 @@ pub(crate) fn zero_shards(
             Some(ZeroShard::take(stages, holds_layers(group.layers, n_layers), comm.rank(), comm.n_ranks()))
         })
         .collect()
-}
-
-/// Sums over `comm` the gradients of the parameters `select` picks, each worker's placed whole
-/// (its shard among zeros; a shared parameter's partial gradient likewise), and keeps each its
-/// shard of the sum: a DP group whose holders differ in TP degree, so in their shards.
-fn reduce_whole_tensors(
-    comm: &mut Communicator,
-    stages: &mut [StageState],
-    select: impl Fn(ParamGroup) -> bool + Copy,
-    algorithm: medley_comm::Algorithm,
-) -> Result<(), medley_comm::CommError> {
-    let picked = |spec: &medley_model::ParamSpec| select(spec.group);
-    let mut whole = Vec::new();
-    for stage in stages.iter_mut() {
-        for (spec, grad) in stage.grads_with_specs_mut(picked) {
-            let at = whole.len();
-            whole.resize(at + spec.full_shape().iter().product::<usize>(), 0.0);
-            match &spec.shard {
-                Some(shard) => shard.place(&grad.data, &mut whole[at..]),
-                None => whole[at..].copy_from_slice(&grad.data),
-            }
-        }
-    }
-    let mut summed = vec![0f32; whole.len()];
-    comm.collective(
-        Op::AllReduce { op: ReduceOp::Sum },
-        &Counts::Same(whole.len()),
-        Some(algorithm),
-        &whole,
-        &mut summed,
-    )?;
-    let mut at = 0;
-    for stage in stages.iter_mut() {
-        for (spec, grad) in stage.grads_with_specs_mut(picked) {
-            let len = spec.full_shape().iter().product::<usize>();
-            grad.data = match &spec.shard {
-                Some(shard) => shard.slice(&summed[at..at + len]),
-                None => summed[at..at + len].to_vec(),
-            };
-            at += len;
-        }
-    }
-    Ok(())
 }

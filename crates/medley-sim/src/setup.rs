@@ -4,7 +4,7 @@
 use std::collections::BTreeMap;
 
 use medley_cost::comm::{self, Link};
-use medley_cost::{Calibration, CostModel, GIB, PassTime, Setting, StageShape};
+use medley_cost::{Calibration, CostModel, GIB, PassTime, StageShape};
 use medley_plan::long_context_price::ContextPricer;
 use medley_plan::{Plan, Route, Stage, tied_embedding_syncs_s};
 use medley_schedule::RankId;
@@ -153,8 +153,7 @@ impl<'p> Setup<'p> {
             for rank_idx in 0..n_ranks {
                 let stage = &replica.stages[rank_idx];
                 let group = plan.stage_group(stage);
-                let tp = plan.stage_tp(stage);
-                let setting = Setting { micro_batch: plan.micro_batch(), tp, recompute: plan.recompute() };
+                let setting = plan.stage_setting(stage);
                 // Virtual stages rank_idx, rank_idx + p, ...: the rank's chunks in order.
                 let chunk_shapes: Vec<StageShape> = (rank_idx..n_stages)
                     .step_by(n_ranks)
@@ -182,7 +181,7 @@ impl<'p> Setup<'p> {
                                 ChunkCost::of(cost.stage_time(group, shape, setting), activation_bytes, None)
                             })
                             .collect();
-                        let params_per_device = cost.stage_params(rank_shape) / f64::from(tp * shards);
+                        let params_per_device = cost.stage_params(rank_shape) / f64::from(setting.tp * shards);
                         RankParts {
                             device_name: group.device.name.clone(),
                             layer_phases: None,

@@ -333,13 +333,26 @@ fn rope_tables(config: &ModelConfig, device: &Device) -> (Tensor<2>, Tensor<2>) 
 }
 
 impl Weights {
-    /// The stage's input: the tokens on the first stage (none here), else `input` of `shape`.
+    /// The stage's input: the tokens on the first stage (none here), else `input` of `shape`, on
+    /// the device as a leaf.
     fn stage_input(
         &self,
         micro_batch: u32,
         input: Option<HostTensor>,
         shape: [usize; 3],
     ) -> Result<Option<Tensor<3>>, ModelError> {
+        let input = self.checked_input(micro_batch, input, shape)?;
+        Ok(input.map(|activations| self.host_to_device::<3>(&activations).require_grad()))
+    }
+
+    /// The stage's input checked: none on the first stage (it takes tokens), else `input` of
+    /// `shape`.
+    fn checked_input(
+        &self,
+        micro_batch: u32,
+        input: Option<HostTensor>,
+        shape: [usize; 3],
+    ) -> Result<Option<HostTensor>, ModelError> {
         let bad = |reason: &str| ModelError::MicroBatch { micro_batch, reason: reason.into() };
         if self.params.is_empty() {
             return Err(bad("the stage has no parameters loaded"));
@@ -348,7 +361,7 @@ impl Weights {
             (true, None) => Ok(None),
             (false, Some(activations)) => {
                 activations.expect_shape("input activations", &shape)?;
-                Ok(Some(self.host_to_device::<3>(&activations).require_grad()))
+                Ok(Some(activations))
             }
             (true, Some(_)) => Err(bad("the first stage takes tokens, not activations")),
             (false, None) => Err(bad("a stage after the first needs input activations")),

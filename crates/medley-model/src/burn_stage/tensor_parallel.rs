@@ -176,10 +176,10 @@ impl StageCompute for TensorParallelStage {
         }
         let mine = runs.runs[self.seat.member].clone();
         let run_shape = [batch.batch, mine.len(), runs.width];
-        let input = self.weights.stage_input(micro_batch, input, run_shape)?;
+        let input = self.weights.checked_input(micro_batch, input, run_shape)?;
         let mut pending = Pending { runs: runs.clone(), embedding: None, blocks: Vec::new(), head: None };
         let mut x = match input {
-            Some(activations) => device_to_host(activations.detach())?.data,
+            Some(activations) => activations.data,
             None => {
                 let output = self.embed(&batch.tokens);
                 let partial = device_to_host(output.clone().detach())?.data;
