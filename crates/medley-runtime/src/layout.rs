@@ -110,8 +110,7 @@ fn context_seat(plan: &Plan, stage: &Stage, device_index: usize) -> Result<Optio
 
 /// The plan as the runtime trains it, and what that changed, each said in a sentence; refuses,
 /// naming it, what the runtime cannot run at all ([`check_runnable`]). It all-gathers keys and
-/// values (no ring attention yet) and reduces gradients after the last backward (no overlap
-/// yet): a plan asking otherwise is trained, and priced, that way.
+/// values (no ring attention yet): a plan asking for a ring is trained, and priced, that way.
 pub fn as_trained(plan: Plan) -> Result<(Plan, Vec<&'static str>), RuntimeError> {
     let mut changes = Vec::new();
     let stages = plan.replicas().iter().flat_map(|replica| &replica.stages);
@@ -125,14 +124,6 @@ pub fn as_trained(plan: Plan) -> Result<(Plan, Vec<&'static str>), RuntimeError>
         }
         false => plan,
     };
-    let mut parts = plan.clone().into_parts();
-    if parts.overlap_grad_reduce {
-        parts.overlap_grad_reduce = false;
-        changes.push(
-            "the runtime reduces gradients after the last backward (no overlap yet): training and pricing the plan that way",
-        );
-    }
-    let plan = Plan::new(parts).map_err(|err| RuntimeError::Unsupported(err.to_string()))?;
     check_runnable(&plan)?;
     Ok((plan, changes))
 }

@@ -30,6 +30,7 @@ mod long_context;
 mod metrics;
 mod native;
 mod p2p;
+mod reduction;
 pub mod run_dir;
 mod tensor_parallel;
 mod train;

@@ -6,7 +6,7 @@ use std::collections::HashMap;
 use std::ops::Range;
 use std::sync::{Arc, Mutex, MutexGuard, PoisonError};
 
-use medley_comm::{Algorithm, CommError, Communicator, Counts, Op, ReduceOp};
+use medley_comm::{CommError, Communicator, ReduceOp};
 use medley_model::params::ParamGroup;
 use medley_model::tensor_parallel::{Combine, TensorCollectives, TensorSeat};
 use medley_model::{HostTensor, ModelConfig, ModelError, ParamSpec, StageState, parameter_of};
@@ -14,6 +14,7 @@ use medley_model::{HostTensor, ModelConfig, ModelError, ParamSpec, StageState, p
 use crate::RuntimeError;
 use crate::error::CommContext;
 use crate::long_context::Pacer;
+use crate::reduction::{flatten_gradients, unflatten_gradients};
 
 /// One worker's tensor-parallel group, shared by its model chunks.
 #[derive(Clone)]
@@ -53,7 +54,7 @@ impl TensorGroup {
         select: impl Fn(ParamGroup) -> bool + Copy,
     ) -> Result<(), RuntimeError> {
         let replicated = move |spec: &ParamSpec| spec.shard.as_ref().is_some_and(|shard| shard.replicated);
-        sum_whole_gradients(&mut self.comm(), stages, move |spec| replicated(spec) && select(spec.group), None)
+        sum_whole_gradients(&mut self.comm(), stages, move |spec| replicated(spec) && select(spec.group))
             .during(|| "summing the gradients of the norms over the tensor-parallel group".into())
     }
 
@@ -124,41 +125,19 @@ impl TensorCollectives for TensorGroup {
 
 /// Sums over `comm` the gradients of the parameters of `stages` that `pick` picks, each
 /// member's placed in the whole tensor (a shard among zeros), and keeps each its own part of the
-/// sum: the parameters several members of a TP group hold, or a DP group whose holders differ in
-/// TP degree and so in their shards. Every member picks alike, so all or none call the collective.
+/// sum: the parameters several members of a TP group hold. Every member picks alike, so all or
+/// none call the collective.
 pub(crate) fn sum_whole_gradients(
     comm: &mut Communicator,
     stages: &mut [StageState],
     pick: impl Fn(&ParamSpec) -> bool + Copy,
-    algorithm: Option<Algorithm>,
 ) -> Result<(), CommError> {
-    let mut whole = Vec::new();
-    for stage in stages.iter_mut() {
-        for (spec, grad) in stage.grads_with_specs_mut(pick) {
-            let at = whole.len();
-            whole.resize(at + spec.full_numel(), 0.0);
-            match &spec.shard {
-                Some(shard) => shard.place(&grad.data, &mut whole[at..]),
-                None => whole[at..].copy_from_slice(&grad.data),
-            }
-        }
-    }
+    let whole = flatten_gradients(stages, pick, true);
     if whole.is_empty() {
         return Ok(());
     }
     let mut summed = vec![0f32; whole.len()];
-    let op = Op::AllReduce { op: ReduceOp::Sum };
-    comm.collective(op, &Counts::Same(whole.len()), algorithm, &whole, &mut summed)?;
-    let mut at = 0;
-    for stage in stages.iter_mut() {
-        for (spec, grad) in stage.grads_with_specs_mut(pick) {
-            let len = spec.full_numel();
-            grad.data = match &spec.shard {
-                Some(shard) => shard.slice(&summed[at..at + len]),
-                None => summed[at..at + len].to_vec(),
-            };
-            at += len;
-        }
-    }
+    comm.all_reduce(&whole, &mut summed, ReduceOp::Sum)?;
+    unflatten_gradients(stages, pick, true, &summed);
     Ok(())
 }

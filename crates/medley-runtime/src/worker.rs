@@ -5,7 +5,7 @@ use std::sync::Arc;
 use std::sync::atomic::{AtomicBool, AtomicU64, Ordering};
 use std::time::{Duration, Instant, SystemTime, UNIX_EPOCH};
 
-use medley_comm::{Communicator, Config, Counts, LaunchEnv, Op, ReduceOp};
+use medley_comm::{Communicator, Config, LaunchEnv, ReduceOp};
 use medley_cost::Calibration;
 use medley_model::data::{Dataset, loss_scale, step_layout};
 use medley_model::params::ParamGroup;
@@ -27,7 +27,8 @@ use crate::long_context::Pacer;
 use crate::metrics::{StepClock, StepMetrics};
 use crate::native::{NativeGroup, native_group};
 use crate::p2p::{Kind, Mailbox, Tag, overlap, place_rows, select_rows};
-use crate::tensor_parallel::{TensorGroup, sum_whole_gradients};
+use crate::reduction::{BucketSpan, InFlight, Keep, Reduction, flatten_gradients, unflatten_gradients};
+use crate::tensor_parallel::TensorGroup;
 use crate::zero::ZeroShard;
 use crate::{DeviceChoice, RankLayout, RuntimeError};
 
@@ -134,6 +135,12 @@ struct StepState {
     to_send: BTreeMap<(Kind, u32, u32), HostTensor>,
     loss_sum: f64,
     clock: StepClock,
+    /// Per DP group, whether its reduction has started this step.
+    reducing: Vec<bool>,
+    /// Overlapped reductions still running, by DP group.
+    in_flight: Vec<(usize, InFlight)>,
+    /// When each bucket of the step's reductions ran: DP group, bucket, span.
+    bucket_spans: Vec<(usize, usize, BucketSpan)>,
 }
 
 impl Worker {
@@ -337,9 +344,11 @@ impl Worker {
             RuntimeError::Program { rank: self.layout.id.to_string(), reason: "the programs have none for it".into() }
         })?;
         let started = Instant::now();
-        let clock = StepClock::new(self.plan.dp_groups().len());
-        let mut state = StepState { batches: self.micro_batches(), clock, ..StepState::default() };
-        for instruction in &program.instructions {
+        let n_groups = self.plan.dp_groups().len();
+        let clock = StepClock::new(n_groups);
+        let mut state =
+            StepState { batches: self.micro_batches(), clock, reducing: vec![false; n_groups], ..StepState::default() };
+        for (idx, instruction) in program.instructions.iter().enumerate() {
             let begin_us = self.clock.now_us();
             let category = self.execute(*instruction, &mut state)?;
             if let Some(timeline) = timeline.as_deref_mut() {
@@ -347,6 +356,19 @@ impl Worker {
                 let span = (begin_us * 1000, self.clock.now_us() * 1000);
                 let track = (self.timeline_pid(), tid);
                 timeline.slice(track, &instruction.to_string(), category, span, &json!({"step": self.step + 1}));
+            }
+            if self.plan.overlap_grad_reduce() && matches!(instruction, Instruction::Backward { .. }) {
+                for dp_group in program.reductions_following(idx + 1) {
+                    self.reduce_gradients(dp_group as usize, &mut state)?;
+                }
+            }
+        }
+        if let Some(timeline) = timeline {
+            for &(dp_group, bucket, (start_us, end_us)) in &state.bucket_spans {
+                let track = (self.timeline_pid(), COLLECTIVE_TID);
+                let name = format!("all-reduce dp{dp_group} bucket {bucket}");
+                let span = (start_us * 1000, end_us * 1000);
+                timeline.slice(track, &name, "collective", span, &json!({"step": self.step + 1}));
             }
         }
         self.mailbox.finish_step()?;
@@ -431,16 +453,15 @@ impl Worker {
                 state.received.insert((kind, micro_batch, chunk), tensor);
                 Ok("wait")
             }
-            Instruction::AllReduceGradients { dp_group, layers } => {
-                state.clock.all_reduce_arrivals_us[dp_group as usize] = self.clock.now_us() as f64;
-                let started = Instant::now();
-                self.all_reduce_gradients(dp_group as usize, layers)?;
-                state.clock.collective_s += started.elapsed().as_secs_f64();
+            // Started by the pass before it under overlapped reduction, or now.
+            Instruction::AllReduceGradients { dp_group, .. } => {
+                self.reduce_gradients(dp_group as usize, state)?;
                 Ok("collective")
             }
             Instruction::OptimizerStep => {
                 let started = Instant::now();
                 self.world.wait_sends().during(|| "finishing the step's sends".into())?;
+                self.wait_reductions(state)?;
                 state.clock.collective_s += started.elapsed().as_secs_f64();
                 let adamw = self.options.adamw;
                 self.zero_steps(&adamw)?;
@@ -548,50 +569,84 @@ impl Worker {
             .collect()
     }
 
-    /// Sums the gradients of `layers` over the DP group's members (a sample-weighted mean, since
-    /// every loss is scaled by the global batch), in the plan's algorithm.
-    /// On a tensor-parallel stage, the gradients of parameters its members share are first
-    /// summed over its group; under ZeRO-1 each member keeps only its run of the sum.
-    fn all_reduce_gradients(&mut self, dp_group: usize, layers: LayerRange) -> Result<(), RuntimeError> {
+    /// Sums the gradients of DP group `dp_group`'s layers over its members (a sample-weighted
+    /// mean, since every loss is scaled by the global batch), in the plan's algorithm, unless
+    /// that has started this step: here, or under overlapped reduction on a thread of its own,
+    /// which [`Self::wait_reductions`] waits for. On a tensor-parallel stage, the gradients of
+    /// parameters its members share are first summed over its group; a group whose holders
+    /// differ in TP degree sums whole tensors; under ZeRO-1 each member keeps its run of the sum.
+    fn reduce_gradients(&mut self, dp_group: usize, state: &mut StepState) -> Result<(), RuntimeError> {
+        if std::mem::replace(&mut state.reducing[dp_group], true) {
+            return Ok(());
+        }
+        let started = Instant::now();
+        state.clock.all_reduce_arrivals_us[dp_group] = self.clock.now_us() as f64;
+        let layers = self.plan.dp_groups()[dp_group].layers;
         let select = holds_layers(layers, self.config.n_layers);
         let mixed = self.mixed_tp[dp_group];
         if let Some(group) = self.tensor.as_ref().filter(|_| !mixed) {
             group.sum_replicated_grads(&mut self.stages, select)?;
         }
         let Some(comm) = self.dp.get_mut(dp_group).and_then(Option::as_mut) else { return Ok(()) };
-        if mixed {
-            let algorithm = Some(self.plan.dp_groups()[dp_group].algorithm.into());
-            return sum_whole_gradients(comm, &mut self.stages, |spec| select(spec.group), algorithm)
-                .during(|| format!("all-reducing the gradients of layers {layers} across TP degrees"));
-        }
-        let mut flat = Vec::new();
-        for stage in &mut self.stages {
-            stage.grads_of_mut(select).for_each(|grad| flat.extend_from_slice(&grad.data));
-        }
-        let algorithm = self.plan.dp_groups()[dp_group].algorithm.into();
-        if let Some(zero) = self.zero.get_mut(dp_group).and_then(Option::as_mut) {
-            // The native groups all-reduce only: ZeRO-1's reduce-scatter takes medley-comm.
-            return zero.reduce(comm, &flat, algorithm);
-        }
-        let mut summed = vec![0f32; flat.len()];
-        if let Some(native) = self.native.get_mut(dp_group).and_then(Option::as_mut) {
+        let zero = self.zero.get(dp_group).and_then(Option::as_ref);
+        if let Some(native) =
+            self.native.get_mut(dp_group).and_then(Option::as_mut).filter(|_| zero.is_none() && !mixed)
+        {
+            // The native groups all-reduce, in place of the collective, on the worker's thread.
+            let flat = flatten_gradients(&mut self.stages, |spec| select(spec.group), false);
+            let mut summed = vec![0f32; flat.len()];
             native.all_reduce(&flat, &mut summed).map_err(|err| {
                 RuntimeError::Device(format!("all-reducing the gradients of layers {layers} natively: {err}"))
             })?;
-        } else {
-            let op = Op::AllReduce { op: ReduceOp::Sum };
-            comm.collective(op, &Counts::Same(flat.len()), Some(algorithm), &flat, &mut summed)
-                .during(|| format!("all-reducing the gradients of layers {layers}"))?;
+            self.finish_reduction(dp_group, summed);
+            state.clock.collective_s += started.elapsed().as_secs_f64();
+            return Ok(());
         }
-        let mut rest = summed.as_slice();
-        for stage in &mut self.stages {
-            for grad in stage.grads_of_mut(select) {
-                let (mine, tail) = rest.split_at(grad.data.len());
-                grad.data.copy_from_slice(mine);
-                rest = tail;
-            }
+        let flat = flatten_gradients(&mut self.stages, |spec| select(spec.group), mixed);
+        let keep = zero.map_or(Keep::Whole, ZeroShard::keep);
+        let algorithm = Some(self.plan.dp_groups()[dp_group].algorithm.into());
+        let overlapped = self.plan.overlap_grad_reduce();
+        let bytes = self.plan.grad_reduce().bytes();
+        let reduction = Reduction::new(flat, keep, algorithm, overlapped, bytes, comm.n_ranks());
+        let clock = self.clock;
+        if overlapped {
+            let comm = self.dp[dp_group].take().expect("the group's communicator is here between reductions");
+            state.in_flight.push((dp_group, reduction.start(comm, move || clock.now_us())));
+            return Ok(());
+        }
+        let (sum, spans) = reduction
+            .run(comm, move || clock.now_us())
+            .during(|| format!("summing the gradients of layers {layers} over the data-parallel group"))?;
+        state.bucket_spans.extend(spans.into_iter().enumerate().map(|(bucket, span)| (dp_group, bucket, span)));
+        self.finish_reduction(dp_group, sum);
+        state.clock.collective_s += started.elapsed().as_secs_f64();
+        Ok(())
+    }
+
+    /// Waits for the step's overlapped reductions and takes their sums.
+    fn wait_reductions(&mut self, state: &mut StepState) -> Result<(), RuntimeError> {
+        for (dp_group, in_flight) in std::mem::take(&mut state.in_flight) {
+            let layers = self.plan.dp_groups()[dp_group].layers;
+            let (comm, result) = in_flight.wait().ok_or_else(|| {
+                RuntimeError::Launch(format!("the thread summing the gradients of layers {layers} panicked"))
+            })?;
+            self.dp[dp_group] = Some(comm);
+            let (sum, spans) =
+                result.during(|| format!("summing the gradients of layers {layers} over the data-parallel group"))?;
+            state.bucket_spans.extend(spans.into_iter().enumerate().map(|(bucket, span)| (dp_group, bucket, span)));
+            self.finish_reduction(dp_group, sum);
         }
         Ok(())
+    }
+
+    /// Takes DP group `dp_group`'s summed gradients: this member's ZeRO-1 run, or the whole
+    /// sum put back into the stages' gradients.
+    fn finish_reduction(&mut self, dp_group: usize, sum: Vec<f32>) {
+        if let Some(zero) = self.zero.get_mut(dp_group).and_then(Option::as_mut) {
+            return zero.set_gradients(sum);
+        }
+        let select = holds_layers(self.plan.dp_groups()[dp_group].layers, self.config.n_layers);
+        unflatten_gradients(&mut self.stages, |spec| select(spec.group), self.mixed_tp[dp_group], &sum);
     }
 
     /// Whether every worker's weights are finite: the same answer on every worker, so that none

@@ -6,13 +6,14 @@
 
 use std::ops::Range;
 
-use medley_comm::{Algorithm, Communicator, Counts, Op, ReduceOp};
+use medley_comm::Communicator;
 use medley_model::params::ParamGroup;
 use medley_model::tensor_parallel::even_run;
 use medley_model::{AdamW, HostTensor, Moments, StageState};
 
 use crate::RuntimeError;
 use crate::error::CommContext;
+use crate::reduction::Keep;
 
 /// One member's share of a data-parallel group's optimizer states.
 pub(crate) struct ZeroShard {
@@ -68,17 +69,25 @@ impl ZeroShard {
         ZeroShard { counts, grads: vec![0.0; run.len()], run, m, v }
     }
 
-    /// Sums `flat` (the group's gradients in canonical order) over the group in `algorithm`,
-    /// keeping this member's run.
-    pub fn reduce(&mut self, comm: &mut Communicator, flat: &[f32], algorithm: Algorithm) -> Result<(), RuntimeError> {
-        let op = Op::ReduceScatter { op: ReduceOp::Sum };
-        // The whole working buffer, dropped here: handed only this member's run, the
-        // communicator would reduce in a scratch buffer of the whole size that it keeps.
-        let mut working = vec![0f32; flat.len()];
-        comm.collective(op, &Counts::PerRank(self.counts.clone()), Some(algorithm), flat, &mut working)
-            .during(|| "reduce-scattering the gradients over the data-parallel group (ZeRO-1)".into())?;
-        self.grads.copy_from_slice(&working[self.run.clone()]);
-        Ok(())
+    /// What this member keeps of its group's gradient sum: its run.
+    pub fn keep(&self) -> Keep {
+        let mut at = 0;
+        let runs = self
+            .counts
+            .iter()
+            .map(|&count| {
+                at += count;
+                at - count..at
+            })
+            .collect::<Vec<_>>();
+        let member = runs.iter().position(|run| *run == self.run).expect("the member's run is among the group's");
+        Keep::Run { runs, member }
+    }
+
+    /// Takes this member's run of the summed gradients, from a reduction that kept [`Self::keep`].
+    pub fn set_gradients(&mut self, run: Vec<f32>) {
+        debug_assert_eq!(run.len(), self.grads.len());
+        self.grads = run;
     }
 
     /// Update number `step` of this member's run of the parameters, then every member's run

@@ -18,6 +18,7 @@ use medley_runtime::{
 use medley_schedule::ScheduleKind;
 use medley_spec::{Cluster, JobParts, JobSpec, Recompute, Schedule, catalog_model};
 use medley_trace::BandwidthTrace;
+use medley_trace::timeline::{Timeline, trace_events};
 
 const SEQ_LEN: u32 = 32;
 const STEPS: u64 = 3;
@@ -273,8 +274,16 @@ fn without_zero1(plan: Plan) -> Plan {
     Plan::new(parts).unwrap()
 }
 
-/// Every plan here but one is written with ZeRO-1, the planner's default: uneven replicas each
-/// update an even share of the optimizer states, as the cost model prices them.
+/// `plan` with its gradients reduced after the last backward pass, blocking.
+fn without_overlap(plan: Plan) -> Plan {
+    let mut parts = plan.into_parts();
+    parts.overlap_grad_reduce = false;
+    Plan::new(parts).unwrap()
+}
+
+/// Every plan here but one is written with ZeRO-1 and overlapped reduction, the planner's
+/// defaults: uneven replicas each update an even share of the optimizer states, as the cost
+/// model prices them, and reduce each chunk's gradients beside their later passes.
 #[test]
 fn plans_train_like_one_process() {
     let reference = train(&plan("1xh100", &[(4, &[8])], 1), one_f_one_b());
@@ -288,6 +297,12 @@ fn plans_train_like_one_process() {
         (
             "uneven data parallel without ZeRO-1",
             without_zero1(plan("2xh100", &[(3, &[8]), (1, &[8])], 1)),
+            one_f_one_b(),
+            true,
+        ),
+        (
+            "uneven data parallel, reduced after the last pass",
+            without_overlap(plan("2xh100", &[(3, &[8]), (1, &[8])], 1)),
             one_f_one_b(),
             true,
         ),
@@ -584,21 +599,62 @@ fn plans_the_runtime_cannot_run_are_refused_naming_what() {
     assert!(sixteen.contains("--grad-reduce fp32"), "{sixteen}");
 }
 
-/// A plan written with the planner's defaults (ZeRO-1, overlapped reduction) is trained as the
-/// runtime runs it, and priced so, with each change said, never silently; one it cannot run at
-/// all is refused.
+/// A plan written with the planner's defaults (ZeRO-1, overlapped reduction) is trained as it
+/// was written and priced; a change (a ring exchange of keys and values, which the runtime
+/// all-gathers) is said, never silent; one it cannot run at all is refused.
 #[test]
-fn a_plan_is_trained_as_the_runtime_runs_it_and_says_what_changed() {
+fn a_plan_is_trained_as_written_or_says_what_changed() {
     let written = plan("4xh100", &[(2, &[4, 4]), (2, &[4, 4])], 1);
     assert!(written.zero1() && written.overlap_grad_reduce());
     let (trained, changes) = medley_runtime::as_trained(written.clone()).unwrap();
-    assert!(trained.zero1() && !trained.overlap_grad_reduce());
-    assert_eq!(changes.len(), 1, "{changes:?}");
-    assert!(changes[0].contains("no overlap yet"), "{changes:?}");
-    let (again, unchanged) = medley_runtime::as_trained(trained.clone()).unwrap();
-    assert_eq!((again.zero1(), unchanged.len()), (true, 0));
+    assert_eq!((trained == written, changes.len()), (true, 0), "{changes:?}");
+    let ring = context_plan("4xh100,4xa100", 2, 1, 1, 1);
+    let (_, changes) = medley_runtime::as_trained(ring.with_kv_exchange(KvExchange::Ring).unwrap()).unwrap();
+    assert!(changes.len() == 1 && changes[0].contains("no ring attention yet"), "{changes:?}");
     let mut parts = written.into_parts();
     parts.shard_gradients = true;
     let err = medley_runtime::as_trained(Plan::new(parts).unwrap()).unwrap_err().to_string();
     assert!(err.contains("ZeRO-2"), "{err}");
+}
+
+/// Under overlapped reduction, a chunk's gradients are summed beside the rank's later passes:
+/// on an interleaved plan with two replicas, some bucket starts before its rank's last backward
+/// pass ends, as the simulator runs it; without overlap none does.
+#[test]
+fn overlapped_reduction_runs_beside_later_passes() {
+    let written = plan("2xh100,2xmi300x", &[(2, &[1, 3, 2, 2]), (2, &[3, 1, 1, 3])], 2);
+    let interleaved = Schedule::Fixed(ScheduleKind::Interleaved);
+    let overlapping_ranks = |plan: &Plan| -> usize {
+        let train = TrainOptions {
+            until_step: 1,
+            schedule: interleaved,
+            checkpoint_dir: None,
+            checkpoint_every: 0,
+            keep_checkpoints: 1,
+            stop: None,
+        };
+        let traces = run_workers(plan, worker_options(AdamW::default(), None), |mut worker| {
+            let mut out = Vec::new();
+            let mut timeline = Timeline::new(&mut out);
+            worker.train(&train, Some(&mut timeline), |_| Ok(())).unwrap();
+            timeline.finish().unwrap();
+            String::from_utf8(out).unwrap()
+        });
+        traces
+            .iter()
+            .filter(|trace| {
+                let events = trace_events(trace);
+                let end = |event: &serde_json::Value| event["ts"].as_f64().unwrap() + event["dur"].as_f64().unwrap();
+                let named = |prefix: &str| -> Vec<&serde_json::Value> {
+                    events.iter().filter(|e| e["name"].as_str().is_some_and(|name| name.starts_with(prefix))).collect()
+                };
+                let last_backward_end = named("backward").into_iter().map(end).fold(0.0, f64::max);
+                let buckets = named("all-reduce dp");
+                assert!(!buckets.is_empty(), "every rank of two replicas reduces");
+                buckets.iter().any(|bucket| bucket["ts"].as_f64().unwrap() < last_backward_end)
+            })
+            .count()
+    };
+    assert!(overlapping_ranks(&written) > 0, "no reduction ran beside a later pass");
+    assert_eq!(overlapping_ranks(&without_overlap(written)), 0);
 }

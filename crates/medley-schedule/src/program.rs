@@ -111,6 +111,21 @@ impl fmt::Display for Program {
     }
 }
 
+impl Program {
+    /// The data-parallel groups whose gradient reductions start with the backward pass just
+    /// before instruction `next`, under overlapped reduction: the `AllReduceGradients` right
+    /// after it, past its gradient send. Both engines start them there, and no others.
+    pub fn reductions_following(&self, next: usize) -> impl Iterator<Item = u32> + '_ {
+        self.instructions[next.min(self.instructions.len())..]
+            .iter()
+            .take_while(|i| matches!(i, Instruction::SendGradient { .. } | Instruction::AllReduceGradients { .. }))
+            .filter_map(|instruction| match *instruction {
+                Instruction::AllReduceGradients { dp_group, .. } => Some(dp_group),
+                _ => None,
+            })
+    }
+}
+
 /// Every rank's program for one step of a plan, sorted by rank.
 #[derive(Clone, Debug, PartialEq, Eq, Serialize, Deserialize)]
 #[serde(deny_unknown_fields)]

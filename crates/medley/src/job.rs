@@ -178,9 +178,6 @@ pub fn runtime_job(shape: &JobShape, schedule: Option<Schedule>) -> Result<JobSp
         precision: shape.precision,
         memory_headroom: shape.memory_headroom,
         schedule: schedule.unwrap_or_default(),
-        // The runtime reduces each chunk's gradients where the program says, but blocking: it
-        // does not overlap them with backward, so its plans are priced without overlap.
-        overlap_grad_reduce: false,
         // Its communicator sums fp32 gradients, whatever the job's precision.
         grad_reduce: Some(GradReduce::Fp32),
         ..JobParts::default()

@@ -562,8 +562,8 @@ fn train_and_plan_choose_the_same_plan_for_the_same_inputs() {
     fs::write(&fleet, groups.concat()).unwrap();
     let planned = out.join("planned.json");
     let (fleet, planned_text) = (fleet.to_string_lossy().into_owned(), planned.to_string_lossy().into_owned());
-    // What the runtime runs: gradients reduced after the backward, in fp32.
-    let runtime = ["--no-overlap-grad-reduce", "--grad-reduce", "fp32"];
+    // What the runtime runs: gradients reduced in fp32.
+    let runtime = ["--grad-reduce", "fp32"];
     let args: Vec<&str> =
         ["plan", "--cluster", &fleet, "--model", "tiny", "--calibration", &profile, "--precision", "fp16"]
             .into_iter()

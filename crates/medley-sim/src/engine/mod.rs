@@ -483,13 +483,8 @@ impl<'s, 'p, 'w> StepRun<'s, 'p, 'w> {
             return Ok(());
         }
         let programs = self.programs;
-        let following = programs[rank].instructions[self.ranks[rank].pc..]
-            .iter()
-            .take_while(|i| matches!(i, Instruction::SendGradient { .. } | Instruction::AllReduceGradients { .. }));
-        for instruction in following {
-            if let Instruction::AllReduceGradients { dp_group, .. } = *instruction {
-                self.launch_reduction(rank, dp_group, pass_ns)?;
-            }
+        for dp_group in programs[rank].reductions_following(self.ranks[rank].pc) {
+            self.launch_reduction(rank, dp_group, pass_ns)?;
         }
         Ok(())
     }
