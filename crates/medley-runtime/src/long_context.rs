@@ -5,25 +5,39 @@
 
 use std::sync::atomic::{AtomicU64, Ordering};
 use std::sync::{Arc, Mutex};
-use std::time::Instant;
+use std::time::{Duration, Instant};
 
 use medley_comm::{CommError, Communicator, Counts};
 use medley_model::ModelError;
 use medley_model::long_context::ContextCollectives;
 use medley_schedule::long_context_layer::LayerCollective;
 
+/// The calling thread's processor time so far.
+fn thread_processor_time() -> Duration {
+    cpu_time::ThreadTime::now().as_duration()
+}
+
+/// Now, on the wall clock and the calling thread's processor clock.
+fn now() -> (Instant, Duration) {
+    (Instant::now(), thread_processor_time())
+}
+
 /// Emulates a slower device inside passes that communicate: each stretch of computing is
-/// followed, before the collective that ends it, by a sleep of `stretch − 1` times its length, so
-/// peers wait for the slow device where they would (stretching the whole pass afterwards would
-/// stretch the waits on its peers too). Shared by the worker, which marks passes, and its
-/// collectives.
+/// followed, before the collective that ends it, by a sleep that makes it last `stretch` times
+/// the processor time it took, so peers wait for the slow device where they would (stretching
+/// the whole pass afterwards would stretch the waits on its peers too). Paced by processor time,
+/// as [`crate::emulation`] paces whole passes: computing slowed by workers competing for the
+/// cores is not stretched by that slowdown again. Shared by the worker, which marks passes, and
+/// its collectives, all on the thread that computes.
 #[derive(Clone, Debug)]
 pub(crate) struct Pacer(Arc<Mutex<PacerState>>);
 
 #[derive(Debug)]
 struct PacerState {
     stretch: f64,
-    computing_since: Option<Instant>,
+    /// When the current stretch of computing began: the wall clock and the thread's processor
+    /// time.
+    computing_since: Option<(Instant, Duration)>,
     /// Seconds in collectives since the pass began.
     collective_s: f64,
 }
@@ -40,7 +54,7 @@ impl Pacer {
 
     pub fn begin_pass(&self) {
         let mut state = self.state();
-        state.computing_since = Some(Instant::now());
+        state.computing_since = Some(now());
         state.collective_s = 0.0;
     }
 
@@ -50,8 +64,11 @@ impl Pacer {
             let mut state = self.state();
             (state.stretch, state.computing_since.take())
         };
-        if let Some(since) = since.filter(|_| stretch > 1.0) {
-            std::thread::sleep(since.elapsed().mul_f64(stretch - 1.0));
+        if let Some((wall, processor)) = since.filter(|_| stretch > 1.0) {
+            let computed = thread_processor_time().saturating_sub(processor);
+            if let Some(left) = computed.mul_f64(stretch).checked_sub(wall.elapsed()) {
+                std::thread::sleep(left);
+            }
         }
     }
 
@@ -59,7 +76,7 @@ impl Pacer {
     fn resume(&self, started: Instant) {
         let mut state = self.state();
         state.collective_s += started.elapsed().as_secs_f64();
-        state.computing_since = Some(Instant::now());
+        state.computing_since = Some(now());
     }
 
     /// Ends a pass; the seconds it spent in collectives.
