@@ -34,11 +34,12 @@ const BUCKET_ELEMENTS_PER_MEMBER: f64 = 1e6;
 /// more events.
 const MAX_BUCKETS: u32 = 16;
 
-/// Buckets that `bytes` of bf16 gradients reduced over `n_members` replicas are cut into when
-/// their reduction overlaps the backward pass.
-pub fn gradient_buckets(bytes: f64, n_members: usize) -> u32 {
+/// Buckets that `elements` gradients reduced over `n_members` replicas are cut into when their
+/// reduction overlaps the backward pass: Megatron-LM sizes buckets in elements, whatever format
+/// the gradients are reduced in.
+pub fn gradient_buckets(elements: f64, n_members: usize) -> u32 {
     let bucket = BUCKET_ELEMENTS.max(BUCKET_ELEMENTS_PER_MEMBER * n_members as f64);
-    ((bytes / 2.0 / bucket).ceil() as u32).clamp(1, MAX_BUCKETS)
+    ((elements / bucket).ceil() as u32).clamp(1, MAX_BUCKETS)
 }
 
 /// The part of a gradient reduction of `sync_s` in `n_buckets` buckets that a backward pass of
@@ -222,12 +223,11 @@ mod tests {
 
     #[test]
     fn buckets_follow_megatrons_size_and_stay_bounded() {
-        let bytes_of = |elements: f64| 2.0 * elements;
-        assert_eq!(gradient_buckets(bytes_of(1e6), 8), 1);
-        assert_eq!(gradient_buckets(bytes_of(100e6), 8), 3);
+        assert_eq!(gradient_buckets(1e6, 8), 1);
+        assert_eq!(gradient_buckets(100e6, 8), 3);
         // 64 members make buckets of 64M elements.
-        assert_eq!(gradient_buckets(bytes_of(100e6), 64), 2);
-        assert_eq!(gradient_buckets(bytes_of(1e12), 8), MAX_BUCKETS);
+        assert_eq!(gradient_buckets(100e6, 64), 2);
+        assert_eq!(gradient_buckets(1e12, 8), MAX_BUCKETS);
     }
 
     #[test]

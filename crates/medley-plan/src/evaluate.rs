@@ -415,7 +415,7 @@ fn dp_sync_s(plan: &Plan, cost: &CostModel, slots: &[DeviceSlot], prices: &[Repl
         let tp = holder_stages.iter().map(|stage| plan.stage_tp(stage)).min().unwrap_or(1);
         let bytes = dp_group_bytes(cost, tp, group.layers, plan.grad_reduce()) / f64::from(shares);
         let time_s = dp_group_time_s(plan.cluster(), &members, bytes, group.route, group.algorithm);
-        let buckets = comm::gradient_buckets(bytes, members.len());
+        let buckets = comm::gradient_buckets(bytes / plan.grad_reduce().bytes(), members.len());
         for ((replica_idx, &stage_idx), replica) in holders.iter().enumerate().zip(plan.replicas()) {
             let rank = per_rank.entry((replica_idx, plan.rank_of(replica, stage_idx))).or_insert((0.0, 0));
             *rank = (rank.0 + time_s, rank.1 + buckets);

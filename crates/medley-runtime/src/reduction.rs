@@ -9,7 +9,7 @@
 //! The buckets are the simulator's too, as many as [`gradient_buckets`] cuts the group's gradient
 //! bytes into, last layers first. The runtime's stages complete a pass's gradients together, so
 //! every bucket starts at the pass's end, where the simulator readies bucket b of B at
-//! (b + 1)/B of the pass: the same for a group of one bucket (below 20M parameters in fp32).
+//! (b + 1)/B of the pass: the same for a group of one bucket (below 40M parameters).
 
 use std::ops::Range;
 use std::thread::JoinHandle;
@@ -46,27 +46,21 @@ pub(crate) type Reduced = Result<(Vec<f32>, Vec<BucketSpan>), CommError>;
 
 impl Reduction {
     /// The reduction of `flat` (a member's flattened gradients of the group) over `members` in
-    /// `algorithm`, in one bucket, or, `overlapped`, in the buckets the simulator cuts
-    /// `bytes_per_element`-byte gradients into.
+    /// `algorithm`, in one bucket, or, `overlapped`, in the simulator's buckets.
     pub fn new(
         flat: Vec<f32>,
         keep: Keep,
         algorithm: Option<Algorithm>,
         overlapped: bool,
-        bytes_per_element: f64,
         members: usize,
     ) -> Reduction {
-        let buckets = buckets(flat.len(), overlapped, bytes_per_element, members);
+        let buckets = buckets(flat.len(), overlapped, members);
         Reduction { flat, keep, buckets, algorithm }
     }
 
     /// Runs the buckets over `comm`, each timed by `now_us`: the sum this member keeps, and when
     /// each bucket ran.
-    pub fn run(
-        mut self,
-        comm: &mut Communicator,
-        now_us: impl Fn() -> u64,
-    ) -> Reduced {
+    pub fn run(mut self, comm: &mut Communicator, now_us: impl Fn() -> u64) -> Reduced {
         let mut kept = match &self.keep {
             Keep::Whole => Vec::new(),
             Keep::Run { runs, member } => vec![0f32; runs[*member].len()],
@@ -122,10 +116,10 @@ impl InFlight {
 }
 
 /// `len` elements cut into one bucket, or, `overlapped`, into the simulator's buckets of
-/// `bytes_per_element`-byte gradients reduced over `members`: ranges, last first.
-fn buckets(len: usize, overlapped: bool, bytes_per_element: f64, members: usize) -> Vec<Range<usize>> {
+/// gradients reduced over `members`: ranges, last first.
+fn buckets(len: usize, overlapped: bool, members: usize) -> Vec<Range<usize>> {
     let n_buckets = match overlapped {
-        true => gradient_buckets(bytes_per_element * len as f64, members) as usize,
+        true => gradient_buckets(len as f64, members) as usize,
         false => 1,
     };
     (0..n_buckets).rev().map(|bucket| even_run(len, bucket, n_buckets)).collect()
@@ -191,13 +185,13 @@ mod tests {
     #[test]
     fn buckets_cover_the_gradients_once_last_layers_first() {
         let len = 100_000_000;
-        let overlapped = buckets(len, true, 4.0, 2);
+        let overlapped = buckets(len, true, 2);
         assert!(overlapped.len() > 1);
         assert_eq!(overlapped.first().unwrap().end, len, "the last layers' bucket goes first");
         assert!(overlapped.windows(2).all(|pair| pair[1].end == pair[0].start));
         assert_eq!(overlapped.last().unwrap().start, 0);
-        assert_eq!(buckets(len, false, 4.0, 2), vec![0..len]);
-        assert_eq!(buckets(1_000, true, 4.0, 2), vec![0..1_000], "a small group is one bucket");
+        assert_eq!(buckets(len, false, 2), vec![0..len]);
+        assert_eq!(buckets(1_000, true, 2), vec![0..1_000], "a small group is one bucket");
     }
 
     /// Three members over loopback each reduce `flat(member)` in `buckets`, keeping `keep(member)`.

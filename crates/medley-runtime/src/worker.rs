@@ -606,8 +606,7 @@ impl Worker {
         let keep = zero.map_or(Keep::Whole, ZeroShard::keep);
         let algorithm = Some(self.plan.dp_groups()[dp_group].algorithm.into());
         let overlapped = self.plan.overlap_grad_reduce();
-        let bytes = self.plan.grad_reduce().bytes();
-        let reduction = Reduction::new(flat, keep, algorithm, overlapped, bytes, comm.n_ranks());
+        let reduction = Reduction::new(flat, keep, algorithm, overlapped, comm.n_ranks());
         let clock = self.clock;
         if overlapped {
             let comm = self.dp[dp_group].take().expect("the group's communicator is here between reductions");

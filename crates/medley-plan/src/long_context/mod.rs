@@ -307,7 +307,7 @@ impl<'a> ContextSpace<'a> {
         let across_bytes = grad_bytes * params / f64::from(cell_devices);
         let mut across_s = comm::ring_all_reduce_s(across_bytes, dp, self.nic(&kinds));
         if self.job.overlap_grad_reduce() {
-            let buckets = comm::gradient_buckets(across_bytes, dp as usize);
+            let buckets = comm::gradient_buckets(params / f64::from(cell_devices), dp as usize);
             across_s = comm::exposed_reduction_s(across_s, buckets, pass.backward_s);
         }
         let sync_s = in_cell_s + across_s;

@@ -57,7 +57,8 @@ impl Space<'_> {
         if !self.job.overlap_grad_reduce() {
             return sync_s;
         }
-        comm::exposed_reduction_s(sync_s, comm::gradient_buckets(bytes, n_replicas as usize), backward_s)
+        let elements = bytes / self.job.grad_reduce().bytes();
+        comm::exposed_reduction_s(sync_s, comm::gradient_buckets(elements, n_replicas as usize), backward_s)
     }
 
     /// One range's all-reduce over its holder stage in every block.

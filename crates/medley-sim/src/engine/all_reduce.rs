@@ -26,12 +26,16 @@ pub(super) struct CollectiveState {
 
 /// Each DP group's collectives: its buckets when reduction overlaps backward, else one.
 pub(super) fn collectives(setup: &crate::setup::Setup, overlapped: bool) -> Vec<Vec<CollectiveState>> {
+    let element_bytes = setup.plan.grad_reduce().bytes();
     setup
         .dp_members
         .iter()
         .zip(&setup.dp_bytes)
         .map(|(members, &bytes)| {
-            let n_buckets = if overlapped { medley_cost::comm::gradient_buckets(bytes, members.len()) } else { 1 };
+            let n_buckets = match overlapped {
+                true => medley_cost::comm::gradient_buckets(bytes / element_bytes, members.len()),
+                false => 1,
+            };
             (0..n_buckets)
                 .map(|_| CollectiveState {
                     members: members.clone(),
