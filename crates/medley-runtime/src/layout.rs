@@ -128,9 +128,18 @@ pub fn as_trained(plan: Plan) -> Result<(Plan, Vec<&'static str>), RuntimeError>
     Ok((plan, changes))
 }
 
-/// Checks what the runtime supports: long-context stages whose groups split the heads alike and
-/// all-gather keys and values (no ring attention yet); gradients reduced in fp32; every
-/// replica's gradients kept whole (no ZeRO-2).
+/// Checks that the runtime can train `plan`: the one place that says so. It trains every plan the
+/// planner writes (TP with sequence parallelism per stage, PP with any chunking, uneven DP,
+/// long-context stages, ZeRO-1, overlapped reduction) but these, each refused naming it:
+/// - a ring exchange of keys and values: its stages all-gather them ([`as_trained`] switches);
+/// - a long-context stage whose groups split the heads differently: keys and values travel
+///   between the devices holding the same heads;
+/// - gradients reduced in 16 bits: the communicator sums fp32;
+/// - ZeRO-1 over replicas whose stages differ in TP degree: their shards of a parameter differ;
+/// - ZeRO-2: every replica keeps its gradients whole.
+///
+/// Zero-bubble schedules, a training option rather than the plan's, are refused when a step
+/// starts: its stages have no split backward.
 pub fn check_runnable(plan: &Plan) -> Result<(), RuntimeError> {
     for stage in plan.replicas().iter().flat_map(|replica| &replica.stages) {
         let Some(context) = &stage.context else { continue };

@@ -41,7 +41,7 @@ pub struct WorkerOptions {
     /// Stretch each pass to the emulated device's speed ([`crate::EmulatedDevice::slowdown`]).
     pub emulate_speed: bool,
     /// With `emulate_speed`, every device is this many times slower again (at least 1): the
-    /// common factor that fits the workers' CPU demand to the host's cores ([`time_dilation`]).
+    /// common factor that fits the workers' CPU demand to the host's cores ([`crate::time_dilation`]).
     pub dilation: f64,
     pub comm: Config,
     /// Prices the emulated devices against each other.
