@@ -20,13 +20,14 @@ use medley_model::tensor_parallel::even_run;
 use medley_model::{ParamSpec, StageState};
 
 /// What a member keeps of the sum.
-#[derive(Clone, Debug, PartialEq, Eq)]
+#[derive(Clone, Debug)]
 pub(crate) enum Keep {
     /// The whole sum, as every member does.
     Whole,
-    /// Its run of the flattened gradients under ZeRO-1: `runs` holds every member's, in member
-    /// order, covering them once.
-    Run { runs: Vec<Range<usize>>, member: usize },
+    /// Its run of the flattened gradients under ZeRO-1, into `buffer` (of the run's length, the
+    /// last sum's, reused rather than held beside a new one): `runs` holds every member's, in
+    /// member order, covering them once.
+    Run { runs: Vec<Range<usize>>, member: usize, buffer: Vec<f32> },
 }
 
 /// One member's part of a group's reduction, ready to run.
@@ -61,9 +62,9 @@ impl Reduction {
     /// Runs the buckets over `comm`, each timed by `now_us`: the sum this member keeps, and when
     /// each bucket ran.
     pub fn run(mut self, comm: &mut Communicator, now_us: impl Fn() -> u64) -> Reduced {
-        let mut kept = match &self.keep {
+        let mut kept = match &mut self.keep {
             Keep::Whole => Vec::new(),
-            Keep::Run { runs, member } => vec![0f32; runs[*member].len()],
+            Keep::Run { buffer, .. } => std::mem::take(buffer),
         };
         let mut spans = Vec::with_capacity(self.buckets.len());
         for bucket in &self.buckets {
@@ -78,7 +79,7 @@ impl Reduction {
                     comm.collective(op, &Counts::Same(bucket.len()), self.algorithm, input, &mut summed)?;
                     self.flat[bucket.clone()].copy_from_slice(&summed);
                 }
-                Keep::Run { runs, member } => {
+                Keep::Run { runs, member, .. } => {
                     let counts = runs.iter().map(|run| intersect(run, bucket).len()).collect();
                     let op = Op::ReduceScatter { op: ReduceOp::Sum };
                     comm.collective(op, &Counts::PerRank(counts), self.algorithm, input, &mut summed)?;
@@ -92,7 +93,7 @@ impl Reduction {
             }
             spans.push((started, now_us()));
         }
-        Ok((if self.keep == Keep::Whole { self.flat } else { kept }, spans))
+        Ok((if matches!(self.keep, Keep::Whole) { self.flat } else { kept }, spans))
     }
 
     /// Runs the buckets over `comm` on a thread of their own, which hands `comm` back when done.
@@ -236,7 +237,11 @@ mod tests {
         let sums = reduce_among_three(buckets.clone(), flat, |_| Keep::Whole);
         assert!(sums.iter().all(|sum| *sum == whole), "{sums:?}");
         let runs = vec![0..3, 3..7, 7..10];
-        let sums = reduce_among_three(buckets, flat, |member| Keep::Run { runs: runs.clone(), member });
+        let sums = reduce_among_three(buckets, flat, |member| Keep::Run {
+            runs: runs.clone(),
+            member,
+            buffer: vec![0.0; runs[member].len()],
+        });
         for (member, sum) in sums.iter().enumerate() {
             assert_eq!(*sum, whole[runs[member].clone()], "member {member}");
         }

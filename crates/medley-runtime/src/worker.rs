@@ -588,7 +588,7 @@ impl Worker {
             group.sum_replicated_grads(&mut self.stages, select)?;
         }
         let Some(comm) = self.dp.get_mut(dp_group).and_then(Option::as_mut) else { return Ok(()) };
-        let zero = self.zero.get(dp_group).and_then(Option::as_ref);
+        let zero = self.zero.get_mut(dp_group).and_then(Option::as_mut);
         if let Some(native) =
             self.native.get_mut(dp_group).and_then(Option::as_mut).filter(|_| zero.is_none() && !mixed)
         {

@@ -69,8 +69,9 @@ impl ZeroShard {
         ZeroShard { counts, grads: vec![0.0; run.len()], run, m, v }
     }
 
-    /// What this member keeps of its group's gradient sum: its run.
-    pub fn keep(&self) -> Keep {
+    /// What this member keeps of its group's gradient sum: its run, into the buffer of the last
+    /// one's (until [`Self::set_gradients`] gives it back).
+    pub fn keep(&mut self) -> Keep {
         let mut at = 0;
         let runs = self
             .counts
@@ -81,12 +82,12 @@ impl ZeroShard {
             })
             .collect::<Vec<_>>();
         let member = runs.iter().position(|run| *run == self.run).expect("the member's run is among the group's");
-        Keep::Run { runs, member }
+        Keep::Run { runs, member, buffer: std::mem::take(&mut self.grads) }
     }
 
     /// Takes this member's run of the summed gradients, from a reduction that kept [`Self::keep`].
     pub fn set_gradients(&mut self, run: Vec<f32>) {
-        debug_assert_eq!(run.len(), self.grads.len());
+        debug_assert_eq!(run.len(), self.run.len());
         self.grads = run;
     }
 
