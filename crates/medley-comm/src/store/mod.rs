@@ -343,35 +343,57 @@ fn handle_request(stream: &mut TcpStream, rank: u64, shared: &Shared) -> Result<
     write_field(stream, &reply).map_err(|e| e.to_string())
 }
 
-/// Connects to the store and greets it, retrying while it is not up yet (rank 0 may start last).
+/// Connects to the store and greets it, retrying while it is not up yet (rank 0 may start last)
+/// and while whatever holds the port closes the connection before answering the greeting (a
+/// listener that held the port for a moment before the store bound it): only the store's answer,
+/// or the deadline, ends the wait.
 fn connect(addr: &str, token: &str, rank: usize, purpose: &str, timeout: Duration) -> Result<TcpStream, CommError> {
     let deadline = Instant::now() + timeout;
-    let mut stream = loop {
+    let io = |err: std::io::Error| CommError::io(format!("greeting the store at {addr}"), &err);
+    let (mut stream, status) = loop {
         let attempt = addr
             .to_socket_addrs()
             .map_err(|err| CommError::io(format!("resolving the store address {addr}"), &err))?
             .find_map(|sock| TcpStream::connect_timeout(&sock, Duration::from_secs(1)).ok());
-        match attempt {
-            Some(stream) => break stream,
-            None if Instant::now() < deadline => std::thread::sleep(Duration::from_millis(20)),
-            None => {
-                return Err(CommError::Store(format!("no store answered at {addr} within {timeout:?}")));
-            }
+        let greeted = attempt.map(|stream| greet(stream, token, rank, purpose, timeout));
+        match greeted {
+            Some(Ok(greeted)) => break greeted,
+            Some(Err(err)) if !closed_early(&err) || Instant::now() >= deadline => return Err(io(err)),
+            _ if Instant::now() < deadline => std::thread::sleep(Duration::from_millis(20)),
+            _ => return Err(CommError::Store(format!("no store answered at {addr} within {timeout:?}"))),
         }
     };
-    stream.set_nodelay(true).ok();
-    let io = |err: std::io::Error| CommError::io(format!("greeting the store at {addr}"), &err);
-    stream.set_read_timeout(Some(timeout)).map_err(io)?;
-    Hello { token: token.into(), purpose: purpose.into(), rank: rank as u64, stream: 0 }
-        .write(&mut stream)
-        .map_err(io)?;
-    let mut status = [0u8; 1];
-    stream.read_exact(&mut status).map_err(io)?;
-    if status[0] != ACCEPTED {
+    if status != ACCEPTED {
         let reason = read_field(&mut stream).map(|r| String::from_utf8_lossy(&r).into_owned()).unwrap_or_default();
         return Err(CommError::Refused { addr: addr.into(), reason });
     }
     Ok(stream)
+}
+
+/// Sends the greeting on `stream`; the stream with the store's answer.
+fn greet(
+    mut stream: TcpStream,
+    token: &str,
+    rank: usize,
+    purpose: &str,
+    timeout: Duration,
+) -> std::io::Result<(TcpStream, u8)> {
+    stream.set_nodelay(true).ok();
+    stream.set_read_timeout(Some(timeout))?;
+    Hello { token: token.into(), purpose: purpose.into(), rank: rank as u64, stream: 0 }.write(&mut stream)?;
+    let mut status = [0u8; 1];
+    stream.read_exact(&mut status)?;
+    Ok((stream, status[0]))
+}
+
+/// Whether the other end closed the connection before answering: not a store's refusal, which
+/// answers with its reason.
+fn closed_early(err: &std::io::Error) -> bool {
+    use std::io::ErrorKind;
+    matches!(
+        err.kind(),
+        ErrorKind::ConnectionReset | ErrorKind::ConnectionAborted | ErrorKind::UnexpectedEof | ErrorKind::BrokenPipe
+    )
 }
 
 /// A rank's connection to the store.

@@ -73,3 +73,20 @@ fn strangers_that_never_greet_cannot_pile_up_and_the_store_still_serves_after_th
     client.set("k", b"v").unwrap();
     assert_eq!(client.get("k").unwrap(), b"v");
 }
+
+/// A rank that reaches the store's port while something else holds it for a moment (another
+/// process that bound it, accepted and closed) keeps trying until the store itself answers.
+#[test]
+fn a_connection_closed_before_the_greeting_is_answered_is_retried_until_the_store_answers() {
+    let transient = TcpListener::bind("127.0.0.1:0").unwrap();
+    let addr = transient.local_addr().unwrap();
+    let holder = std::thread::spawn(move || {
+        let (stream, _) = transient.accept().unwrap();
+        drop(stream);
+        drop(transient);
+        StoreServer::bind(&addr.to_string(), "t").unwrap()
+    });
+    let client = StoreClient::connect(&addr.to_string(), "t", 1, Duration::from_secs(5));
+    let _server = holder.join().unwrap();
+    client.unwrap();
+}
