@@ -27,7 +27,7 @@ use crate::long_context::Pacer;
 use crate::metrics::{StepClock, StepMetrics};
 use crate::native::{NativeGroup, native_group};
 use crate::p2p::{Kind, Mailbox, Tag, overlap, place_rows, select_rows};
-use crate::reduction::{BucketSpan, InFlight, Keep, Reduction, flatten_gradients, unflatten_gradients};
+use crate::reduction::{BucketSpan, InFlight, Keep, Reduced, Reduction, flatten_gradients, unflatten_gradients};
 use crate::tensor_parallel::TensorGroup;
 use crate::zero::ZeroShard;
 use crate::{DeviceChoice, RankLayout, RuntimeError};
@@ -613,11 +613,8 @@ impl Worker {
             state.in_flight.push((dp_group, reduction.start(comm, move || clock.now_us())));
             return Ok(());
         }
-        let (sum, spans) = reduction
-            .run(comm, move || clock.now_us())
-            .during(|| format!("summing the gradients of layers {layers} over the data-parallel group"))?;
-        state.bucket_spans.extend(spans.into_iter().enumerate().map(|(bucket, span)| (dp_group, bucket, span)));
-        self.finish_reduction(dp_group, sum);
+        let reduced = reduction.run(comm, move || clock.now_us());
+        self.take_reduction(dp_group, reduced, state)?;
         state.clock.collective_s += started.elapsed().as_secs_f64();
         Ok(())
     }
@@ -630,11 +627,18 @@ impl Worker {
                 RuntimeError::Launch(format!("the thread summing the gradients of layers {layers} panicked"))
             })?;
             self.dp[dp_group] = Some(comm);
-            let (sum, spans) =
-                result.during(|| format!("summing the gradients of layers {layers} over the data-parallel group"))?;
-            state.bucket_spans.extend(spans.into_iter().enumerate().map(|(bucket, span)| (dp_group, bucket, span)));
-            self.finish_reduction(dp_group, sum);
+            self.take_reduction(dp_group, result, state)?;
         }
+        Ok(())
+    }
+
+    /// Takes what DP group `dp_group`'s reduction gave: its buckets' spans, and its sum.
+    fn take_reduction(&mut self, dp_group: usize, reduced: Reduced, state: &mut StepState) -> Result<(), RuntimeError> {
+        let layers = self.plan.dp_groups()[dp_group].layers;
+        let (sum, spans) =
+            reduced.during(|| format!("summing the gradients of layers {layers} over the data-parallel group"))?;
+        state.bucket_spans.extend(spans.into_iter().enumerate().map(|(bucket, span)| (dp_group, bucket, span)));
+        self.finish_reduction(dp_group, sum);
         Ok(())
     }
 
