@@ -98,11 +98,6 @@ impl StageState {
         self.specs.iter().zip(self.grads.iter_mut()).filter(move |(spec, _)| select(spec))
     }
 
-    /// The gradients of the parameters in `groups`, for a data-parallel all-reduce.
-    pub fn grads_of_mut(&mut self, select: impl Fn(ParamGroup) -> bool) -> impl Iterator<Item = &mut HostTensor> {
-        self.specs.iter().zip(self.grads.iter_mut()).filter(move |(spec, _)| select(spec.group)).map(|(_, grad)| grad)
-    }
-
     /// The parameters in `groups` with their specs, for an owner of their optimizer states.
     pub fn params_of_mut(
         &mut self,

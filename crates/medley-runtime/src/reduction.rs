@@ -19,6 +19,8 @@ use medley_cost::comm::gradient_buckets;
 use medley_model::tensor_parallel::even_run;
 use medley_model::{ParamSpec, StageState};
 
+use crate::zero::overlap;
+
 /// What a member keeps of the sum.
 #[derive(Clone, Debug)]
 pub(crate) enum Keep {
@@ -80,14 +82,13 @@ impl Reduction {
                     self.flat[bucket.clone()].copy_from_slice(&summed);
                 }
                 Keep::Run { runs, member, .. } => {
-                    let counts = runs.iter().map(|run| intersect(run, bucket).len()).collect();
+                    let in_bucket = |run| overlap(run, bucket.start, bucket.len());
+                    let counts = runs.iter().map(|run| in_bucket(run).map_or(0, |(part, _)| part.len())).collect();
                     let op = Op::ReduceScatter { op: ReduceOp::Sum };
                     comm.collective(op, &Counts::PerRank(counts), self.algorithm, input, &mut summed)?;
                     // A bucket may hold none of this member's run.
-                    let mine = intersect(&runs[*member], bucket);
-                    if !mine.is_empty() {
-                        let (in_run, in_bucket) = (shift(&mine, runs[*member].start), shift(&mine, bucket.start));
-                        kept[in_run].copy_from_slice(&summed[in_bucket]);
+                    if let Some((part, in_run)) = in_bucket(&runs[*member]) {
+                        kept[in_run].copy_from_slice(&summed[part]);
                     }
                 }
             }
@@ -124,14 +125,6 @@ fn buckets(len: usize, overlapped: bool, members: usize) -> Vec<Range<usize>> {
         false => 1,
     };
     (0..n_buckets).rev().map(|bucket| even_run(len, bucket, n_buckets)).collect()
-}
-
-fn intersect(a: &Range<usize>, b: &Range<usize>) -> Range<usize> {
-    a.start.max(b.start)..a.end.min(b.end).max(a.start.max(b.start))
-}
-
-fn shift(range: &Range<usize>, by: usize) -> Range<usize> {
-    range.start - by..range.end - by
 }
 
 /// The gradients of the parameters of `stages` that `pick` picks, flattened in canonical
@@ -249,9 +242,8 @@ mod tests {
 
     #[test]
     fn a_member_keeps_its_run_of_each_bucket() {
-        assert_eq!(intersect(&(0..5), &(3..9)), 3..5);
-        assert_eq!(intersect(&(0..5), &(6..9)).len(), 0);
-        assert_eq!(intersect(&(6..9), &(0..5)).len(), 0);
-        assert_eq!(shift(&(3..5), 3), 0..2);
+        assert_eq!(overlap(&(0..5), 3, 6), Some((0..2, 3..5)));
+        assert_eq!(overlap(&(0..5), 6, 3), None);
+        assert_eq!(overlap(&(6..9), 0, 5), None);
     }
 }

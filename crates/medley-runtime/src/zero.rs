@@ -41,9 +41,9 @@ fn flattened<'a>(
     })
 }
 
-/// The part of `run` that a tensor at `offset` of `len` elements holds: its indices in the
-/// tensor and in the run.
-fn overlap(run: &Range<usize>, offset: usize, len: usize) -> Option<(Range<usize>, Range<usize>)> {
+/// The part of `run` that a tensor (or a bucket) at `offset` of `len` elements holds: its
+/// indices in the tensor and in the run.
+pub(crate) fn overlap(run: &Range<usize>, offset: usize, len: usize) -> Option<(Range<usize>, Range<usize>)> {
     let (start, end) = (run.start.max(offset), run.end.min(offset + len));
     (start < end).then(|| (start - offset..end - offset, start - run.start..end - run.start))
 }
