@@ -1,7 +1,7 @@
 //! How a worker stands in for a slower device: every pass stretched to the device's speed, and a
 //! common time dilation that fits the workers' demand for processor time to this machine's cores.
 
-use std::time::Instant;
+use std::time::{Duration, Instant};
 
 use crate::long_context::Pacer;
 use crate::metrics::StepClock;
@@ -30,14 +30,26 @@ pub fn time_dilation(workers: usize, cores: usize) -> f64 {
 /// than its wall time: a pass slowed by workers competing for the cores is not stretched by that
 /// slowdown again (the time dilation keeps the emulated time above it).
 pub(crate) fn stretched<T>(stretch: f64, pass: impl FnOnce() -> T) -> T {
-    let (started, processor) = (Instant::now(), cpu_time::ThreadTime::now());
+    let since = computing_since();
     let result = pass();
+    stretch_since(since, stretch);
+    result
+}
+
+/// Now on the wall clock and on the calling thread's processor clock: where computing starts.
+pub(crate) fn computing_since() -> (Instant, Duration) {
+    (Instant::now(), cpu_time::ThreadTime::now().as_duration())
+}
+
+/// Sleeps until the computing on this thread since `since` has lasted `stretch` times the
+/// processor time it took.
+pub(crate) fn stretch_since((wall, processor): (Instant, Duration), stretch: f64) {
+    let computed = cpu_time::ThreadTime::now().as_duration().saturating_sub(processor);
     if stretch > 1.0
-        && let Some(left) = processor.elapsed().mul_f64(stretch).checked_sub(started.elapsed())
+        && let Some(left) = computed.mul_f64(stretch).checked_sub(wall.elapsed())
     {
         std::thread::sleep(left);
     }
-    result
 }
 
 #[cfg(test)]

@@ -12,15 +12,7 @@ use medley_model::ModelError;
 use medley_model::long_context::ContextCollectives;
 use medley_schedule::long_context_layer::LayerCollective;
 
-/// The calling thread's processor time so far.
-fn thread_processor_time() -> Duration {
-    cpu_time::ThreadTime::now().as_duration()
-}
-
-/// Now, on the wall clock and the calling thread's processor clock.
-fn now() -> (Instant, Duration) {
-    (Instant::now(), thread_processor_time())
-}
+use crate::emulation::{computing_since, stretch_since};
 
 /// Emulates a slower device inside passes that communicate: each stretch of computing is
 /// followed, before the collective that ends it, by a sleep that makes it last `stretch` times
@@ -54,7 +46,7 @@ impl Pacer {
 
     pub fn begin_pass(&self) {
         let mut state = self.state();
-        state.computing_since = Some(now());
+        state.computing_since = Some(computing_since());
         state.collective_s = 0.0;
     }
 
@@ -64,11 +56,8 @@ impl Pacer {
             let mut state = self.state();
             (state.stretch, state.computing_since.take())
         };
-        if let Some((wall, processor)) = since.filter(|_| stretch > 1.0) {
-            let computed = thread_processor_time().saturating_sub(processor);
-            if let Some(left) = computed.mul_f64(stretch).checked_sub(wall.elapsed()) {
-                std::thread::sleep(left);
-            }
+        if let Some(since) = since {
+            stretch_since(since, stretch);
         }
     }
 
@@ -76,7 +65,7 @@ impl Pacer {
     fn resume(&self, started: Instant) {
         let mut state = self.state();
         state.collective_s += started.elapsed().as_secs_f64();
-        state.computing_since = Some(now());
+        state.computing_since = Some(computing_since());
     }
 
     /// Ends a pass; the seconds it spent in collectives.
