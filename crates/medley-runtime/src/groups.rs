@@ -8,9 +8,10 @@ use std::sync::atomic::AtomicU64;
 use medley_comm::Communicator;
 use medley_plan::Plan;
 
+use crate::emulation::Pacer;
 use crate::error::CommContext;
 use crate::layout::mixed_tp_groups;
-use crate::long_context::{CommCollectives, Pacer};
+use crate::long_context::CommCollectives;
 use crate::tensor_parallel::TensorGroup;
 use crate::{RankLayout, RuntimeError};
 

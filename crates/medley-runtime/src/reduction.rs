@@ -19,8 +19,6 @@ use medley_cost::comm::gradient_buckets;
 use medley_model::tensor_parallel::even_run;
 use medley_model::{ParamSpec, StageState};
 
-use crate::zero::overlap;
-
 /// What a member keeps of the sum.
 #[derive(Clone, Debug)]
 pub(crate) enum Keep {
@@ -125,6 +123,13 @@ fn buckets(len: usize, overlapped: bool, members: usize) -> Vec<Range<usize>> {
         false => 1,
     };
     (0..n_buckets).rev().map(|bucket| even_run(len, bucket, n_buckets)).collect()
+}
+
+/// The part of `run` that a tensor (or a bucket) at `offset` of `len` elements holds: its
+/// indices in the tensor and in the run.
+pub(crate) fn overlap(run: &Range<usize>, offset: usize, len: usize) -> Option<(Range<usize>, Range<usize>)> {
+    let (start, end) = (run.start.max(offset), run.end.min(offset + len));
+    (start < end).then(|| (start - offset..end - offset, start - run.start..end - run.start))
 }
 
 /// The gradients of the parameters of `stages` that `pick` picks, flattened in canonical

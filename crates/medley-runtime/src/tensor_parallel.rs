@@ -12,8 +12,8 @@ use medley_model::tensor_parallel::{Combine, TensorCollectives, TensorSeat};
 use medley_model::{HostTensor, ModelConfig, ModelError, ParamSpec, StageState, parameter_of};
 
 use crate::RuntimeError;
+use crate::emulation::Pacer;
 use crate::error::CommContext;
-use crate::long_context::Pacer;
 use crate::reduction::{flatten_gradients, unflatten_gradients};
 
 /// One worker's tensor-parallel group, shared by its model chunks.

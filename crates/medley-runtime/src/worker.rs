@@ -19,11 +19,10 @@ use medley_trace::timeline::{COLLECTIVE_TID, COMPUTE_TID};
 use medley_trace::{BandwidthTrace, Timeline, TraceWalker};
 use serde_json::json;
 
-use crate::emulation::{emulated, stretched};
+use crate::emulation::{Pacer, emulated, stretched};
 use crate::error::CommContext;
 use crate::groups::{split_context_groups, split_dp_groups, split_tensor_group};
 use crate::layout::mixed_tp_groups;
-use crate::long_context::Pacer;
 use crate::metrics::{StepClock, StepMetrics};
 use crate::native::{NativeGroup, native_group};
 use crate::p2p::{Kind, Mailbox, Tag, overlap, place_rows, select_rows};

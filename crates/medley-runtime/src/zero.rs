@@ -13,7 +13,7 @@ use medley_model::{AdamW, HostTensor, Moments, StageState};
 
 use crate::RuntimeError;
 use crate::error::CommContext;
-use crate::reduction::Keep;
+use crate::reduction::{Keep, overlap};
 
 /// One member's share of a data-parallel group's optimizer states.
 pub(crate) struct ZeroShard {
@@ -39,13 +39,6 @@ fn flattened<'a>(
         offset += param.data.len();
         (at, spec.decays(), param)
     })
-}
-
-/// The part of `run` that a tensor (or a bucket) at `offset` of `len` elements holds: its
-/// indices in the tensor and in the run.
-pub(crate) fn overlap(run: &Range<usize>, offset: usize, len: usize) -> Option<(Range<usize>, Range<usize>)> {
-    let (start, end) = (run.start.max(offset), run.end.min(offset + len));
-    (start < end).then(|| (start - offset..end - offset, start - run.start..end - run.start))
 }
 
 impl ZeroShard {
